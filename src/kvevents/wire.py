@@ -73,7 +73,7 @@ __all__ = [
     "replay_request_frames",
 ]
 
-Hash = Union[int, bytes]
+Hash = int | bytes
 """An engine block hash: int (signed or unsigned 64-bit) or 32 raw bytes."""
 
 END_SEQ = 0xFFFFFFFFFFFFFFFF
@@ -124,7 +124,7 @@ class AllBlocksCleared(KVCacheEvent):
     """The whole cache was flushed."""
 
 
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 _EVENT_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
@@ -142,7 +142,9 @@ class _BatchMeta(msgspec.StructMeta):
         return super().__call__(*args, **kwargs)
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, metaclass=_BatchMeta):
+class KVEventBatch(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, metaclass=_BatchMeta
+):
     """The events of one scheduler step: ``[ts, events, data_parallel_rank]`` on the wire.
 
     ``ts`` is wall-clock seconds. The rank is SGLang's ``attn_dp_rank`` and vLLM's
@@ -169,7 +171,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def _array_twin(cls: type[KVCacheEvent], *, lenient: bool) -> type[msgspec.Struct]:
-    fields = []
+    fields: list[tuple[Any, ...]] = []
     for f in msgspec.structs.fields(cls):
         if lenient or f.required:
             default: Any = _LENIENT_DEFAULTS.get(f.name) if lenient else msgspec.NODEFAULT
@@ -211,8 +213,8 @@ _MAP_LENIENT = {
 }
 _MAP_LENIENT_TO_PUBLIC = {twin: cls for cls, twin in _MAP_LENIENT.items()}
 
-_ArrayEvent = Union[tuple(_ARRAY_DECODE.values())]  # type: ignore[valid-type]
-_LenientMapEvent = Union[tuple(_MAP_LENIENT.values())]  # type: ignore[valid-type]
+_ArrayEvent = Union[tuple(_ARRAY_DECODE.values())]  # type: ignore[valid-type]  # noqa: UP007
+_LenientMapEvent = Union[tuple(_MAP_LENIENT.values())]  # type: ignore[valid-type]  # noqa: UP007
 
 
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
@@ -228,8 +230,9 @@ _ARRAY_EVENT_DECODER = msgspec.msgpack.Decoder(_ArrayEvent)
 _LENIENT_MAP_EVENT_DECODER = msgspec.msgpack.Decoder(_LenientMapEvent)
 
 
-def _to_public(obj: msgspec.Struct, cls: type[KVCacheEvent]) -> KVCacheEvent:
-    return cls(**{f: getattr(obj, f) for f in obj.__struct_fields__})
+def _to_public(obj: msgspec.Struct, cls: type[KVCacheEvent]) -> Event:
+    event: Event = cls(**{f: getattr(obj, f) for f in obj.__struct_fields__})  # type: ignore[assignment]
+    return event
 
 
 def encode_batch(batch: KVEventBatch, encoding: Literal["map", "array"] = "map") -> bytes:
@@ -251,7 +254,7 @@ def encode_batch(batch: KVEventBatch, encoding: Literal["map", "array"] = "map")
     raise ValueError(f"encode_batch: encoding={encoding!r} is not one of 'map', 'array'")
 
 
-def _decode_event(raw: msgspec.Raw) -> KVCacheEvent:
+def _decode_event(raw: msgspec.Raw) -> Event:
     data = bytes(raw)
     if data and (data[0] & 0xF0 == 0x90 or data[0] in (0xDC, 0xDD)):  # msgpack array
         twin = _ARRAY_EVENT_DECODER.decode(data)

@@ -1,0 +1,121 @@
+"""KVEventsConfig: the ``--kv-events-config`` JSON, parsed and validated on construction.
+
+Keys are SGLang's (``publisher``, ``endpoint``, ``bind``, ``replay_endpoint``,
+``buffer_steps``, ``hwm``, ``max_queue_size``, ``topic``); vLLM's
+``enable_kv_cache_events`` is accepted too. ``{}`` is valid and means publishing is
+off (the null publisher), as is ``{"publisher": "null"}``.
+
+Publishing is on when ``publisher`` names a real publisher (``"zmq"``) and
+``enable_kv_cache_events`` is not ``false``. (vLLM turns events on with
+``enable_kv_cache_events: true``; SGLang with ``publisher: "zmq"`` alone; both work.)
+
+Every error names the key, what was wrong, and the accepted keys or values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+import msgspec
+
+from kvevents.endpoints import Endpoint
+from kvevents.errors import ConfigError, EndpointError
+
+__all__ = ["KVEventsConfig"]
+
+
+class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Validated KV-event publishing settings. Construct with keywords or :meth:`from_json`."""
+
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    bind: bool | None = None
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    enable_kv_cache_events: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.publisher:
+            raise ConfigError('kv-events config: \'publisher\' is empty; use "zmq" or "null"')
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            try:
+                Endpoint.parse(value)
+            except EndpointError as exc:
+                raise ConfigError(f"kv-events config key {key!r}: {exc}") from None
+        for key, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, key)
+            if value < low:
+                raise ConfigError(f"kv-events config key {key!r} is {value}; it must be >= {low}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when events are published (a publisher other than "null", not disabled)."""
+        return self.publisher != "null" and self.enable_kv_cache_events is not False
+
+    @classmethod
+    def accepted_keys(cls) -> tuple[str, ...]:
+        return cls.__struct_fields__
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEventsConfig:
+        """Validate a parsed JSON object; unknown keys and wrong types are refused."""
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"kv-events config must be a JSON object, got {type(data).__name__}: {data!r}"
+            )
+        accepted = cls.accepted_keys()
+        for key in data:
+            if key not in accepted:
+                hint = difflib.get_close_matches(str(key), accepted, n=1)
+                maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
+                raise ConfigError(
+                    f"kv-events config has an unknown key {key!r}{maybe}; accepted keys: "
+                    + ", ".join(accepted)
+                )
+        try:
+            return msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            # __post_init__'s own ConfigError arrives wrapped, already worded.
+            message = _explain(exc)
+            if not message.startswith("kv-events config"):
+                message = f"kv-events config: {message}"
+            raise ConfigError(message) from None
+
+    @classmethod
+    def from_json(cls, text: str | None) -> KVEventsConfig:
+        """Parse the ``--kv-events-config`` string; None or blank means ``{}``."""
+        if text is None or not text.strip():
+            return cls()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"kv-events config {text!r} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                'example: \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\''
+            ) from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = msgspec.structs.asdict(self)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.hwm`"; lead with the key name.
+    message = str(exc)
+    head, sep, where = message.rpartition(" - at `$.")
+    if sep:
+        key = where.rstrip("`").split("[")[0].split(".")[0]
+        return f"key {key!r}: {head}"
+    return message
