@@ -170,38 +170,41 @@ class KVEventBatch(
 # gets a default so that short arrays from older publishers decode.
 
 
-def _array_twin(cls: type[KVCacheEvent], *, lenient: bool) -> type[msgspec.Struct]:
+def _array_twin(cls: type[KVCacheEvent]) -> type[msgspec.Struct]:
+    """A positional, tagged decoding twin of ``cls`` in which every field has a default."""
     fields: list[tuple[Any, ...]] = []
     for f in msgspec.structs.fields(cls):
-        if lenient or f.required:
-            default: Any = _LENIENT_DEFAULTS.get(f.name) if lenient else msgspec.NODEFAULT
-            if lenient and f.name in ("block_hashes", "token_ids"):
-                fields.append((f.name, f.type, msgspec.field(default_factory=list)))
-                continue
-            fields.append((f.name, f.type, default) if lenient else (f.name, f.type))
+        if f.name in _LIST_FIELDS:
+            fields.append((f.name, f.type, msgspec.field(default_factory=list)))
         else:
-            fields.append((f.name, f.type, f.default))
-    return msgspec.defstruct(
-        cls.__name__,
-        fields,
-        tag=cls.__name__,
-        array_like=True,
-        omit_defaults=True,
-        gc=False,
-    )
+            default = _LENIENT_DEFAULTS.get(f.name) if f.required else f.default
+            fields.append((f.name, f.type, default))
+    return msgspec.defstruct(cls.__name__, fields, tag=cls.__name__, array_like=True, gc=False)
 
 
+def _positional(event: KVCacheEvent) -> list[Any]:
+    """``[tag, f1, f2, ...]`` with trailing optional fields left out while they are nil."""
+    values = [getattr(event, name) for name in event.__struct_fields__]
+    keep = _REQUIRED_COUNT[type(event)]
+    while len(values) > keep and values[-1] is None:
+        values.pop()
+    return [type(event).__name__, *values]
+
+
+_LIST_FIELDS = ("block_hashes", "token_ids")
 _LENIENT_DEFAULTS: dict[str, Any] = {"block_size": 0}
 
-_ARRAY_ENCODE = {cls: _array_twin(cls, lenient=False) for cls in _EVENT_TYPES}
-_ARRAY_DECODE = {cls: _array_twin(cls, lenient=True) for cls in _EVENT_TYPES}
+_REQUIRED_COUNT = {
+    cls: sum(f.required for f in msgspec.structs.fields(cls)) for cls in _EVENT_TYPES
+}
+_ARRAY_DECODE = {cls: _array_twin(cls) for cls in _EVENT_TYPES}
 _ARRAY_TO_PUBLIC = {twin: cls for cls, twin in _ARRAY_DECODE.items()}
 _MAP_LENIENT = {
     cls: msgspec.defstruct(
         cls.__name__,
         [
             (f.name, f.type, msgspec.field(default_factory=list))
-            if f.name in ("block_hashes", "token_ids")
+            if f.name in _LIST_FIELDS
             else (f.name, f.type, _LENIENT_DEFAULTS.get(f.name) if f.required else f.default)
             for f in msgspec.structs.fields(cls)
         ],
@@ -244,12 +247,7 @@ def encode_batch(batch: KVEventBatch, encoding: Literal["map", "array"] = "map")
     if encoding == "map":
         return _ENCODER.encode(batch)
     if encoding == "array":
-        events = [
-            _ARRAY_ENCODE[type(ev)](**{f: getattr(ev, f) for f in ev.__struct_fields__})
-            for ev in batch.events
-        ]
-        if batch.data_parallel_rank is None:
-            return _ENCODER.encode((batch.ts, events))
+        events = [_positional(ev) for ev in batch.events]
         return _ENCODER.encode((batch.ts, events, batch.data_parallel_rank))
     raise ValueError(f"encode_batch: encoding={encoding!r} is not one of 'map', 'array'")
 
