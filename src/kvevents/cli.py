@@ -24,21 +24,25 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; only ``command``'s module is imported (the others stay unloaded)."""
     parser = argparse.ArgumentParser(
         prog="kvevents", description="The KV-cache event plane for data-parallel LLM serving."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in _COMMANDS.items():
-        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))
