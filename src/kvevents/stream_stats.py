@@ -1,0 +1,92 @@
+"""Per-stream statistics of a subscriber: live counters and a readable snapshot.
+
+:class:`StreamCounters` is written by the socket thread only; :meth:`StreamCounters.snapshot`
+may run on any thread and reads plain ints and floats (each read is atomic under the
+GIL, so a snapshot is consistent per field, not across fields).
+
+Rates come from a window of samples the socket thread takes about every
+``SAMPLE_INTERVAL`` seconds, ``WINDOW`` samples long: a rate is the counter's growth
+from the oldest sample to now, divided by the elapsed time. O(1) per sample, O(1) per
+snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+__all__ = ["SAMPLE_INTERVAL", "WINDOW", "StreamCounters", "StreamStats"]
+
+SAMPLE_INTERVAL = 0.5
+WINDOW = 10  # samples: rates cover the last ~5 s
+
+
+class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of one stream.
+
+    ``status``: "connecting" (not connected yet), "connected", "disconnected" (dropped,
+    reconnecting) or "unreachable" (connection attempts fail). ``last_seq`` is None before
+    the first delivery. ``age_s`` is the time since the last message (live or replayed)
+    arrived; ``lag_s`` how far that batch's timestamp was behind the local wall clock on
+    arrival. ``lost`` counts sequence numbers, the other counters batches or events.
+    """
+
+    worker: str
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    status: str
+    last_seq: int | None
+    batches: int
+    blocks: int
+    batches_per_s: float
+    blocks_per_s: float
+    gaps: int
+    replayed: int
+    lost: int
+    resets: int
+    decode_errors: int
+    malformed: int
+    replay_requests: int
+    replay_timeouts: int
+    age_s: float | None
+    lag_s: float | None
+
+
+class StreamCounters:
+    """What the socket thread counts for one stream (see the module docstring)."""
+
+    __slots__ = (
+        "batches",
+        "blocks",
+        "decode_errors",
+        "last_arrival",
+        "last_lag",
+        "malformed",
+        "samples",
+        "status",
+    )
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.blocks = 0
+        self.decode_errors = 0
+        self.malformed = 0
+        self.status = "connecting"
+        self.last_arrival: float | None = None  # monotonic clock
+        self.last_lag: float | None = None
+        self.samples: deque[tuple[float, int, int]] = deque(maxlen=WINDOW)
+
+    def sample(self, now: float) -> None:
+        self.samples.append((now, self.batches, self.blocks))
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(batches/s, blocks/s) over the sample window."""
+        if not self.samples:
+            return 0.0, 0.0
+        t0, b0, k0 = self.samples[0]
+        dt = now - t0
+        if dt <= 0:
+            return 0.0, 0.0
+        return (self.batches - b0) / dt, (self.blocks - k0) / dt

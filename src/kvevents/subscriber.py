@@ -1,0 +1,329 @@
+"""Subscriber: every rank's stream of every engine, in order, nothing missed silently.
+
+::
+
+    with Subscriber(engines=["http://127.0.0.1:30000"]) as sub:
+        for item in sub:
+            if isinstance(item, Delivery):
+                index.apply(item.holder, item.batch)
+            elif isinstance(item, Reset):
+                index.drop(item.holder)
+
+Streams come from engines (their ``/server_info`` is read, retried with backoff until
+the engine answers) and from explicit :class:`~kvevents.discovery.StreamSpec` values. One
+stream per holder ``(worker, dp_rank)``. Items are :class:`~kvevents.signals.Delivery`
+``(holder, seq, batch)``, in sequence order per holder, or signals
+(:mod:`kvevents.signals`: ``Gap``, ``Loss``, ``Reset``, ``Unreachable``).
+
+Guarantees, per stream: each seq is delivered at most once, in increasing order; a seq
+that is never delivered is covered by a ``Loss``; a gap is replayed (when the stream has
+a replay endpoint) and its batches are delivered before anything newer; a new stream
+with a replay endpoint first replays from seq 0 (slow joiner); a restarted publisher
+gives ``Reset`` before its first batch. Malformed frames are counted and skipped. The
+limits of restart detection are in :mod:`kvevents.stream`.
+
+Threads: one socket thread per subscriber (:mod:`kvevents.subscriber_loop`) and one
+short-lived discovery thread per engine until it answers. Consume from one thread or
+one asyncio task at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from types import TracebackType
+
+import msgspec
+import zmq
+
+from kvevents.discovery import StreamSpec, discover, normalize_engine_url
+from kvevents.errors import DiscoveryError, SubscriberStateError
+from kvevents.handoff import Handoff, HandoffClosed
+from kvevents.signals import Holder, Unreachable
+from kvevents.stream_stats import StreamStats
+from kvevents.subscriber_loop import Item, SubscriberLoop
+
+__all__ = ["EngineStatus", "Subscriber", "SubscriberState"]
+
+
+class SubscriberState(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Discovery state of one engine URL: "discovering", "unreachable" or "subscribed"."""
+
+    url: str
+    worker: str
+    state: str
+    attempts: int
+    last_error: str | None
+    streams: int
+
+
+class _EngineWatcher:
+    """Reads one engine's /server_info until it answers, with exponential backoff."""
+
+    def __init__(self, sub: Subscriber, url: str, worker: str) -> None:
+        self.url = url
+        self.worker = worker
+        self.state = "discovering"
+        self.attempts = 0
+        self.last_error: str | None = None
+        self.streams = 0
+        self._sub = sub
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvevents-discover {url}", daemon=True
+        )
+
+    def _run(self) -> None:
+        delay = self._sub.retry_initial
+        reported = False
+        while not self._sub._closing.is_set():
+            self.attempts += 1
+            try:
+                specs = discover(self.url, worker=self.worker, timeout=self._sub.discovery_timeout)
+            except DiscoveryError as exc:
+                self.last_error = str(exc)
+                self.state = "unreachable"
+                if not reported:
+                    reported = True
+                    self._sub._loop.submit(
+                        "signal",
+                        Unreachable(
+                            worker=self.worker,
+                            dp_rank=None,
+                            address=self.url,
+                            reason=f"{exc}; retrying with backoff up to every "
+                            f"{self._sub.retry_max:g} s",
+                        ),
+                    )
+                if self._sub._closing.wait(delay):
+                    return
+                delay = min(self._sub.retry_max, delay * 2)
+                continue
+            self.last_error = None
+            self.streams = len(specs)
+            for spec in specs:
+                self._sub._add_spec(spec)
+            self.state = "subscribed"
+            return
+
+
+class Subscriber:
+    """Follow streams of engines and explicit endpoints; see the module docstring.
+
+    Parameters: ``engines`` URLs (``worker`` name = the URL) and ``streams`` (specs or
+    endpoint strings, the latter without replay). ``replay_timeout``: seconds without a
+    replay reply before the rest of that replay counts as lost. ``rcvhwm``: live receive
+    high-water mark per stream. ``max_buffered``: items waiting for the consumer before
+    the socket thread pauses. ``max_pending``: live messages buffered per stream while a
+    replay runs. ``discovery_timeout``: per ``/server_info`` request;
+    ``retry_initial``/``retry_max``: backoff between discovery attempts and the ceiling
+    of ZMQ's reconnect interval. ``context``: a ZMQ context to use (not terminated here).
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[str] = (),
+        streams: Iterable[StreamSpec | str] = (),
+        *,
+        replay_timeout: float = 3.0,
+        rcvhwm: int = 100_000,
+        max_buffered: int = 100_000,
+        max_pending: int = 50_000,
+        discovery_timeout: float = 2.0,
+        retry_initial: float = 0.25,
+        retry_max: float = 5.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("replay_timeout", replay_timeout),
+            ("discovery_timeout", discovery_timeout),
+            ("retry_initial", retry_initial),
+            ("retry_max", retry_max),
+        ):
+            if not value > 0:
+                raise ValueError(
+                    f"Subscriber: {name}={value!r} must be a positive number of seconds"
+                )
+        self.discovery_timeout = discovery_timeout
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._clock = clock
+        self._own_context = context is None
+        self._context = zmq.Context() if context is None else context
+        self._handoff: Handoff[Item] = Handoff(max_buffered)
+        self._loop = SubscriberLoop(
+            self._handoff,
+            context=self._context,
+            replay_timeout=replay_timeout,
+            rcvhwm=rcvhwm,
+            max_pending=max_pending,
+            reconnect_max_ms=int(retry_max * 1000),
+            clock=clock,
+        )
+        self._lock = threading.Lock()
+        self._holders: set[Holder] = set()
+        self._engines: dict[str, _EngineWatcher] = {}
+        self._closing = threading.Event()
+        self.state = SubscriberState.RUNNING
+        self._loop.thread.start()
+        try:
+            for url in engines:
+                self.add_engine(url)
+            for spec in streams:
+                self.add_stream(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- adding streams ------------------------------------------------------------------
+
+    def add_engine(self, url: str, *, worker: str | None = None) -> None:
+        """Follow every rank the engine at ``url`` advertises (discovered in the background)."""
+        self._check_open("add_engine")
+        url = normalize_engine_url(url)
+        with self._lock:
+            if url in self._engines:
+                raise ValueError(f"Subscriber.add_engine: {url} is already followed")
+            watcher = _EngineWatcher(self, url, worker or url)
+            self._engines[url] = watcher
+        watcher.thread.start()
+
+    def add_stream(self, spec: StreamSpec | str) -> None:
+        """Follow one explicit stream (an endpoint string means no replay, rank 0)."""
+        self._check_open("add_stream")
+        if isinstance(spec, str):
+            spec = StreamSpec.from_endpoint(spec)
+        self._add_spec(spec)
+
+    def _add_spec(self, spec: StreamSpec) -> None:
+        holder = Holder(spec.worker, spec.dp_rank)
+        with self._lock:
+            if holder in self._holders:
+                raise ValueError(
+                    f"Subscriber: stream {holder} is already followed; give distinct workers "
+                    "or dp_ranks to distinct endpoints"
+                )
+            self._holders.add(holder)
+        self._loop.submit("add", spec)
+
+    # --- consuming -----------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item, or None after ``timeout`` seconds; raises once closed."""
+        try:
+            return self._handoff.get(timeout)
+        except HandoffClosed as exc:
+            raise self._closed_error(exc) from exc.error
+
+    async def aget(self, timeout: float | None = None) -> Item | None:
+        """Like :meth:`get`, for asyncio."""
+        try:
+            return await self._handoff.aget(timeout)
+        except HandoffClosed as exc:
+            raise self._closed_error(exc) from exc.error
+
+    def __iter__(self) -> Iterator[Item]:
+        """Every item until :meth:`close` (called from another thread) ends the iteration."""
+        self._check_open("iterate")
+        while True:
+            try:
+                item = self._handoff.get()
+            except HandoffClosed as exc:
+                if exc.error is not None:
+                    raise self._closed_error(exc) from exc.error
+                return
+            if item is not None:
+                yield item
+
+    def __aiter__(self) -> AsyncIterator[Item]:
+        self._check_open("iterate")
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Item]:
+        while True:
+            try:
+                item = await self._handoff.aget()
+            except HandoffClosed as exc:
+                if exc.error is not None:
+                    raise self._closed_error(exc) from exc.error
+                return
+            if item is not None:
+                yield item
+
+    # --- state ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[Holder, StreamStats]:
+        """A snapshot of every stream's statistics."""
+        return {Holder(s.worker, s.dp_rank): s for s in self._loop.snapshot(self._clock())}
+
+    def engines(self) -> dict[str, EngineStatus]:
+        """Discovery state of every engine URL followed."""
+        with self._lock:
+            watchers = list(self._engines.values())
+        return {
+            w.url: EngineStatus(
+                url=w.url,
+                worker=w.worker,
+                state=w.state,
+                attempts=w.attempts,
+                last_error=w.last_error,
+                streams=w.streams,
+            )
+            for w in watchers
+        }
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads and close every socket. Idempotent."""
+        with self._lock:
+            if self.state is SubscriberState.CLOSED:
+                return
+            self.state = SubscriberState.CLOSED
+            watchers = list(self._engines.values())
+        self._closing.set()
+        self._loop.submit("stop")
+        self._handoff.close()
+        self._loop.thread.join(timeout)
+        for w in watchers:
+            w.thread.join(timeout)
+        if self._own_context and not self._loop.thread.is_alive():
+            self._context.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Subscriber:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.state is SubscriberState.CLOSED:
+            raise SubscriberStateError(
+                f"Subscriber.{what}: the subscriber is closed; create a new one"
+            )
+
+    def _closed_error(self, exc: HandoffClosed) -> SubscriberStateError:
+        if exc.error is not None:
+            return SubscriberStateError(f"the subscriber's socket thread failed: {exc.error!r}")
+        return SubscriberStateError("the subscriber is closed")

@@ -1,0 +1,369 @@
+"""The subscriber's socket thread: one ZMQ poller over every stream's sockets.
+
+Per stream it owns a SUB socket (live messages), a monitor socket on it (connect,
+disconnect and retry events) and, when the stream has a replay endpoint, a
+:class:`~kvevents.replay_client.ReplayClient`. What arrives is fed to the stream's
+:class:`~kvevents.stream.StreamTracker`; what the tracker answers is carried out here:
+payloads are decoded into :class:`~kvevents.signals.Delivery` items, signals passed on,
+replays requested. Everything one poll produced goes to the consumer as one chunk
+through a :class:`~kvevents.handoff.Handoff`.
+
+Other threads talk to the loop only through :meth:`SubscriberLoop.submit` (a command
+deque plus a wake-up byte on a socketpair the poller watches); every ZMQ socket is
+created, used and closed on the loop's thread.
+
+Per message cost on the in-order path: one ``recv_multipart``, a frame-shape check, one
+comparison in the tracker, ``decode_batch``, and an append.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvevents.discovery import StreamSpec
+from kvevents.errors import WireError
+from kvevents.handoff import Handoff
+from kvevents.replay_client import ReplayClient
+from kvevents.signals import Delivery, Holder, Loss, Signal, Unreachable
+from kvevents.stream import Deliver, RequestReplay, StreamTracker, TrackerAction
+from kvevents.stream_stats import SAMPLE_INTERVAL, StreamCounters, StreamStats
+from kvevents.wire import AllBlocksCleared, decode_batch
+
+__all__ = ["Item", "SubscriberLoop"]
+
+Item = Delivery | Signal
+_SEQ = struct.Struct(">Q")
+_DRAIN = 256  # messages read from one socket per poll, for fairness between streams
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+class _Stream:
+    """One stream's sockets, tracker and counters (loop thread only, except reads)."""
+
+    def __init__(self, spec: StreamSpec, tracker: StreamTracker) -> None:
+        self.spec = spec
+        self.holder = Holder(spec.worker, spec.dp_rank)
+        self.topic = spec.topic.encode()
+        self.tracker = tracker
+        self.counters = StreamCounters()
+        self.sub: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.replay: ReplayClient | None = None
+        self.unreachable_reported = False
+
+
+class SubscriberLoop:
+    """The socket thread of a :class:`~kvevents.subscriber.Subscriber`."""
+
+    def __init__(
+        self,
+        handoff: Handoff[Item],
+        *,
+        context: zmq.Context[zmq.Socket[bytes]],
+        replay_timeout: float,
+        rcvhwm: int,
+        max_pending: int,
+        reconnect_max_ms: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.handoff = handoff
+        self.context = context
+        self.replay_timeout = replay_timeout
+        self.rcvhwm = rcvhwm
+        self.max_pending = max_pending
+        self.reconnect_max_ms = reconnect_max_ms
+        self.clock = clock
+        self.streams: dict[Holder, _Stream] = {}
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._poller = zmq.Poller()
+        self._handlers: dict[Any, Callable[[float, list[Item]], None]] = {}
+        self._monitor_sockets: set[Any] = set()
+        self._next_sample = 0.0
+        self._stop = False
+        self.thread = threading.Thread(target=self._main, name="kvevents-subscriber", daemon=True)
+
+    # --- other threads -----------------------------------------------------------------
+
+    def submit(self, command: str, arg: Any = None) -> None:
+        """Queue ``("add", StreamSpec)``, ``("signal", Signal)`` or ``("stop", None)``."""
+        self._commands.append((command, arg))
+        # OSError: the pipe is full (a wake-up is pending anyway) or the loop has ended
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def snapshot(self, now: float) -> list[StreamStats]:
+        out = []
+        for st in list(self.streams.values()):
+            c, t = st.counters, st.tracker
+            bps, kps = c.rates(now)
+            out.append(
+                StreamStats(
+                    worker=st.spec.worker,
+                    dp_rank=st.spec.dp_rank,
+                    endpoint=st.spec.endpoint,
+                    replay_endpoint=st.spec.replay_endpoint,
+                    status=c.status,
+                    last_seq=None if t.last < 0 else t.last,
+                    batches=c.batches,
+                    blocks=c.blocks,
+                    batches_per_s=bps,
+                    blocks_per_s=kps,
+                    gaps=t.gaps,
+                    replayed=t.replayed,
+                    lost=t.lost,
+                    resets=t.resets,
+                    decode_errors=c.decode_errors,
+                    malformed=c.malformed,
+                    replay_requests=0 if st.replay is None else st.replay.requests,
+                    replay_timeouts=0 if st.replay is None else st.replay.timeouts,
+                    age_s=None if c.last_arrival is None else now - c.last_arrival,
+                    lag_s=c.last_lag,
+                )
+            )
+        return out
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        error: BaseException | None = None
+        try:
+            self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+            self._run()
+        except BaseException as exc:  # handed to the consumer, who re-raises it
+            error = exc
+        finally:
+            self._teardown()
+            self.handoff.close(error)
+
+    def _run(self) -> None:
+        wake_fd = self._wake_r.fileno()
+        while not self._stop:
+            now = self.clock()
+            timeout = max(0.0, self._next_deadline(now) - now)
+            ready = self._poller.poll(int(timeout * 1000.0) + 1)
+            now = self.clock()
+            out: list[Item] = []
+            # Monitor events first: a disconnect must be known before data that follows it.
+            monitors = self._monitor_sockets
+            ready.sort(key=lambda pair: pair[0] not in monitors)
+            for sock, _ in ready:
+                if sock == wake_fd:
+                    self._drain_commands(now, out)
+                else:
+                    handler = self._handlers.get(sock)
+                    if handler is not None:  # None: closed earlier in this round
+                        handler(now, out)
+            self._check_deadlines(now, out)
+            if out and not self.handoff.put(out):
+                return
+
+    def _next_deadline(self, now: float) -> float:
+        deadline = self._next_sample
+        for st in self.streams.values():
+            if st.replay is not None and st.replay.deadline is not None:
+                deadline = min(deadline, st.replay.deadline)
+        return deadline
+
+    def _check_deadlines(self, now: float, out: list[Item]) -> None:
+        for st in self.streams.values():
+            if st.replay is not None and st.replay.timed_out(now):
+                self._apply(st, st.tracker.on_replay_timeout(), now, out)
+        if now >= self._next_sample:
+            for st in self.streams.values():
+                st.counters.sample(now)
+            self._next_sample = now + SAMPLE_INTERVAL
+
+    def _drain_commands(self, now: float, out: list[Item]) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while self._commands:
+            command, arg = self._commands.popleft()
+            if command == "add":
+                self._add_stream(arg, now, out)
+            elif command == "signal":
+                out.append(arg)
+            elif command == "stop":
+                self._stop = True
+
+    # --- streams -------------------------------------------------------------------------
+
+    def _add_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
+        tracker = StreamTracker(
+            spec.worker,
+            spec.dp_rank,
+            has_replay=spec.replay_endpoint is not None,
+            max_pending=self.max_pending,
+        )
+        st = _Stream(spec, tracker)
+        self.streams[st.holder] = st
+        sub = self.context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.RECONNECT_IVL, 100)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_max_ms)
+        sub.setsockopt(zmq.SUBSCRIBE, st.topic)
+        st.monitor = sub.get_monitor_socket(_MONITORED)
+        sub.connect(spec.endpoint)
+        st.sub = sub
+        self._monitor_sockets.add(st.monitor)
+        self._register(st.monitor, lambda now, out: self._on_monitor(st, now, out))
+        self._register(sub, lambda now, out: self._on_live(st, now, out))
+        if spec.replay_endpoint is not None:
+            st.replay = ReplayClient(
+                self.context,
+                spec.replay_endpoint,
+                timeout=self.replay_timeout,
+                on_open=lambda s: self._register(s, lambda now, out: self._on_replay(st, now, out)),
+                on_close=self._unregister,
+                reconnect_max_ms=self.reconnect_max_ms,
+            )
+        st.counters.sample(now)
+        self._apply(st, tracker.start(), now, out)
+
+    def _register(
+        self, sock: zmq.Socket[bytes], handler: Callable[[float, list[Item]], None]
+    ) -> None:
+        self._poller.register(sock, zmq.POLLIN)
+        self._handlers[sock] = handler
+
+    def _unregister(self, sock: zmq.Socket[bytes]) -> None:
+        self._poller.unregister(sock)
+        self._handlers.pop(sock, None)
+
+    def _on_live(self, st: _Stream, now: float, out: list[Item]) -> None:
+        sock, tracker, counters = st.sub, st.tracker, st.counters
+        assert sock is not None
+        unpack = _SEQ.unpack
+        for _ in range(_DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[1]) != 8:
+                counters.malformed += 1
+                continue
+            seq = unpack(frames[1])[0]
+            payload = frames[2]
+            if tracker.accept_in_order(seq, payload):
+                self._emit(st, seq, payload, now, out)
+            else:
+                self._apply(st, tracker.on_live(seq, payload), now, out)
+
+    def _on_replay(self, st: _Stream, now: float, out: list[Item]) -> None:
+        client = st.replay
+        assert client is not None
+        sock = client.socket
+        for _ in range(_DRAIN):
+            if client.socket is not sock:  # the tracker asked for a new replay meanwhile
+                return
+            try:
+                reply = client.read(now)
+            except WireError:
+                st.counters.malformed += 1
+                continue
+            if reply is None:
+                return
+            if reply.is_end:
+                actions = st.tracker.on_replay_end()
+            else:
+                subscribed = reply.topic is None or reply.topic.startswith(st.topic)
+                actions = st.tracker.on_replay_reply(reply.seq, reply.payload, subscribed)
+            self._apply(st, actions, now, out)
+
+    def _on_monitor(self, st: _Stream, now: float, out: list[Item]) -> None:
+        assert st.monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(st.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                st.counters.status = "connected"
+                st.unreachable_reported = False
+                self._apply(st, st.tracker.on_connected(), now, out)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                st.counters.status = "disconnected"
+                st.tracker.on_disconnected()
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                st.counters.status = "unreachable"
+                if not st.unreachable_reported:
+                    st.unreachable_reported = True
+                    out.append(
+                        Unreachable(
+                            worker=st.spec.worker,
+                            dp_rank=st.spec.dp_rank,
+                            address=st.spec.endpoint,
+                            reason="connection attempts fail; retrying with backoff "
+                            f"up to every {self.reconnect_max_ms / 1000:g} s",
+                        )
+                    )
+
+    def _apply(
+        self, st: _Stream, actions: list[TrackerAction], now: float, out: list[Item]
+    ) -> None:
+        for action in actions:
+            if type(action) is Deliver:
+                if action.payload is not None:
+                    self._emit(st, action.seq, action.payload, now, out)
+            elif type(action) is RequestReplay:
+                assert st.replay is not None
+                st.replay.request(action.start, now)
+            else:
+                assert isinstance(action, Signal)
+                out.append(action)
+
+    def _emit(self, st: _Stream, seq: int, payload: bytes, now: float, out: list[Item]) -> None:
+        counters = st.counters
+        counters.last_arrival = now
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            counters.decode_errors += 1
+            st.tracker.lost += 1
+            out.append(
+                Loss(
+                    worker=st.spec.worker,
+                    dp_rank=st.spec.dp_rank,
+                    first_seq=seq,
+                    last_seq=seq,
+                    reason=f"payload could not be decoded: {exc}",
+                )
+            )
+            return
+        counters.batches += 1
+        blocks = 0
+        for event in batch.events:
+            if type(event) is not AllBlocksCleared:
+                blocks += len(event.block_hashes)  # type: ignore[union-attr]
+        counters.blocks += blocks
+        counters.last_lag = time.time() - batch.ts
+        out.append(Delivery(st.holder, seq, batch))
+
+    def _teardown(self) -> None:
+        for st in self.streams.values():
+            if st.replay is not None:
+                st.replay.close()
+            if st.sub is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    st.sub.disable_monitor()
+                st.sub.close(linger=0)
+            if st.monitor is not None:
+                st.monitor.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,0 +1,319 @@
+"""The per-stream sequence state machine, without sockets."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvevents.signals import Gap, Loss, Reset
+from kvevents.stream import Deliver, Purpose, RequestReplay, StreamTracker
+
+
+def p(seq: int, gen: int = 0) -> bytes:
+    return f"payload-{gen}-{seq}".encode()
+
+
+def delivered(actions: list) -> list[int]:
+    return [a.seq for a in actions if isinstance(a, Deliver)]
+
+
+def test_in_order_live_messages_take_the_fast_path() -> None:
+    """Consecutive seqs from 0 are accepted by the fast path without any other action."""
+    t = StreamTracker("w", 0, has_replay=False)
+    assert t.start() == []
+    assert all(t.accept_in_order(s, p(s)) for s in range(5))
+    assert t.last == 4
+    assert not t.accept_in_order(6, p(6))
+
+
+def test_gap_without_replay_endpoint_is_a_loss_then_delivery() -> None:
+    """Without a replay endpoint a gap is reported as a Loss and the stream carries on."""
+    t = StreamTracker("w", 1, has_replay=False)
+    t.on_live(0, p(0))
+    out = t.on_live(3, p(3))
+    assert out[0] == Loss(worker="w", dp_rank=1, first_seq=1, last_seq=2, reason=out[0].reason)
+    assert "no replay endpoint" in out[0].reason
+    assert out[1] == Deliver(3, p(3), False)
+    assert t.lost == 2
+
+
+def test_late_join_without_replay_reports_the_missed_start() -> None:
+    """A stream first seen at seq 7 with no replay endpoint reports seqs 0..6 as lost."""
+    t = StreamTracker("w", 0, has_replay=False)
+    out = t.on_live(7, p(7))
+    assert isinstance(out[0], Loss) and (out[0].first_seq, out[0].last_seq) == (0, 6)
+    assert delivered(out) == [7]
+
+
+def test_new_stream_with_replay_joins_from_zero_and_buffers_live() -> None:
+    """A new stream asks for a replay from 0 and delivers it before live messages that came meanwhile."""
+    t = StreamTracker("w", 0, has_replay=True)
+    assert t.start() == [RequestReplay(0)]
+    assert t.on_live(3, p(3)) == []  # buffered
+    out = []
+    for s in range(3):
+        out += t.on_replay_reply(s, p(s))
+    out += t.on_replay_end()
+    assert delivered(out) == [0, 1, 2, 3]
+    assert [a.replayed for a in out if isinstance(a, Deliver)] == [True, True, True, False]
+    assert t.replayed == 3 and t.lost == 0
+
+
+def test_gap_is_replayed_in_order_before_newer_live_messages() -> None:
+    """A live gap yields Gap, a replay from last+1, and the missed batches before newer ones."""
+    t = StreamTracker("w", 2, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    assert t.accept_in_order(0, p(0))
+    out = t.on_live(4, p(4))
+    assert out == [Gap(worker="w", dp_rank=2, first_seq=1, last_seq=3), RequestReplay(1)]
+    assert t.on_live(5, p(5)) == []
+    out = []
+    for s in (1, 2, 3, 4):  # the replay includes 4, which is also buffered
+        out += t.on_replay_reply(s, p(s))
+    out += t.on_replay_end()
+    assert delivered(out) == [1, 2, 3, 4, 5]
+    assert t.gaps == 1 and t.replayed == 4 and t.lost == 0
+
+
+def test_replay_that_starts_later_reports_the_overrun_as_loss() -> None:
+    """When the replay buffer no longer holds the start of a gap, that part is a Loss."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_live(10, p(10))
+    out = t.on_replay_reply(6, p(6))
+    assert isinstance(out[0], Loss) and (out[0].first_seq, out[0].last_seq) == (1, 5)
+    assert "replay buffer" in out[0].reason
+    out = []
+    for s in range(7, 11):
+        out += t.on_replay_reply(s, p(s))
+    out += t.on_replay_end()
+    assert delivered(out) == [7, 8, 9, 10]
+    assert t.lost == 5
+
+
+def test_publisher_side_drop_inside_a_replay_is_a_loss() -> None:
+    """A seq missing from the middle of a replay answer is reported lost, the rest delivered."""
+    t = StreamTracker("w", 0, has_replay=True)
+    out = t.start()
+    out += t.on_replay_reply(0, p(0))
+    out += t.on_replay_reply(2, p(2))
+    out += t.on_replay_end()
+    losses = [a for a in out if isinstance(a, Loss)]
+    assert [(x.first_seq, x.last_seq) for x in losses] == [(1, 1)]
+    assert delivered(out) == [0, 2]
+
+
+def test_gap_the_replay_cannot_fill_ends_without_a_replay_loop() -> None:
+    """A gap that two replays in a row cannot fill is reported lost instead of replayed forever."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    assert RequestReplay(1) in t.on_live(5, p(5))
+    out = t.on_replay_end()  # the publisher had nothing for us
+    assert RequestReplay(1) in out  # one retry
+    out = t.on_replay_end()
+    assert isinstance(out[0], Loss) and (out[0].first_seq, out[0].last_seq) == (1, 4)
+    assert delivered(out) == [5]
+    assert not t.replaying
+
+
+def test_replay_timeout_reports_loss_and_delivers_buffered_messages() -> None:
+    """A replay that times out reports its range lost and hands out the buffered live messages."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_live(3, p(3))
+    t.on_live(4, p(4))
+    out = t.on_replay_timeout()
+    assert isinstance(out[0], Loss) and "timed out" in out[0].reason
+    assert delivered(out) == [3, 4]
+
+
+def test_buffer_overflow_during_replay_abandons_it() -> None:
+    """More live messages than max_pending during a replay abandons it with a Loss."""
+    t = StreamTracker("w", 0, has_replay=True, max_pending=3)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_live(5, p(5))
+    out = []
+    for s in (6, 7, 8):
+        out += t.on_live(s, p(s))
+    assert isinstance(out[0], Loss) and "more than 3" in out[0].reason
+    assert delivered(out) == [5, 6, 7, 8]
+    assert not t.replaying
+
+
+def test_sequence_going_back_is_a_reset_and_the_new_stream_is_followed() -> None:
+    """A seq at or below the last one delivers Reset, then the new stream from its seq 0."""
+    t = StreamTracker("w", 3, has_replay=False)
+    for s in range(6):
+        t.accept_in_order(s, p(s))
+    out = t.on_live(0, p(0, gen=1))
+    assert out[0] == Reset(
+        worker="w", dp_rank=3, last_seq=5, new_seq=0, reason="sequence went back from 5 to 0"
+    )
+    assert out[1] == Deliver(0, p(0, gen=1), False)
+    assert t.accept_in_order(1, p(1, gen=1))
+    assert t.resets == 1
+
+
+def test_reset_with_replay_rejoins_from_zero() -> None:
+    """With a replay endpoint a reset asks for the new stream from 0 before its newer messages."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(6):
+        t.accept_in_order(s, p(s))
+    out = t.on_live(2, p(2, gen=1))
+    assert isinstance(out[0], Reset) and out[1] == RequestReplay(0)
+    out = []
+    for s in range(3):
+        out += t.on_replay_reply(s, p(s, gen=1))
+    out += t.on_replay_end()
+    assert delivered(out) == [0, 1, 2]
+
+
+def test_reconnect_to_the_same_publisher_is_verified_and_not_a_reset() -> None:
+    """After a reconnect, a replay showing the same payload at the last seq means no reset."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(3):
+        t.accept_in_order(s, p(s))
+    t.on_disconnected()
+    assert t.on_connected() == [RequestReplay(2)]
+    assert t.purpose is Purpose.VERIFY
+    out = t.on_replay_reply(2, p(2)) + t.on_replay_reply(3, p(3)) + t.on_replay_end()
+    assert delivered(out) == [3]
+    assert not any(isinstance(a, Reset) for a in out)
+
+
+def test_restarted_publisher_past_our_seq_is_detected_by_payload() -> None:
+    """A restarted publisher that already published past our last seq is a Reset, then seq 0 onward."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(3):
+        t.accept_in_order(s, p(s))
+    t.on_disconnected()
+    t.on_connected()
+    assert t.on_live(5, p(5, gen=1)) == []  # buffered: looks like a gap, but it is a new stream
+    out = t.on_replay_reply(2, p(2, gen=1))
+    assert isinstance(out[0], Reset) and out[1] == RequestReplay(0)
+    for s in range(6):
+        out += t.on_replay_reply(s, p(s, gen=1))
+    out += t.on_replay_end()
+    assert delivered(out) == [0, 1, 2, 3, 4, 5]
+    assert t.resets == 1
+
+
+def test_empty_replay_buffer_after_reconnect_is_a_reset() -> None:
+    """A publisher whose replay buffer is empty after a reconnect has restarted: Reset."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_disconnected()
+    t.on_connected()
+    out = t.on_replay_end()
+    assert isinstance(out[0], Reset) and out[0].new_seq is None
+    assert out[1] == RequestReplay(0)
+
+
+def test_reconnect_without_replay_jump_is_loss_and_backwards_is_reset() -> None:
+    """Without replay, a forward jump after a reconnect is a Loss and a backward seq a Reset."""
+    t = StreamTracker("w", 0, has_replay=False)
+    for s in range(4):
+        t.accept_in_order(s, p(s))
+    t.on_disconnected()
+    assert t.on_connected() == []
+    assert not t.accept_in_order(4, p(4))  # suspect: not the fast path
+    out = t.on_live(7, p(7))
+    assert isinstance(out[0], Loss) and "reconnect" in out[0].reason
+    t.on_disconnected()
+    out = t.on_live(1, p(1, gen=1))
+    assert isinstance(out[0], Reset)
+
+
+def test_replayed_seq_of_another_topic_advances_without_delivering() -> None:
+    """A replayed batch of a topic we do not subscribe to advances the seq and carries nothing."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    out = t.on_replay_reply(0, p(0), subscribed=False) + t.on_replay_reply(1, p(1))
+    assert out == [Deliver(0, None, True), Deliver(1, p(1), True)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    live_drop=st.sets(st.integers(0, 59)),
+    publisher_drop=st.sets(st.integers(0, 59), max_size=5),
+    buffer_steps=st.integers(1, 80),
+    answer_after=st.lists(st.integers(0, 4), max_size=30),
+    join_replay=st.booleans(),
+)
+def test_delivered_and_lost_cover_every_seq_exactly_once(
+    n: int,
+    live_drop: set[int],
+    publisher_drop: set[int],
+    buffer_steps: int,
+    answer_after: list[int],
+    join_replay: bool,
+) -> None:
+    """Under any live drops, publisher drops, buffer size and replay timing, delivered and lost seqs partition 0..last in order."""
+    t = StreamTracker("w", 0, has_replay=join_replay)
+    published: list[int] = []  # seqs that entered the replay buffer
+    requests: list[tuple[int, list[int], int]] = []  # (start, snapshot, messages to wait)
+    log: list[tuple[str, int, int]] = []  # ("d", seq, seq) or ("l", first, last)
+    delays = iter(answer_after)
+
+    def run(actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Deliver):
+                assert a.payload == p(a.seq)
+                log.append(("d", a.seq, a.seq))
+            elif isinstance(a, Loss):
+                log.append(("l", a.first_seq, a.last_seq))
+            elif isinstance(a, RequestReplay):
+                requests.clear()  # a new request cancels the one in flight
+                snapshot = [s for s in published[-buffer_steps:] if s >= a.start]
+                requests.append((a.start, snapshot, next(delays, 0)))
+            else:
+                assert not isinstance(a, Reset)
+
+    def answer_due(force: bool) -> None:
+        while requests and (force or requests[0][2] <= 0):
+            _, snapshot, _ = requests.pop(0)
+            for s in snapshot:
+                run(t.on_replay_reply(s, p(s)))
+            run(t.on_replay_end())
+
+    run(t.start())
+    for seq in range(n):
+        if seq not in publisher_drop:
+            published.append(seq)
+            if seq not in live_drop:
+                if t.accept_in_order(seq, p(seq)):
+                    log.append(("d", seq, seq))
+                else:
+                    run(t.on_live(seq, p(seq)))
+        requests[:] = [(a, b, c - 1) for a, b, c in requests]
+        answer_due(force=False)
+    answer_due(force=True)
+    answer_due(force=True)
+
+    expected_next = 0
+    for kind, first, last in log:
+        assert first == expected_next, log
+        expected_next = last + 1
+    assert expected_next - 1 == t.last
+    if join_replay and not publisher_drop and buffer_steps >= n:
+        assert all(kind == "d" for kind, _, _ in log), log
+        seen = [s for s in published if s <= t.last]
+        assert [f for _, f, _ in log] == seen
