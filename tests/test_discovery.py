@@ -1,0 +1,224 @@
+"""Discovery: /server_info documents into per-rank stream descriptions."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+
+from kvevents.config import KVEventsConfig
+from kvevents.discovery import (
+    StreamSpec,
+    discover,
+    fetch_server_info,
+    normalize_engine_url,
+    streams_from_server_info,
+)
+from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
+from kvevents.errors import DiscoveryError, EndpointError
+
+
+def info(**kv: Any) -> dict[str, Any]:
+    block = {
+        "publisher": "zmq",
+        "endpoint_host": "*",
+        "endpoint_port_base": 5557,
+        "topic": "kv",
+        "block_size": 16,
+        "dp_size": 4,
+    }
+    block.update(kv)
+    return {"dp_size": block["dp_size"], "page_size": 16, "kv_events": block}
+
+
+def test_base_plus_rank_with_wildcard_host_uses_engine_host() -> None:
+    """A wildcard endpoint_host becomes the engine URL's host, one stream per rank on base + r."""
+    specs = streams_from_server_info(info(), engine_url="http://10.1.2.3:30000")
+    assert [s.endpoint for s in specs] == [f"tcp://10.1.2.3:{5557 + r}" for r in range(4)]
+    assert [s.dp_rank for s in specs] == [0, 1, 2, 3]
+    assert all(s.replay_endpoint is None and s.topic == "kv" and s.block_size == 16 for s in specs)
+    assert {s.worker for s in specs} == {"http://10.1.2.3:30000"}
+
+
+@pytest.mark.parametrize("wildcard", ["*", "0.0.0.0", "::"])
+def test_every_wildcard_spelling_is_replaced(wildcard: str) -> None:
+    """Each wildcard spelling (*, 0.0.0.0, ::) is replaced by the engine's host."""
+    specs = streams_from_server_info(
+        info(endpoint_host=wildcard, dp_size=1), engine_url="http://engine-a:8000"
+    )
+    assert specs[0].endpoint == "tcp://engine-a:5557"
+
+
+def test_ipv6_engine_host_is_bracketed() -> None:
+    """An IPv6 engine host yields a bracketed ZMQ address."""
+    specs = streams_from_server_info(info(dp_size=1), engine_url="http://[::1]:8000")
+    assert specs[0].endpoint == "tcp://[::1]:5557"
+
+
+def test_explicit_host_and_replay_base_are_used() -> None:
+    """A concrete endpoint_host is kept and replay endpoints follow replay base + rank."""
+    specs = streams_from_server_info(
+        info(endpoint_host="192.168.0.9", replay_endpoint_port_base=6000, dp_size=2),
+        engine_url="http://10.0.0.1:1",
+    )
+    assert [(s.endpoint, s.replay_endpoint) for s in specs] == [
+        ("tcp://192.168.0.9:5557", "tcp://192.168.0.9:6000"),
+        ("tcp://192.168.0.9:5558", "tcp://192.168.0.9:6001"),
+    ]
+
+
+def test_publishers_list_wins_over_base_plus_rank() -> None:
+    """When a publishers list is present its endpoints are used, wildcards resolved, in rank order."""
+    doc = info(
+        dp_size=2,
+        endpoint_port_base=None,
+        publishers=[
+            {"dp_rank": 1, "endpoint": "tcp://*:41000", "replay_endpoint": "tcp://*:42000"},
+            {"dp_rank": 0, "endpoint": "tcp://10.9.9.9:39000", "replay_endpoint": None},
+        ],
+    )
+    specs = streams_from_server_info(doc, engine_url="http://127.0.0.1:8000", worker="eng-a")
+    assert specs == [
+        StreamSpec(
+            worker="eng-a", dp_rank=0, endpoint="tcp://10.9.9.9:39000", topic="kv", block_size=16
+        ),
+        StreamSpec(
+            worker="eng-a",
+            dp_rank=1,
+            endpoint="tcp://127.0.0.1:41000",
+            replay_endpoint="tcp://127.0.0.1:42000",
+            topic="kv",
+            block_size=16,
+        ),
+    ]
+
+
+def test_publishers_list_missing_a_rank_is_refused() -> None:
+    """A publishers list that does not cover every rank of dp_size is a DiscoveryError naming the ranks."""
+    doc = info(dp_size=3, publishers=[{"dp_rank": 0, "endpoint": "tcp://*:1"}])
+    with pytest.raises(DiscoveryError, match=r"ranks \[0\] but dp_size is 3"):
+        streams_from_server_info(doc, engine_url="http://h:1")
+
+
+def test_block_built_by_the_engine_round_trips() -> None:
+    """The engine's own kv_events block with OS-picked, non-consecutive ports is read back exactly."""
+    config = KVEventsConfig(
+        publisher="zmq", endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="t"
+    )
+    bound = [
+        BoundPublisher(0, "tcp://*:40001", "tcp://*:40100"),
+        BoundPublisher(1, "tcp://*:40007", "tcp://*:40150"),
+    ]
+    block = build_kv_events_block(config, bound, dp_size=2, page_size=8)
+    specs = streams_from_server_info({"kv_events": block}, engine_url="http://127.0.0.1:9")
+    assert [(s.endpoint, s.replay_endpoint, s.block_size) for s in specs] == [
+        ("tcp://127.0.0.1:40001", "tcp://127.0.0.1:40100", 8),
+        ("tcp://127.0.0.1:40007", "tcp://127.0.0.1:40150", 8),
+    ]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [{"dp_size": 2}, {"kv_events": None}, {"kv_events": {"publisher": "null"}}],
+)
+def test_missing_block_says_publishing_is_off_and_how_to_enable(doc: dict[str, Any]) -> None:
+    """No kv_events block (or a null publisher) says publishing looks off and gives the flag to turn it on."""
+    with pytest.raises(DiscoveryError) as err:
+        streams_from_server_info(doc, engine_url="http://h:1")
+    text = str(err.value)
+    assert "publishing looks off" in text and "--kv-events-config" in text and "http://h:1" in text
+
+
+def test_wrong_field_type_is_named() -> None:
+    """A field of the wrong type is a DiscoveryError naming the field."""
+    with pytest.raises(DiscoveryError, match="endpoint_port_base"):
+        streams_from_server_info(info(endpoint_port_base="5557"), engine_url="http://h:1")
+
+
+def test_wildcard_without_engine_url_is_refused() -> None:
+    """A wildcard host with no engine URL to take the host from is a clear DiscoveryError."""
+    with pytest.raises(DiscoveryError, match="engine's URL is needed"):
+        streams_from_server_info(info())
+
+
+def test_explicit_stream_spec_validates_endpoints() -> None:
+    """StreamSpec.from_endpoint refuses bind-only wildcard hosts and malformed endpoints."""
+    spec = StreamSpec.from_endpoint("tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5600")
+    assert spec.worker == "tcp://127.0.0.1:5557" and spec.dp_rank == 0
+    with pytest.raises(EndpointError, match="wildcard"):
+        StreamSpec.from_endpoint("tcp://*:5557")
+    with pytest.raises(EndpointError, match="no port"):
+        StreamSpec.from_endpoint("tcp://127.0.0.1")
+
+
+def test_engine_url_is_normalized() -> None:
+    """An engine URL without scheme gets http://, and trailing slashes go."""
+    assert normalize_engine_url("127.0.0.1:30000/") == "http://127.0.0.1:30000"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    routes: ClassVar[dict[str, tuple[int, bytes]]] = {}
+
+    def do_GET(self) -> None:
+        status, body = self.routes.get(self.path, (404, b"not found"))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def http_server() -> Iterator[tuple[str, dict[str, tuple[int, bytes]]]]:
+    """A real HTTP server on an OS-chosen loopback port; routes are set by the test."""
+    routes: ClassVar[dict[str, tuple[int, bytes]]] = {}
+    handler = type("Handler", (_Handler,), {"routes": routes})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", routes
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_discover_over_http(http_server: tuple[str, dict[str, tuple[int, bytes]]]) -> None:
+    """discover() GETs /server_info over HTTP and resolves the wildcard to the URL's host."""
+    url, routes = http_server
+    routes["/server_info"] = (200, json.dumps(info(dp_size=2)).encode())
+    specs = discover(url)
+    assert [s.endpoint for s in specs] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+    assert specs[0].worker == url
+
+
+def test_http_errors_are_discovery_errors(
+    http_server: tuple[str, dict[str, tuple[int, bytes]]],
+) -> None:
+    """A non-200 answer or a body that is not a JSON object is a DiscoveryError naming the URL."""
+    url, routes = http_server
+    with pytest.raises(DiscoveryError, match="HTTP 404"):
+        fetch_server_info(url)
+    routes["/server_info"] = (200, b"<html>")
+    with pytest.raises(DiscoveryError, match="did not answer with JSON"):
+        fetch_server_info(url)
+    routes["/server_info"] = (200, b"[1, 2]")
+    with pytest.raises(DiscoveryError, match="expected a JSON object"):
+        fetch_server_info(url)
+
+
+def test_unreachable_engine_is_a_discovery_error() -> None:
+    """A URL where nothing listens is a DiscoveryError asking whether the engine runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DiscoveryError, match="is the engine running"):
+        discover(f"http://127.0.0.1:{port}", timeout=1.0)
