@@ -1,0 +1,241 @@
+"""The simulated engine's HTTP API (FastAPI), in front of the rank processes.
+
+Endpoints (JSON in and out):
+
+* ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, and
+  the ``kv_events`` discovery block (see :mod:`kvevents.engine.server_info`; absent when
+  publishing is off or not on TCP).
+* ``POST /generate``: ``{"input_ids": [...]} | {"text": "..."}``, optional
+  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted),
+  ``max_new_tokens`` (top level or in ``sampling_params``, default 16). Answers
+  ``dp_rank``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
+  ``output_ids``, ``text`` and SGLang's ``meta_info``. Without a rank, requests go
+  round-robin over the live ranks.
+* ``POST /flush_cache[?dp_rank=r]``, ``GET /health``, ``GET /load``,
+  ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
+  consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
+
+A malformed body or query answers 400 with ``{"error": ...}`` naming the field; an
+unavailable rank answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvevents.config import KVEventsConfig
+from kvevents.engine.server_info import build_kv_events_block
+from kvevents.engine.supervisor import EngineRankError, RankSupervisor
+from kvevents.engine.tokenizer import ByteTokenizer
+from kvevents.engine.topology import Topology
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "create_app"]
+
+DEFAULT_MAX_NEW_TOKENS = 16
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+NewTokens = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
+
+
+class _SamplingParams(msgspec.Struct):
+    max_new_tokens: NewTokens | None = None
+
+
+class GenerateRequest(msgspec.Struct):
+    """The body of ``POST /generate`` (unknown keys are ignored, as SGLang does)."""
+
+    input_ids: list[TokenId] | None = None
+    text: str | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    max_new_tokens: NewTokens | None = None
+    sampling_params: _SamplingParams | None = None
+
+
+_GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine's static settings, as ``/server_info`` reports them."""
+
+    topology: Topology
+    page_size: int
+    max_blocks: int
+    hash_scheme: str
+    kv_events_config: KVEventsConfig
+
+
+class BadRequest(Exception):
+    """A request the engine answers with 400 and this message."""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
+    text = request.query_params.get("dp_rank")
+    if text is None:
+        if required:
+            raise BadRequest(
+                f"query parameter dp_rank is missing: add ?dp_rank=R, R in 0..{dp_size - 1}"
+            )
+        return None
+    try:
+        rank = int(text)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < dp_size:
+        raise BadRequest(f"query parameter dp_rank={text!r} must be an int in 0..{dp_size - 1}")
+    return rank
+
+
+def _parse_generate(
+    body: bytes, dp_size: int, tokenizer: ByteTokenizer
+) -> tuple[list[int], int | None, int]:
+    try:
+        req = _GENERATE_DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid /generate body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"/generate body is not a JSON object: {exc}") from None
+    if (req.input_ids is None) == (req.text is None):
+        raise BadRequest("give exactly one of input_ids (a list of token ids) or text (a string)")
+    tokens = req.input_ids if req.input_ids is not None else tokenizer.encode(req.text or "")
+    if not tokens:
+        raise BadRequest("the prompt is empty: input_ids or text must hold at least one token")
+    rank = req.routed_dp_rank
+    if req.data_parallel_rank is not None:
+        if rank is not None and rank != req.data_parallel_rank:
+            raise BadRequest(
+                f"routed_dp_rank={rank} and data_parallel_rank={req.data_parallel_rank} disagree; give one"
+            )
+        rank = req.data_parallel_rank
+    if rank is not None and not 0 <= rank < dp_size:
+        raise BadRequest(
+            f"routed_dp_rank={rank} is out of range: this engine has ranks 0..{dp_size - 1}"
+        )
+    max_new = req.max_new_tokens
+    if max_new is None and req.sampling_params is not None:
+        max_new = req.sampling_params.max_new_tokens
+    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+
+
+def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
+    """The FastAPI application serving the endpoints in the module docstring."""
+    app = FastAPI(title="kvevents simulated engine", docs_url=None, redoc_url=None)
+    tokenizer = ByteTokenizer()
+    dp_size = info.topology.dp_size
+    round_robin = itertools.count()
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(EngineRankError)
+    async def _rank_error(request: Request, exc: EngineRankError) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        topo = info.topology
+        body: dict[str, Any] = {
+            "dp_size": dp_size,
+            "tp_size": topo.tp_size,
+            "enable_dp_attention": topo.enable_dp_attention,
+            "page_size": info.page_size,
+            "max_blocks_per_rank": info.max_blocks,
+            "hash_scheme": info.hash_scheme,
+            "kv_events_config": info.kv_events_config.to_json(),
+            "schedulers": [s.to_dict() for s in topo.schedulers],
+        }
+        block = build_kv_events_block(
+            info.kv_events_config, supervisor.bound_publishers(), dp_size, info.page_size
+        )
+        if block is not None:
+            body["kv_events"] = block
+        return JSONResponse(body)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        tokens, rank, max_new = _parse_generate(await request.body(), dp_size, tokenizer)
+        if rank is None:
+            live = supervisor.live_ranks()
+            if not live:
+                raise EngineRankError("no rank is running")
+            rank = live[next(round_robin) % len(live)]
+        result = await supervisor.call(
+            rank, "generate", timeout=600.0, input_ids=tokens, max_new_tokens=max_new
+        )
+        output_ids = result["output_ids"]
+        meta = {
+            "prompt_tokens": result["prompt_tokens"],
+            "cached_tokens": result["cached_tokens"],
+            "completion_tokens": len(output_ids),
+            "dp_rank": rank,
+            "finish_reason": {"type": "length", "length": len(output_ids)},
+        }
+        body = {"text": tokenizer.decode(output_ids), "output_ids": output_ids, **meta}
+        return JSONResponse(body | {"meta_info": meta})
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> JSONResponse:
+        rank = _query_rank(request, dp_size, required=False)
+        targets = list(range(dp_size)) if rank is None else [rank]
+        await asyncio.gather(*(supervisor.call(r, "flush") for r in targets))
+        return JSONResponse({"flushed": targets})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ranks = supervisor.status()
+        dead = supervisor.dead_ranks()
+        body = {"status": "ok" if not dead else "unhealthy", "dead_ranks": dead, "ranks": ranks}
+        return JSONResponse(body, status_code=200 if not dead else 503)
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        async def one(r: int) -> dict[str, Any]:
+            try:
+                figures: dict[str, Any] = await supervisor.call(r, "load", timeout=10.0)
+            except EngineRankError as exc:
+                return {"dp_rank": r, "available": False, "error": str(exc)}
+            return figures | {"available": True}
+
+        ranks = await asyncio.gather(*(one(r) for r in range(dp_size)))
+        return JSONResponse({"dp_size": dp_size, "ranks": list(ranks)})
+
+    @app.get("/kv_blocks")
+    async def kv_blocks(request: Request) -> JSONResponse:
+        rank = _query_rank(request, dp_size, required=True)
+        assert rank is not None
+        result = await supervisor.call(rank, "kv_blocks")
+        hashes = result["block_hashes"]
+        return JSONResponse(
+            {
+                "dp_rank": rank,
+                "block_size": info.page_size,
+                "num_blocks": len(hashes),
+                "block_hashes": hashes,
+            }
+        )
+
+    @app.post("/admin/restart_rank")
+    async def restart_rank(request: Request) -> JSONResponse:
+        rank = _query_rank(request, dp_size, required=True)
+        assert rank is not None
+        name = request.query_params.get("signal", "kill")
+        sigs = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+        if name not in sigs:
+            raise BadRequest(f"query parameter signal={name!r} must be 'kill' or 'term'")
+        return JSONResponse(await supervisor.restart(rank, sigs[name]))
+
+    return app

@@ -1,0 +1,343 @@
+"""The parent side of the rank processes: start, call, watch, restart, stop.
+
+:class:`RankSupervisor` runs in the HTTP server's asyncio loop. It binds one ZMQ ROUTER
+on loopback (port chosen by the OS), starts one process per rank
+(``python -m kvevents.engine.rank SPEC``, in its own session so a terminal's Ctrl-C
+reaches only the parent), and waits for each rank's hello carrying its bound publisher
+endpoints. The message layout is in :mod:`kvevents.engine.rank`.
+
+* :meth:`call` sends one request to one rank and awaits its answer (bounded by a
+  timeout); each call has its own id, so any number may be in flight.
+* A watchdog notices a rank process that exits when nobody asked it to: the rank is
+  marked dead, its pending calls fail, and :attr:`failed` is set so the engine can
+  report it in ``/health`` and exit non-zero.
+* :meth:`restart` kills one rank and starts it again on the same endpoints (ports
+  resolved from port 0 are reused), so its publisher restarts at seq 0 where consumers
+  already listen.
+* :meth:`stop` asks every rank to shut down, then terminates and finally kills any that
+  do not exit within the deadline. No rank outlives the supervisor; a rank whose parent
+  vanishes exits on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvevents.engine.rank import RankSpec
+from kvevents.engine.server_info import BoundPublisher
+from kvevents.errors import KVEventsError
+
+__all__ = ["EngineRankError", "RankSupervisor"]
+
+
+class EngineRankError(KVEventsError, RuntimeError):
+    """A rank process failed to start, died, or did not answer in time.
+
+    ``status`` is the HTTP status the engine answers with (503 for an unavailable rank).
+    """
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Rank:
+    spec: RankSpec
+    process: subprocess.Popen[bytes] | None = None
+    state: str = "starting"  # starting | running | restarting | dead | stopped
+    pid: int | None = None
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    restarts: int = 0
+    exit_code: int | None = None
+    hello: asyncio.Future[dict[str, Any]] | None = None
+    pending: set[int] = field(default_factory=set)
+
+
+class RankSupervisor:
+    """Start and talk to rank processes; see the module docstring.
+
+    ``specs`` are the ranks' settings without the control address and token (the
+    supervisor fills those in).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[RankSpec],
+        *,
+        startup_timeout: float = 30.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._context = context or zmq.asyncio.Context()
+        self._own_context = context is None
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind("tcp://127.0.0.1:0")
+        control = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._token = secrets.token_hex(16)
+        self._ranks = [
+            _Rank(msgspec.structs.replace(s, control=control, token=self._token)) for s in specs
+        ]
+        self._startup_timeout = startup_timeout
+        self._ids = itertools.count(1)
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(dict[str, Any]).decode
+        self.malformed = 0
+        self.failed = asyncio.Event()
+        self._closed = False
+
+    @property
+    def dp_size(self) -> int:
+        return len(self._ranks)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every rank and wait for all hellos; on any failure stop all and raise."""
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+        try:
+            for rank in self._ranks:
+                self._spawn(rank)
+            await asyncio.gather(*(self._await_hello(r) for r in self._ranks))
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def restart(self, dp_rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
+        """Kill rank ``dp_rank`` with ``sig`` and start it again on the same endpoints."""
+        rank = self._rank(dp_rank)
+        if rank.state in ("starting", "restarting", "stopped"):
+            raise EngineRankError(f"dp_rank {dp_rank} is {rank.state}; try again later", 409)
+        rank.state = "restarting"
+        await self._terminate(rank, sig, timeout=10.0)
+        self._fail_pending(rank, f"dp_rank {dp_rank} was restarted")
+        rank.spec = msgspec.structs.replace(
+            rank.spec, endpoint_override=rank.endpoint, replay_override=rank.replay_endpoint
+        )
+        rank.restarts += 1
+        self._spawn(rank)
+        await self._await_hello(rank)
+        return self._status(rank)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Shut every rank down (ask, then SIGTERM, then SIGKILL); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rank in self._ranks:
+            if rank.process is not None and rank.process.poll() is None:
+                rank.state = "stopped"
+                with contextlib.suppress(EngineRankError):
+                    await self._send(rank, {"id": 0, "op": "shutdown"})
+        await asyncio.gather(*(self._terminate(r, None, timeout) for r in self._ranks))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rank in self._ranks:
+            self._fail_pending(rank, "the engine is shutting down")
+        self._router.close(linger=0)
+        if self._own_context:
+            self._context.term()
+
+    # --- calls ---------------------------------------------------------------------------
+
+    async def call(self, dp_rank: int, op: str, timeout: float = 30.0, **fields: Any) -> Any:
+        """Send ``op`` to rank ``dp_rank`` and return its result (raises EngineRankError)."""
+        rank = self._rank(dp_rank)
+        if rank.state != "running":
+            raise EngineRankError(f"dp_rank {dp_rank} is {rank.state}")
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        rank.pending.add(call_id)
+        try:
+            await self._send(rank, {"id": call_id, "op": op, **fields})
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineRankError(
+                f"dp_rank {dp_rank} did not answer {op!r} in {timeout:g} s", 504
+            ) from None
+        finally:
+            self._calls.pop(call_id, None)
+            rank.pending.discard(call_id)
+
+    def live_ranks(self) -> list[int]:
+        return [i for i, r in enumerate(self._ranks) if r.state == "running"]
+
+    def dead_ranks(self) -> list[int]:
+        return [i for i, r in enumerate(self._ranks) if r.state == "dead"]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [self._status(r) for r in self._ranks]
+
+    def bound_publishers(self) -> list[BoundPublisher]:
+        """Each rank's publisher endpoints as bound (port 0 resolved); ranks without one are left out."""
+        return [
+            BoundPublisher(r.spec.dp_rank, r.endpoint, r.replay_endpoint)
+            for r in self._ranks
+            if r.endpoint is not None
+        ]
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _rank(self, dp_rank: int) -> _Rank:
+        if not 0 <= dp_rank < len(self._ranks):
+            raise EngineRankError(
+                f"dp_rank {dp_rank} is out of range: this engine has ranks 0..{len(self._ranks) - 1}",
+                400,
+            )
+        return self._ranks[dp_rank]
+
+    def _status(self, rank: _Rank) -> dict[str, Any]:
+        return {
+            "dp_rank": rank.spec.dp_rank,
+            "state": rank.state,
+            "alive": rank.state == "running",
+            "pid": rank.pid,
+            "restarts": rank.restarts,
+            "exit_code": rank.exit_code,
+            "endpoint": rank.endpoint,
+            "replay_endpoint": rank.replay_endpoint,
+        }
+
+    def _spawn(self, rank: _Rank) -> None:
+        rank.state = "starting" if rank.restarts == 0 else "restarting"
+        rank.exit_code = None
+        rank.hello = asyncio.get_running_loop().create_future()
+        argv = [
+            sys.executable,
+            "-m",
+            "kvevents.engine.rank",
+            msgspec.json.encode(rank.spec).decode(),
+        ]
+        rank.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        rank.pid = rank.process.pid
+
+    async def _await_hello(self, rank: _Rank) -> None:
+        assert rank.hello is not None
+        try:
+            hello = await asyncio.wait_for(asyncio.shield(rank.hello), self._startup_timeout)
+        except (asyncio.TimeoutError, EngineRankError) as exc:
+            rank.state = "dead"
+            if rank.restarts:
+                self.failed.set()
+            if isinstance(exc, EngineRankError):
+                raise
+            raise EngineRankError(
+                f"dp_rank {rank.spec.dp_rank} did not start within {self._startup_timeout:g} s"
+            ) from None
+        rank.endpoint = hello.get("endpoint")
+        rank.replay_endpoint = hello.get("replay_endpoint")
+        if rank.state in ("starting", "restarting"):  # not if stop() began meanwhile
+            rank.state = "running"
+
+    async def _send(self, rank: _Rank, message: dict[str, Any]) -> None:
+        identity = f"rank-{rank.spec.dp_rank}".encode()
+        try:
+            await self._router.send_multipart([identity, self._encode(message)])
+        except zmq.ZMQError as exc:
+            raise EngineRankError(f"dp_rank {rank.spec.dp_rank} is not connected ({exc})") from None
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart()
+            try:
+                message = self._decode(frames[-1])
+            except msgspec.DecodeError:
+                self.malformed += 1
+                continue
+            if message.get("op") in ("hello", "failed"):
+                self._on_hello(frames[0], message)
+                continue
+            future = self._calls.get(message.get("id", -1))
+            if future is None or future.done():
+                continue  # answer to a call that timed out or was failed
+            if message.get("ok"):
+                future.set_result(message.get("result"))
+            else:
+                error = EngineRankError(str(message.get("error")), int(message.get("status", 500)))
+                future.set_exception(error)
+
+    def _on_hello(self, identity: bytes, message: dict[str, Any]) -> None:
+        if message.get("token") != self._token:
+            self.malformed += 1
+            return
+        dp_rank = message.get("dp_rank")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < len(self._ranks):
+            self.malformed += 1
+            return
+        rank = self._ranks[dp_rank]
+        if identity != f"rank-{dp_rank}".encode() or rank.hello is None or rank.hello.done():
+            return
+        if message["op"] == "failed":
+            rank.hello.set_exception(EngineRankError(str(message.get("error"))))
+        else:
+            rank.hello.set_result(message)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for rank in self._ranks:
+                proc = rank.process
+                if proc is None or rank.state in ("restarting", "stopped", "dead"):
+                    continue
+                code = proc.poll()
+                if code is None:
+                    continue
+                rank.exit_code = code
+                was_starting = rank.state == "starting"
+                rank.state = "dead"
+                message = f"dp_rank {rank.spec.dp_rank} (pid {proc.pid}) exited with code {code}"
+                if rank.hello is not None and not rank.hello.done():
+                    rank.hello.set_exception(EngineRankError(message))
+                self._fail_pending(rank, message)
+                if not was_starting:
+                    print(f"kvevents engine: {message}", file=sys.stderr, flush=True)
+                self.failed.set()
+
+    async def _terminate(self, rank: _Rank, sig: int | None, timeout: float) -> None:
+        proc = rank.process
+        if proc is None:
+            return
+        if sig is not None and proc.poll() is None:
+            os.kill(proc.pid, sig)
+        for escalate in (signal.SIGTERM, signal.SIGKILL, None):
+            try:
+                rank.exit_code = await asyncio.to_thread(proc.wait, timeout)
+                return
+            except subprocess.TimeoutExpired:
+                if escalate is None:
+                    raise EngineRankError(
+                        f"dp_rank {rank.spec.dp_rank} (pid {proc.pid}) did not exit"
+                    ) from None
+                proc.send_signal(escalate)
+                timeout = 5.0
+
+    def _fail_pending(self, rank: _Rank, reason: str) -> None:
+        for call_id in list(rank.pending):
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                future.set_exception(EngineRankError(reason))
+        rank.pending.clear()
