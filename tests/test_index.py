@@ -1,0 +1,261 @@
+"""PrefixIndex by example: real wire samples, tiers, counters, namespaces, pruning, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import load_wire_samples
+from kvevents.index import PrefixIndex, namespace_key
+from kvevents.index_types import HolderMatch, Tier, TierCredits, normalize_medium
+from kvevents.signals import Holder
+from kvevents.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    parse_live_frames,
+    parse_replay_reply,
+)
+
+A = Holder("engine-a", 0)
+B = Holder("engine-a", 1)
+
+
+def stored(
+    hashes: list[int],
+    tokens: list[int],
+    *,
+    parent: int | None = None,
+    size: int = 2,
+    medium: str | None = None,
+    lora: str | None = None,
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=size,
+        lora_id=None,
+        medium=medium,
+        lora_name=lora,
+    )
+
+
+def batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=list(events))  # type: ignore[arg-type]
+
+
+def sample_batches(name: str) -> list[tuple[int, KVEventBatch]]:
+    """Every distinct seq of a capture, in order, as a subscriber delivers it (replays dedup'd)."""
+    seen: dict[int, KVEventBatch] = {}
+    for record in load_wire_samples(name):
+        if record["kind"] == "live":
+            msg = parse_live_frames(record["frames"])
+            seq, payload = msg.seq, msg.payload
+        else:
+            reply = parse_replay_reply(record["frames"])
+            if reply.is_end:
+                continue
+            seq, payload = reply.seq, reply.payload
+        batch_ = decode_batch(payload)
+        if seq in seen:
+            assert seen[seq] == batch_  # a replay repeats the live batch exactly
+        seen[seq] = batch_
+    return sorted(seen.items())
+
+
+def replay_as_set(batches: list[KVEventBatch]) -> set[object]:
+    """What the engine holds on GPU, by hash: the obvious set replay of the events."""
+    held: set[object] = set()
+    for b in batches:
+        for ev in b.events:
+            if isinstance(ev, BlockStored) and ev.token_ids and ev.medium in (None, "GPU"):
+                held.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved) and ev.medium in (None, "GPU"):
+                held.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                held.clear()
+    return held
+
+
+@pytest.mark.parametrize(
+    "name", ["vllm-0.32.0-cpu-int-hashes.jsonl", "vllm-0.32.0-cpu-bytes-hashes.jsonl"]
+)
+def test_vllm_samples_leave_the_engines_state(name: str) -> None:
+    """Every real vLLM message applied in order leaves, after each step, exactly the hashes vLLM held."""
+    index = PrefixIndex(block_size=32)
+    holder = Holder("vllm", 0)
+    index.add_holder(holder, block_size=32)
+    applied: list[KVEventBatch] = []
+    for _, b in sample_batches(name):
+        index.apply(holder, b)
+        applied.append(b)
+        assert index.holder_hashes(holder) == replay_as_set(applied)
+    assert len(index.holder_hashes(holder)) == 1  # one prompt after /reset_prefix_cache
+    assert index.stats.unknown_hash == 0
+    assert index.stats.unknown_parent == 0
+    assert index.stats.block_size_mismatch == 0
+
+
+def test_vllm_sample_prefix_matches_in_tokens() -> None:
+    """The 64-token prefix and its decode block stored by vLLM match a request as 3 blocks."""
+    batches = [b for _, b in sample_batches("vllm-0.32.0-cpu-int-hashes.jsonl")]
+    index = PrefixIndex(block_size=32)
+    holder = Holder("vllm", 0)
+    for b in batches[:2]:
+        index.apply(holder, b)
+    tokens = [t for b in batches[:2] for ev in b.events for t in ev.token_ids]  # type: ignore[union-attr]
+    result = index.match([*tokens, 1, 2, 3])
+    assert result.by_holder() == {holder: HolderMatch(3, 0, 0)}
+    assert index.match(tokens[:40]).by_holder() == {holder: HolderMatch(1, 0, 0)}
+
+
+def test_sglang_sample_tiers_and_namespaces() -> None:
+    """SGLang's capture: chains, a LoRA/salted store, a CPU_PINNED copy and removals by tier."""
+    batches = dict(sample_batches("sglang-0.5.23.jsonl"))
+    index = PrefixIndex(block_size=2)
+    rank3 = Holder("sglang", 3)
+    index.add_holder(rank3, block_size=2)
+    chain = batches[0].events[0]
+    child = batches[1].events[0]
+    salted = batches[2].events[0]
+    assert isinstance(chain, BlockStored) and isinstance(child, BlockStored)
+    assert isinstance(salted, BlockStored)
+    for seq in (0, 1, 2):
+        index.apply(rank3, batches[seq])
+    prompt = chain.token_ids + child.token_ids
+    assert index.match(prompt).by_holder() == {rank3: HolderMatch(4, 0, 0)}
+    # The salted LoRA block matches only under its own namespace.
+    assert index.match(salted.token_ids).by_holder() == {}
+    ns = index.match(salted.token_ids, lora=salted.lora_name, cache_salt=salted.cache_salt)
+    assert ns.by_holder() == {rank3: HolderMatch(1, 0, 0)}
+
+    index.apply(rank3, batches[3])  # first page copied to host
+    assert index.holder_hashes(rank3, Tier.CPU) == {chain.block_hashes[0]}
+    index.apply(rank3, batches[4])  # pages 2-3 leave GPU, page 1 leaves host
+    assert index.holder_hashes(rank3, Tier.CPU) == set()
+    assert index.holder_hashes(rank3) == {chain.block_hashes[0], child.block_hashes[0], 42}
+    assert index.match(prompt).by_holder() == {rank3: HolderMatch(1, 0, 0)}
+    index.apply(rank3, batches[5])  # 42 removed without a medium: every tier
+    assert index.holder_hashes(rank3, None) == {chain.block_hashes[0], child.block_hashes[0]}
+    index.apply(rank3, batches[6])
+    assert len(index) == 0 and index.holder_hashes(rank3, None) == set()
+    assert index.stats.unknown_medium == 0 and index.stats.unknown_hash == 0
+
+
+def test_offloaded_tiers_give_nested_lengths_and_removal_by_medium() -> None:
+    """A CPU copy extends a holder's prefix past its GPU part; removing it by medium keeps GPU."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2, 3], [1, 2, 3, 4, 5, 6])))
+    index.apply(A, batch(stored([2, 3], [], medium="CPU_PINNED"), stored([3], [], medium="DISK")))
+    index.apply(A, batch(BlockRemoved(block_hashes=[2, 3], medium="GPU")))
+    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 2, 0)}
+    index.apply(A, batch(BlockRemoved(block_hashes=[3], medium="CPU")))
+    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 1, 1)}
+    index.apply(A, batch(BlockRemoved(block_hashes=[3])))
+    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 1, 0)}
+    assert len(index) == 2
+
+
+def test_silent_miss_paths_are_counted() -> None:
+    """Unknown parents, unknown hashes, foreign block sizes, unknown media and bad token counts each count."""
+    index = PrefixIndex()
+    index.add_holder(A, block_size=2)
+    index.apply(A, batch(stored([7], [1, 2], parent=999)))
+    index.apply(A, batch(BlockRemoved(block_hashes=[12345])))
+    index.apply(A, batch(stored([8, 9], [1, 2, 3, 4, 5, 6, 7, 8], size=4)))
+    index.apply(A, batch(stored([10], [5, 5], medium="NVME_OVER_FABRIC")))
+    index.apply(A, batch(stored([11, 12], [1, 2, 3])))
+    s = index.stats
+    assert (s.unknown_parent, s.unknown_hash, s.block_size_mismatch) == (1, 1, 1)
+    assert (s.unknown_medium, s.malformed) == (1, 1)
+    assert s.events["BlockStored:unknown_parent"] == 1
+    assert s.events["BlockRemoved:unknown_hash"] == 1
+    # The orphan chain is kept (its removal resolves) but no request can reach it.
+    assert index.match([1, 2]).by_holder() == {}
+    index.apply(A, batch(BlockRemoved(block_hashes=[7])))
+    assert index.stats.unknown_hash == 1
+    # The unknown medium is kept at the lowest tier.
+    assert index.match([5, 5]).by_holder() == {A: HolderMatch(0, 0, 1)}
+
+
+def test_duplicate_store_needs_two_removals() -> None:
+    """A block stored twice by one holder (vLLM duplicates) stays until its second removal."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1], [1, 2]), stored([1], [1, 2])))
+    index.apply(A, batch(BlockRemoved(block_hashes=[1])))
+    assert index.holder_hashes(A) == {1}
+    index.apply(A, batch(BlockRemoved(block_hashes=[1])))
+    assert index.holder_hashes(A) == set() and len(index) == 0
+
+
+def test_clear_and_remove_holder_touch_only_that_holder() -> None:
+    """clear_holder empties one holder and keeps it registered; remove_holder frees its slot."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
+    index.apply(B, batch(stored([1], [1, 2])))
+    assert index.clear_holder(A) == 2
+    assert index.holders() == [A, B]
+    assert index.match([1, 2, 3, 4]).by_holder() == {B: HolderMatch(1, 0, 0)}
+    assert index.remove_holder(B) == 1
+    assert index.holders() == [A] and len(index) == 0
+    c = Holder("engine-b", 0)
+    assert index.add_holder(c) == 1  # B's slot reused
+
+
+def test_more_than_64_holders() -> None:
+    """Holders beyond the first 64 (a wider slot mask) match exactly, tiers included."""
+    index = PrefixIndex(block_size=1)
+    holders = [Holder("w", r) for r in range(130)]
+    for r, h in enumerate(holders):
+        index.store_keys(h, index.keys_for(list(range(r % 5 + 1))))
+    index.store_keys(holders[129], index.keys_for([0, 1, 2, 3, 4, 5])[5:], tier=Tier.CPU)
+    result = index.match(list(range(6))).by_holder()
+    assert len(result) == 130
+    assert result[holders[3]] == HolderMatch(4, 0, 0)
+    assert result[holders[129]] == HolderMatch(5, 1, 0)
+    assert len(index) == sum(r % 5 + 1 for r in range(130)) + 1
+
+
+def test_pruning_drops_least_recently_used_leaves_first() -> None:
+    """Over the bound, the oldest block goes first; a matched prefix counts as used, leaves before parents."""
+    index = PrefixIndex(block_size=1, max_entries=6)
+    old = index.keys_for([1, 2, 3])
+    new = index.keys_for([7, 8, 9])
+    index.store_keys(A, old)
+    index.store_keys(A, new)
+    index.match([1, 2])  # touches the first two blocks of the old chain
+    index.store_keys(B, index.keys_for([4]))
+    assert len(index) <= 6
+    assert index.stats.pruned_entries >= 1
+    # The old chain's leaf (never matched) went first; its matched prefix stayed.
+    assert index.match([1, 2, 3]).by_holder()[A] == HolderMatch(2, 0, 0)
+
+
+def test_snapshot_round_trip_and_bad_bytes() -> None:
+    """A snapshot restores every answer and counter; bytes that are not a snapshot say so."""
+    index = PrefixIndex(block_size=2, credits=TierCredits(cpu=0.5))
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4]), stored([2], [], medium="CPU")))
+    index.apply(B, batch(stored([-5], [9, 9])))
+    copy = PrefixIndex.from_bytes(index.to_bytes())
+    assert copy.match([1, 2, 3, 4]).by_holder() == index.match([1, 2, 3, 4]).by_holder()
+    assert copy.holder_hashes(A, None) == {1, 2} and copy.holder_hashes(B) == {-5}
+    assert copy.credits == TierCredits(cpu=0.5) and len(copy) == len(index)
+    assert copy.stats.stored_blocks == index.stats.stored_blocks
+    with pytest.raises(ValueError, match="not an index snapshot"):
+        PrefixIndex.from_bytes(b"\x93garbage")
+
+
+def test_medium_names_and_credit_validation() -> None:
+    """Engine medium names map to tiers case-insensitively; credits outside 0..1 are refused."""
+    assert normalize_medium(None) == (Tier.GPU, True)
+    assert normalize_medium("cpu_pinned") == (Tier.CPU, True)
+    assert normalize_medium("STORAGE") == (Tier.DISK, True)
+    assert normalize_medium("EXTERNAL") == (Tier.DISK, True)
+    assert normalize_medium("QUANTUM") == (Tier.DISK, False)
+    with pytest.raises(ValueError, match=r"disk=1\.5"):
+        TierCredits(disk=1.5)
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixIndex().match([1, 2, 3])
+    assert namespace_key() == 0 and namespace_key("lora-a") != namespace_key(None, "salt")
