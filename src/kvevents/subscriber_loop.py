@@ -43,6 +43,7 @@ __all__ = ["Item", "SubscriberLoop"]
 
 Item = Delivery | Signal
 _SEQ = struct.Struct(">Q")
+_NOBLOCK = int(zmq.NOBLOCK)
 _DRAIN = 256  # messages read from one socket per poll, for fairness between streams
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
@@ -248,17 +249,23 @@ class SubscriberLoop:
     def _on_live(self, st: _Stream, now: float, out: list[Item]) -> None:
         sock, tracker, counters = st.sub, st.tracker, st.counters
         assert sock is not None
-        unpack = _SEQ.unpack
+        recv, unpack = sock.recv, _SEQ.unpack
         for _ in range(_DRAIN):
+            # Frame by frame without copying: about 3x cheaper than recv_multipart, whose
+            # per-frame RCVMORE getsockopt dominates for small messages.
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                return
+            frames = [frame]
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
             if len(frames) != 3 or len(frames[1]) != 8:
                 counters.malformed += 1
                 continue
-            seq = unpack(frames[1])[0]
-            payload = frames[2]
+            seq = unpack(frames[1].buffer)[0]
+            payload = frames[2].bytes
             if tracker.accept_in_order(seq, payload):
                 self._emit(st, seq, payload, now, out)
             else:
