@@ -208,3 +208,20 @@ def test_bad_plans_refuse_to_start(args: list[str], message: str) -> None:
     assert result.returncode == 2
     assert message in result.stderr
     assert "ready" not in result.stdout
+
+
+def test_vllm_hash_scheme_end_to_end() -> None:
+    """With --hash-scheme vllm the engine holds and reports vLLM's sha256_cbor hashes for the seed given."""
+    from kvevents.hashing import vllm_block_hashes
+
+    eng = Engine(
+        ["--dp-size", "1", "--page-size", "4", "--hash-scheme", "vllm", "--hash-seed", "5"],
+        KV_CONFIG,
+    )
+    try:
+        tokens = list(range(1, 14))
+        eng.generate(tokens, rank=0)
+        assert eng.kv_blocks(0) == set(vllm_block_hashes(tokens, 4, seed="5"))
+        assert eng.server_info()["hash_scheme"] == "vllm"
+    finally:
+        eng.stop()

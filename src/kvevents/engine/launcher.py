@@ -67,6 +67,15 @@ class EngineSettings:
         for flag, value in (("--page-size", self.page_size), ("--max-blocks", self.max_blocks)):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be at least 1")
+        for flag, count in (("--max-running", self.max_running),):
+            if count < 1:
+                raise ConfigError(f"{flag} {count} must be at least 1")
+        for flag, seconds in (
+            ("--startup-timeout", self.startup_timeout),
+            ("--dead-rank-grace", self.dead_rank_grace),
+        ):
+            if not seconds >= 0:
+                raise ConfigError(f"{flag} {seconds} must be >= 0 seconds")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} must be in 0..65535 (0: the OS picks)")
         for flag, speed in (
