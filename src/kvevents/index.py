@@ -463,7 +463,7 @@ class PrefixIndex:
         m = self._live
         segs: list[tuple[int, int]] = []
         i = 0
-        for k in keys:
+        for i, k in enumerate(keys):  # i is the matched length after a break
             nm = m & get(k, 0)
             if nm != m:
                 if i:
@@ -471,8 +471,8 @@ class PrefixIndex:
                 if not nm:
                     break
                 m = nm
-            i += 1
         else:
+            i = len(keys)
             if i:
                 segs.append((m, i))
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
