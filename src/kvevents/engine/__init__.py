@@ -18,6 +18,7 @@ Only the light pieces are imported here; the HTTP server (FastAPI, uvicorn) load
 ``kvevents.engine.launcher`` or ``kvevents.engine.server`` is imported.
 """
 
+from kvevents.engine.bench import run_engine_bench
 from kvevents.engine.cache import Admission, CacheStats, PrefixCache
 from kvevents.engine.scheduler import Completion, QueueFullError, Scheduler, StepResult
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
@@ -52,4 +53,5 @@ __all__ = [
     "load_trace",
     "plan_topology",
     "request_tokens",
+    "run_engine_bench",
 ]

@@ -59,7 +59,8 @@ class EngineRankError(KVEventsError, RuntimeError):
 class _Rank:
     spec: RankSpec
     process: subprocess.Popen[bytes] | None = None
-    state: str = "starting"  # starting | running | restarting | dead | stopped
+    # starting -> running -> (killing -> restarting -> running)* -> stopped, or -> dead
+    state: str = "starting"
     pid: int | None = None
     endpoint: str | None = None
     replay_endpoint: str | None = None
@@ -128,9 +129,9 @@ class RankSupervisor:
     async def restart(self, dp_rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
         """Kill rank ``dp_rank`` with ``sig`` and start it again on the same endpoints."""
         rank = self._rank(dp_rank)
-        if rank.state in ("starting", "restarting", "stopped"):
+        if rank.state in ("starting", "killing", "restarting", "stopped"):
             raise EngineRankError(f"dp_rank {dp_rank} is {rank.state}; try again later", 409)
-        rank.state = "restarting"
+        rank.state = "killing"  # the watchdog ignores this exit
         await self._terminate(rank, sig, timeout=10.0)
         self._fail_pending(rank, f"dp_rank {dp_rank} was restarted")
         rank.spec = msgspec.structs.replace(
@@ -301,7 +302,7 @@ class RankSupervisor:
             await asyncio.sleep(0.1)
             for rank in self._ranks:
                 proc = rank.process
-                if proc is None or rank.state in ("restarting", "stopped", "dead"):
+                if proc is None or rank.state in ("killing", "stopped", "dead"):
                     continue
                 code = proc.poll()
                 if code is None:
