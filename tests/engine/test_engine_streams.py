@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from engine_support import Engine, RankStreams, published_counts
+from engine_support import Engine, RankStreams, free_port_range, published_counts
 
 from kvevents.wire import AllBlocksCleared, BlockRemoved
 
@@ -147,5 +147,42 @@ def test_tp2_still_has_exactly_dp_size_publishers(ctx: zmq.Context) -> None:
         ]
         assert len(info["kv_events"]["publishers"]) == 2
         run_workload(engine, ctx, 2)
+    finally:
+        engine.stop()
+
+
+def test_fixed_base_port_gives_base_plus_rank_streams(ctx: zmq.Context) -> None:
+    """With a fixed base port, pure-DP rank r publishes on base + r (replay on its base + r) and the block says so."""
+    base = free_port_range(8)
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{base}",
+        "replay_endpoint": f"tcp://*:{base + 4}",
+        "topic": "kv",
+    }
+    engine = Engine(["--dp-size", "4", "--page-size", str(PAGE)], config)
+    try:
+        block = engine.server_info()["kv_events"]
+        assert block["endpoint_port_base"] == base
+        assert block["replay_endpoint_port_base"] == base + 4
+        assert block["ports_consecutive"] is True
+        # Connect by the base + rank rule alone, as an SGLang-era consumer would.
+        by_rule = dict(block)
+        by_rule["publishers"] = [
+            {
+                "dp_rank": r,
+                "endpoint": f"tcp://*:{base + r}",
+                "replay_endpoint": f"tcp://*:{base + 4 + r}",
+            }
+            for r in range(4)
+        ]
+        assert by_rule["publishers"] == block["publishers"]
+        streams = RankStreams(ctx, by_rule, engine.url)
+        try:
+            for rank in range(4):
+                engine.generate(prompt(rank, rank), rank)
+            check_consistent(engine, streams, 4)
+        finally:
+            streams.close()
     finally:
         engine.stop()
