@@ -1,0 +1,19 @@
+"""KV-aware routing: scoring, the in-process :class:`Router`, and the HTTP service.
+
+``kvevents router --engine URL`` runs :mod:`kvevents.router.service`; importing this
+package does not import FastAPI.
+"""
+
+from kvevents.router.core import RouteDecision, Router, Ticket
+from kvevents.router.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
+
+__all__ = [
+    "HolderLoad",
+    "HolderScore",
+    "RouteDecision",
+    "Router",
+    "ScoringWeights",
+    "Ticket",
+    "choose",
+    "score",
+]

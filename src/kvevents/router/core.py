@@ -1,0 +1,216 @@
+"""Router: the prefix index, holder loads and the routing decision, usable in-process.
+
+The HTTP service (:mod:`kvevents.router.service`) is a thin shell around this class;
+a demo or a test may drive it directly: feed it the subscriber's items
+(:meth:`Router.handle`), engines' ``/load`` bodies (:meth:`Router.update_load`), and
+ask :meth:`Router.query` / :meth:`Router.route`. Requests it forwards are bracketed by
+:meth:`Router.begin` and :meth:`Router.finish`, so its own in-flight work counts as load.
+
+Signals: a ``reset`` (the engine restarted) and a ``loss`` (events that will never
+arrive) both clear the holder's blocks. After a loss the index cannot know which
+removals it missed; keeping the blocks would send requests, again and again, to a rank
+that no longer has them, while dropping them costs at most one prefill per prefix
+until the rank stores it again.
+
+Not thread-safe: call it from one thread (the service uses its event loop).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvevents.index import DEFAULT_MAX_ENTRIES, PrefixIndex
+from kvevents.index_types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.router.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
+from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
+
+__all__ = ["RouteDecision", "Router", "Ticket"]
+
+
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+    """The chosen holder for a request, with every holder's score (best first)."""
+
+    worker: str
+    dp_rank: int
+    n_blocks: int
+    block_size: int
+    scores: list[HolderScore]
+
+    @property
+    def holder(self) -> Holder:
+        return Holder(self.worker, self.dp_rank)
+
+    @property
+    def chosen(self) -> HolderScore:
+        return self.scores[0]
+
+
+class Ticket(msgspec.Struct, frozen=True):
+    """An in-flight request: what :meth:`Router.finish` takes back off the holder's load."""
+
+    holder: Holder
+    blocks: float
+
+
+class Router:
+    """KV-aware routing over a :class:`~kvevents.index.PrefixIndex`; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int | None = None,
+        credits: TierCredits = DEFAULT_CREDITS,
+        weights: ScoringWeights | None = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        self.index = PrefixIndex(block_size=block_size, max_entries=max_entries, credits=credits)
+        self.weights = weights or ScoringWeights()
+        self.loads: dict[Holder, HolderLoad] = {}
+        self.signals: Counter[tuple[str, Holder | None]] = Counter()
+        self.batches_applied = 0
+        self.routes: Counter[Holder] = Counter()
+
+    # --- feeding ----------------------------------------------------------------------
+
+    def add_holder(self, holder: Holder, *, block_size: int | None = None) -> None:
+        """Make a holder routable (known from discovery before any event arrives)."""
+        holder = Holder(*holder)
+        self.index.add_holder(holder, block_size=block_size)
+        self.loads.setdefault(holder, HolderLoad())
+
+    def handle(self, item: Delivery | Signal) -> None:
+        """Apply one subscriber item: a batch goes to the index, a reset or loss clears the holder."""
+        if isinstance(item, Delivery):
+            if item.holder not in self.loads:
+                self.loads[item.holder] = HolderLoad()
+            self.index.apply(item.holder, item.batch)
+            self.batches_applied += 1
+            return
+        holder = item.holder
+        self.signals[(item.kind, holder)] += 1
+        if isinstance(item, (Reset, Loss)) and holder is not None:
+            self.index.clear_holder(holder)
+        elif isinstance(item, (Gap, Unreachable)):
+            pass  # informational: the missed batches follow, or discovery retries
+
+    def update_load(self, worker: str, body: dict[str, Any]) -> None:
+        """Take an engine's ``/load`` body: ``{"ranks": [{"dp_rank", "running", "waiting", "available"}]}``."""
+        ranks = body.get("ranks")
+        if not isinstance(ranks, list):
+            raise ValueError(
+                f"/load of {worker} has no 'ranks' list; expected the kvevents engine's "
+                '{"dp_size": N, "ranks": [{"dp_rank", "running", "waiting"}, ...]}'
+            )
+        for entry in ranks:
+            if not isinstance(entry, dict) or not isinstance(entry.get("dp_rank"), int):
+                continue
+            holder = Holder(worker, entry["dp_rank"])
+            load = self.loads.setdefault(holder, HolderLoad())
+            if self.index.slot_of(holder) is None:
+                self.index.add_holder(holder)
+            load.available = bool(entry.get("available", True))
+            running = entry.get("running", 0)
+            waiting = entry.get("waiting", 0)
+            if isinstance(running, int) and isinstance(waiting, int):
+                load.engine_requests = running + waiting
+
+    def set_worker_available(self, worker: str, available: bool) -> None:
+        """Mark every rank of an engine (un)available, e.g. when its ``/load`` stops answering."""
+        for holder, load in self.loads.items():
+            if holder.worker == worker:
+                load.available = available
+
+    # --- deciding ---------------------------------------------------------------------
+
+    def _keys(
+        self, token_ids: Sequence[int], lora: str | int | None, cache_salt: str | None
+    ) -> list[int]:
+        return self.index.keys_for(token_ids, lora=lora, cache_salt=cache_salt)
+
+    def query(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[Holder, HolderMatch]:
+        """Every known holder's longest cached prefix of the request, per tier, in blocks."""
+        result = self.index.match_keys(self._keys(token_ids, lora, cache_salt))
+        found = result.by_holder()
+        return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> RouteDecision:
+        """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost)."""
+        keys = self._keys(token_ids, lora, cache_salt)
+        found = self.index.match_keys(keys).by_holder()
+        scores = score(
+            len(keys),
+            self.holders(),
+            found,
+            self.loads,
+            credits=self.index.credits,
+            weights=self.weights,
+        )
+        best = choose(scores)
+        assert self.index.block_size is not None  # keys_for checked it
+        return RouteDecision(
+            worker=best.worker,
+            dp_rank=best.dp_rank,
+            n_blocks=len(keys),
+            block_size=self.index.block_size,
+            scores=scores,
+        )
+
+    def begin(self, decision: RouteDecision) -> Ticket:
+        """Count a request forwarded to the chosen holder as in-flight load."""
+        holder = decision.holder
+        load = self.loads.setdefault(holder, HolderLoad())
+        blocks = decision.chosen.prefill_blocks
+        load.inflight_requests += 1
+        load.inflight_blocks += blocks
+        load.routed += 1
+        self.routes[holder] += 1
+        return Ticket(holder, blocks)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The forwarded request ended (answered or failed): drop it from the load."""
+        load = self.loads.get(ticket.holder)
+        if load is None:
+            return
+        load.inflight_requests = max(0, load.inflight_requests - 1)
+        load.inflight_blocks = max(0.0, load.inflight_blocks - ticket.blocks)
+
+    # --- inspecting -------------------------------------------------------------------
+
+    def holders(self) -> list[Holder]:
+        """Routable holders, in registration order."""
+        return self.index.holders()
+
+    def holder_summary(self) -> list[dict[str, Any]]:
+        """Per holder: entries in the index per tier, load and signal counts (for /workers)."""
+        out = []
+        for h in self.holders():
+            load = self.loads.get(h, HolderLoad())
+            out.append(
+                {
+                    "worker": h.worker,
+                    "dp_rank": h.dp_rank,
+                    "index_entries": self.index.holder_size(h),
+                    "load": msgspec.structs.asdict(load),
+                    "routed": self.routes[h],
+                    "signals": {
+                        kind: n for (kind, holder), n in self.signals.items() if holder == h
+                    },
+                }
+            )
+        return out

@@ -1,0 +1,152 @@
+"""Prometheus metrics of a router, on a registry of its own.
+
+Nothing is counted twice: a collector reads the index's counters, the router's loads
+and the subscriber's stream statistics when scraped. Each router gets its own
+``CollectorRegistry`` (never the global default), so several routers can live in one
+process, as tests do.
+
+Families (all prefixed ``kvevents_router_``):
+
+* ``events_total{type,outcome}``: events applied, by type and outcome ("ok" or the
+  silent-miss path met: unknown_parent, unknown_hash, block_size_mismatch,
+  unknown_medium, malformed).
+* ``index_misses_total{reason}``: blocks on each silent-miss path, and pruned entries.
+* ``index_entries``, ``index_blocks``, ``holder_entries{worker,dp_rank}``.
+* ``lookups_total``, ``routes_total{worker,dp_rank}``, ``inflight_requests{worker,dp_rank}``.
+* ``stream_lag_seconds``, ``stream_age_seconds``, ``stream_last_seq``,
+  ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
+  ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
+* ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvevents.router.core import Router
+from kvevents.signals import Holder
+from kvevents.stream_stats import StreamStats
+
+__all__ = ["RouterCollector", "make_registry", "render"]
+
+_P = "kvevents_router_"
+_MISSES = (
+    "unknown_parent",
+    "unknown_hash",
+    "block_size_mismatch",
+    "unknown_medium",
+    "malformed",
+    "pruned_entries",
+)
+_STREAM_COUNTERS = (
+    ("gaps", "stream_gaps", "sequence gaps detected"),
+    ("lost", "stream_lost", "batches lost for good"),
+    ("resets", "stream_resets", "stream restarts (engine restarted)"),
+    ("replayed", "stream_replayed", "batches recovered by replay"),
+    ("malformed", "stream_malformed", "malformed frames skipped"),
+)
+
+StreamStatsSource = Callable[[], Mapping[Holder, StreamStats]]
+
+
+class RouterCollector(Collector):
+    """Reads a :class:`Router` (and optionally stream statistics) at scrape time."""
+
+    def __init__(self, router: Router, streams: StreamStatsSource | None = None) -> None:
+        self.router = router
+        self.streams = streams
+
+    def collect(self) -> Iterable[Metric]:
+        router = self.router
+        stats = router.index.stats
+        events = CounterMetricFamily(
+            _P + "events", "KV events applied, by type and outcome", labels=["type", "outcome"]
+        )
+        for key, n in sorted(stats.events.items()):
+            kind, _, outcome = key.partition(":")
+            events.add_metric([kind, outcome], n)
+        yield events
+        misses = CounterMetricFamily(
+            _P + "index_misses", "blocks on each silent-miss path of the index", labels=["reason"]
+        )
+        for reason in _MISSES:
+            misses.add_metric([reason], getattr(stats, reason))
+        yield misses
+        yield GaugeMetricFamily(
+            _P + "index_entries", "(block, holder, tier) entries", value=len(router.index)
+        )
+        yield GaugeMetricFamily(
+            _P + "index_blocks", "distinct blocks in the index", value=router.index.num_blocks
+        )
+        yield CounterMetricFamily(_P + "lookups", "index lookups", value=stats.lookups)
+        labels = ["worker", "dp_rank"]
+        entries = GaugeMetricFamily(
+            _P + "holder_entries", "index entries per holder", labels=labels
+        )
+        routes = CounterMetricFamily(_P + "routes", "requests routed per holder", labels=labels)
+        inflight = GaugeMetricFamily(
+            _P + "inflight_requests", "requests forwarded and not finished", labels=labels
+        )
+        for h in router.holders():
+            lv = [h.worker, str(h.dp_rank)]
+            entries.add_metric(lv, router.index.holder_size(h))
+            routes.add_metric(lv, router.routes[h])
+            load = router.loads.get(h)
+            inflight.add_metric(lv, load.inflight_requests if load else 0)
+        yield entries
+        yield routes
+        yield inflight
+        signals = CounterMetricFamily(
+            _P + "signals", "subscriber signals handled", labels=["kind", "worker", "dp_rank"]
+        )
+        for (kind, holder), n in sorted(router.signals.items(), key=str):
+            worker, rank = ("", "") if holder is None else (holder.worker, str(holder.dp_rank))
+            signals.add_metric([kind, worker, rank], n)
+        yield signals
+        if self.streams is not None:
+            yield from self._streams(self.streams())
+
+    def _streams(self, streams: Mapping[Holder, StreamStats]) -> Iterable[Metric]:
+        labels = ["worker", "dp_rank"]
+        lag = GaugeMetricFamily(
+            _P + "stream_lag_seconds", "publish-to-receive lag of the last batch", labels=labels
+        )
+        age = GaugeMetricFamily(
+            _P + "stream_age_seconds", "seconds since the last message", labels=labels
+        )
+        last = GaugeMetricFamily(_P + "stream_last_seq", "last sequence number", labels=labels)
+        counters = [
+            (field, CounterMetricFamily(_P + name, help_, labels=labels))
+            for field, name, help_ in _STREAM_COUNTERS
+        ]
+        for holder, s in sorted(streams.items()):
+            lv = [holder.worker, str(holder.dp_rank)]
+            if s.lag_s is not None:
+                lag.add_metric(lv, s.lag_s)
+            if s.age_s is not None:
+                age.add_metric(lv, s.age_s)
+            if s.last_seq is not None:
+                last.add_metric(lv, s.last_seq)
+            for field, family in counters:
+                family.add_metric(lv, getattr(s, field))
+        yield lag
+        yield age
+        yield last
+        for _, family in counters:
+            yield family
+
+
+def make_registry(router: Router, streams: StreamStatsSource | None = None) -> CollectorRegistry:
+    """A fresh registry holding only this router's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router, streams))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in Prometheus text format."""
+    return generate_latest(registry)
