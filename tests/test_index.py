@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_wire_samples
+from wire_samples import load_wire_samples
 from kvevents.index import PrefixIndex, namespace_key
 from kvevents.index_types import HolderMatch, Tier, TierCredits, normalize_medium
 from kvevents.signals import Holder

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from conftest import SAMPLE_FILES, load_wire_samples
+from wire_samples import SAMPLE_FILES, load_wire_samples
 from kvevents.discovery import StreamSpec
 from kvevents.subscriber import Subscriber
 from kvevents.wire import KVCacheEvent, KVEventBatch, decode_seq

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from conftest import SAMPLE_FILES, load_wire_samples
+from wire_samples import SAMPLE_FILES, load_wire_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
