@@ -1,0 +1,89 @@
+"""Helpers for router tests: a `kvevents router` subprocess next to a `kvevents engine` one."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+
+from engine_support import Engine
+
+__all__ = ["KV_CONFIG", "Engine", "RouterProc", "wait_until"]
+
+READY = "kvevents router ready "
+KV_CONFIG = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+
+
+class RouterProc:
+    """A `kvevents router --port 0` subprocess; stop() it (fixtures do)."""
+
+    def __init__(self, engines: Sequence[str], *extra: str, timeout: float = 30.0) -> None:
+        argv = [sys.executable, "-m", "kvevents.cli", "router", "--port", "0"]
+        for url in engines:
+            argv += ["--engine", url]
+        argv += list(extra)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.url = self._await_ready(timeout)
+        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+
+    def _await_ready(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=deadline - time.monotonic()):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith(READY):
+                    return line[len(READY) :].strip()
+        code = self.stop(expect=None)
+        raise AssertionError(f"router did not become ready (exit {code}): {self.stderr}")
+
+    stderr = ""
+
+    def stop(self, expect: int | None = 0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise AssertionError("router did not stop within 20 s of SIGTERM") from None
+        self.stderr = self.proc.stderr.read() if self.proc.stderr else ""
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if hasattr(self, "http"):
+            self.http.close()
+        if expect is not None:
+            assert code == expect, f"router exited {code}: {self.stderr}"
+        return code
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return self.http.post(path, json=body)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    """Call ``check`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,99 @@
+"""The in-process Router: subscriber items, loads, in-flight work, and its metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevents.router import Router
+from kvevents.router.metrics import make_registry, render
+from kvevents.signals import Delivery, Gap, Holder, Loss, Reset
+from kvevents.wire import BlockStored, KVEventBatch
+
+H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> KVEventBatch:
+    event = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=2,
+        lora_id=None,
+        medium=None,
+    )
+    return KVEventBatch(ts=0.0, events=[event])
+
+
+def make_router() -> Router:
+    router = Router(block_size=2)
+    router.add_holder(H0, block_size=2)
+    router.add_holder(H1, block_size=2)
+    return router
+
+
+def test_deliveries_feed_the_index_and_route_to_the_cached_rank() -> None:
+    """Batches delivered for a holder make it the choice for requests sharing its prefix."""
+    router = make_router()
+    router.handle(Delivery(H1, 0, stored([1, 2, 3], [5, 6, 7, 8, 9, 10])))
+    assert router.query([5, 6, 7, 8, 1, 1])[H1].gpu == 2
+    decision = router.route([5, 6, 7, 8, 9, 10, 11, 12])
+    assert decision.holder == H1 and decision.chosen.prefill_blocks == 1.0
+    assert [s.holder for s in decision.scores] == [H1, H0]
+
+
+@pytest.mark.parametrize("signal_cls", [Reset, Loss])
+def test_reset_and_loss_clear_only_that_holder(signal_cls: type) -> None:
+    """A reset or a loss drops the holder's blocks; other holders and gaps change nothing."""
+    router = make_router()
+    router.handle(Delivery(H0, 0, stored([1], [5, 6])))
+    router.handle(Delivery(H1, 0, stored([1], [5, 6])))
+    router.handle(Gap(worker=H0.worker, dp_rank=0, first_seq=1, last_seq=2))
+    assert router.query([5, 6])[H0].gpu == 1
+    extra = {"reason": "test", "last_seq": 3}
+    extra |= {"new_seq": 0} if signal_cls is Reset else {"first_seq": 1}
+    router.handle(signal_cls(worker=H0.worker, dp_rank=0, **extra))
+    assert router.query([5, 6]) == {H0: (0, 0, 0), H1: (1, 0, 0)}
+    assert router.signals[(signal_cls.kind, H0)] == 1
+
+
+def test_load_and_inflight_requests_steer_away() -> None:
+    """Engine /load figures and the router's own in-flight requests count as pending work."""
+    router = make_router()
+    router.update_load(
+        H0.worker,
+        {"dp_size": 2, "ranks": [{"dp_rank": 0, "running": 3, "waiting": 1}, {"dp_rank": 1}]},
+    )
+    assert router.loads[H0].engine_requests == 4
+    assert router.route([1, 2, 3, 4]).holder == H1
+    router.update_load(H0.worker, {"ranks": [{"dp_rank": 0, "running": 0, "waiting": 0}]})
+    first = router.route([1, 2, 3, 4])
+    ticket = router.begin(first)
+    assert router.loads[first.holder].inflight_blocks == 2.0
+    second = router.route([1, 2, 3, 4])
+    assert second.holder != first.holder
+    router.finish(ticket)
+    assert router.loads[first.holder].inflight_requests == 0
+
+
+def test_unavailable_rank_and_bad_load_body() -> None:
+    """A rank reported unavailable is not chosen; a /load body without ranks is a clear error."""
+    router = make_router()
+    router.handle(Delivery(H0, 0, stored([1], [5, 6])))
+    router.update_load(H0.worker, {"ranks": [{"dp_rank": 0, "available": False}]})
+    assert router.route([5, 6]).holder == H1
+    with pytest.raises(ValueError, match="no 'ranks' list"):
+        router.update_load(H0.worker, {"dp_size": 2})
+
+
+def test_two_routers_have_separate_metric_registries() -> None:
+    """Each router's registry reports only its own events, lookups and routes."""
+    a, b = make_router(), make_router()
+    a.handle(Delivery(H0, 0, stored([1], [5, 6])))
+    a.begin(a.route([5, 6]))
+    text_a = render(make_registry(a)).decode()
+    text_b = render(make_registry(b)).decode()
+    assert 'kvevents_router_events_total{outcome="ok",type="BlockStored"} 1.0' in text_a
+    assert "kvevents_router_events_total{" not in text_b
+    assert "kvevents_router_lookups_total 1.0" in text_a
+    assert 'kvevents_router_routes_total{dp_rank="0",worker="http://e:1"} 1.0' in text_a
+    assert "kvevents_router_index_entries 0.0" in text_b

@@ -1,0 +1,79 @@
+"""Router scoring: the documented cost, tier credits, tie-breaks and availability."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevents.index_types import HolderMatch, TierCredits
+from kvevents.router.scoring import HolderLoad, ScoringWeights, choose, pending_blocks, score
+from kvevents.signals import Holder
+
+H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
+
+
+def test_cost_is_uncached_prefill_plus_weighted_pending() -> None:
+    """cost = n - credit-weighted cached blocks + load_weight * pending blocks."""
+    scores = score(
+        10,
+        [H0, H1],
+        {H0: HolderMatch(4, 2, 2)},
+        {H1: HolderLoad(inflight_requests=1, inflight_blocks=3.0)},
+        weights=ScoringWeights(load_weight=2.0),
+    )
+    by = {s.holder: s for s in scores}
+    assert by[H0].cached_blocks == pytest.approx(4 + 2 * 0.75 + 2 * 0.25)
+    assert by[H0].cost == pytest.approx(10 - 6.0)
+    assert by[H1].pending_blocks == 3.0 and by[H1].cost == pytest.approx(10 + 2 * 3.0)
+    assert choose(scores).holder == H0
+
+
+def test_credits_change_what_a_cached_tier_is_worth() -> None:
+    """A holder with the prefix on CPU beats an empty one, and loses to GPU when credits say so."""
+    matches = {H0: HolderMatch(0, 8, 0), H1: HolderMatch(6, 0, 0)}
+    default = score(8, [H0, H1], matches, {})
+    assert choose(default).holder == H0  # 8 * 0.75 = 6.0 ties 6 on GPU; tie -> earlier holder
+    stingy = score(8, [H0, H1], matches, {}, credits=TierCredits(cpu=0.5))
+    assert choose(stingy).holder == H1
+
+
+def test_engine_requests_not_sent_by_the_router_count_as_foreign_work() -> None:
+    """Engine-reported requests beyond the router's own in-flight ones add foreign_request_blocks each."""
+    weights = ScoringWeights(foreign_request_blocks=5.0)
+    load = HolderLoad(engine_requests=4, inflight_requests=1, inflight_blocks=2.0)
+    assert pending_blocks(load, weights) == 2.0 + 3 * 5.0
+    assert pending_blocks(HolderLoad(engine_requests=1, inflight_requests=3), weights) == 0.0
+
+
+def test_load_outweighs_a_small_cache_advantage() -> None:
+    """A busy holder with a short cached prefix loses to an idle one."""
+    scores = score(
+        10,
+        [H0, H1],
+        {H0: HolderMatch(2, 0, 0)},
+        {H0: HolderLoad(inflight_requests=2, inflight_blocks=20.0)},
+    )
+    assert choose(scores).holder == H1
+
+
+def test_ties_go_to_lower_load_then_fewer_routed_then_order() -> None:
+    """Equal cost: lower pending wins; equal pending: the holder sent fewer requests so far."""
+    even = score(4, [H0, H1, H2], {}, {H0: HolderLoad(routed=3), H1: HolderLoad(routed=1)})
+    assert [s.holder for s in even] == [H2, H1, H0]
+    # Same cost, different load: H0 caches 1 block but has 1 pending block.
+    mixed = score(4, [H0, H1], {H0: HolderMatch(1, 0, 0)}, {H0: HolderLoad(inflight_blocks=1.0)})
+    assert mixed[0].cost == mixed[1].cost and choose(mixed).holder == H1
+
+
+def test_unavailable_holders_are_never_chosen() -> None:
+    """A rank the engine reports unavailable ranks last; with none available, choose() says so."""
+    scores = score(4, [H0, H1], {H0: HolderMatch(4, 0, 0)}, {H0: HolderLoad(available=False)})
+    assert choose(scores).holder == H1
+    down = score(4, [H0], {}, {H0: HolderLoad(available=False)})
+    with pytest.raises(ValueError, match="no available holder"):
+        choose(down)
+
+
+def test_weights_are_validated() -> None:
+    """Negative weights are refused with the field named."""
+    with pytest.raises(ValueError, match="load_weight=-1"):
+        ScoringWeights(load_weight=-1)

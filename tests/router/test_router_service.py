@@ -1,0 +1,159 @@
+"""`kvevents router` as a user runs it: real engine and router processes, real HTTP."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+
+from kvevents.index import PrefixIndex
+from kvevents.signals import Holder
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine(["--dp-size", "2", "--page-size", str(PAGE), "--max-blocks", "256"], KV_CONFIG)
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def router(engine: Engine) -> Iterator[RouterProc]:
+    proc = RouterProc([engine.url], "--load-interval", "0.2")
+    wait_until(
+        lambda: len(proc.http.get("/workers").json()["holders"]) == 2,
+        20,
+        "the router to discover both ranks",
+    )
+    yield proc
+    proc.stop()
+
+
+def matched(router: RouterProc, tokens: list[int]) -> dict[int, int]:
+    body = router.post("/query", {"input_ids": tokens}).json()
+    return {m["dp_rank"]: m["matched_tokens"] for m in body["matches"]}
+
+
+def test_generate_is_routed_to_the_rank_holding_the_prefix(
+    engine: Engine, router: RouterProc
+) -> None:
+    """A repeated prompt goes through the router to the rank that cached it, which reports the reuse."""
+    prompt = list(range(1000, 1024))  # 6 pages
+    first = router.post("/generate", {"input_ids": prompt, "max_new_tokens": 1}).json()
+    rank = first["router"]["dp_rank"]
+    assert first["dp_rank"] == rank and first["cached_tokens"] == 0
+    wait_until(lambda: matched(router, prompt)[rank] == 24, 10, "the router to see the prompt")
+    again = router.post("/generate", {"input_ids": [*prompt, 1, 2, 3, 4], "max_new_tokens": 1})
+    body = again.json()
+    assert body["router"]["dp_rank"] == rank == body["dp_rank"]
+    assert body["cached_tokens"] == 24 and body["router"]["cached_blocks"] == 6.0
+
+
+def test_query_and_route_report_every_holder(engine: Engine, router: RouterProc) -> None:
+    """/query gives matched tokens per worker, rank and tier; /route explains its choice with scores."""
+    prompt = [7] * 16
+    engine.generate(prompt, rank=1)
+    wait_until(lambda: matched(router, prompt)[1] == 16, 10, "rank 1's blocks in the index")
+    body = router.post("/query", {"input_ids": [*prompt, 9]}).json()
+    assert body["block_size"] == PAGE and body["prompt_tokens"] == 17
+    rank1 = next(m for m in body["matches"] if m["dp_rank"] == 1)
+    assert rank1 == {
+        "worker": engine.url,
+        "dp_rank": 1,
+        "matched_blocks": 4,
+        "matched_tokens": 16,
+        "tiers": {"gpu": 16, "cpu": 0, "disk": 0},
+    }
+    route = router.post("/route", {"input_ids": [*prompt, 9, 9, 9, 9]}).json()
+    assert (route["worker"], route["dp_rank"], route["n_blocks"]) == (engine.url, 1, 5)
+    assert [s["dp_rank"] for s in route["scores"]] == [1, 0]
+    assert route["scores"][0]["matched"] == {"gpu": 4, "cpu": 0, "disk": 0}
+
+
+def test_text_prompts_use_the_engines_byte_tokenizer(engine: Engine, router: RouterProc) -> None:
+    """A text prompt sent to the engine matches the same text asked of the router."""
+    text = "the quick brown fox jumps over the lazy dog"
+    engine.http.post("/generate", json={"text": text, "routed_dp_rank": 0, "max_new_tokens": 1})
+    wait_until(
+        lambda: router.post("/query", {"text": text}).json()["matches"][0]["matched_tokens"] == 40,
+        10,
+        "the text prompt's 10 pages on rank 0",
+    )
+
+
+def test_workers_metrics_and_dump(engine: Engine, router: RouterProc) -> None:
+    """/workers shows both streams connected, /metrics is Prometheus text, /dump equals /kv_blocks."""
+    engine.generate(list(range(50, 62)), rank=0)
+    workers = router.http.get("/workers").json()
+    assert {s["dp_rank"] for s in workers["streams"]} == {0, 1}
+    assert all(s["status"] == "connected" for s in workers["streams"])
+    assert workers["engines"][0]["discovery"]["state"] == "subscribed"
+    text = router.http.get("/metrics").text
+    for family in (
+        "kvevents_router_events_total",
+        "kvevents_router_index_entries",
+        "kvevents_router_lookups_total",
+        "kvevents_router_stream_lag_seconds",
+        "kvevents_router_stream_gaps_total",
+        "kvevents_router_stream_lost_total",
+        "kvevents_router_stream_resets_total",
+    ):
+        assert f"# TYPE {family.removesuffix('_total')}" in text, family
+
+    def dump_equals_engine() -> bool:
+        index = PrefixIndex.from_bytes(router.http.get("/dump").content)
+        return all(
+            index.holder_hashes(Holder(engine.url, r)) == engine.kv_blocks(r) for r in (0, 1)
+        )
+
+    wait_until(dump_equals_engine, 10, "the dumped index to equal /kv_blocks")
+
+
+def test_bad_bodies_answer_400_naming_the_problem(router: RouterProc) -> None:
+    """A body with neither or both of input_ids/text, or a bad token, is a 400 that says why."""
+    neither = router.post("/query", {})
+    assert neither.status_code == 400 and "input_ids" in neither.json()["error"]
+    both = router.post("/route", {"input_ids": [1], "text": "a"})
+    assert both.status_code == 400
+    bad = router.post("/generate", {"input_ids": [-1]})
+    assert bad.status_code == 400 and "input_ids" in bad.json()["error"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_engine_not_up_yet_is_reported_not_fatal() -> None:
+    """With its engine down, the router still serves: 503 for routing, the error in /workers."""
+    url = f"http://127.0.0.1:{_closed_port()}"
+    proc = RouterProc([url])
+    try:
+        answer = proc.post("/route", {"input_ids": [1, 2, 3, 4]})
+        assert answer.status_code == 503 and "block_size" in answer.json()["error"]
+        wait_until(
+            lambda: proc.http.get("/workers").json()["engines"][0]["load_error"] is not None,
+            10,
+            "the load poller to report the dead engine",
+        )
+    finally:
+        proc.stop()
+
+
+def test_bad_option_exits_2_with_a_message() -> None:
+    """A malformed --credits value exits with code 2 and names the option."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", "router", "--engine", "x", "--credits", "1,2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "ConfigError: --credits '1,2'" in done.stderr
