@@ -75,14 +75,20 @@ _HELP_WAIT_S = 0.001  # longest a helping caller waits for the sender to finish 
 _CHUNK = 32  # batches the sender sends per hold of the send lock
 
 
-class _DropRun:
-    """Queue marker for consecutive dropped batches: each takes one sequence number."""
+class _Marker:
+    """A queue entry that is not a batch: a run of drops, or a flush waiting to be reached.
 
-    __slots__ = ("closed", "count")
+    A drop run (``count`` > 0) stands for consecutive batches refused while the queue was
+    full; each takes one sequence number when the run leaves the queue. A flush marker
+    (``flushed`` set) is signalled when everything queued before it has been sent.
+    """
 
-    def __init__(self) -> None:
-        self.count = 1
+    __slots__ = ("closed", "count", "flushed")
+
+    def __init__(self, count: int = 0, flushed: threading.Event | None = None) -> None:
+        self.count = count
         self.closed = False
+        self.flushed = flushed
 
 
 def _open_socket(
@@ -196,7 +202,9 @@ class ZmqEventPublisher(EventPublisher):
             if replay is not None:
                 router = context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 0 if hwm == 0 else max(hwm, buffer_steps + 1))
+                # Room for two whole answers per client: ZMQ acknowledges reads lazily, so a
+                # pipe sized for one answer can refuse a client that is reading fine.
+                router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
                 self._replay_endpoint = _open_socket(router, replay, True, self._rank, "replay")
                 self._buffer = ReplayBuffer(buffer_steps)
                 self._replay = ReplayServer(
@@ -212,7 +220,7 @@ class ZmqEventPublisher(EventPublisher):
         # the sender calls the C-level method directly (about 0.5 us less per batch).
         self._send_frame: Callable[[bytes, int], Any] = super(zmq.Socket, pub).send
 
-        self._queue: deque[KVEventBatch | _DropRun] = deque()
+        self._queue: deque[KVEventBatch | _Marker] = deque()
         self._send_lock = threading.Lock()  # held while a batch leaves the queue and is sent
         self._drop_lock = threading.Lock()  # orders drops against the sender closing a run
         self._lifecycle_lock = threading.Lock()
@@ -270,7 +278,7 @@ class ZmqEventPublisher(EventPublisher):
             replay_truncated=replay.truncated if replay else 0,
             malformed_requests=replay.malformed if replay else 0,
             caller_sends=self._caller_sends,
-            queued=sum(1 for item in list(self._queue) if type(item) is not _DropRun),
+            queued=sum(1 for item in list(self._queue) if type(item) is not _Marker),
             unsent=self._unsent,
         )
 
@@ -303,6 +311,15 @@ class ZmqEventPublisher(EventPublisher):
             finally:
                 self._send_lock.release()
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every batch accepted before this call is sent; False if ``timeout`` passed first."""
+        if self._state is not PublisherState.RUNNING:
+            return not self._queue
+        flushed = threading.Event()
+        self._queue.append(_Marker(flushed=flushed))
+        self._wake.set()
+        return flushed.wait(timeout)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Send what was accepted (up to ``timeout`` seconds, default ``shutdown_timeout``), then close."""
         with self._lifecycle_lock:
@@ -317,7 +334,7 @@ class ZmqEventPublisher(EventPublisher):
             self._sender.join(1.0)
         with self._send_lock:
             self._pub_open = False
-            self._unsent = sum(1 for item in list(self._queue) if type(item) is not _DropRun)
+            self._unsent = sum(1 for item in list(self._queue) if type(item) is not _Marker)
             linger_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             self._pub.close(linger=linger_ms)
         if self._replay is not None:
@@ -334,18 +351,20 @@ class ZmqEventPublisher(EventPublisher):
                 last = queue[-1]
             except IndexError:
                 last = None
-            if type(last) is _DropRun and not last.closed:
+            if type(last) is _Marker and last.count and not last.closed:
                 last.count += 1
             else:
-                queue.append(_DropRun())
+                queue.append(_Marker(count=1))
 
     def _send_next(self) -> None:
         """Take the next queued item and send it. Caller holds the send lock; queue non-empty."""
         item = self._queue.popleft()
-        if type(item) is _DropRun:
+        if type(item) is _Marker:
             with self._drop_lock:
                 item.closed = True
                 self._next_seq += item.count
+            if item.flushed is not None:
+                item.flushed.set()
             return
         try:
             payload = self._encode(item)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ for every batch from ``start_seq`` on (wire format in :mod:`kvevents.wire`). Two
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import zmq
@@ -49,7 +50,7 @@ class ReplayBuffer:
       mix: replacing a list item is atomic under the GIL, and entries are immutable.
 
     Complexity: ``put`` and ``get`` are O(1) (one list store or load); ``since(start)`` is
-    O(k) for the k slots it visits (at most ``capacity``).
+    O(1) per entry it yields (it visits at most ``capacity`` slots).
 
     A deque scanned for ``start`` (upstream's choice) is O(n) per request; a dict needs
     an eviction per insert; a ring indexed by ``seq % capacity`` needs neither.
@@ -89,22 +90,19 @@ class ReplayBuffer:
         entry = self._slots[seq % self._capacity]
         return ReplayEntry._make(entry) if entry is not None and entry[0] == seq else None
 
-    def since(self, start: int) -> list[ReplayEntry]:
-        """Every stored entry with ``seq >= start``, in order, as a snapshot.
+    def since(self, start: int) -> Iterator[ReplayEntry]:
+        """Every stored entry with ``seq >= start`` and below ``next_seq`` at the call, in order.
 
-        A start older than the buffer begins at the oldest entry kept, so the caller
-        sees the missing range as a gap. The snapshot makes an answer consistent even
-        while the publisher keeps writing.
+        A start older than the buffer begins at the oldest entry kept, so the caller sees
+        the missing range as a gap. Entries are read lazily: one the writer overwrites
+        before it is reached has left the buffer and is skipped, like any older one.
         """
         end = self._next
-        first = max(start, end - self._capacity, 0)
         slots, cap = self._slots, self._capacity
-        out = []
-        for seq in range(first, end):
+        for seq in range(max(start, end - cap, 0), end):
             entry = slots[seq % cap]
             if entry is not None and entry[0] == seq:
-                out.append(ReplayEntry._make(entry))
-        return out
+                yield ReplayEntry._make(entry)
 
 
 class ReplayServer:
@@ -114,8 +112,9 @@ class ReplayServer:
     silently discarding; every send is non-blocking. For a request ``[id, b"", start]``
     the answer is every buffered entry with ``seq >= start`` as ``[b"", topic, seq,
     payload]`` followed by the end marker. A malformed request gets the end marker alone.
-    When a client's pipe is full (it stopped reading) or it is gone, the rest of its
-    answer, end marker included, is dropped and ``truncated`` counts it.
+    When a client's pipe is full (it stopped reading: the publisher sizes the pipe for two
+    whole answers) or it is gone, the rest of its answer, end marker included, is dropped
+    and ``truncated`` counts it.
 
     Counters (read from any thread): ``requests``, ``replayed`` (batches sent),
     ``truncated``, ``malformed``.
