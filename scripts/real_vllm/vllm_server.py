@@ -44,6 +44,10 @@ STOP_TIMEOUT_S = 30.0
 BLOCK_SIZE = 32  # vLLM on CPU needs a multiple of 32
 TOPIC = "kv"
 
+# Servers started by this process, by pid. vLLM outlives the call that started it, so
+# its Popen is kept here (dropping a live Popen warns) and reaped by stop().
+_LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
+
 
 @dataclass
 class ServerSpec:
@@ -228,6 +232,9 @@ def stop(
             deadline = time.monotonic() + 10.0
             while _group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
+    proc = _LAUNCHED.pop(pgid, None)
+    if proc is not None:
+        proc.wait(timeout=5.0)
     (Path(state_dir) / PID_FILE).unlink(missing_ok=True)
     return ran
 
@@ -290,6 +297,7 @@ def start(spec: ServerSpec, *, timeout: float = READY_TIMEOUT_S) -> float:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: killpg stops the engine cores too
         )
+    _LAUNCHED[proc.pid] = proc
     (state / PID_FILE).write_text(str(proc.pid))
     try:
         return wait_ready(spec, proc, timeout)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from real_vllm_helpers import ENV_URL, SCRIPT, RealVLLM, VLLMClient
+from real_vllm_helpers import ENV_URL, SCRIPT, IndexFeed, RealVLLM, VLLMClient
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,3 +40,15 @@ def client(vllm: RealVLLM) -> Iterator[VLLMClient]:
     c = VLLMClient(vllm)
     yield c
     c.close()
+
+
+@pytest.fixture
+def feed(vllm: RealVLLM) -> Iterator[IndexFeed]:
+    """A Subscriber on every rank feeding a PrefixIndex and the brute-force EventModel.
+
+    Each test gets a fresh one: it starts by replaying every rank from seq 0 (the slow
+    joiner path), so it begins with the state vLLM's events describe so far.
+    """
+    f = IndexFeed(vllm)
+    yield f
+    f.close()

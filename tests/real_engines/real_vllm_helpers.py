@@ -20,6 +20,7 @@ import itertools
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ from typing import Any
 
 import httpx
 
+from kvevents.discovery import StreamSpec
+from kvevents.hashing import content_keys
+from kvevents.index import PrefixIndex
+from kvevents.signals import Delivery, Holder, Reset, Signal
+from kvevents.subscriber import Subscriber
 from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 ENV_URL = "KVEVENTS_REAL_VLLM_URL"
@@ -174,46 +180,65 @@ class EventModel:
     """Brute-force replay of vLLM's events: per rank, hash -> the token prefix it covers.
 
     ``BlockStored`` adds each hash with the tokens of its block appended to its parent's
-    prefix (a parent this model never saw stays unknown: the block is recorded with
-    ``None`` as prefix, and :attr:`unknown_parents` counts it). ``BlockRemoved`` drops
-    hashes, ``AllBlocksCleared`` drops everything. O(blocks) memory, no cleverness: it is
-    the reference the index is checked against.
+    prefix (a parent this model does not hold leaves the prefix unknown, ``None``, and
+    is counted in :attr:`unknown_parents`). vLLM may hold two physical blocks under one
+    hash and stores and removes each separately, so copies are counted: a hash is held
+    while its count is above zero. ``BlockRemoved`` decrements, ``AllBlocksCleared``
+    drops everything. O(blocks) memory, no cleverness: the reference the index is
+    checked against.
     """
 
     def __init__(self) -> None:
-        self.blocks: dict[int, dict[Any, tuple[int, ...] | None]] = {}
+        self.blocks: dict[int, dict[Any, tuple[tuple[int, ...] | None, int]]] = {}
         self.unknown_parents = 0
         self.unknown_removals = 0
+        self.removed = 0
+        self.cleared = 0
 
     def apply(self, rank: int, batch: KVEventBatch) -> None:
         held = self.blocks.setdefault(rank, {})
         for event in batch.events:
             if isinstance(event, BlockStored):
                 size = event.block_size
-                prefix: tuple[int, ...] | None
-                if event.parent_block_hash is None:
-                    prefix = ()
-                else:
-                    prefix = held.get(event.parent_block_hash)
+                prefix: tuple[int, ...] | None = ()
+                if event.parent_block_hash is not None:
+                    prefix = held.get(event.parent_block_hash, (None, 0))[0]
                     if prefix is None:
                         self.unknown_parents += 1
                 for i, block_hash in enumerate(event.block_hashes):
                     chunk = tuple(event.token_ids[i * size : (i + 1) * size])
                     prefix = None if prefix is None else prefix + chunk
-                    held[block_hash] = prefix
+                    copies = held.get(block_hash, (None, 0))[1]
+                    held[block_hash] = (prefix, copies + 1)
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
-                    if held.pop(block_hash, "missing") == "missing":
+                    if block_hash not in held:
                         self.unknown_removals += 1
+                        continue
+                    self.removed += 1
+                    prefix, copies = held[block_hash]
+                    if copies > 1:
+                        held[block_hash] = (prefix, copies - 1)
+                    else:
+                        del held[block_hash]
             elif isinstance(event, AllBlocksCleared):
+                self.cleared += 1
                 held.clear()
 
     def clear(self, rank: int) -> None:
         self.blocks[rank] = {}
 
+    def hashes(self, rank: int) -> set[Any]:
+        """The engine hashes rank ``rank`` holds."""
+        return set(self.blocks.get(rank, {}))
+
     def prefixes(self, rank: int) -> set[tuple[int, ...]]:
         """Every token prefix (a whole number of blocks) rank ``rank`` holds."""
-        return {p for p in self.blocks.get(rank, {}).values() if p is not None}
+        return {p for p, _ in self.blocks.get(rank, {}).values() if p is not None}
+
+    def content_keys(self, rank: int, block_size: int) -> set[int]:
+        """Our content key of every block rank ``rank`` holds (the key of its whole prefix)."""
+        return {content_keys(p, block_size)[-1] for p in self.prefixes(rank)}
 
     def match(self, rank: int, tokens: Sequence[int], block_size: int) -> int:
         """Tokens of the longest prefix of ``tokens`` held by ``rank``, in whole blocks."""
@@ -222,6 +247,119 @@ class EventModel:
         while n + block_size <= len(tokens) and tuple(tokens[: n + block_size]) in held:
             n += block_size
         return n
+
+
+class IndexFeed:
+    """A :class:`Subscriber` on every rank of the real vLLM feeding a :class:`PrefixIndex`
+    and the :class:`EventModel`, in a background thread, exactly as a router would.
+
+    ``Reset`` clears the holder in both (the subscriber's contract: drop that holder's
+    state); every signal is kept in :attr:`signals`. :meth:`wait_for` blocks on a
+    condition variable notified after each item, with a deadline.
+    """
+
+    def __init__(self, vllm: RealVLLM) -> None:
+        self.vllm = vllm
+        self.holders = [Holder(vllm.url, r) for r in range(vllm.dp_size)]
+        self.index = PrefixIndex(block_size=vllm.block_size)
+        for holder in self.holders:
+            self.index.add_holder(holder, block_size=vllm.block_size)
+        self.model = EventModel()
+        self.signals: list[Signal] = []
+        self.deliveries = 0
+        self.cond = threading.Condition()
+        self._stop = threading.Event()
+        self.sub = Subscriber(
+            streams=[
+                StreamSpec.from_endpoint(
+                    vllm.rank_endpoint(r),
+                    replay_endpoint=vllm.rank_replay_endpoint(r),
+                    topic=vllm.topic,
+                    worker=vllm.url,
+                    dp_rank=r,
+                    block_size=vllm.block_size,
+                )
+                for r in range(vllm.dp_size)
+            ]
+        )
+        self.thread = threading.Thread(target=self._run, name="real-vllm-feed", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self.sub.get(timeout=0.1)
+            if item is None:
+                continue
+            with self.cond:
+                if isinstance(item, Delivery):
+                    self.index.apply(item.holder, item.batch)
+                    self.model.apply(item.holder.dp_rank, item.batch)
+                    self.deliveries += 1
+                else:
+                    self.signals.append(item)
+                    if isinstance(item, Reset) and item.holder is not None:
+                        self.index.clear_holder(item.holder)
+                        self.model.clear(item.holder.dp_rank)
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5.0)
+        self.sub.close()
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        """Block until ``condition()`` (evaluated under the feed's lock) is true."""
+        with self.cond:
+            if not self.cond.wait_for(condition, timeout):
+                raise AssertionError(
+                    f"timed out after {timeout:.0f} s waiting for {what}; signals so far: "
+                    f"{[s.to_dict() for s in self.signals]}"
+                )
+
+    def holds(self, rank: int, tokens: Sequence[int]) -> bool:
+        """True when the model holds every full block of ``tokens`` on ``rank``."""
+        bs = self.vllm.block_size
+        full = len(tokens) // bs * bs
+        return self.model.match(rank, tokens, bs) == full
+
+    def settle(
+        self, client: VLLMClient, rank: int, prompts: Prompts, timeout: float = 30.0
+    ) -> None:
+        """Make sure every event rank ``rank`` published so far has been applied.
+
+        Sends a fresh one-block prompt to the rank and waits until its block is in.
+        Events of one stream are delivered in seq order, so everything the rank
+        published before it is applied too. (The barrier's own block stays cached: the
+        comparisons include it.)
+        """
+        barrier = prompts.fresh(self.vllm.block_size + 1)
+        client.complete(barrier, rank)
+        self.wait_for(lambda: self.holds(rank, barrier), timeout, f"rank {rank}'s barrier block")
+
+    def predicted_cached_tokens(self, rank: int, tokens: Sequence[int]) -> int:
+        """What the index says rank ``rank`` will serve from cache for ``tokens``."""
+        with self.cond:
+            found = self.index.holder_match(self.index.match(tokens), self.holders[rank])
+        return min(found.gpu * self.vllm.block_size, self.vllm.max_cached_tokens(len(tokens)))
+
+    def assert_index_equals_model(self, rank: int) -> None:
+        """The index holds for ``rank`` exactly the blocks vLLM's events say it holds:
+        the same engine hashes, and the same content keys (prefixes)."""
+        holder = self.holders[rank]
+        bs = self.vllm.block_size
+        with self.cond:
+            index_hashes = self.index.holder_hashes(holder)
+            index_keys = self.index.holder_keys(holder)
+            model_hashes = self.model.hashes(rank)
+            model_keys = self.model.content_keys(rank, bs)
+            unknown = self.model.unknown_parents
+        assert unknown == 0, "vLLM's events referred to a parent block never stored"
+        assert index_hashes == model_hashes, (
+            f"rank {rank}: index has {len(index_hashes)} engine hashes, events say "
+            f"{len(model_hashes)}; only in index {len(index_hashes - model_hashes)}, "
+            f"only in events {len(model_hashes - index_hashes)}"
+        )
+        assert index_keys == model_keys
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
