@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from wire_samples import load_wire_samples
 from kvevents.index import PrefixIndex, namespace_key
 from kvevents.index_types import HolderMatch, Tier, TierCredits, normalize_medium
 from kvevents.signals import Holder
@@ -17,6 +16,7 @@ from kvevents.wire import (
     parse_live_frames,
     parse_replay_reply,
 )
+from wire_samples import load_wire_samples
 
 A = Holder("engine-a", 0)
 B = Holder("engine-a", 1)

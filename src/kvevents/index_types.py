@@ -161,7 +161,7 @@ class HolderMatch(NamedTuple):
         return self.gpu + self.cpu + self.disk
 
 
-class PrefixMatch:
+class PrefixMatch(msgspec.Struct, gc=False):
     """The result of :meth:`PrefixIndex.match`: every holder's longest cached prefix.
 
     Stored compactly as *segments*: per tier a list of ``(slot_mask, length)`` pairs,
@@ -170,24 +170,16 @@ class PrefixMatch:
     distinct lengths); expanding to per-holder values costs O(holders).
     """
 
-    __slots__ = ("_holders", "_segments", "block_size", "n_blocks")
-
-    def __init__(
-        self,
-        holders: list[Holder | None],
-        segments: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]],
-        n_blocks: int,
-        block_size: int | None,
-    ) -> None:
-        self._holders = holders
-        self._segments = segments
-        self.n_blocks = n_blocks
-        """Full blocks in the request."""
-        self.block_size = block_size
+    holders: list[Holder | None]
+    """The index's slot table (slot -> holder), shared, not copied."""
+    segments: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
+    n_blocks: int
+    """Full blocks in the request."""
+    block_size: int | None
 
     def _cumulative(self, tier: int, slot: int) -> int:
         bit = 1 << slot
-        for mask, length in self._segments[tier]:
+        for mask, length in self.segments[tier]:
             if mask & bit:
                 return length
         return 0
@@ -202,20 +194,17 @@ class PrefixMatch:
         """Every holder with a non-empty match, mapped to its per-tier lengths."""
         out: dict[Holder, HolderMatch] = {}
         slots = 0
-        for mask, _ in self._segments[2]:
+        for mask, _ in self.segments[2]:
             slots |= mask
         for slot in iter_bits(slots):
-            holder = self._holders[slot] if slot < len(self._holders) else None
+            holder = self.holders[slot] if slot < len(self.holders) else None
             if holder is not None:
                 out[holder] = self.for_slot(slot)
         return out
 
     def longest(self) -> int:
         """The longest prefix (in blocks) any holder has, in any tier."""
-        return max((length for _, length in self._segments[2]), default=0)
-
-    def __repr__(self) -> str:
-        return f"PrefixMatch(n_blocks={self.n_blocks}, by_holder={self.by_holder()!r})"
+        return max((length for _, length in self.segments[2]), default=0)
 
 
 def iter_bits(mask: int) -> Iterator[int]:
