@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.signals import Gap, Loss, Reset
-from kvevents.stream import Deliver, Purpose, RequestReplay, StreamTracker
+from kvevents.signals import Gap, Loss, Reset, Signal
+from kvevents.stream import CancelReplay, Deliver, Purpose, RequestReplay, StreamTracker
 
 
 def p(seq: int, gen: int = 0) -> bytes:
@@ -249,29 +249,80 @@ def test_replayed_seq_of_another_topic_advances_without_delivering() -> None:
     assert out == [Deliver(0, None, True), Deliver(1, p(1), True)]
 
 
-@settings(max_examples=300, deadline=None)
+def test_late_live_copy_of_a_replayed_batch_is_skipped_not_a_reset() -> None:
+    """A live message that a replay already delivered (it was still in flight) is skipped, not taken as a restart."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_live(3, p(3))  # 1 and 2 were dropped live
+    out = []
+    for s in range(1, 6):  # the replay answers with everything up to 5
+        out += t.on_replay_reply(s, p(s))
+    out += t.on_replay_end()
+    assert delivered(out) == [1, 2, 3, 4, 5]
+    assert t.on_live(4, p(4)) == [] and t.on_live(5, p(5)) == []  # late live copies
+    assert t.accept_in_order(6, p(6))
+    out = t.on_live(2, p(2, gen=1))  # below everything seen live: a restart
+    assert isinstance(out[0], Reset)
+
+
+def test_probe_recovers_a_dropped_tail_and_a_live_message_cancels_it() -> None:
+    """A probe on a quiet stream fetches a dropped tail; a live message during a probe cancels it."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    assert t.probe() == [RequestReplay(1)]
+    out = t.on_replay_reply(1, p(1)) + t.on_replay_reply(2, p(2)) + t.on_replay_end()
+    assert delivered(out) == [1, 2] and not any(isinstance(a, Signal) for a in out)
+    assert t.probe() == [RequestReplay(3)]
+    out = t.on_live(3, p(3))
+    assert out == [CancelReplay(), Deliver(3, p(3), False)]
+    assert not t.replaying
+
+
+def test_timed_out_replay_that_made_progress_is_asked_again() -> None:
+    """A replay whose answer stopped midway is re-asked from where it stopped instead of reporting loss."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    t.on_live(6, p(6))
+    t.on_replay_reply(1, p(1))
+    t.on_replay_reply(2, p(2))
+    assert t.on_replay_timeout() == [RequestReplay(3)]
+    out = []
+    for s in (3, 4, 5, 6):
+        out += t.on_replay_reply(s, p(s))
+    out += t.on_replay_end()
+    assert delivered(out) == [3, 4, 5, 6] and t.lost == 0
+
+
+@settings(max_examples=400, deadline=None)
 @given(
-    n=st.integers(1, 60),
-    live_drop=st.sets(st.integers(0, 59)),
-    publisher_drop=st.sets(st.integers(0, 59), max_size=5),
-    buffer_steps=st.integers(1, 80),
-    answer_after=st.lists(st.integers(0, 4), max_size=30),
-    join_replay=st.booleans(),
+    n=st.integers(1, 40),
+    live_drop=st.sets(st.integers(0, 39)),
+    publisher_drop=st.sets(st.integers(0, 39), max_size=4),
+    buffer_steps=st.integers(1, 60),
+    ops=st.lists(st.sampled_from(["publish", "live", "live", "answer"]), max_size=150),
+    has_replay=st.booleans(),
 )
 def test_delivered_and_lost_cover_every_seq_exactly_once(
     n: int,
     live_drop: set[int],
     publisher_drop: set[int],
     buffer_steps: int,
-    answer_after: list[int],
-    join_replay: bool,
+    ops: list[str],
+    has_replay: bool,
 ) -> None:
-    """Under any live drops, publisher drops, buffer size and replay timing, delivered and lost seqs partition 0..last in order."""
-    t = StreamTracker("w", 0, has_replay=join_replay)
-    published: list[int] = []  # seqs that entered the replay buffer
-    requests: list[tuple[int, list[int], int]] = []  # (start, snapshot, messages to wait)
-    log: list[tuple[str, int, int]] = []  # ("d", seq, seq) or ("l", first, last)
-    delays = iter(answer_after)
+    """Under any live drops, publisher drops, buffer size and interleaving of live and replay traffic, delivered and lost seqs partition 0..last in order."""
+    t = StreamTracker("w", 0, has_replay=has_replay)
+    buffered: list[int] = []  # seqs the publisher's replay buffer received, in order
+    in_flight: list[int] = []  # live messages sent, not yet received
+    request: list[int] = []  # start of the replay request in flight, if any
+    log: list[tuple[str, int, int]] = []
+    next_seq = 0
 
     def run(actions: list) -> None:
         for a in actions:
@@ -281,39 +332,63 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
             elif isinstance(a, Loss):
                 log.append(("l", a.first_seq, a.last_seq))
             elif isinstance(a, RequestReplay):
-                requests.clear()  # a new request cancels the one in flight
-                snapshot = [s for s in published[-buffer_steps:] if s >= a.start]
-                requests.append((a.start, snapshot, next(delays, 0)))
+                request[:] = [a.start]
+            elif isinstance(a, CancelReplay):
+                request.clear()
             else:
-                assert not isinstance(a, Reset)
+                assert not isinstance(a, Reset), a
 
-    def answer_due(force: bool) -> None:
-        while requests and (force or requests[0][2] <= 0):
-            _, snapshot, _ = requests.pop(0)
-            for s in snapshot:
-                run(t.on_replay_reply(s, p(s)))
+    def publish() -> None:
+        nonlocal next_seq
+        if next_seq >= n:
+            return
+        seq, next_seq = next_seq, next_seq + 1
+        if seq in publisher_drop:
+            return
+        buffered.append(seq)
+        if seq not in live_drop:
+            in_flight.append(seq)
+
+    def receive_live() -> None:
+        if in_flight:
+            seq = in_flight.pop(0)
+            if t.accept_in_order(seq, p(seq)):
+                log.append(("d", seq, seq))
+            else:
+                run(t.on_live(seq, p(seq)))
+
+    def answer() -> None:
+        if request:
+            start = request.pop()
+            for seq in [s for s in buffered[-buffer_steps:] if s >= start]:
+                run(t.on_replay_reply(seq, p(seq)))
+                if request:  # the tracker asked for another replay meanwhile
+                    return
             run(t.on_replay_end())
 
     run(t.start())
-    for seq in range(n):
-        if seq not in publisher_drop:
-            published.append(seq)
-            if seq not in live_drop:
-                if t.accept_in_order(seq, p(seq)):
-                    log.append(("d", seq, seq))
-                else:
-                    run(t.on_live(seq, p(seq)))
-        requests[:] = [(a, b, c - 1) for a, b, c in requests]
-        answer_due(force=False)
-    answer_due(force=True)
-    answer_due(force=True)
+    for op in ops:
+        {"publish": publish, "live": receive_live, "answer": answer}[op]()
+    while next_seq < n:
+        publish()
+    for _ in range(4 * n + 10):  # drain everything, then probe the tail
+        if in_flight:
+            receive_live()
+        elif request:
+            answer()
+        else:
+            run(t.probe())
+            if not request:
+                break
+            answer()
+    assert not in_flight and not request
 
     expected_next = 0
-    for kind, first, last in log:
+    for _, first, last in log:
         assert first == expected_next, log
         expected_next = last + 1
     assert expected_next - 1 == t.last
-    if join_replay and not publisher_drop and buffer_steps >= n:
-        assert all(kind == "d" for kind, _, _ in log), log
-        seen = [s for s in published if s <= t.last]
-        assert [f for _, f, _ in log] == seen
+    if has_replay:
+        assert t.last == n - 1 or (n - 1) in publisher_drop  # the probe found the tail
+        if not publisher_drop and buffer_steps >= n:
+            assert all(kind == "d" for kind, _, _ in log), log

@@ -94,6 +94,11 @@ class ReplayClient:
             self.deadline = None if reply.is_end else now + self.timeout
         return reply
 
+    def cancel(self) -> None:
+        """Forget the request in flight: its socket goes, so late replies are never read."""
+        if self.in_flight:
+            self.close()
+
     def close(self) -> None:
         if self.socket is not None:
             self._on_close(self.socket)

@@ -13,12 +13,22 @@ Invariants
   order and handed out only after the replay ends, so nothing newer overtakes the
   missed batches. The buffer is bounded (``max_pending``); overflowing it abandons the
   replay and reports what it would have filled as lost.
-* Every replay makes progress or ends the gap: after a replay that delivered nothing,
-  a remaining gap is reported lost instead of replayed again, so there is no loop.
+* Every replay makes progress or ends the gap: when the same replay twice delivered
+  nothing, a remaining gap is reported lost instead of replayed again, so there is no
+  loop. A replay that times out after delivering something (the publisher dropped the
+  rest of its answer) is asked again from where it stopped, at most twice in a row.
+* A gap at the very end of a burst shows no symptom until the next message. With a
+  replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
+  a while: a replay from ``last + 1`` that returns only the end marker when nothing
+  was missed. A live message arriving meanwhile cancels the probe (it reveals any gap
+  itself), so probing never holds live messages back.
 
 Restart detection
 -----------------
-* A live seq at or below ``last`` means the publisher started again: :class:`Reset`.
+* Live seqs from one publisher only grow. A live seq at or below the highest one seen
+  live (``live_high``) means the publisher started again: :class:`Reset`. A live seq
+  above ``live_high`` but at or below ``last`` is the late live copy of a batch a
+  replay already delivered, and is skipped.
 * After the connection dropped and came back (``on_disconnected``/``on_connected``), a
   restarted engine may already have published past ``last`` (seq then looks like it
   moved forward). With a replay endpoint, the tracker asks for a replay from ``last``
@@ -40,7 +50,14 @@ from typing import NamedTuple
 
 from kvevents.signals import Gap, Loss, Reset, Signal
 
-__all__ = ["Deliver", "Purpose", "RequestReplay", "StreamTracker", "TrackerAction"]
+__all__ = [
+    "CancelReplay",
+    "Deliver",
+    "Purpose",
+    "RequestReplay",
+    "StreamTracker",
+    "TrackerAction",
+]
 
 
 class Deliver(NamedTuple):
@@ -62,7 +79,11 @@ class RequestReplay(NamedTuple):
     start: int
 
 
-TrackerAction = Deliver | RequestReplay | Signal
+class CancelReplay(NamedTuple):
+    """Forget the replay in flight (its late replies must not be read)."""
+
+
+TrackerAction = Deliver | RequestReplay | CancelReplay | Signal
 
 
 class Purpose(enum.Enum):
@@ -71,6 +92,7 @@ class Purpose(enum.Enum):
     JOIN = "join"  # a new or restarted stream: everything from seq 0
     GAP = "gap"  # fill last+1 .. the first buffered live seq
     VERIFY = "verify"  # after a reconnect: is seq `last` still the payload we delivered?
+    PROBE = "probe"  # a quiet stream: was anything after `last` published and dropped?
 
 
 class StreamTracker:
@@ -85,6 +107,7 @@ class StreamTracker:
         self.max_pending = max_pending
         self.last = -1
         self.last_payload: bytes | None = None  # payload delivered as `last`, if any
+        self.live_high = -1  # highest seq received live from this publisher
         self.replaying = False
         self.purpose = Purpose.JOIN
         self.replay_start = 0
@@ -93,6 +116,7 @@ class StreamTracker:
         self._verified = False
         self._progress = False
         self._fruitless_start: int | None = None  # start of the last replay that gave nothing
+        self._timeout_retries = 0  # timed-out replays re-asked in a row
         # counters, read by the stats
         self.gaps = 0
         self.replayed = 0
@@ -120,7 +144,7 @@ class StreamTracker:
         the caller must call :meth:`on_live` instead.
         """
         if seq == self.last + 1 and not self.replaying and not self.suspect:
-            self.last = seq
+            self.last = self.live_high = seq
             self.last_payload = payload
             return True
         return False
@@ -128,6 +152,15 @@ class StreamTracker:
     def on_live(self, seq: int, payload: bytes) -> list[TrackerAction]:
         """A live message arrived."""
         out: list[TrackerAction] = []
+        if seq <= self.last and seq > self.live_high and not self.suspect:
+            # The live copy of a batch a replay delivered already: live seqs only grow,
+            # so this is not a restart (that would go back below ``live_high``).
+            self.live_high = seq
+            return out
+        self.live_high = seq
+        if self.replaying and self.purpose is Purpose.PROBE:
+            self.replaying = False  # this message shows any gap by itself
+            out.append(CancelReplay())
         if self.replaying:
             self.pending.append((seq, payload))
             if len(self.pending) > self.max_pending:
@@ -182,9 +215,12 @@ class StreamTracker:
             self._reset(None, "the publisher's replay buffer is empty: it restarted", out)
             return out
         self.replaying = False
+        self._timeout_retries = 0
         retry = True
         if self._progress:
             self._fruitless_start = None
+        elif self.purpose is Purpose.PROBE:
+            pass  # a probe that finds nothing says nothing about gaps
         elif self._fruitless_start == self.replay_start:
             retry = False  # the same request gave nothing twice: the gap cannot be filled
         else:
@@ -196,8 +232,26 @@ class StreamTracker:
     def on_replay_timeout(self) -> list[TrackerAction]:
         """No replay reply for too long (the caller discards that replay socket)."""
         out: list[TrackerAction] = []
-        if self.replaying:
-            self._abandon_replay(f"replay from seq {self.replay_start} timed out", out)
+        if not self.replaying:
+            return out
+        if self._progress and self._timeout_retries < 2:
+            # the answer stopped midway (the publisher dropped the rest): ask again
+            self._timeout_retries += 1
+            purpose = Purpose.GAP if self.purpose is not Purpose.PROBE else Purpose.PROBE
+            self._begin_replay(purpose, self.last + 1, out)
+            return out
+        self._timeout_retries = 0
+        if self.purpose is Purpose.PROBE and not self.pending:
+            self.replaying = False
+            return out
+        self._abandon_replay(f"replay from seq {self.replay_start} timed out", out)
+        return out
+
+    def probe(self) -> list[TrackerAction]:
+        """The stream has been quiet: ask the publisher for anything after ``last``."""
+        out: list[TrackerAction] = []
+        if self.has_replay and not self.replaying and not self.suspect:
+            self._begin_replay(Purpose.PROBE, self.last + 1, out)
         return out
 
     def on_disconnected(self) -> None:
@@ -308,6 +362,7 @@ class StreamTracker:
         )
         self.resets += 1
         self.last = -1
+        self.live_high = -1 if new_seq is None else new_seq
         self.last_payload = None
         self.suspect = False
         self._fruitless_start = None

@@ -53,6 +53,34 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     age_s: float | None
     lag_s: float | None
 
+    @classmethod
+    def empty(
+        cls, worker: str, dp_rank: int, endpoint: str, replay_endpoint: str | None
+    ) -> StreamStats:
+        """The stats of a stream that is not connected yet."""
+        return cls(
+            worker=worker,
+            dp_rank=dp_rank,
+            endpoint=endpoint,
+            replay_endpoint=replay_endpoint,
+            status="connecting",
+            last_seq=None,
+            batches=0,
+            blocks=0,
+            batches_per_s=0.0,
+            blocks_per_s=0.0,
+            gaps=0,
+            replayed=0,
+            lost=0,
+            resets=0,
+            decode_errors=0,
+            malformed=0,
+            replay_requests=0,
+            replay_timeouts=0,
+            age_s=None,
+            lag_s=None,
+        )
+
 
 class StreamCounters:
     """What the socket thread counts for one stream (see the module docstring)."""

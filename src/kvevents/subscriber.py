@@ -116,14 +116,22 @@ class _EngineWatcher:
 class Subscriber:
     """Follow streams of engines and explicit endpoints; see the module docstring.
 
-    Parameters: ``engines`` URLs (``worker`` name = the URL) and ``streams`` (specs or
-    endpoint strings, the latter without replay). ``replay_timeout``: seconds without a
-    replay reply before the rest of that replay counts as lost. ``rcvhwm``: live receive
-    high-water mark per stream. ``max_buffered``: items waiting for the consumer before
-    the socket thread pauses. ``max_pending``: live messages buffered per stream while a
-    replay runs. ``discovery_timeout``: per ``/server_info`` request;
-    ``retry_initial``/``retry_max``: backoff between discovery attempts and the ceiling
-    of ZMQ's reconnect interval. ``context``: a ZMQ context to use (not terminated here).
+    Parameters:
+
+    * ``engines``: engine URLs (each one's worker name is its URL); ``streams``: specs or
+      endpoint strings (a bare string means no replay, rank 0).
+    * ``replay_timeout``: seconds without a replay reply before the rest of that replay
+      counts as lost (asked again, at most twice, when it stopped midway).
+    * ``tail_probe``: seconds of quiet after which a stream with a replay endpoint asks
+      for anything it may have missed at the end of a burst (None: never).
+    * ``rcvhwm``: live receive high-water mark per stream (0: unlimited).
+    * ``max_buffered``: items waiting for the consumer before the socket thread pauses.
+    * ``max_pending``: live messages buffered per stream while a replay runs.
+    * ``discovery_timeout``: seconds per ``/server_info`` request; ``retry_initial`` and
+      ``retry_max``: the backoff between discovery attempts, ``retry_max`` also caps
+      ZMQ's reconnect interval.
+    * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
+      seconds, for tests.
     """
 
     def __init__(
@@ -131,7 +139,8 @@ class Subscriber:
         engines: Iterable[str] = (),
         streams: Iterable[StreamSpec | str] = (),
         *,
-        replay_timeout: float = 3.0,
+        replay_timeout: float = 2.0,
+        tail_probe: float | None = 1.0,
         rcvhwm: int = 100_000,
         max_buffered: int = 100_000,
         max_pending: int = 50_000,
@@ -165,10 +174,11 @@ class Subscriber:
             rcvhwm=rcvhwm,
             max_pending=max_pending,
             reconnect_max_ms=int(retry_max * 1000),
+            tail_probe=tail_probe,
             clock=clock,
         )
         self._lock = threading.Lock()
-        self._holders: set[Holder] = set()
+        self._specs: dict[Holder, StreamSpec] = {}
         self._engines: dict[str, _EngineWatcher] = {}
         self._closing = threading.Event()
         self.state = SubscriberState.RUNNING
@@ -205,12 +215,12 @@ class Subscriber:
     def _add_spec(self, spec: StreamSpec) -> None:
         holder = Holder(spec.worker, spec.dp_rank)
         with self._lock:
-            if holder in self._holders:
+            if holder in self._specs:
                 raise ValueError(
                     f"Subscriber: stream {holder} is already followed; give distinct workers "
                     "or dp_ranks to distinct endpoints"
                 )
-            self._holders.add(holder)
+            self._specs[holder] = spec
         self._loop.submit("add", spec)
 
     # --- consuming -----------------------------------------------------------------------
@@ -260,8 +270,15 @@ class Subscriber:
     # --- state ---------------------------------------------------------------------------
 
     def stats(self) -> dict[Holder, StreamStats]:
-        """A snapshot of every stream's statistics."""
-        return {Holder(s.worker, s.dp_rank): s for s in self._loop.snapshot(self._clock())}
+        """A snapshot of every stream's statistics (streams just added show "connecting")."""
+        out = {Holder(s.worker, s.dp_rank): s for s in self._loop.snapshot(self._clock())}
+        with self._lock:
+            waiting = [(h, spec) for h, spec in self._specs.items() if h not in out]
+        for holder, spec in waiting:
+            out[holder] = StreamStats.empty(
+                spec.worker, spec.dp_rank, spec.endpoint, spec.replay_endpoint
+            )
+        return out
 
     def engines(self) -> dict[str, EngineStatus]:
         """Discovery state of every engine URL followed."""

@@ -35,7 +35,7 @@ from kvevents.errors import WireError
 from kvevents.handoff import Handoff
 from kvevents.replay_client import ReplayClient
 from kvevents.signals import Delivery, Holder, Loss, Signal, Unreachable
-from kvevents.stream import Deliver, RequestReplay, StreamTracker, TrackerAction
+from kvevents.stream import CancelReplay, Deliver, RequestReplay, StreamTracker, TrackerAction
 from kvevents.stream_stats import SAMPLE_INTERVAL, StreamCounters, StreamStats
 from kvevents.wire import AllBlocksCleared, decode_batch
 
@@ -61,6 +61,8 @@ class _Stream:
         self.monitor: zmq.Socket[bytes] | None = None
         self.replay: ReplayClient | None = None
         self.unreachable_reported = False
+        self.activity = 0.0  # when anything last arrived (or the stream was added)
+        self.probed = False  # a tail probe was sent since then
 
 
 class SubscriberLoop:
@@ -75,6 +77,7 @@ class SubscriberLoop:
         rcvhwm: int,
         max_pending: int,
         reconnect_max_ms: int,
+        tail_probe: float | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.handoff = handoff
@@ -83,6 +86,7 @@ class SubscriberLoop:
         self.rcvhwm = rcvhwm
         self.max_pending = max_pending
         self.reconnect_max_ms = reconnect_max_ms
+        self.tail_probe = tail_probe
         self.clock = clock
         self.streams: dict[Holder, _Stream] = {}
         self._commands: deque[tuple[str, Any]] = deque()
@@ -172,15 +176,31 @@ class SubscriberLoop:
 
     def _next_deadline(self, now: float) -> float:
         deadline = self._next_sample
+        probe = self.tail_probe
         for st in self.streams.values():
-            if st.replay is not None and st.replay.deadline is not None:
+            if st.replay is None:
+                continue
+            if st.replay.deadline is not None:
                 deadline = min(deadline, st.replay.deadline)
+            elif probe is not None and not st.probed:
+                deadline = min(deadline, st.activity + probe)
         return deadline
 
     def _check_deadlines(self, now: float, out: list[Item]) -> None:
+        probe = self.tail_probe
         for st in self.streams.values():
-            if st.replay is not None and st.replay.timed_out(now):
+            if st.replay is None:
+                continue
+            if st.replay.timed_out(now):
                 self._apply(st, st.tracker.on_replay_timeout(), now, out)
+            elif (
+                probe is not None
+                and not st.probed
+                and not st.tracker.replaying
+                and now >= st.activity + probe
+            ):
+                st.probed = True
+                self._apply(st, st.tracker.probe(), now, out)
         if now >= self._next_sample:
             for st in self.streams.values():
                 st.counters.sample(now)
@@ -234,6 +254,7 @@ class SubscriberLoop:
                 reconnect_max_ms=self.reconnect_max_ms,
             )
         st.counters.sample(now)
+        st.activity = now
         self._apply(st, tracker.start(), now, out)
 
     def _register(
@@ -250,6 +271,7 @@ class SubscriberLoop:
         sock, tracker, counters = st.sub, st.tracker, st.counters
         assert sock is not None
         recv, unpack = sock.recv, _SEQ.unpack
+        st.activity, st.probed = now, False
         for _ in range(_DRAIN):
             # Frame by frame without copying: about 3x cheaper than recv_multipart, whose
             # per-frame RCVMORE getsockopt dominates for small messages.
@@ -275,6 +297,7 @@ class SubscriberLoop:
         client = st.replay
         assert client is not None
         sock = client.socket
+        st.activity, st.probed = now, False
         for _ in range(_DRAIN):
             if client.socket is not sock:  # the tracker asked for a new replay meanwhile
                 return
@@ -331,6 +354,9 @@ class SubscriberLoop:
             elif type(action) is RequestReplay:
                 assert st.replay is not None
                 st.replay.request(action.start, now)
+            elif type(action) is CancelReplay:
+                assert st.replay is not None
+                st.replay.cancel()
             else:
                 assert isinstance(action, Signal)
                 out.append(action)

@@ -1,0 +1,350 @@
+"""The Subscriber against the real ZmqEventPublisher: order, replay, loss, reset, over tcp and ipc."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvevents.discovery import StreamSpec
+from kvevents.errors import EndpointError, SubscriberStateError
+from kvevents.publisher import ZmqEventPublisher
+from kvevents.signals import Delivery, Holder, Loss, Reset, Unreachable
+from kvevents.subscriber import Subscriber
+from kvevents.wire import BlockStored, KVEventBatch
+from subscriber_support import collect, deliveries, signals, wait_for
+
+Factory = Callable[..., ZmqEventPublisher]
+
+
+def batch(n: int, gen: int = 0) -> KVEventBatch:
+    """A one-block batch whose hash encodes (generation, n), so content can be checked."""
+    return KVEventBatch(
+        ts=1.0 + n,
+        events=[
+            BlockStored(
+                block_hashes=[gen * 1_000_000 + n],
+                parent_block_hash=None,
+                token_ids=[n, n + 1],
+                block_size=2,
+                lora_id=None,
+                medium=None,
+            )
+        ],
+    )
+
+
+def hashes(items: list) -> list[int]:
+    return [d.batch.events[0].block_hashes[0] for d in deliveries(items)]
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def endpoints(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A (live, replay) endpoint pair to bind: tcp on OS-chosen loopback ports, or ipc paths."""
+    if request.param == "tcp":
+        yield "tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+    else:
+        yield f"ipc://{tmp_path}/live", f"ipc://{tmp_path}/replay"
+
+
+@pytest.fixture
+def make_publisher(zmq_context: zmq.Context) -> Iterator[Factory]:
+    """Builds publishers bound on the given endpoints; shuts every one down after the test."""
+    made: list[ZmqEventPublisher] = []
+
+    def make(endpoint: str, replay_endpoint: str | None, **kw: object) -> ZmqEventPublisher:
+        pub = ZmqEventPublisher(0, endpoint, replay_endpoint, bind=True, context=zmq_context, **kw)
+        made.append(pub)
+        return pub
+
+    yield make
+    for pub in made:
+        pub.shutdown(timeout=1.0)
+
+
+def rebind(make: Factory, old: ZmqEventPublisher, timeout: float = 10.0) -> ZmqEventPublisher:
+    """A new publisher on a shut-down one's addresses (ZMQ frees a port asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make(old.endpoint, old.replay_endpoint)
+        except EndpointError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def spec_for(pub: ZmqEventPublisher, worker: str = "w", replay: bool = True) -> StreamSpec:
+    return StreamSpec(
+        worker=worker,
+        dp_rank=0,
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint if replay else None,
+    )
+
+
+def test_slow_joiner_gets_everything_published_before_it_connected(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """Batches published before the subscriber existed are replayed from seq 0, then live ones follow in order."""
+    pub = make_publisher(*endpoints)
+    for n in range(50):
+        pub.publish(batch(n))
+    with Subscriber(streams=[spec_for(pub)]) as sub:
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 50)
+        for n in range(50, 80):
+            pub.publish(batch(n))
+        items += collect(sub, until=lambda got: len(deliveries(got)) == 30)
+        assert [d.seq for d in deliveries(items)] == list(range(80))
+        assert hashes(items) == list(range(80))
+        assert signals(items) == []
+        stats = sub.stats()[Holder("w", 0)]
+        assert stats.replayed >= 50 and stats.lost == 0 and stats.last_seq == 79
+
+
+def test_burst_through_tiny_receive_hwm_is_delivered_exactly(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """A burst of thousands of batches through 4-message high-water marks arrives as the published stream: every seq once, in order."""
+    pub = make_publisher(*endpoints, hwm=4)
+    with Subscriber(streams=[spec_for(pub)], rcvhwm=4) as sub:
+        wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
+        total = 5000
+        for n in range(total):
+            pub.publish(batch(n))
+        items = collect(sub, until=lambda got: len(deliveries(got)) == total, timeout=60)
+        assert [d.seq for d in deliveries(items)] == list(range(total))
+        assert hashes(items) == list(range(total))
+        assert signals(items, "loss") == [] and signals(items, "reset") == []
+        stats = sub.stats()[Holder("w", 0)]
+        assert stats.lost == 0 and stats.batches == total
+        assert stats.gaps > 0 and stats.replayed > 0, "the burst should have needed replay"
+        assert len(signals(items, "gap")) == stats.gaps
+
+
+def test_burst_larger_than_replay_buffer_is_a_loss_then_following_resumes(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """When a burst overruns the publisher's replay buffer, a Loss covers the unrecoverable seqs and later batches still arrive."""
+    pub = make_publisher(*endpoints, buffer_steps=50, hwm=2)
+    with Subscriber(streams=[spec_for(pub)], rcvhwm=2) as sub:
+        wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
+        total = 4000
+        for n in range(total):
+            pub.publish(batch(n))
+
+        def accounted(got: list) -> bool:
+            covered = len(deliveries(got)) + sum(x.count for x in signals(got, "loss"))
+            return covered >= total
+
+        items = collect(sub, until=accounted, timeout=60)
+        assert signals(items, "loss"), "a burst 80x the replay buffer through HWM 2 must lose some"
+        # delivered and lost seqs partition 0..total-1, in order
+        covered: list[int] = []
+        for item in items:
+            if isinstance(item, Delivery):
+                covered.append(item.seq)
+            elif isinstance(item, Loss):
+                covered.extend(range(item.first_seq, item.last_seq + 1))
+        assert covered == list(range(total))
+        for d in deliveries(items):
+            assert d.batch.events[0].block_hashes == [d.seq]
+        for n in range(total, total + 10):
+            pub.publish(batch(n))
+        more = collect(sub, until=lambda got: len(deliveries(got)) == 10)
+        assert [d.seq for d in deliveries(more)] == list(range(total, total + 10))
+
+
+def test_without_replay_endpoint_a_gap_is_reported_as_loss(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """A stream with no replay endpoint reports what the tiny HWM dropped as Loss and keeps following."""
+    pub = make_publisher(endpoints[0], None, hwm=2)
+    with Subscriber(streams=[spec_for(pub, replay=False)], rcvhwm=2) as sub:
+        wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
+        for n in range(2000):
+            pub.publish(batch(n))
+        items = []
+        while (item := sub.get(timeout=0.5)) is not None:  # until the burst has drained
+            items.append(item)
+        pub.publish(batch(2000))  # without replay, only a later message reveals a lost tail
+        items += collect(sub, until=lambda got: any(d.seq == 2000 for d in deliveries(got)))
+        losses = signals(items, "loss")
+        assert losses and all("no replay endpoint" in x.reason for x in losses)
+        covered: list[int] = []
+        for item in items:
+            if isinstance(item, Delivery):
+                covered.append(item.seq)
+            elif isinstance(item, Loss):
+                covered.extend(range(item.first_seq, item.last_seq + 1))
+        assert covered == list(range(2001))
+
+
+def test_restarted_publisher_gives_reset_for_that_stream_only(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """Restarting one of two publishers on the same endpoints resets only its stream, which is then followed from seq 0."""
+    a = make_publisher(*endpoints)
+    other = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    specs = [spec_for(a, "a"), spec_for(other, "other")]
+    with Subscriber(streams=specs, retry_max=0.5) as sub:
+        for n in range(6):
+            a.publish(batch(n))
+            other.publish(batch(n))
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 12)
+        a.shutdown(timeout=1.0)
+        b = rebind(make_publisher, a)  # the same addresses, a new stream
+        wait_for(lambda: sub.stats()[Holder("a", 0)].status == "connected", what="reconnect")
+        for n in range(3):
+            b.publish(batch(n, gen=1))
+        other.publish(batch(6))
+        items = collect(
+            sub,
+            until=lambda got: (
+                len([d for d in deliveries(got) if d.holder.worker == "a"]) == 3
+                and len(deliveries(got)) == 4
+            ),
+        )
+        resets = signals(items, "reset")
+        assert [r.holder for r in resets] == [Holder("a", 0)]
+        assert isinstance(resets[0], Reset) and resets[0].last_seq == 5
+        new = [d for d in deliveries(items) if d.holder.worker == "a"]
+        assert [d.seq for d in new] == [0, 1, 2]
+        assert [d.batch.events[0].block_hashes[0] for d in new] == [1_000_000, 1_000_001, 1_000_002]
+        assert items.index(resets[0]) < items.index(new[0])
+        assert [d.seq for d in deliveries(items) if d.holder.worker == "other"] == [6]
+
+
+def test_restart_that_already_published_past_our_seq_is_still_a_reset(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """A restarted publisher whose new seqs already passed ours (looks like a forward gap) is detected by its replay and reset."""
+    a = make_publisher(*endpoints)
+    with Subscriber(streams=[spec_for(a)], retry_max=0.5) as sub:
+        for n in range(3):
+            a.publish(batch(n))
+        collect(sub, until=lambda got: len(deliveries(got)) == 3)
+        a.shutdown(timeout=1.0)
+        b = rebind(make_publisher, a)
+        for n in range(8):  # published before the subscriber reconnects: seqs 0..7
+            b.publish(batch(n, gen=1))
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 8)
+        assert len(signals(items, "reset")) == 1
+        assert [d.seq for d in deliveries(items)] == list(range(8))
+        assert hashes(items) == [1_000_000 + n for n in range(8)]
+        assert signals(items, "loss") == []
+
+
+def test_garbage_frames_are_counted_and_skipped(zmq_context: zmq.Context) -> None:
+    """Malformed frames and an undecodable payload are counted; the stream continues in order."""
+    xpub = zmq_context.socket(zmq.XPUB)
+    xpub.bind("tcp://127.0.0.1:0")
+    address = xpub.last_endpoint.decode()
+    from kvevents.wire import encode_batch, live_frames
+
+    try:
+        with Subscriber(streams=[StreamSpec.from_endpoint(address, worker="g")]) as sub:
+            assert xpub.poll(10_000)
+            xpub.recv()
+            for n in range(3):
+                xpub.send_multipart(live_frames(b"", n, encode_batch(batch(n))))
+            xpub.send_multipart([b"", b"\x00" * 8])  # two frames
+            xpub.send_multipart([b"", b"\x00\x03", b"x"])  # 2-byte seq
+            xpub.send_multipart([b"", b"a", b"b", b"c"])  # four frames
+            xpub.send_multipart(live_frames(b"", 3, b"\xc1 not msgpack"))  # bad payload
+            for n in range(4, 7):
+                xpub.send_multipart(live_frames(b"", n, encode_batch(batch(n))))
+            items = collect(sub, until=lambda got: len(deliveries(got)) == 6)
+            assert [d.seq for d in deliveries(items)] == [0, 1, 2, 4, 5, 6]
+            losses = signals(items, "loss")
+            assert [(x.first_seq, x.last_seq) for x in losses] == [(3, 3)]
+            assert "could not be decoded" in losses[0].reason
+            stats = sub.stats()[Holder("g", 0)]
+            assert stats.malformed == 3 and stats.decode_errors == 1
+    finally:
+        xpub.close(linger=0)
+
+
+def test_unreachable_endpoint_is_reported_and_never_blocks_others(make_publisher: Factory) -> None:
+    """A stream whose endpoint never comes up is reported Unreachable while the other stream delivers."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    live = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    dead_spec = StreamSpec(worker="dead", dp_rank=0, endpoint=dead, replay_endpoint=dead)
+    with Subscriber(streams=[dead_spec, spec_for(live, "live")], replay_timeout=0.5) as sub:
+        for n in range(20):
+            live.publish(batch(n))
+        items = collect(
+            sub,
+            until=lambda got: len(deliveries(got)) == 20 and bool(signals(got, "unreachable")),
+        )
+        unreachable = signals(items, "unreachable")
+        assert isinstance(unreachable[0], Unreachable) and unreachable[0].address == dead
+        assert {d.holder for d in deliveries(items)} == {Holder("live", 0)}
+        assert sub.stats()[Holder("dead", 0)].status == "unreachable"
+
+
+def test_stream_that_comes_up_later_is_followed_from_seq_0(make_publisher: Factory) -> None:
+    """Subscribing before the publisher exists works once it starts: everything from seq 0 arrives."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    live, replay = (f"tcp://127.0.0.1:{p}" for p in ports)
+    spec = StreamSpec(worker="late", dp_rank=0, endpoint=live, replay_endpoint=replay)
+    with Subscriber(streams=[spec], replay_timeout=0.5, retry_max=0.5) as sub:
+        collect(sub, until=lambda got: bool(signals(got, "unreachable")))
+        pub = make_publisher(live, replay)
+        for n in range(30):
+            pub.publish(batch(n))
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 30)
+        assert [d.seq for d in deliveries(items)] == list(range(30))
+        assert signals(items, "loss") == []
+
+
+def test_async_iteration_and_close(endpoints: tuple[str, str], make_publisher: Factory) -> None:
+    """The async iterator yields the same ordered stream; after close the subscriber refuses use."""
+    pub = make_publisher(*endpoints)
+    for n in range(10):
+        pub.publish(batch(n))
+
+    async def consume(sub: Subscriber) -> list[int]:
+        seqs: list[int] = []
+
+        async def read() -> None:
+            async for item in sub:
+                if isinstance(item, Delivery):
+                    seqs.append(item.seq)
+                    if len(seqs) == 10:
+                        return
+
+        await asyncio.wait_for(read(), 20)
+        return seqs
+
+    sub = Subscriber(streams=[spec_for(pub)])
+    try:
+        assert asyncio.run(consume(sub)) == list(range(10))
+    finally:
+        sub.close()
+    sub.close()  # idempotent
+    with pytest.raises(SubscriberStateError):
+        sub.get(timeout=0.1)
+    with pytest.raises(SubscriberStateError):
+        sub.add_stream("tcp://127.0.0.1:1")
+
+
+def test_duplicate_stream_is_refused(make_publisher: Factory) -> None:
+    """Adding the same (worker, dp_rank) twice is a ValueError naming the holder."""
+    pub = make_publisher("tcp://127.0.0.1:0", None)
+    with (
+        Subscriber(streams=[spec_for(pub, replay=False)]) as sub,
+        pytest.raises(ValueError, match="already followed"),
+    ):
+        sub.add_stream(spec_for(pub, replay=False))
