@@ -44,7 +44,7 @@ def client(vllm: RealVLLM) -> Iterator[VLLMClient]:
 
 @pytest.fixture
 def feed(vllm: RealVLLM) -> Iterator[IndexFeed]:
-    """A Subscriber on every rank feeding a PrefixIndex and the brute-force EventModel.
+    """A Subscriber on every rank feeding an in-process Router (its PrefixIndex) and the EventModel.
 
     Each test gets a fresh one: it starts by replaying every rank from seq 0 (the slow
     joiner path), so it begins with the state vLLM's events describe so far.

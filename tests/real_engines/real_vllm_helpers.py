@@ -31,8 +31,8 @@ import httpx
 
 from kvevents.discovery import StreamSpec
 from kvevents.hashing import content_keys
-from kvevents.index import PrefixIndex
-from kvevents.signals import Delivery, Holder, Reset, Signal
+from kvevents.router.core import RouteDecision, Router
+from kvevents.signals import Delivery, Holder, Loss, Reset, Signal
 from kvevents.subscriber import Subscriber
 from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -250,20 +250,22 @@ class EventModel:
 
 
 class IndexFeed:
-    """A :class:`Subscriber` on every rank of the real vLLM feeding a :class:`PrefixIndex`
-    and the :class:`EventModel`, in a background thread, exactly as a router would.
+    """A :class:`Subscriber` on every rank of the real vLLM feeding an in-process
+    :class:`Router` (its :class:`PrefixIndex`) and the :class:`EventModel`, in a
+    background thread, exactly as the router service consumes its streams.
 
-    ``Reset`` clears the holder in both (the subscriber's contract: drop that holder's
-    state); every signal is kept in :attr:`signals`. :meth:`wait_for` blocks on a
-    condition variable notified after each item, with a deadline.
+    The router clears a holder on ``Reset`` and ``Loss``; the model does the same. Every
+    signal is kept in :attr:`signals`. :meth:`wait_for` blocks on a condition variable
+    notified after each item, with a deadline.
     """
 
     def __init__(self, vllm: RealVLLM) -> None:
         self.vllm = vllm
         self.holders = [Holder(vllm.url, r) for r in range(vllm.dp_size)]
-        self.index = PrefixIndex(block_size=vllm.block_size)
+        self.router = Router(block_size=vllm.block_size)
+        self.index = self.router.index
         for holder in self.holders:
-            self.index.add_holder(holder, block_size=vllm.block_size)
+            self.router.add_holder(holder, block_size=vllm.block_size)
         self.model = EventModel()
         self.signals: list[Signal] = []
         self.deliveries = 0
@@ -291,16 +293,20 @@ class IndexFeed:
             if item is None:
                 continue
             with self.cond:
+                self.router.handle(item)
                 if isinstance(item, Delivery):
-                    self.index.apply(item.holder, item.batch)
                     self.model.apply(item.holder.dp_rank, item.batch)
                     self.deliveries += 1
                 else:
                     self.signals.append(item)
-                    if isinstance(item, Reset) and item.holder is not None:
-                        self.index.clear_holder(item.holder)
+                    if isinstance(item, (Reset, Loss)) and item.holder is not None:
                         self.model.clear(item.holder.dp_rank)
                 self.cond.notify_all()
+
+    def route(self, tokens: Sequence[int]) -> RouteDecision:
+        """The router's decision for a request, made under the feed's lock."""
+        with self.cond:
+            return self.router.route(tokens)
 
     def close(self) -> None:
         self._stop.set()

@@ -18,7 +18,7 @@ FEED_TIMEOUT_S = 60.0
 def test_killed_and_restarted_vllm_resets_every_rank_and_the_index_follows(
     vllm: RealVLLM, client: VLLMClient, feed: IndexFeed
 ) -> None:
-    """After vLLM is SIGKILLed and restarted, every rank's stream signals reset, the index drops what the old engine held and then matches the new engine's blocks."""
+    """After vLLM is SIGKILLed and restarted, every rank's stream signals reset, the index drops what the old engine held, then holds the new engine's blocks, and routing follows them."""
     prompts = Prompts("restart")
     bs = vllm.block_size
     old = {rank: prompts.fresh(3 * bs + 2) for rank in range(vllm.dp_size)}
@@ -49,5 +49,8 @@ def test_killed_and_restarted_vllm_resets_every_rank_and_the_index_follows(
         assert client.cached_tokens(client.complete(new[rank], rank)) == 2 * bs
         feed.settle(client, rank, prompts)
         feed.assert_index_equals_model(rank)
+        # Routing recovers: the new engine's prefix draws its follow-up to the same rank.
+        decision = feed.route(new[rank][: 2 * bs] + prompts.fresh(bs + 3))
+        assert (decision.dp_rank, decision.chosen.matched.gpu) == (rank, 2)
     resets = [s for s in feed.signals if isinstance(s, Reset)]
     assert sorted({s.dp_rank for s in resets}) == list(range(vllm.dp_size))
