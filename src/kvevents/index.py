@@ -23,6 +23,9 @@ Structure and invariants
   moves a block to the end (pop and re-insert). Chains are touched leaf first, so a
   parent is never older than its children, and pruning the oldest blocks removes
   leaves before the prefixes they hang from.
+* Equal masks share one int object (``_canon``, at most 65,536 values, reset when
+  full): a block costs no mask object of its own, and the few masks a match reads
+  stay in cache. Values compare by value, so sharing is an optimisation only.
 * ``_entries`` = number of set bits over all values = (block, holder, tier) entries;
   it stays ``<= max_entries`` after every call (pruning the oldest blocks otherwise).
 * ``_refs[(key, slot, tier)] = n``: a holder holds ``n`` extra copies of a block in a
@@ -82,6 +85,7 @@ DEFAULT_MAX_ENTRIES = 16_000_000
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 _xxh3 = xxhash.xxh3_64_intdigest
 _TOUCH_LOG_LIMIT = 1024
+_CANON_LIMIT = 1 << 16
 
 
 def namespace_key(lora: str | int | None = None, cache_salt: str | None = None) -> int:
@@ -139,6 +143,7 @@ class PrefixIndex:
         self._entries = 0
         self._offloaded = 0
         self._touch_log: list[tuple[Sequence[int], int]] = []
+        self._canon: dict[int, int] = {}
 
     # --- holders --------------------------------------------------------------------
 
@@ -203,7 +208,7 @@ class PrefixIndex:
             self._offloaded -= (v & upper).bit_count()
             nv = v & ~mask
             if nv:
-                blocks[k] = nv
+                blocks[k] = self._canon.get(nv, nv)
             else:
                 del blocks[k]
         if self._refs:
@@ -361,6 +366,7 @@ class PrefixIndex:
             self._flush_touches()
         blocks = self._blocks
         pop = blocks.pop
+        canon = self._canon.setdefault
         bit = 1 << (slot + tier * self._width)
         added = 0
         for i in range(len(keys) - 1, -1, -1):  # leaf first: parents end up more recent
@@ -372,7 +378,9 @@ class PrefixIndex:
             else:
                 v |= bit
                 added += 1
-            blocks[k] = v
+            blocks[k] = canon(v, v)
+        if len(self._canon) > _CANON_LIMIT:
+            self._canon.clear()
         if hashes is not None:
             self._hashes.update(zip(hashes, keys, strict=True))
             if len(self._hashes) > 2 * len(blocks) + 4096:
@@ -414,7 +422,7 @@ class PrefixIndex:
             return False
         self.stats.removed_blocks += 1
         if v:
-            self._blocks[key] = v
+            self._blocks[key] = self._canon.get(v, v)
         else:
             del self._blocks[key]
         return True
