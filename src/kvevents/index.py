@@ -44,7 +44,7 @@ Complexity
 the number of holders (a mask AND is one machine word for up to 60 holders). ``store``
 and ``remove``: O(blocks). ``clear_holder``: O(distinct blocks) (a scan: flushes and
 resets are rare, and a per-holder key set would cost about 50 bytes per (block, holder)
-for an operation that happens once per flush). Memory: about 70-85 bytes per (block,
+for an operation that happens once per flush). Memory: about 65-80 bytes per (block,
 holder) on the conversation trace, see ``benchmarks/index.py``.
 
 Why not a radix tree
