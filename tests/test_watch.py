@@ -1,0 +1,153 @@
+"""``kvevents watch`` as a user runs it: a subprocess against a real publisher process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+PUBLISHER = r"""
+import json, sys
+from kvevents.publisher import ZmqEventPublisher
+from kvevents.wire import BlockStored, BlockRemoved, KVEventBatch
+
+n = int(sys.argv[1])
+pub = ZmqEventPublisher(3, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True, topic="kv")
+for i in range(n):
+    events = [BlockStored(block_hashes=[i, -i - 1], parent_block_hash=None, token_ids=list(range(4)),
+                          block_size=2, lora_id=None, medium="GPU")]
+    if i % 3 == 2:
+        events.append(BlockRemoved(block_hashes=[i - 2]))
+    pub.publish(KVEventBatch(ts=1000.0 + i, events=events))
+print(json.dumps({"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint}), flush=True)
+sys.stdin.read()  # run until the test closes stdin
+pub.shutdown()
+"""
+
+
+def kvevents(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def publisher() -> Iterator[dict[str, str]]:
+    """A real ZmqEventPublisher (rank 3, topic "kv") in its own process, 25 batches already published."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, "25"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()  # the script prints once it is bound
+        assert line, "the publisher process exited before binding"
+        yield json.loads(line)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        finally:
+            assert proc.stdout is not None
+            proc.stdout.close()
+
+
+def test_json_lines_carry_every_batch_in_order(publisher: dict[str, str]) -> None:
+    """--json --count prints one JSON object per batch, from seq 0 (replayed), with events as plain dicts."""
+    result = kvevents(
+        "watch",
+        "--endpoint",
+        publisher["endpoint"],
+        "--replay-endpoint",
+        publisher["replay_endpoint"],
+        "--topic",
+        "kv",
+        "--name",
+        "pub",
+        "--dp-rank",
+        "3",
+        "--json",
+        "--count",
+        "25",
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert [x["seq"] for x in lines] == list(range(25))
+    assert {(x["worker"], x["dp_rank"]) for x in lines} == {("pub", 3)}
+    assert lines[0]["ts"] == 1000.0
+    assert lines[0]["events"][0]["type"] == "BlockStored"
+    assert lines[0]["events"][0]["block_hashes"] == [0, -1]
+    assert lines[2]["events"][1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [0],
+        "medium": None,
+        "group_idx": None,
+    }
+
+
+def test_unreachable_endpoint_is_a_json_signal() -> None:
+    """An endpoint where nothing listens prints an "unreachable" signal line and exits 0 at --duration."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    result = kvevents("watch", "--endpoint", address, "--json", "--duration", "1.5")
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert lines and lines[0]["signal"] == "unreachable"
+    assert lines[0]["worker"] == address and lines[0]["dp_rank"] == 0
+
+
+def test_table_shows_each_stream(publisher: dict[str, str]) -> None:
+    """The default table names each stream with its status and last seq."""
+    result = kvevents(
+        "watch",
+        "--endpoint",
+        publisher["endpoint"],
+        "--replay-endpoint",
+        publisher["replay_endpoint"],
+        "--topic",
+        "kv",
+        "--name",
+        "pub-a",
+        "--count",
+        "25",
+        "--duration",
+        "20",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pub-a" in result.stdout
+    assert "connected" in result.stdout
+    assert "24" in result.stdout  # last seq
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "give at least one engine URL or --endpoint"),
+        (("--replay-endpoint", "tcp://127.0.0.1:1"), "give --endpoint first"),
+        (
+            ("--endpoint", "tcp://*:5557"),
+            "EndpointError: endpoint 'tcp://*:5557' has a wildcard host",
+        ),
+        (("--endpoint", "tcp://127.0.0.1:x"), "EndpointError"),
+        (("--endpoint", "tcp://127.0.0.1:1", "--count", "0"), "--count must be positive"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], message: str) -> None:
+    """Bad arguments exit with status 2 and say what is wrong."""
+    result = kvevents("watch", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
