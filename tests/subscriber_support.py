@@ -5,14 +5,22 @@ Every wait here has a deadline; every socket is closed by its owner.
 
 from __future__ import annotations
 
+import json
+import selectors
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import zmq
 
-from kvevents.signals import Delivery, Signal
+from kvevents.signals import Delivery, Holder, Reset, Signal
 from kvevents.subscriber import Subscriber
-from kvevents.wire import parse_replay_request
+from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, parse_replay_request
 
 Item = Delivery | Signal
 
@@ -75,3 +83,96 @@ def bind_local(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> tuple[zmq.Sock
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind("tcp://127.0.0.1:0")
     return sock, sock.last_endpoint.decode()
+
+
+READY = "kvevents engine ready "
+
+
+class EngineProcess:
+    """`kvevents engine` as a subprocess; :meth:`stop` ends it (SIGTERM, bounded waits)."""
+
+    def __init__(self, args: list[str], kv_config: dict[str, Any], timeout: float = 60.0):
+        argv = [sys.executable, "-m", "kvevents.cli", "engine", *args]
+        argv += ["--kv-events-config", json.dumps(kv_config)]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self.url = ""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline and not self.url:
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith(READY):
+                    self.url = line[len(READY) :].strip()
+        if not self.url:
+            self.stop()
+            raise AssertionError(f"kvevents engine {args} did not become ready in {timeout} s")
+        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+
+    def generate(self, tokens: list[int], rank: int) -> None:
+        body = {"input_ids": tokens, "max_new_tokens": 2, "routed_dp_rank": rank}
+        response = self.http.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+
+    def published(self) -> dict[int, int]:
+        """Batches each rank has published so far."""
+        load = self.http.get("/load").json()
+        return {r["dp_rank"]: r["batches_published"] for r in load["ranks"]}
+
+    def kv_blocks(self, rank: int) -> set[int]:
+        response = self.http.get("/kv_blocks", params={"dp_rank": rank})
+        assert response.status_code == 200, response.text
+        return set(response.json()["block_hashes"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if hasattr(self, "http"):
+            self.http.close()
+
+
+def free_tcp_port() -> int:
+    """A loopback port the OS reports free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class HeldBlocks:
+    """A consumer's view per holder: engine hashes stored minus removed, dropped on Reset."""
+
+    def __init__(self) -> None:
+        self.held: dict[Holder, set[int | bytes]] = {}
+        self.delivered: dict[Holder, list[int]] = {}
+        self.removed = 0  # blocks removed, over every holder
+
+    def apply(self, items: list[Item]) -> None:
+        for item in items:
+            if isinstance(item, Reset):
+                assert item.holder is not None
+                self.held.pop(item.holder, None)
+                self.delivered.pop(item.holder, None)
+            elif isinstance(item, Delivery):
+                held = self.held.setdefault(item.holder, set())
+                self.delivered.setdefault(item.holder, []).append(item.seq)
+                for event in item.batch.events:
+                    if isinstance(event, BlockStored):
+                        held.update(event.block_hashes)  # type: ignore[arg-type]
+                    elif isinstance(event, BlockRemoved):
+                        held.difference_update(event.block_hashes)
+                        self.removed += len(event.block_hashes)
+                    elif isinstance(event, AllBlocksCleared):
+                        held.clear()

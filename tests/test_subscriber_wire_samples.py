@@ -8,7 +8,6 @@ import msgspec
 import pytest
 import zmq
 
-from wire_samples import SAMPLE_FILES, load_wire_samples
 from kvevents.discovery import StreamSpec
 from kvevents.subscriber import Subscriber
 from kvevents.wire import KVCacheEvent, KVEventBatch, decode_seq
@@ -20,6 +19,7 @@ from subscriber_support import (
     signals,
     wait_subscribed,
 )
+from wire_samples import SAMPLE_FILES, load_wire_samples
 
 
 def assert_same_fields(batch: KVEventBatch, payload: bytes) -> None:

@@ -1,0 +1,142 @@
+"""The Subscriber against the simulated engine: discovery, consistency, rank restart, late start."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from kvevents.signals import Holder, Reset, Unreachable
+from kvevents.subscriber import Subscriber
+from subscriber_support import (
+    EngineProcess,
+    HeldBlocks,
+    collect,
+    deliveries,
+    free_tcp_port,
+    signals,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+KV_CONFIG = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+
+
+@pytest.fixture
+def engine() -> Iterator[EngineProcess]:
+    """A two-rank engine (pure DP) with 12 blocks per rank, so prompts evict, on OS-chosen ports."""
+    eng = EngineProcess(["--port", "0", "--dp-size", "2", "--max-blocks", "12"], KV_CONFIG)
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+def caught_up(
+    sub: Subscriber, engine: EngineProcess, view: HeldBlocks, timeout: float = 20.0
+) -> None:
+    """Consume until every rank's delivered count equals what it published (bounded)."""
+    expected = engine.published()
+
+    def done(got: list) -> bool:
+        view.apply(got)
+        got.clear()
+        return all(
+            len(view.delivered.get(Holder(engine.url, r), [])) == n for r, n in expected.items()
+        )
+
+    collect(sub, until=done, timeout=timeout)
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts that share 32-token prefixes among themselves, 40..80 tokens long."""
+    prefixes = [[rng.randrange(1000) for _ in range(32)] for _ in range(3)]
+    return [
+        rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(8, 48))]
+        for _ in range(n)
+    ]
+
+
+def test_every_rank_discovered_and_held_blocks_match_the_engine(engine: EngineProcess) -> None:
+    """From the engine URL alone, each rank's stream arrives complete: the blocks derived from it equal /kv_blocks, evictions included."""
+    rng = random.Random(7)
+    view = HeldBlocks()
+    with Subscriber(engines=[engine.url]) as sub:
+        for i, tokens in enumerate(prompts(rng, 16)):
+            engine.generate(tokens, rank=i % 2)
+        caught_up(sub, engine, view)
+        for rank in (0, 1):
+            holder = Holder(engine.url, rank)
+            assert view.delivered[holder] == list(range(len(view.delivered[holder])))
+            assert view.held[holder] == engine.kv_blocks(rank)
+        assert view.removed > 0, "the prompts should have forced evictions"
+        assert sub.engines()[engine.url].state == "subscribed"
+        assert sub.engines()[engine.url].streams == 2
+        stats = sub.stats()
+        assert all(s.lost == 0 and s.resets == 0 for s in stats.values())
+
+
+def test_rank_restart_resets_that_stream_only_and_follows_it_from_zero(
+    engine: EngineProcess,
+) -> None:
+    """Killing and restarting rank 1 delivers Reset for rank 1 alone; its new stream is followed from seq 0 and matches the engine again."""
+    rng = random.Random(11)
+    view = HeldBlocks()
+    r0, r1 = Holder(engine.url, 0), Holder(engine.url, 1)
+    with Subscriber(engines=[engine.url], retry_max=0.5) as sub:
+        for i, tokens in enumerate(prompts(rng, 8)):
+            engine.generate(tokens, rank=i % 2)
+        caught_up(sub, engine, view)
+        before_r0 = list(view.delivered[r0])
+        response = engine.http.post("/admin/restart_rank", params={"dp_rank": 1})
+        assert response.status_code == 200, response.text
+        resets: list = []
+
+        def reset_seen(got: list) -> bool:
+            resets.extend(signals(got, "reset"))
+            view.apply(got)
+            got.clear()
+            return bool(resets)
+
+        collect(sub, until=reset_seen)
+        assert [r.holder for r in resets] == [r1]
+        assert isinstance(resets[0], Reset)
+        for tokens in prompts(rng, 4):
+            engine.generate(tokens, rank=1)
+        engine.generate(prompts(rng, 1)[0], rank=0)
+        caught_up(sub, engine, view)
+        assert view.delivered[r1] == list(range(engine.published()[1]))
+        assert view.held[r1] == engine.kv_blocks(1)
+        assert view.delivered[r0][: len(before_r0)] == before_r0
+        assert view.held[r0] == engine.kv_blocks(0)
+        assert sub.stats()[r0].resets == 0 and sub.stats()[r1].resets == 1
+
+
+def test_engine_started_after_subscribing_works_and_one_never_started_is_reported() -> None:
+    """An engine that starts after the subscriber is followed from seq 0; one that never starts is reported unreachable and blocks nothing."""
+    port, never = free_tcp_port(), free_tcp_port()
+    late_url, never_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{never}"
+    with Subscriber(
+        engines=[late_url, never_url], retry_initial=0.1, retry_max=0.5, discovery_timeout=0.5
+    ) as sub:
+        early = collect(sub, until=lambda got: len(signals(got, "unreachable")) == 2)
+        assert {s.worker for s in signals(early, "unreachable")} == {late_url, never_url}
+        assert all(isinstance(s, Unreachable) and s.dp_rank is None for s in early)
+        eng = EngineProcess(["--port", str(port), "--dp-size", "2"], KV_CONFIG)
+        try:
+            # published before the subscriber has even discovered the ranks
+            eng.generate(list(range(64)), rank=0)
+            eng.generate(list(range(100, 164)), rank=1)
+            wait_for(lambda: sub.engines()[late_url].state == "subscribed", timeout=20)
+            items = collect(sub, until=lambda got: len(deliveries(got)) == 2)
+            assert {d.holder for d in deliveries(items)} == {
+                Holder(late_url, 0),
+                Holder(late_url, 1),
+            }
+            assert all(d.seq == 0 for d in deliveries(items))
+            assert sub.engines()[never_url].state == "unreachable"
+            assert sub.engines()[never_url].attempts >= 2
+        finally:
+            eng.stop()
