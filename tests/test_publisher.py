@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import zmq
 
-from wire_samples import load_wire_samples
 from kvevents.config import KVEventsConfig
 from kvevents.errors import ConfigError, EndpointError, PublisherStateError
 from kvevents.publisher import (
@@ -33,6 +32,7 @@ from kvevents.wire import (
     parse_replay_reply,
     replay_request_frames,
 )
+from wire_samples import load_wire_samples
 
 TIMEOUT_MS = 5000
 
@@ -195,7 +195,7 @@ def test_burst_from_a_tight_loop_loses_nothing(
     make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """A caller publishing 20,000 batches back to back gets every one delivered in order, none dropped."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0", help_backlog=16)
+    pub = make_publisher(0, "tcp://127.0.0.1:0", handoff_backlog=16)
     sub = subscribe(pub.endpoint)
     first = sync_subscriber(pub, sub)
     n = 20_000
@@ -206,6 +206,7 @@ def test_burst_from_a_tight_loop_loses_nothing(
         assert msg.seq == first + i
     assert pub.stats.dropped == 0
     assert pub.stats.published == first + n
+    assert pub.stats.handoffs > 0  # the caller outran the sender and handed it the GIL
 
 
 def test_encoding_array_sends_positional_events(
@@ -338,7 +339,7 @@ def test_drop_on_full_is_a_gap_replay_cannot_fill(
     sub = subscribe(pub.endpoint)
     first = sync_subscriber(pub, sub)
     # Holding the send lock freezes the sender exactly where a starved sender would be.
-    with pub._send_lock:
+    with pub._send_queue.hold():
         for i in range(8):
             pub.publish(batch(i))
         assert pub.stats.dropped == 3
@@ -350,6 +351,22 @@ def test_drop_on_full_is_a_gap_replay_cannot_fill(
     assert pub.stats.dropped == 3
     replies = [parse_replay_reply(f) for f in replay(dealer(str(pub.replay_endpoint)), first)]
     assert [r.seq for r in replies[:-1]] == seqs
+
+
+def test_a_frozen_sender_costs_one_bounded_wait_then_drops(
+    make_publisher: Callable[..., ZmqEventPublisher],
+) -> None:
+    """When the sender makes no progress, publish() waits once (bounded), then only queues and drops."""
+    pub = make_publisher(0, "tcp://127.0.0.1:0", max_queue_size=100, handoff_backlog=10)
+    with pub._send_queue.hold():  # freeze the sender
+        for i in range(200):
+            pub.publish(batch(i))
+        stats = pub.stats
+    assert stats.handoffs == 1
+    assert stats.queued == 100
+    assert stats.dropped == 100
+    assert pub.flush(timeout=5.0)
+    assert pub.stats.published == 100
 
 
 # --- lifecycle ----------------------------------------------------------------------------
@@ -379,7 +396,7 @@ def test_flush_waits_until_accepted_batches_are_sent(
         pub.publish(batch(i))
     assert pub.flush(timeout=5.0)
     assert pub.stats.published == 500
-    with pub._send_lock:  # a frozen sender cannot reach the flush marker
+    with pub._send_queue.hold():  # a frozen sender cannot reach the flush marker
         pub.publish(batch(500))
         assert not pub.flush(timeout=0.05)
     assert pub.flush(timeout=5.0)

@@ -11,7 +11,7 @@ import abc
 import enum
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from kvevents.errors import ConfigError
 from kvevents.wire import KVEventBatch
@@ -52,12 +52,15 @@ class PublisherStats:
     """Replay answers cut short because the client stopped reading or left."""
     malformed_requests: int = 0
     """Replay requests that were not ``[b"", start_seq]``; answered with the end marker."""
-    caller_sends: int = 0
-    """Batches the caller's thread sent itself because the backlog reached help_backlog."""
+    handoffs: int = 0
+    """publish() calls that waited for the sender to empty a backlog of handoff_backlog."""
     queued: int = 0
     """Batches waiting (at snapshot time)."""
     unsent: int = 0
     """Accepted batches still queued when shutdown's deadline passed."""
+
+
+_Publisher = TypeVar("_Publisher", bound="EventPublisher")
 
 
 class EventPublisher(abc.ABC):
@@ -71,7 +74,7 @@ class EventPublisher(abc.ABC):
     def shutdown(self) -> None:
         """Stop publishing and release sockets; calling it again does nothing."""
 
-    def __enter__(self) -> EventPublisher:
+    def __enter__(self: _Publisher) -> _Publisher:
         return self
 
     def __exit__(
