@@ -140,3 +140,18 @@ def test_engine_started_after_subscribing_works_and_one_never_started_is_reporte
             assert sub.engines()[never_url].attempts >= 2
         finally:
             eng.stop()
+
+
+def test_engine_with_publishing_off_is_reported_with_how_to_enable_it() -> None:
+    """An engine whose /server_info has no kv_events block is reported, saying how to turn publishing on."""
+    eng = EngineProcess(["--port", "0"], {"publisher": "null"})
+    try:
+        with Subscriber(engines=[eng.url], retry_initial=0.1, retry_max=0.5) as sub:
+            items = collect(sub, until=lambda got: bool(signals(got, "unreachable")))
+            (signal,) = signals(items, "unreachable")
+            assert isinstance(signal, Unreachable)
+            assert "publishing looks off" in signal.reason and "--kv-events-config" in signal.reason
+            status = sub.engines()[eng.url]
+            assert status.state == "invalid" and status.streams == 0
+    finally:
+        eng.stop()

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from subscriber_support import EngineProcess
+
 PUBLISHER = r"""
 import json, sys
 from kvevents.publisher import ZmqEventPublisher
@@ -151,3 +153,24 @@ def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], message: str
     result = kvevents("watch", *args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_watch_engine_url_follows_every_rank() -> None:
+    """`kvevents watch URL --json` discovers every rank of a real engine and prints its batches."""
+    config = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
+    engine = EngineProcess(["--port", "0", "--dp-size", "2"], config)
+    try:
+        engine.generate(list(range(48)), rank=0)
+        engine.generate(list(range(200, 248)), rank=1)
+        result = kvevents("watch", engine.url, "--json", "--count", "2", "--duration", "30")
+        assert result.returncode == 0, result.stderr
+        lines = [json.loads(x) for x in result.stdout.splitlines()]
+        batches = [x for x in lines if "seq" in x]
+        assert sorted((x["worker"], x["dp_rank"], x["seq"]) for x in batches) == [
+            (engine.url, 0, 0),
+            (engine.url, 1, 0),
+        ]
+        stored = {x["dp_rank"]: x["events"][0] for x in batches}
+        assert stored[0]["type"] == "BlockStored" and stored[0]["token_ids"] == list(range(48))
+    finally:
+        engine.stop()

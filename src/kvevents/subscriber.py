@@ -38,7 +38,12 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from kvevents.discovery import StreamSpec, discover, normalize_engine_url
+from kvevents.discovery import (
+    StreamSpec,
+    fetch_server_info,
+    normalize_engine_url,
+    streams_from_server_info,
+)
 from kvevents.errors import DiscoveryError, SubscriberStateError
 from kvevents.handoff import Handoff, HandoffClosed
 from kvevents.signals import Holder, Unreachable
@@ -54,7 +59,13 @@ class SubscriberState(enum.Enum):
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """Discovery state of one engine URL: "discovering", "unreachable" or "subscribed"."""
+    """Discovery state of one engine URL.
+
+    ``state``: "discovering" (first attempt running), "unreachable" (no answer),
+    "invalid" (it answers, but its /server_info has no usable kv_events block: publishing
+    is off, or the block is malformed; ``last_error`` says which) or "subscribed".
+    Unreachable and invalid engines are retried with backoff.
+    """
 
     url: str
     worker: str
@@ -84,11 +95,14 @@ class _EngineWatcher:
         reported = False
         while not self._sub._closing.is_set():
             self.attempts += 1
+            state = "unreachable"
             try:
-                specs = discover(self.url, worker=self.worker, timeout=self._sub.discovery_timeout)
+                info = fetch_server_info(self.url, timeout=self._sub.discovery_timeout)
+                state = "invalid"
+                specs = streams_from_server_info(info, engine_url=self.url, worker=self.worker)
             except DiscoveryError as exc:
                 self.last_error = str(exc)
-                self.state = "unreachable"
+                self.state = state
                 if not reported:
                     reported = True
                     self._sub._loop.submit(
@@ -106,9 +120,12 @@ class _EngineWatcher:
                 delay = min(self._sub.retry_max, delay * 2)
                 continue
             self.last_error = None
-            self.streams = len(specs)
             for spec in specs:
-                self._sub._add_spec(spec)
+                try:
+                    self._sub._add_spec(spec)
+                    self.streams += 1
+                except ValueError as exc:  # the same holder is followed already
+                    self.last_error = str(exc)
             self.state = "subscribed"
             return
 
