@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvevents.publisher import ZmqEventPublisher
+from kvevents.replay import ReplayBuffer
 from kvevents.wire import END_SEQ, decode_batch, parse_live_frames, parse_replay_reply
 from test_publisher import (  # noqa: F401  (fixtures are shared by importing them)
     TIMEOUT_MS,
@@ -33,6 +36,31 @@ def replayed(client: zmq.Socket[bytes], start: int) -> list[tuple[bytes | None, 
     replies = [parse_replay_reply(frames) for frames in replay(client, start)]
     assert replies[-1].is_end and replies[-1].payload == b""
     return [(r.topic, r.seq, decode_batch(r.payload).ts) for r in replies[:-1]]
+
+
+@given(
+    capacity=st.integers(1, 12),
+    skips=st.lists(st.integers(0, 3), max_size=40),
+    start=st.integers(0, 200),
+)
+def test_replay_buffer_keeps_the_newest_stored_seqs(
+    capacity: int, skips: list[int], start: int
+) -> None:
+    """The ring answers get/since with exactly the stored seqs among the last `capacity` numbers."""
+    buffer = ReplayBuffer(capacity)
+    stored, seq = [], 0
+    for skip in skips:  # `skip` seqs dropped before each stored one
+        seq += skip
+        buffer.put(seq, seq.to_bytes(8, "big"), b"p%d" % seq)
+        stored.append(seq)
+        seq += 1
+    window = [s for s in stored if s >= buffer.next_seq - capacity]
+    assert [e.seq for e in buffer.since(start)] == [s for s in window if s >= start]
+    for s in range(buffer.next_seq + 2):
+        entry = buffer.get(s)
+        assert (entry is not None) == (s in window)
+        if entry is not None:
+            assert entry.payload == b"p%d" % s and entry.seq_frame == s.to_bytes(8, "big")
 
 
 def test_replay_from_the_middle(

@@ -7,6 +7,9 @@ tokens (one ``BlockStored`` chain per batch) two ways, in the same run:
 
 * **ceiling**: a bare pyzmq PUB socket sending pre-encoded frames
   ``[topic, seq, payload]`` with ``send_multipart`` from the caller's thread, in a loop;
+* **raw ceiling**, for reference: the same frames sent with pyzmq's C-level per-frame
+  ``send`` (what the publisher's sender thread calls), without ``send_multipart``'s
+  Python layers; the most a Python sender can hope for;
 * **publisher**: :class:`~kvevents.publisher.ZmqEventPublisher` with its default
   settings (replay on) and the caller calling ``publish(batch)`` in a loop.
 
@@ -16,7 +19,7 @@ after the probes. Throughput is ``messages * blocks`` divided by the time from t
 first send to the subscriber's last receive (``time.monotonic``, one clock for both
 processes on Linux). ``publish()`` latency is timed around every call. CPU seconds are
 the sending process's (every thread: caller, sender, replay, ZMQ I/O) per million
-blocks delivered. Rounds alternate ceiling and publisher and are repeated; the summary
+blocks delivered. Rounds alternate ceiling, raw ceiling and publisher and are repeated; the summary
 takes the median round of each.
 """
 
@@ -154,7 +157,8 @@ def _sync(probe: Callable[[], None], conn: Any, endpoint: str, messages: int, bl
     return probes
 
 
-def _ceiling_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
+def _ceiling_round(conn: Any, messages: int, blocks: int, *, raw: bool = False) -> dict[str, Any]:
+    """The bare PUB: ``send_multipart`` (the issue's ceiling) or, ``raw``, C-level frame sends."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -174,18 +178,35 @@ def _ceiling_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
         first = _sync(probe, conn, endpoint, messages, blocks)
         seqs = [_SEQ.pack(first + i) for i in range(messages)]
         latencies = [0] * messages
-        send, clock = pub.send_multipart, time.perf_counter_ns
+        clock = time.perf_counter_ns
+        if raw:
+            frame: Callable[[bytes, int], Any] = super(zmq.Socket, pub).send
+            more = int(zmq.SNDMORE)
+        send = pub.send_multipart
         cpu0, t0 = time.process_time(), time.monotonic()
-        for i in range(messages):
-            start = clock()
-            send([topic, seqs[i], payloads[i % DISTINCT_BATCHES]])
-            latencies[i] = clock() - start
+        if raw:
+            for i in range(messages):
+                start = clock()
+                frame(topic, more)
+                frame(seqs[i], more)
+                frame(payloads[i % DISTINCT_BATCHES], 0)
+                latencies[i] = clock() - start
+        else:
+            for i in range(messages):
+                start = clock()
+                send([topic, seqs[i], payloads[i % DISTINCT_BATCHES]])
+                latencies[i] = clock() - start
         result = conn.recv()
         cpu = time.process_time() - cpu0
-        return _summary("ceiling", result, t0, cpu, latencies, messages, blocks, {})
+        kind = "raw_ceiling" if raw else "ceiling"
+        return _summary(kind, result, t0, cpu, latencies, messages, blocks, {})
     finally:
         pub.close(linger=0)
         ctx.term()
+
+
+def _raw_ceiling_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
+    return _ceiling_round(conn, messages, blocks, raw=True)
 
 
 def _publisher_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
@@ -275,7 +296,7 @@ def run_publisher_bench(
     try:
         for blocks in block_counts:
             for _ in range(repeats):
-                for round_fn in (_ceiling_round, _publisher_round):
+                for round_fn in (_ceiling_round, _raw_ceiling_round, _publisher_round):
                     result = round_fn(ours, messages, blocks)
                     rounds.append(result)
                     if progress is not None:
@@ -310,6 +331,7 @@ def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def _case(rounds: list[dict[str, Any]], blocks: int) -> dict[str, Any]:
     mine = [r for r in rounds if r["blocks_per_batch"] == blocks]
     ceiling = _median_round([r for r in mine if r["kind"] == "ceiling"])
+    raw = _median_round([r for r in mine if r["kind"] == "raw_ceiling"])
     ours = _median_round([r for r in mine if r["kind"] == "publisher"])
     share = ours["blocks_per_s"] / ceiling["blocks_per_s"]
     lost = sum(
@@ -322,6 +344,8 @@ def _case(rounds: list[dict[str, Any]], blocks: int) -> dict[str, Any]:
         "ceiling_blocks_per_s": ceiling["blocks_per_s"],
         "publisher_blocks_per_s": ours["blocks_per_s"],
         "share_of_ceiling": share,
+        "raw_ceiling_blocks_per_s": raw["blocks_per_s"],
+        "share_of_raw_ceiling": ours["blocks_per_s"] / raw["blocks_per_s"],
         "publish_us": ours["call_us"],
         "publish_p99_us_median": p99,
         "publish_max_us_worst": worst_max,

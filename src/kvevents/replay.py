@@ -43,9 +43,11 @@ class ReplayBuffer:
 
     * sequence numbers are stored in increasing order by a single writer (the publisher,
       under its send lock); ``next_seq`` is one past the highest stored;
-    * a slot holds the newest entry written to it, or None. A sequence number that was
-      never stored (a batch dropped before it was published) leaves its slot with an
-      older entry, which readers recognise by comparing ``entry.seq``;
+    * the buffer answers for the window ``[next_seq - capacity, next_seq)``; a slot holds
+      the newest entry written to it, or None. A sequence number that was never stored
+      (a batch dropped before it was published) leaves its slot with an older entry,
+      which readers recognise by comparing ``entry.seq`` and ignore, as they ignore
+      anything below the window;
     * readers in other threads see either the old or the new entry of a slot, never a
       mix: replacing a list item is atomic under the GIL, and entries are immutable.
 
@@ -86,7 +88,9 @@ class ReplayBuffer:
         self._next = seq + 1
 
     def get(self, seq: int) -> ReplayEntry | None:
-        """The entry of ``seq``, or None when it was dropped or has been overwritten."""
+        """The entry of ``seq``, or None when it was dropped or is older than the last ``capacity``."""
+        if seq < self._next - self._capacity:
+            return None  # older than the window, even if its slot was never reused
         entry = self._slots[seq % self._capacity]
         return ReplayEntry._make(entry) if entry is not None and entry[0] == seq else None
 
@@ -168,6 +172,8 @@ class ReplayServer:
                     return
                 if self._router in ready:
                     self._serve_waiting()
+        except zmq.ContextTerminated:
+            return  # the application terminated the context: nothing left to serve
         finally:
             self._router.close(linger=0)
             self._stop_rx.close(linger=0)
