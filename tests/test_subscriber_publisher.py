@@ -348,3 +348,32 @@ def test_duplicate_stream_is_refused(make_publisher: Factory) -> None:
         pytest.raises(ValueError, match="already followed"),
     ):
         sub.add_stream(spec_for(pub, replay=False))
+
+
+def test_close_ends_the_threads_and_closes_every_socket(make_publisher: Factory) -> None:
+    """close() ends the socket and discovery threads and closes all sockets, so the caller's context can terminate."""
+    import threading
+
+    pub = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    sub = Subscriber(
+        engines=[f"http://127.0.0.1:{_free_port()}"],
+        streams=[spec_for(pub)],
+        context=ctx,
+        retry_initial=0.1,
+    )
+    pub.publish(batch(0))
+    collect(sub, until=lambda got: len(deliveries(got)) == 1)
+    sub.close()
+    names = [t.name for t in threading.enumerate()]
+    assert not [n for n in names if n.startswith("kvevents-subscriber") or "discover" in n]
+    terminated = threading.Thread(target=ctx.term, daemon=True)
+    terminated.start()
+    terminated.join(10)
+    assert not terminated.is_alive(), "a socket of the subscriber was left open"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -154,15 +154,16 @@ class SubscriberLoop:
 
     def _run(self) -> None:
         wake_fd = self._wake_r.fileno()
+        monitors = self._monitor_sockets
         while not self._stop:
             now = self.clock()
-            timeout = max(0.0, self._next_deadline(now) - now)
-            ready = self._poller.poll(int(timeout * 1000.0) + 1)
+            deadline = self._next_deadline(now)
+            ready = self._poller.poll(max(0, int((deadline - now) * 1000.0)) + 1)
             now = self.clock()
             out: list[Item] = []
-            # Monitor events first: a disconnect must be known before data that follows it.
-            monitors = self._monitor_sockets
-            ready.sort(key=lambda pair: pair[0] not in monitors)
+            if len(ready) > 1:
+                # Monitor events first: a disconnect must be known before data that follows it.
+                ready.sort(key=lambda pair: pair[0] not in monitors)
             for sock, _ in ready:
                 if sock == wake_fd:
                     self._drain_commands(now, out)
@@ -170,7 +171,8 @@ class SubscriberLoop:
                     handler = self._handlers.get(sock)
                     if handler is not None:  # None: closed earlier in this round
                         handler(now, out)
-            self._check_deadlines(now, out)
+            if now >= deadline:  # deadlines set during this round all lie in the future
+                self._check_deadlines(now, out)
             if out and not self.handoff.put(out):
                 return
 
