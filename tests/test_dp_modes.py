@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,7 +115,7 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     children: list[subprocess.Popen[str]] = []
 
     def start(
-        base: int,
+        bases: tuple[str, str],
         *,
         attn_dp_size: int,
         attn_dp_rank: int,
@@ -122,8 +123,8 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
         rank_by: str = "select",
     ) -> subprocess.Popen[str]:
         args = {
-            "endpoint": f"tcp://127.0.0.1:{base}",
-            "replay_endpoint": f"tcp://127.0.0.1:{base + DP_SIZE}",
+            "endpoint": bases[0],
+            "replay_endpoint": bases[1],
             "attn_dp_size": attn_dp_size,
             "attn_dp_rank": attn_dp_rank,
             "dp_rank": dp_rank,
@@ -150,15 +151,23 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen[str]]]:
                 stream.close()
 
 
+def deployment_bases(kind: str, tmp_path: Path) -> tuple[str, str]:
+    """Live and replay bases for DP_SIZE ranks: consecutive free tcp ports, or ipc paths."""
+    if kind == "ipc":
+        return f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
+    base = free_port_range(2 * DP_SIZE)
+    return f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + DP_SIZE}"
+
+
 def run_deployment(
     spawn: Callable[..., subprocess.Popen[str]],
     zmq_context: zmq.Context[Any],
     ranks_of: Callable[[int], dict[str, Any]],
+    bases: tuple[str, str],
 ) -> None:
     """Start DP_SIZE schedulers, consume every rank from one SUB, check streams and replay."""
-    base = free_port_range(2 * DP_SIZE)
-    plan = PortPlan.build(DP_SIZE, f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + DP_SIZE}")
-    children = [spawn(base, **ranks_of(i)) for i in range(DP_SIZE)]
+    plan = PortPlan.build(DP_SIZE, *bases)
+    children = [spawn(bases, **ranks_of(i)) for i in range(DP_SIZE)]
     announced = {read_json_line(child)["ready"]: child for child in children}
     assert sorted(announced) == list(range(DP_SIZE)), "each scheduler must get its own rank"
 
@@ -223,39 +232,56 @@ def run_deployment(
         assert child.wait(timeout=TIMEOUT_S) == 0
 
 
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_pure_dp_four_processes_four_streams(
-    spawn: Callable[..., subprocess.Popen[str]], zmq_context: zmq.Context[Any]
+    kind: str,
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[str]],
+    zmq_context: zmq.Context[Any],
 ) -> None:
     """Under pure DP, four schedulers choosing ranks with select_kv_publisher_dp_rank(1, 0, r) give four complete streams."""
     run_deployment(
-        spawn, zmq_context, lambda r: {"attn_dp_size": 1, "attn_dp_rank": 0, "dp_rank": r}
+        spawn,
+        zmq_context,
+        lambda r: {"attn_dp_size": 1, "attn_dp_rank": 0, "dp_rank": r},
+        deployment_bases(kind, tmp_path),
     )
 
 
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_dp_attention_four_processes_four_streams(
-    spawn: Callable[..., subprocess.Popen[str]], zmq_context: zmq.Context[Any]
+    kind: str,
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[str]],
+    zmq_context: zmq.Context[Any],
 ) -> None:
     """Under DP-attention (attn_dp_size=4), four schedulers ranked by attn_dp_rank give four complete streams."""
     run_deployment(
-        spawn, zmq_context, lambda r: {"attn_dp_size": DP_SIZE, "attn_dp_rank": r, "dp_rank": None}
+        spawn,
+        zmq_context,
+        lambda r: {"attn_dp_size": DP_SIZE, "attn_dp_rank": r, "dp_rank": None},
+        deployment_bases(kind, tmp_path),
     )
 
 
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_rank_by_attn_dp_rank_alone_fails_under_pure_dp(
-    spawn: Callable[..., subprocess.Popen[str]],
+    kind: str, tmp_path: Path, spawn: Callable[..., subprocess.Popen[str]]
 ) -> None:
     """The original bug: ranking by attn_dp_rank alone under pure DP makes ranks 1..3 fail at start, naming the port."""
-    base = free_port_range(2 * DP_SIZE)
-    first = spawn(base, attn_dp_size=1, attn_dp_rank=0, dp_rank=0, rank_by="attn_dp_rank")
+    bases = deployment_bases(kind, tmp_path)
+    first = spawn(bases, attn_dp_size=1, attn_dp_rank=0, dp_rank=0, rank_by="attn_dp_rank")
     assert read_json_line(first)["ready"] == 0
     others = [
-        spawn(base, attn_dp_size=1, attn_dp_rank=0, dp_rank=r, rank_by="attn_dp_rank")
+        spawn(bases, attn_dp_size=1, attn_dp_rank=0, dp_rank=r, rank_by="attn_dp_rank")
         for r in range(1, DP_SIZE)
     ]
     for child in others:
         error = read_json_line(child)["error"]
         assert error.startswith("EndpointError: ")
-        assert f"tcp://127.0.0.1:{base}" in error and f"port {base}" in error
+        taken = f"port {bases[0].rsplit(':', 1)[1]}" if kind == "tcp" else bases[0]
+        assert f"endpoint {bases[0]} of publisher rank 0" in error
+        assert f"{taken} is already in use" in error
         assert "select_kv_publisher_dp_rank" in error
         assert child.wait(timeout=TIMEOUT_S) == 2
     tell(first, "go")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -181,10 +182,10 @@ def test_live_frames_in_order_with_rank_and_topic(
 
 
 def test_rank_already_set_is_kept(
-    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """A batch that already carries a rank is published with that rank, not the publisher's."""
-    pub = make_publisher(1, "tcp://127.0.0.1:0")
+    pub = make_publisher(1, transport[0])
     sub = subscribe(pub.endpoint)
     sync_subscriber(pub, sub)
     pub.publish(batch(0, rank=7))
@@ -192,10 +193,10 @@ def test_rank_already_set_is_kept(
 
 
 def test_burst_from_a_tight_loop_loses_nothing(
-    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """A caller publishing 20,000 batches back to back gets every one delivered in order, none dropped."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0", handoff_backlog=16)
+    pub = make_publisher(0, transport[0], handoff_backlog=16)
     sub = subscribe(pub.endpoint)
     first = sync_subscriber(pub, sub)
     n = 20_000
@@ -210,10 +211,10 @@ def test_burst_from_a_tight_loop_loses_nothing(
 
 
 def test_encoding_array_sends_positional_events(
-    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """With encoding="array" events go out as positional arrays, as older engines sent them."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0", encoding="array")
+    pub = make_publisher(0, transport[0], encoding="array")
     sub = subscribe(pub.endpoint)
     sync_subscriber(pub, sub)
     pub.publish(batch(5))
@@ -263,31 +264,46 @@ def test_offset_endpoint_port_static_method() -> None:
     assert offset(None, 1) is None
 
 
-def test_bind_conflict_names_port_rank_and_fix(
-    make_publisher: Callable[..., ZmqEventPublisher],
+def test_bind_conflict_names_endpoint_rank_and_fix(
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher]
 ) -> None:
-    """Binding a port another publisher holds fails with an EndpointError naming the port, the rank and the fix."""
-    first = make_publisher(0, "tcp://127.0.0.1:0")
-    port = first.endpoint.rsplit(":", 1)[1]
+    """Binding what another publisher holds fails with an EndpointError naming it, the rank and the fix."""
+    first = make_publisher(0, transport[0])
     threads_before = threading.active_count()
     with pytest.raises(EndpointError) as info:
-        make_publisher(0, f"tcp://127.0.0.1:{port}")
+        make_publisher(0, first.endpoint)  # the same port, path or name
     message = str(info.value)
-    assert f"port {port}" in message
+    taken = first.endpoint
+    if taken.startswith("tcp://"):
+        taken = "port " + taken.rsplit(":", 1)[1]
+    assert f"{taken} is already in use" in message
     assert "rank 0" in message
     assert "select_kv_publisher_dp_rank" in message
     assert threading.active_count() == threads_before
 
 
-def test_connect_mode_publishes_to_a_bound_subscriber(
-    make_publisher: Callable[..., ZmqEventPublisher], zmq_context: Any
+def test_ipc_path_left_by_a_dead_process_is_reused(
+    tmp_path: Path, make_publisher: Callable[..., ZmqEventPublisher]
 ) -> None:
-    """With a named host and bind unset, the publisher connects, here to a SUB that bound."""
+    """A stale ipc socket file that nobody listens on does not block binding."""
+    stale = tmp_path / "kv"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(stale))  # bound, never listening, then closed: what a crash leaves
+    assert stale.exists()
+    pub = make_publisher(0, f"ipc://{stale}")
+    assert pub.endpoint == f"ipc://{stale}"
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
+def test_connect_mode_publishes_to_a_bound_subscriber(
+    kind: str, tmp_path: Path, make_publisher: Callable[..., ZmqEventPublisher], zmq_context: Any
+) -> None:
+    """With bind=False the publisher connects, here to a SUB that bound."""
     sub = zmq_context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind("tcp://127.0.0.1:0")
+    sub.bind("tcp://127.0.0.1:0" if kind == "tcp" else f"ipc://{tmp_path}/sub")
     address = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-    pub = make_publisher(0, address, bind=None)
+    pub = make_publisher(0, address, bind=False if kind == "ipc" else None)
     assert pub.endpoint == address
     try:
         first = sync_subscriber(pub, sub)
@@ -354,10 +370,11 @@ def test_drop_on_full_is_a_gap_replay_cannot_fill(
 
 
 def test_a_frozen_sender_costs_one_bounded_wait_then_drops(
+    transport: tuple[str, str],
     make_publisher: Callable[..., ZmqEventPublisher],
 ) -> None:
     """When the sender makes no progress, publish() waits once (bounded), then only queues and drops."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0", max_queue_size=100, handoff_backlog=10)
+    pub = make_publisher(0, transport[0], max_queue_size=100, handoff_backlog=10)
     with pub._send_queue.hold():  # freeze the sender
         for i in range(200):
             pub.publish(batch(i))
@@ -373,10 +390,10 @@ def test_a_frozen_sender_costs_one_bounded_wait_then_drops(
 
 
 def test_shutdown_sends_everything_accepted(
-    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """shutdown() right after a burst still delivers every accepted batch before closing."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0")
+    pub = make_publisher(0, transport[0])
     sub = subscribe(pub.endpoint)
     first = sync_subscriber(pub, sub)
     for i in range(2000):
@@ -388,10 +405,11 @@ def test_shutdown_sends_everything_accepted(
 
 
 def test_flush_waits_until_accepted_batches_are_sent(
+    transport: tuple[str, str],
     make_publisher: Callable[..., ZmqEventPublisher],
 ) -> None:
     """flush() returns True once every batch accepted before it has been sent, and False on timeout."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0")
+    pub = make_publisher(0, transport[0])
     for i in range(500):
         pub.publish(batch(i))
     assert pub.flush(timeout=5.0)
@@ -403,10 +421,11 @@ def test_flush_waits_until_accepted_batches_are_sent(
 
 
 def test_shutdown_is_idempotent_and_publish_after_it_raises(
+    transport: tuple[str, str],
     make_publisher: Callable[..., ZmqEventPublisher],
 ) -> None:
     """A second shutdown() does nothing, and publish() after shutdown raises PublisherStateError."""
-    pub = make_publisher(0, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    pub = make_publisher(0, *transport)
     assert pub.state is PublisherState.RUNNING
     pub.shutdown()
     pub.shutdown()
@@ -506,13 +525,13 @@ def test_factory_refuses_other_types() -> None:
 
 
 def test_bytes_equal_sglang_captures(
-    make_publisher: Callable[..., ZmqEventPublisher], dealer: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], dealer: Any
 ) -> None:
     """Publishing SGLang's captured batches at rank 3, topic kv-events, gives its captured frames byte for byte."""
     records = load_wire_samples("sglang-0.5.23.jsonl")
     live_frames = [r["frames"] for r in records if r["kind"] == "live"]
     replay_frames = [r["frames"] for r in records if r["kind"] == "replay"]
-    pub = make_publisher(3, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kv-events")
+    pub = make_publisher(3, *transport, topic="kv-events")
     for frames in live_frames:
         sample = decode_batch(frames[2])
         assert sample.data_parallel_rank == 3
@@ -527,12 +546,12 @@ def test_bytes_equal_sglang_captures(
 
 
 def test_live_bytes_equal_sglang_captures_after_probes(
-    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
     """On the live socket, SGLang's captured batches arrive with the captured topic and payload bytes."""
     records = load_wire_samples("sglang-0.5.23.jsonl")
     live_frames = [r["frames"] for r in records if r["kind"] == "live"]
-    pub = make_publisher(3, "tcp://127.0.0.1:0", topic="kv-events")
+    pub = make_publisher(3, transport[0], topic="kv-events")
     sub = subscribe(pub.endpoint)
     first = sync_subscriber(pub, sub)
     for frames in live_frames:

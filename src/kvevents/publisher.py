@@ -20,6 +20,8 @@ bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger)
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,10 @@ def _open_socket(
     address = str(endpoint)
     if endpoint.is_ipv6:
         sock.ipv6 = True
+    if bind and endpoint.scheme == "ipc" and _ipc_listening(str(endpoint.path)):
+        # libzmq would silently take the path over, orphaning the publisher bound there.
+        clash = zmq.ZMQError(zmq.EADDRINUSE)
+        raise EndpointError(_open_error(address, endpoint, bind, rank, role, clash))
     try:
         if bind:
             sock.bind(address)
@@ -71,6 +77,19 @@ def _open_socket(
         assert bound.port is not None
         return str(endpoint.with_port(bound.port))
     return address
+
+
+def _ipc_listening(path: str) -> bool:
+    """True when a process accepts connections on the unix socket ``path``."""
+    if path.startswith("@") or not os.path.exists(path):  # abstract namespace, or free
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused: a stale file left by a process that is gone
+            return False
+    return True
 
 
 def _open_error(
