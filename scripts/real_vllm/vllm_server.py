@@ -133,6 +133,12 @@ class ServerSpec:
         return env
 
 
+def default_cache() -> Path:
+    """Where scripts/test-real-vllm keeps the venv and the model: ``$KVEVENTS_CACHE``,
+    else ``~/.cache/kvevents``."""
+    return Path(os.environ.get("KVEVENTS_CACHE") or Path.home() / ".cache" / "kvevents")
+
+
 def save_spec(spec: ServerSpec) -> None:
     path = Path(spec.state_dir) / STATE_FILE
     path.write_text(json.dumps(asdict(spec), indent=2))
