@@ -92,6 +92,7 @@ class SubscriberLoop:
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # submit() never waits, even on a stalled loop
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[float, list[Item]], None]] = {}
         self._monitor_sockets: set[Any] = set()
