@@ -377,3 +377,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_address_zmq_refuses_is_reported_and_the_loop_carries_on(make_publisher: Factory) -> None:
+    """A stream whose address ZMQ refuses (an ipc path that is too long) is reported, and other streams still deliver."""
+    bad = StreamSpec(worker="bad", dp_rank=0, endpoint="ipc:///tmp/" + "x" * 200)
+    pub = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    with Subscriber(streams=[bad, spec_for(pub, "good")]) as sub:
+        pub.publish(batch(0))
+        items = collect(
+            sub, until=lambda got: len(deliveries(got)) == 1 and bool(signals(got, "unreachable"))
+        )
+        (signal,) = signals(items, "unreachable")
+        assert signal.worker == "bad" and "ZMQ refused the address" in signal.reason
+        assert deliveries(items)[0].holder == Holder("good", 0)

@@ -60,6 +60,11 @@ class ReplayClient:
     def in_flight(self) -> bool:
         return self.deadline is not None
 
+    def open(self) -> None:
+        """Open the socket now (it is otherwise opened by the first request)."""
+        if self.socket is None:
+            self._reopen()
+
     def request(self, start: int, now: float) -> None:
         """Ask for every buffered batch with ``seq >= start`` (abandons one in flight)."""
         if self.socket is None or self.in_flight:
@@ -109,10 +114,14 @@ class ReplayClient:
     def _reopen(self) -> None:
         self.close()
         sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
-        sock.connect(self.endpoint)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
+            sock.connect(self.endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         self.socket = sock
         self._on_open(sock)

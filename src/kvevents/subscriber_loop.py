@@ -1,8 +1,7 @@
 """The subscriber's socket thread: one ZMQ poller over every stream's sockets.
 
-Per stream it owns a SUB socket (live messages), a monitor socket on it (connect,
-disconnect and retry events) and, when the stream has a replay endpoint, a
-:class:`~kvevents.replay_client.ReplayClient`. What arrives is fed to the stream's
+Per stream it holds a :class:`~kvevents.stream_sockets.StreamSockets` (SUB socket,
+monitor socket, replay client, tracker, counters). What arrives is fed to the stream's
 :class:`~kvevents.stream.StreamTracker`; what the tracker answers is carried out here:
 payloads are decoded into :class:`~kvevents.signals.Delivery` items, signals passed on,
 replays requested. Everything one poll produced goes to the consumer as one chunk
@@ -12,8 +11,10 @@ Other threads talk to the loop only through :meth:`SubscriberLoop.submit` (a com
 deque plus a wake-up byte on a socketpair the poller watches); every ZMQ socket is
 created, used and closed on the loop's thread.
 
-Per message cost on the in-order path: one ``recv_multipart``, a frame-shape check, one
-comparison in the tracker, ``decode_batch``, and an append.
+Per message cost on the in-order path: three zero-copy frame receives, a frame-shape
+check, one comparison in the tracker, ``decode_batch``, and an append. A socket that
+cannot be opened (ZMQ refuses the address) is reported as ``Unreachable``; it never
+stops the loop.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.discovery import StreamSpec
 from kvevents.errors import WireError
 from kvevents.handoff import Handoff
-from kvevents.replay_client import ReplayClient
 from kvevents.signals import Delivery, Holder, Loss, Signal, Unreachable
-from kvevents.stream import CancelReplay, Deliver, RequestReplay, StreamTracker, TrackerAction
-from kvevents.stream_stats import SAMPLE_INTERVAL, StreamCounters, StreamStats
+from kvevents.stream import CancelReplay, Deliver, RequestReplay, TrackerAction
+from kvevents.stream_sockets import StreamSockets
+from kvevents.stream_stats import SAMPLE_INTERVAL, StreamStats
 from kvevents.wire import AllBlocksCleared, decode_batch
 
 __all__ = ["Item", "SubscriberLoop"]
@@ -45,24 +45,6 @@ Item = Delivery | Signal
 _SEQ = struct.Struct(">Q")
 _NOBLOCK = int(zmq.NOBLOCK)
 _DRAIN = 256  # messages read from one socket per poll, for fairness between streams
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-
-
-class _Stream:
-    """One stream's sockets, tracker and counters (loop thread only, except reads)."""
-
-    def __init__(self, spec: StreamSpec, tracker: StreamTracker) -> None:
-        self.spec = spec
-        self.holder = Holder(spec.worker, spec.dp_rank)
-        self.topic = spec.topic.encode()
-        self.tracker = tracker
-        self.counters = StreamCounters()
-        self.sub: zmq.Socket[bytes] | None = None
-        self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: ReplayClient | None = None
-        self.unreachable_reported = False
-        self.activity = 0.0  # when anything last arrived (or the stream was added)
-        self.probed = False  # a tail probe was sent since then
 
 
 class SubscriberLoop:
@@ -88,7 +70,7 @@ class SubscriberLoop:
         self.reconnect_max_ms = reconnect_max_ms
         self.tail_probe = tail_probe
         self.clock = clock
-        self.streams: dict[Holder, _Stream] = {}
+        self.streams: dict[Holder, StreamSockets] = {}
         self._commands: deque[tuple[str, Any]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -110,35 +92,7 @@ class SubscriberLoop:
             self._wake_w.send(b"\0")
 
     def snapshot(self, now: float) -> list[StreamStats]:
-        out = []
-        for st in list(self.streams.values()):
-            c, t = st.counters, st.tracker
-            bps, kps = c.rates(now)
-            out.append(
-                StreamStats(
-                    worker=st.spec.worker,
-                    dp_rank=st.spec.dp_rank,
-                    endpoint=st.spec.endpoint,
-                    replay_endpoint=st.spec.replay_endpoint,
-                    status=c.status,
-                    last_seq=None if t.last < 0 else t.last,
-                    batches=c.batches,
-                    blocks=c.blocks,
-                    batches_per_s=bps,
-                    blocks_per_s=kps,
-                    gaps=t.gaps,
-                    replayed=t.replayed,
-                    lost=t.lost,
-                    resets=t.resets,
-                    decode_errors=c.decode_errors,
-                    malformed=c.malformed,
-                    replay_requests=0 if st.replay is None else st.replay.requests,
-                    replay_timeouts=0 if st.replay is None else st.replay.timeouts,
-                    age_s=None if c.last_arrival is None else now - c.last_arrival,
-                    lag_s=c.last_lag,
-                )
-            )
-        return out
+        return [st.stats(now) for st in list(self.streams.values())]
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -227,38 +181,37 @@ class SubscriberLoop:
     # --- streams -------------------------------------------------------------------------
 
     def _add_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
-        tracker = StreamTracker(
-            spec.worker,
-            spec.dp_rank,
-            has_replay=spec.replay_endpoint is not None,
-            max_pending=self.max_pending,
-        )
-        st = _Stream(spec, tracker)
+        def replay_opened(sock: zmq.Socket[bytes]) -> None:
+            self._register(sock, lambda now, out: self._on_replay(st, now, out))
+
+        try:
+            st = StreamSockets(
+                spec,
+                self.context,
+                rcvhwm=self.rcvhwm,
+                reconnect_max_ms=self.reconnect_max_ms,
+                replay_timeout=self.replay_timeout,
+                max_pending=self.max_pending,
+                on_replay_open=replay_opened,
+                on_replay_close=self._unregister,
+            )
+        except zmq.ZMQError as exc:
+            out.append(
+                Unreachable(
+                    worker=spec.worker,
+                    dp_rank=spec.dp_rank,
+                    address=spec.endpoint,
+                    reason=f"ZMQ refused the address ({exc}); this stream is not followed",
+                )
+            )
+            return
         self.streams[st.holder] = st
-        sub = self.context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        sub.setsockopt(zmq.RECONNECT_IVL, 100)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_max_ms)
-        sub.setsockopt(zmq.SUBSCRIBE, st.topic)
-        st.monitor = sub.get_monitor_socket(_MONITORED)
-        sub.connect(spec.endpoint)
-        st.sub = sub
         self._monitor_sockets.add(st.monitor)
         self._register(st.monitor, lambda now, out: self._on_monitor(st, now, out))
-        self._register(sub, lambda now, out: self._on_live(st, now, out))
-        if spec.replay_endpoint is not None:
-            st.replay = ReplayClient(
-                self.context,
-                spec.replay_endpoint,
-                timeout=self.replay_timeout,
-                on_open=lambda s: self._register(s, lambda now, out: self._on_replay(st, now, out)),
-                on_close=self._unregister,
-                reconnect_max_ms=self.reconnect_max_ms,
-            )
+        self._register(st.sub, lambda now, out: self._on_live(st, now, out))
         st.counters.sample(now)
         st.activity = now
-        self._apply(st, tracker.start(), now, out)
+        self._apply(st, st.tracker.start(), now, out)
 
     def _register(
         self, sock: zmq.Socket[bytes], handler: Callable[[float, list[Item]], None]
@@ -270,9 +223,8 @@ class SubscriberLoop:
         self._poller.unregister(sock)
         self._handlers.pop(sock, None)
 
-    def _on_live(self, st: _Stream, now: float, out: list[Item]) -> None:
+    def _on_live(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         sock, tracker, counters = st.sub, st.tracker, st.counters
-        assert sock is not None
         recv, unpack = sock.recv, _SEQ.unpack
         st.activity, st.probed = now, False
         for _ in range(_DRAIN):
@@ -296,7 +248,7 @@ class SubscriberLoop:
             else:
                 self._apply(st, tracker.on_live(seq, payload), now, out)
 
-    def _on_replay(self, st: _Stream, now: float, out: list[Item]) -> None:
+    def _on_replay(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         client = st.replay
         assert client is not None
         sock = client.socket
@@ -318,37 +270,13 @@ class SubscriberLoop:
                 actions = st.tracker.on_replay_reply(reply.seq, reply.payload, subscribed)
             self._apply(st, actions, now, out)
 
-    def _on_monitor(self, st: _Stream, now: float, out: list[Item]) -> None:
-        assert st.monitor is not None
-        while True:
-            try:
-                event = recv_monitor_message(st.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            kind = event["event"]
-            if kind == zmq.EVENT_CONNECTED:
-                st.counters.status = "connected"
-                st.unreachable_reported = False
-                self._apply(st, st.tracker.on_connected(), now, out)
-            elif kind == zmq.EVENT_DISCONNECTED:
-                st.counters.status = "disconnected"
-                st.tracker.on_disconnected()
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
-                st.counters.status = "unreachable"
-                if not st.unreachable_reported:
-                    st.unreachable_reported = True
-                    out.append(
-                        Unreachable(
-                            worker=st.spec.worker,
-                            dp_rank=st.spec.dp_rank,
-                            address=st.spec.endpoint,
-                            reason="connection attempts fail; retrying with backoff "
-                            f"up to every {self.reconnect_max_ms / 1000:g} s",
-                        )
-                    )
+    def _on_monitor(self, st: StreamSockets, now: float, out: list[Item]) -> None:
+        actions, signals = st.read_monitor()
+        out.extend(signals)
+        self._apply(st, actions, now, out)
 
     def _apply(
-        self, st: _Stream, actions: list[TrackerAction], now: float, out: list[Item]
+        self, st: StreamSockets, actions: list[TrackerAction], now: float, out: list[Item]
     ) -> None:
         for action in actions:
             if type(action) is Deliver:
@@ -364,7 +292,9 @@ class SubscriberLoop:
                 assert isinstance(action, Signal)
                 out.append(action)
 
-    def _emit(self, st: _Stream, seq: int, payload: bytes, now: float, out: list[Item]) -> None:
+    def _emit(
+        self, st: StreamSockets, seq: int, payload: bytes, now: float, out: list[Item]
+    ) -> None:
         counters = st.counters
         counters.last_arrival = now
         try:
@@ -393,13 +323,6 @@ class SubscriberLoop:
 
     def _teardown(self) -> None:
         for st in self.streams.values():
-            if st.replay is not None:
-                st.replay.close()
-            if st.sub is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    st.sub.disable_monitor()
-                st.sub.close(linger=0)
-            if st.monitor is not None:
-                st.monitor.close(linger=0)
+            st.close()
         self._wake_r.close()
         self._wake_w.close()
