@@ -35,18 +35,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from types import TracebackType
 
-import msgspec
 import zmq
 
-from kvevents.discovery import (
-    StreamSpec,
-    fetch_server_info,
-    normalize_engine_url,
-    streams_from_server_info,
-)
-from kvevents.errors import DiscoveryError, SubscriberStateError
+from kvevents.discovery import StreamSpec, normalize_engine_url
+from kvevents.engine_watcher import EngineStatus, EngineWatcher
+from kvevents.errors import SubscriberStateError
 from kvevents.handoff import Handoff, HandoffClosed
-from kvevents.signals import Holder, Unreachable
+from kvevents.signals import Holder
 from kvevents.stream_stats import StreamStats
 from kvevents.subscriber_loop import Item, SubscriberLoop
 
@@ -56,78 +51,6 @@ __all__ = ["EngineStatus", "Subscriber", "SubscriberState"]
 class SubscriberState(enum.Enum):
     RUNNING = "running"
     CLOSED = "closed"
-
-
-class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """Discovery state of one engine URL.
-
-    ``state``: "discovering" (first attempt running), "unreachable" (no answer),
-    "invalid" (it answers, but its /server_info has no usable kv_events block: publishing
-    is off, or the block is malformed; ``last_error`` says which) or "subscribed".
-    Unreachable and invalid engines are retried with backoff.
-    """
-
-    url: str
-    worker: str
-    state: str
-    attempts: int
-    last_error: str | None
-    streams: int
-
-
-class _EngineWatcher:
-    """Reads one engine's /server_info until it answers, with exponential backoff."""
-
-    def __init__(self, sub: Subscriber, url: str, worker: str) -> None:
-        self.url = url
-        self.worker = worker
-        self.state = "discovering"
-        self.attempts = 0
-        self.last_error: str | None = None
-        self.streams = 0
-        self._sub = sub
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvevents-discover {url}", daemon=True
-        )
-
-    def _run(self) -> None:
-        delay = self._sub.retry_initial
-        reported = False
-        while not self._sub._closing.is_set():
-            self.attempts += 1
-            state = "unreachable"
-            try:
-                info = fetch_server_info(self.url, timeout=self._sub.discovery_timeout)
-                state = "invalid"
-                specs = streams_from_server_info(info, engine_url=self.url, worker=self.worker)
-            except DiscoveryError as exc:
-                self.last_error = str(exc)
-                self.state = state
-                if not reported:
-                    reported = True
-                    self._sub._loop.submit(
-                        "signal",
-                        Unreachable(
-                            worker=self.worker,
-                            dp_rank=None,
-                            address=self.url,
-                            reason=f"{exc}; retrying with backoff up to every "
-                            f"{self._sub.retry_max:g} s",
-                        ),
-                    )
-                if self._sub._closing.wait(delay):
-                    return
-                delay = min(self._sub.retry_max, delay * 2)
-                continue
-            self.last_error = None
-            for spec in specs:
-                try:
-                    self._sub._add_spec(spec)
-                    self.streams += 1
-                except ValueError as exc:  # the same holder is followed already
-                    self.last_error = str(exc)
-            self.state = "subscribed"
-            return
 
 
 class Subscriber:
@@ -196,7 +119,7 @@ class Subscriber:
         )
         self._lock = threading.Lock()
         self._specs: dict[Holder, StreamSpec] = {}
-        self._engines: dict[str, _EngineWatcher] = {}
+        self._engines: dict[str, EngineWatcher] = {}
         self._closing = threading.Event()
         self.state = SubscriberState.RUNNING
         self._loop.thread.start()
@@ -218,7 +141,16 @@ class Subscriber:
         with self._lock:
             if url in self._engines:
                 raise ValueError(f"Subscriber.add_engine: {url} is already followed")
-            watcher = _EngineWatcher(self, url, worker or url)
+            watcher = EngineWatcher(
+                url,
+                worker or url,
+                timeout=self.discovery_timeout,
+                retry_initial=self.retry_initial,
+                retry_max=self.retry_max,
+                closing=self._closing,
+                add_spec=self._add_spec,
+                report=lambda signal: self._loop.submit("signal", signal),
+            )
             self._engines[url] = watcher
         watcher.thread.start()
 
@@ -301,17 +233,7 @@ class Subscriber:
         """Discovery state of every engine URL followed."""
         with self._lock:
             watchers = list(self._engines.values())
-        return {
-            w.url: EngineStatus(
-                url=w.url,
-                worker=w.worker,
-                state=w.state,
-                attempts=w.attempts,
-                last_error=w.last_error,
-                streams=w.streams,
-            )
-            for w in watchers
-        }
+        return {w.url: w.status() for w in watchers}
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads and close every socket. Idempotent."""
