@@ -103,7 +103,12 @@ class RouterService:
         return {} if self.subscriber is None else dict(self.subscriber.stats())
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.forward_timeout, connect=5.0))
+        # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
+        # request never goes out on a connection the server is closing (a ReadError, 502).
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.forward_timeout, connect=5.0),
+            limits=httpx.Limits(keepalive_expiry=2.0),
+        )
         if self.subscriber is not None:
             self._tasks.append(asyncio.create_task(self._consume(self.subscriber)))
         for url in self.engines:
