@@ -122,13 +122,14 @@ def test_gap_the_replay_cannot_fill_ends_without_a_replay_loop() -> None:
 
 
 def test_replay_timeout_reports_loss_and_delivers_buffered_messages() -> None:
-    """A replay that times out reports its range lost and hands out the buffered live messages."""
+    """A replay that times out (again after one retry) reports its range lost and hands out the buffered live messages."""
     t = StreamTracker("w", 0, has_replay=True)
     t.start()
     t.on_replay_end()
     t.accept_in_order(0, p(0))
     t.on_live(3, p(3))
     t.on_live(4, p(4))
+    assert t.on_replay_timeout() == [RequestReplay(1)]  # one retry on a fresh socket
     out = t.on_replay_timeout()
     assert isinstance(out[0], Loss) and "timed out" in out[0].reason
     assert delivered(out) == [3, 4]
@@ -305,7 +306,10 @@ def test_timed_out_replay_that_made_progress_is_asked_again() -> None:
     live_drop=st.sets(st.integers(0, 39)),
     publisher_drop=st.sets(st.integers(0, 39), max_size=4),
     buffer_steps=st.integers(1, 60),
-    ops=st.lists(st.sampled_from(["publish", "live", "live", "answer"]), max_size=150),
+    ops=st.lists(
+        st.sampled_from(["publish", "live", "live", "answer", "timeout", "reconnect"]),
+        max_size=150,
+    ),
     has_replay=st.booleans(),
 )
 def test_delivered_and_lost_cover_every_seq_exactly_once(
@@ -316,7 +320,7 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
     ops: list[str],
     has_replay: bool,
 ) -> None:
-    """Under any live drops, publisher drops, buffer size and interleaving of live and replay traffic, delivered and lost seqs partition 0..last in order."""
+    """Under any live drops, publisher drops, buffer size, replay timeouts, reconnects to the same publisher and interleaving of live and replay traffic, delivered and lost seqs partition 0..last in order, and nothing is taken for a restart."""
     t = StreamTracker("w", 0, has_replay=has_replay)
     buffered: list[int] = []  # seqs the publisher's replay buffer received, in order
     in_flight: list[int] = []  # live messages sent, not yet received
@@ -357,6 +361,15 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
             else:
                 run(t.on_live(seq, p(seq)))
 
+    def timeout() -> None:
+        if request:
+            request.clear()  # the replay socket is discarded with its late replies
+            run(t.on_replay_timeout())
+
+    def reconnect() -> None:  # the same publisher, after a connection drop
+        t.on_disconnected()
+        run(t.on_connected())
+
     def answer() -> None:
         if request:
             start = request.pop()
@@ -368,7 +381,13 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
 
     run(t.start())
     for op in ops:
-        {"publish": publish, "live": receive_live, "answer": answer}[op]()
+        {
+            "publish": publish,
+            "live": receive_live,
+            "answer": answer,
+            "timeout": timeout,
+            "reconnect": reconnect,
+        }[op]()
     while next_seq < n:
         publish()
     for _ in range(4 * n + 10):  # drain everything, then probe the tail
@@ -390,5 +409,5 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
     assert expected_next - 1 == t.last
     if has_replay:
         assert t.last == n - 1 or (n - 1) in publisher_drop  # the probe found the tail
-        if not publisher_drop and buffer_steps >= n:
+        if not publisher_drop and buffer_steps >= n and "timeout" not in ops:
             assert all(kind == "d" for kind, _, _ in log), log

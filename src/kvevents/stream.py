@@ -16,7 +16,8 @@ Invariants
 * Every replay makes progress or ends the gap: when the same replay twice delivered
   nothing, a remaining gap is reported lost instead of replayed again, so there is no
   loop. A replay that times out after delivering something (the publisher dropped the
-  rest of its answer) is asked again from where it stopped, at most twice in a row.
+  rest of its answer) is asked again from where it stopped, at most twice in a row; one
+  that timed out with nothing while live messages wait is asked again once.
 * A gap at the very end of a burst shows no symptom until the next message. With a
   replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
   a while: a replay from ``last + 1`` that returns only the end marker when nothing
@@ -31,13 +32,15 @@ Restart detection
   replay already delivered, and is skipped.
 * After the connection dropped and came back (``on_disconnected``/``on_connected``), a
   restarted engine may already have published past ``last`` (seq then looks like it
-  moved forward). With a replay endpoint, the tracker asks for a replay from ``last``
-  and compares that payload byte for byte with the one it delivered: different, or an
-  empty buffer, is a reset; equal means the same publisher continues. The limits: a
-  publisher that forgot ``last`` (replay buffer overrun) cannot be checked, and the
-  skipped range is reported as :class:`Loss`; without a replay endpoint a forward jump
-  after a reconnect is reported as :class:`Loss`, and a reconnect that continues
-  exactly at ``last + 1`` is taken as the same publisher.
+  moved forward). With a replay endpoint, the tracker asks for a replay from the last
+  batch it delivered (the anchor) and compares that payload byte for byte: different,
+  or an empty buffer, is a reset; equal means the same publisher continues. The
+  limits: a publisher that no longer buffers the anchor cannot be checked (what was
+  skipped is reported as :class:`Loss`); without a replay endpoint a forward jump after
+  a reconnect is reported as :class:`Loss`, and a reconnect that continues exactly at
+  ``last + 1`` is taken as the same publisher. A restarted publisher whose payload at
+  the anchor's seq is byte-identical to the old one is not told apart (its batches
+  carry wall-clock timestamps, so this does not happen in practice).
 
 Cost: the in-order live case is one comparison (:meth:`accept_in_order`); everything
 else is O(1) per message plus O(n) over the buffered messages when a replay ends.
@@ -106,7 +109,9 @@ class StreamTracker:
         self.has_replay = has_replay
         self.max_pending = max_pending
         self.last = -1
-        self.last_payload: bytes | None = None  # payload delivered as `last`, if any
+        # the last batch delivered with its payload: what a verifying replay compares
+        self.anchor_seq = -1
+        self.anchor_payload: bytes | None = None
         self.live_high = -1  # highest seq received live from this publisher
         self.replaying = False
         self.purpose = Purpose.JOIN
@@ -125,8 +130,9 @@ class StreamTracker:
 
     @property
     def can_verify(self) -> bool:
-        """Whether a replay from ``last`` can prove that the publisher is the same one."""
-        return self.has_replay and self.last >= 0 and self.last_payload is not None
+        """Whether a replay can prove that the publisher is the same one (a batch was
+        delivered whose payload can be compared)."""
+        return self.has_replay and self.anchor_payload is not None
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -144,17 +150,17 @@ class StreamTracker:
         the caller must call :meth:`on_live` instead.
         """
         if seq == self.last + 1 and not self.replaying and not self.suspect:
-            self.last = self.live_high = seq
-            self.last_payload = payload
+            self.last = self.live_high = self.anchor_seq = seq
+            self.anchor_payload = payload
             return True
         return False
 
     def on_live(self, seq: int, payload: bytes) -> list[TrackerAction]:
         """A live message arrived."""
         out: list[TrackerAction] = []
-        if seq <= self.last and seq > self.live_high and not self.suspect:
+        if self.live_high < seq <= self.last:
             # The live copy of a batch a replay delivered already: live seqs only grow,
-            # so this is not a restart (that would go back below ``live_high``).
+            # so this is not a restart (that would go back to ``live_high`` or below).
             self.live_high = seq
             return out
         self.live_high = seq
@@ -179,12 +185,11 @@ class StreamTracker:
         if not self.replaying:
             return out
         if self.purpose is Purpose.VERIFY and not self._verified:
-            if seq < self.last:
+            if seq < self.anchor_seq:
                 return out  # older than asked for: keep looking
-            self._verified = True
-            if seq == self.last:
-                if payload != self.last_payload:
-                    self._reset(None, "replay shows another batch at the last seq seen", out)
+            self._verified = True  # (a buffer that no longer holds the anchor cannot tell)
+            if seq == self.anchor_seq and payload != self.anchor_payload:
+                self._reset(None, "replay shows another batch at a seq already delivered", out)
                 return out
         if seq <= self.last:
             return out
@@ -198,11 +203,10 @@ class StreamTracker:
         self._progress = True
         self.last = seq
         if subscribed:
-            self.last_payload = payload
+            self.anchor_seq, self.anchor_payload = seq, payload
             self.replayed += 1
             out.append(Deliver(seq, payload, True))
         else:
-            self.last_payload = None
             out.append(Deliver(seq, None, True))
         return out
 
@@ -234,10 +238,16 @@ class StreamTracker:
         out: list[TrackerAction] = []
         if not self.replaying:
             return out
-        if self._progress and self._timeout_retries < 2:
-            # the answer stopped midway (the publisher dropped the rest): ask again
+        unverified = self.purpose is Purpose.VERIFY and not self._verified
+        if not unverified and (
+            (self._progress and self._timeout_retries < 2)
+            or (self.pending and self._timeout_retries < 1)
+        ):
+            # The answer stopped midway (the publisher dropped the rest), or the request
+            # went to a publisher that was not up yet while live messages now arrive:
+            # ask again, on a fresh socket.
             self._timeout_retries += 1
-            purpose = Purpose.GAP if self.purpose is not Purpose.PROBE else Purpose.PROBE
+            purpose = Purpose.PROBE if self.purpose is Purpose.PROBE else Purpose.GAP
             self._begin_replay(purpose, self.last + 1, out)
             return out
         self._timeout_retries = 0
@@ -262,13 +272,14 @@ class StreamTracker:
     def on_connected(self) -> list[TrackerAction]:
         """The live connection is up; after a drop, verify the publisher with a replay.
 
-        A replay still in flight went to the old connection: the verifying replay from
-        ``last`` replaces it and also fills whatever that one was asked for.
+        The verifying replay starts at the anchor (the last batch delivered with its
+        payload) and also fills anything after ``last``; a replay still in flight went to
+        the old connection, and this one replaces it.
         """
         out: list[TrackerAction] = []
         if self.suspect and self.can_verify:
             self.suspect = False
-            self._begin_replay(Purpose.VERIFY, self.last, out)
+            self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
         return out
 
     # --- internals -----------------------------------------------------------------------
@@ -289,7 +300,7 @@ class StreamTracker:
             self.suspect = False
             if seq > self.last and replay_allowed and self.can_verify:
                 self.pending.append((seq, payload))
-                self._begin_replay(Purpose.VERIFY, self.last, out)
+                self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
                 return
             if seq > self.last + 1:
                 reason = f"missed across a reconnect ({reason})"
@@ -363,7 +374,7 @@ class StreamTracker:
         self.resets += 1
         self.last = -1
         self.live_high = -1 if new_seq is None else new_seq
-        self.last_payload = None
+        self.anchor_seq, self.anchor_payload = -1, None
         self.suspect = False
         self._fruitless_start = None
         if self.has_replay:
@@ -383,9 +394,8 @@ class StreamTracker:
         )
         self.lost += last - first + 1
         self.last = last
-        self.last_payload = None
 
     def _deliver(self, seq: int, payload: bytes, out: list[TrackerAction]) -> None:
-        self.last = seq
-        self.last_payload = payload
+        self.last = self.anchor_seq = seq
+        self.anchor_payload = payload
         out.append(Deliver(seq, payload, False))
