@@ -1,0 +1,307 @@
+"""``kvevents demo``: the whole plane in one command, and what KV-aware routing buys.
+
+::
+
+    kvevents demo [--requests N] [--dp-size N] [--enable-dp-attention] [--trace FILE]
+                  [--json FILE] [--out DIR | --no-chart]
+
+1. Starts ``kvevents engine`` (``--dp-size`` ranks, pure DP unless
+   ``--enable-dp-attention``, a prefix cache of ``--max-blocks`` pages per rank, KV
+   events with replay on OS-chosen loopback ports) and ``kvevents router`` following
+   it, each in its own process group (:mod:`kvevents.demo_procs`).
+2. Replays the first ``--requests`` requests of the trace (default: the bundled Mooncake
+   conversation trace), ``--speedup`` times faster than recorded, at most
+   ``--concurrency`` in flight (:mod:`kvevents.demo_replay`): once through the router
+   (KV-aware), then, after flushing every cache and checking that the router's index
+   emptied with it, straight to the engine, which spreads requests round-robin.
+3. After each replay, waits until the router has received every published batch and
+   checks that its index holds as many blocks per rank as the engine's caches.
+4. Prints the results (:mod:`kvevents.demo_report`), draws the chart
+   (:mod:`kvevents.demo_chart`) and writes ``--json``.
+
+Whatever happens (success, error, Ctrl-C, SIGTERM), the router and the engine are
+stopped before the command returns. Exit codes: 0 when every request succeeded,
+nothing was lost and the index matched the engine; 1 otherwise; 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import shlex
+import signal
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvevents.demo_plane import Plane, Settled
+from kvevents.demo_procs import Child
+from kvevents.demo_replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
+from kvevents.demo_report import (
+    POLICY_LABELS,
+    finite_json,
+    render_table,
+    results_document,
+    summarize,
+)
+from kvevents.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "run_demo", "run_routing_bench"]
+
+DEFAULTS: dict[str, Any] = {
+    "requests": 1000,
+    "dp_size": 4,
+    "page_size": 16,
+    "max_blocks": 65536,
+    "speedup": 12.0,
+    "concurrency": 32,
+    "max_new_tokens": 32,
+    # The router's default load weight (1.0) counts every uncached block of a request in
+    # flight as pending prefill for as long as the request runs, although its prefill is
+    # over after the first step; on this workload that overrides prefix affinity (77% of
+    # the upper bound instead of 96%, at the same load balance). See the README.
+    "router_args": "--load-weight 0.25",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    d = DEFAULTS
+    add("--trace", type=Path, default=None, help="Mooncake trace (default: the bundled one)")
+    add(
+        "--requests",
+        type=int,
+        default=d["requests"],
+        help=f"requests replayed per policy ({d['requests']})",
+    )
+    add("--dp-size", type=int, default=d["dp_size"], help=f"engine ranks ({d['dp_size']})")
+    add("--enable-dp-attention", action="store_true", help="engine in SGLang's DP-attention mode")
+    add(
+        "--page-size",
+        type=int,
+        default=d["page_size"],
+        help=f"tokens per KV block ({d['page_size']})",
+    )
+    add(
+        "--max-blocks",
+        type=int,
+        default=d["max_blocks"],
+        help=f"cache pages per rank ({d['max_blocks']})",
+    )
+    add(
+        "--speedup",
+        type=float,
+        default=d["speedup"],
+        help=f"trace seconds per second ({d['speedup']:g})",
+    )
+    add(
+        "--concurrency",
+        type=int,
+        default=d["concurrency"],
+        help=f"requests in flight at most ({d['concurrency']})",
+    )
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=d["max_new_tokens"],
+        help=f"cap on output tokens ({d['max_new_tokens']})",
+    )
+    add(
+        "--router-args",
+        default=d["router_args"],
+        metavar="ARGS",
+        help=f"`kvevents router` options ('{d['router_args']}')",
+    )
+    add("--out", type=Path, default=Path("demo-out"), help="directory for the chart (demo-out)")
+    add("--no-chart", action="store_true", help="do not draw the PNG chart")
+    add("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
+    add(
+        "--startup-timeout", type=float, default=90.0, help="seconds for engine and router to start"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = run_demo(args, Console())
+    return 0 if doc["ok"] else 1
+
+
+def run_routing_bench(
+    *, quick: bool = False, requests: int | None = None, console: Console | None = None
+) -> dict[str, Any]:
+    """The demo as a benchmark: default settings, no chart; ``quick`` replays 300 requests.
+
+    Returns the demo's results document (finite numbers only) with ``"benchmark": "routing"``.
+    """
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    count = requests if requests is not None else (300 if quick else DEFAULTS["requests"])
+    args = parser.parse_args(["--no-chart", "--requests", str(count)])
+    doc = run_demo(args, console if console is not None else Console(stderr=True))
+    result: dict[str, Any] = finite_json({"benchmark": "routing", **doc})
+    return result
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    kv_config = {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "bind": True,
+        "replay_endpoint": "tcp://127.0.0.1:0",
+    }
+    argv = ["--port", "0", "--dp-size", str(args.dp_size), "--page-size", str(args.page_size)]
+    argv += ["--max-blocks", str(args.max_blocks), "--kv-events-config", json.dumps(kv_config)]
+    if args.enable_dp_attention:
+        argv.append("--enable-dp-attention")
+    return argv
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--dp-size", args.dp_size),
+        ("--page-size", args.page_size),
+        ("--max-blocks", args.max_blocks),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    if not args.startup_timeout > 0:
+        raise ConfigError(f"--startup-timeout {args.startup_timeout}: must be > 0 seconds")
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # leave through the same cleanup as Ctrl-C
+
+
+def _replay(
+    name: str, workload: Workload, url: str, concurrency: int, console: Console
+) -> PolicyRun:
+    columns = (
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("hit rate {task.fields[hit]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(POLICY_LABELS.get(name, name), total=len(workload), hit="-")
+        totals = [0, 0]
+
+        def on_done(outcome: Outcome) -> None:
+            totals[0] += outcome.prompt_tokens
+            totals[1] += outcome.cached_tokens
+            hit = f"{100 * totals[1] / totals[0]:.1f}%" if totals[0] else "-"
+            progress.update(task, advance=1, hit=hit)
+
+        return asyncio.run(replay(name, workload, url, concurrency=concurrency, on_done=on_done))
+
+
+def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Run the demo as described in the module docstring; returns the results document."""
+    _check(args)
+    started = time.monotonic()
+    workload = Workload.load(
+        args.trace, args.requests, speedup=args.speedup, max_new_tokens=args.max_new_tokens
+    )
+    try:
+        router_extra = shlex.split(args.router_args)
+    except ValueError as exc:
+        raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
+    engine = Child("engine", _engine_args(args))
+    router = Child("router", [])
+    runs: dict[str, PolicyRun] = {}
+    consistency: dict[str, Settled] = {}
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    with ExitStack() as stack:
+        stack.callback(signal.signal, signal.SIGTERM, previous)
+        pool = multiprocessing.get_context("spawn").Pool(1)
+        stack.callback(pool.join)
+        stack.callback(pool.terminate)
+        bound = pool.apply_async(
+            pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
+        )
+        stack.callback(engine.stop)
+        console.print(f"starting the engine: dp {args.dp_size}, {args.max_blocks:,} pages per rank")
+        engine_url = engine.start(args.startup_timeout)
+        router.argv += ["--engine", engine_url, "--port", "0", *router_extra]
+        stack.callback(router.stop)
+        router_url = router.start(args.startup_timeout)
+        plane = Plane(engine_url, router_url)
+        stack.callback(plane.close)
+        engine.adopt(plane.rank_pids())
+        plane.wait_subscribed(args.dp_size, args.startup_timeout)
+        console.print(
+            f"engine {engine_url}, router {router_url}: replaying {len(workload):,} requests of {workload.trace_name}"
+        )
+        for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
+            if runs:
+                plane.flush(timeout=30.0)
+            runs[name] = _replay(name, workload, f"{url}/generate", args.concurrency, console)
+            consistency[name] = plane.wait_settled(timeout=30.0)
+        events = plane.event_counts()
+        processes = {
+            "engine": engine.pid,
+            "router": router.pid,
+            "ranks": list(engine.adopted),
+        }
+        upper = bound.get(timeout=600.0)
+    policies = {name: summarize(r, args.dp_size) for name, r in runs.items()}
+    upper_rate = sum(c for _, c in upper) / max(1, sum(p for p, _ in upper))
+    chart = None
+    if not args.no_chart:
+        from kvevents.demo_chart import draw_chart
+
+        chart = draw_chart(
+            args.out / "kvevents-demo.png",
+            list(runs.values()),
+            upper,
+            POLICY_LABELS,
+            {n: p["prompt_tokens_per_rank"] for n, p in policies.items()},
+            f"kvevents demo: {len(workload):,} requests of {workload.trace_name}, dp {args.dp_size}",
+        )
+    settings = {
+        "trace": workload.trace_name,
+        "requests": len(workload),
+        "dp_size": args.dp_size,
+        "enable_dp_attention": args.enable_dp_attention,
+        "page_size": args.page_size,
+        "max_blocks_per_rank": args.max_blocks,
+        "speedup": args.speedup,
+        "concurrency": args.concurrency,
+        "max_new_tokens": args.max_new_tokens,
+        "router_args": router_extra,
+    }
+    failed = sum(p["failed"] for p in policies.values())
+    ok = failed == 0 and events.lost == 0 and all(s.consistent for s in consistency.values())
+    doc = results_document(
+        settings,
+        policies,
+        upper_rate,
+        events,
+        consistency,
+        {
+            "processes": processes,
+            "chart": None if chart is None else str(chart),
+            "elapsed_s": time.monotonic() - started,
+            "ok": ok,
+        },
+    )
+    render_table(doc, console)
+    if chart is not None:
+        console.print(f"chart: {chart}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(finite_json(doc), indent=2) + "\n")
+        console.print(f"results: {args.json}")
+    console.print(f"done in {doc['elapsed_s']:.0f} s; engine and router stopped")
+    if not ok:
+        console.print(
+            f"[red]problems: {failed} failed requests, {events.lost} lost sequence numbers, "
+            f"index consistent: {[s.consistent for s in consistency.values()]}[/red]"
+        )
+    return doc
