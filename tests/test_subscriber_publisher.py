@@ -112,7 +112,8 @@ def test_burst_through_tiny_receive_hwm_is_delivered_exactly(
 ) -> None:
     """A burst of thousands of batches through 4-message high-water marks arrives as the published stream: every seq once, in order."""
     pub = make_publisher(*endpoints, hwm=4)
-    with Subscriber(streams=[spec_for(pub)], rcvhwm=4) as sub:
+    # max_buffered=8: the socket thread stalls until the test reads, so the HWMs overflow
+    with Subscriber(streams=[spec_for(pub)], rcvhwm=4, max_buffered=8) as sub:
         wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
         total = 5000
         for n in range(total):
@@ -132,7 +133,7 @@ def test_burst_larger_than_replay_buffer_is_a_loss_then_following_resumes(
 ) -> None:
     """When a burst overruns the publisher's replay buffer, a Loss covers the unrecoverable seqs and later batches still arrive."""
     pub = make_publisher(*endpoints, buffer_steps=50, hwm=2)
-    with Subscriber(streams=[spec_for(pub)], rcvhwm=2) as sub:
+    with Subscriber(streams=[spec_for(pub)], rcvhwm=2, max_buffered=8) as sub:
         wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
         total = 4000
         for n in range(total):
@@ -165,7 +166,7 @@ def test_without_replay_endpoint_a_gap_is_reported_as_loss(
 ) -> None:
     """A stream with no replay endpoint reports what the tiny HWM dropped as Loss and keeps following."""
     pub = make_publisher(endpoints[0], None, hwm=2)
-    with Subscriber(streams=[spec_for(pub, replay=False)], rcvhwm=2) as sub:
+    with Subscriber(streams=[spec_for(pub, replay=False)], rcvhwm=2, max_buffered=8) as sub:
         wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", what="connection")
         for n in range(2000):
             pub.publish(batch(n))
