@@ -18,9 +18,16 @@ stream per holder ``(worker, dp_rank)``. Items are :class:`~kvevents.signals.Del
 Guarantees, per stream: each seq is delivered at most once, in increasing order; a seq
 that is never delivered is covered by a ``Loss``; a gap is replayed (when the stream has
 a replay endpoint) and its batches are delivered before anything newer; a new stream
-with a replay endpoint first replays from seq 0 (slow joiner); a restarted publisher
-gives ``Reset`` before its first batch. Malformed frames are counted and skipped. The
-limits of restart detection are in :mod:`kvevents.stream`.
+with a replay endpoint first replays from seq 0 (slow joiner), and one that goes quiet
+is probed for batches lost at the end of a burst; a restarted publisher gives ``Reset``
+before its first batch. Malformed frames are counted and skipped. An engine that is not
+up yet is retried with backoff and reported (``Unreachable``, :meth:`Subscriber.engines`),
+never blocking the other streams. The limits of restart detection are in
+:mod:`kvevents.stream`.
+
+When the consumer falls behind by ``max_buffered`` items, the socket thread pauses;
+ZMQ's high-water marks then drop live messages, which come back through replay (or are
+reported as ``Loss``): memory stays bounded and nothing is lost silently.
 
 Threads: one socket thread per subscriber (:mod:`kvevents.subscriber_loop`) and one
 short-lived discovery thread per engine until it answers. Consume from one thread or
