@@ -369,17 +369,17 @@ def test_drop_on_full_is_a_gap_replay_cannot_fill(
     assert [r.seq for r in replies[:-1]] == seqs
 
 
-def test_a_frozen_sender_costs_one_bounded_wait_then_drops(
-    transport: tuple[str, str],
-    make_publisher: Callable[..., ZmqEventPublisher],
+def test_a_frozen_sender_costs_one_bounded_wait_per_backlog_then_drops(
+    transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher]
 ) -> None:
-    """When the sender makes no progress, publish() waits once (bounded), then only queues and drops."""
+    """With the sender frozen, publish() waits (bounded) at most once per handoff_backlog batches, then drops."""
     pub = make_publisher(0, transport[0], max_queue_size=100, handoff_backlog=10)
     with pub._send_queue.hold():  # freeze the sender
         for i in range(200):
             pub.publish(batch(i))
         stats = pub.stats
-    assert stats.handoffs == 1
+    above_mark = 100 - 10  # accepted batches that found the backlog at or above the mark
+    assert 1 <= stats.handoffs <= above_mark // 10 + 1
     assert stats.queued == 100
     assert stats.dropped == 100
     assert pub.flush(timeout=5.0)

@@ -25,9 +25,11 @@ running, would keep the caller waiting for the whole backlog. So when the backlo
 reaches ``handoff_backlog`` (256 by default), ``put()`` blocks on an event until the
 sender has emptied the queue, for at most 2 ms: the GIL changes hands once per 256
 batches, at a point chosen here rather than by the interpreter. ``put()`` stays a bare
-append for the other 255 calls, and the wait is bounded. If the sender made no progress
-since a hand-off timed out, ``put()`` does not wait again: the queue fills and drops are
-counted. An engine publishing once per scheduler step never reaches the mark.
+append for the other 255 calls, and the wait is bounded. After a hand-off that timed
+out (the sender is descheduled, or stuck), the next one comes only after another
+``handoff_backlog`` batches: a sender that cannot keep up costs the caller at most one
+2 ms wait per 256 batches, and the queue fills and drops are counted. An engine
+publishing once per scheduler step never reaches the mark.
 
 Outside a hand-off the sender yields the GIL after each millisecond of continuous work,
 so a long backlog never holds the engine's own threads back for long.
@@ -110,7 +112,8 @@ class SendQueue:
         self._wake = threading.Event()
         self._drained = threading.Event()
         self._handoff_wanted = False
-        self._stalled_at = -1  # the sent count when a hand-off last timed out
+        self._since_timeout = -1  # batches put above the mark since a hand-off timed out
+
         self._sender_idle = False
         self._closing = False
         self._abandon = False
@@ -175,15 +178,14 @@ class SendQueue:
 
     def _hand_off(self) -> None:
         """Block until the sender has emptied the queue, at most 2 ms (see the module doc)."""
-        sent = self.published + self.send_errors + self.encode_errors
-        if sent == self._stalled_at:
-            return  # the sender has not moved since the last hand-off timed out
+        if 0 <= self._since_timeout < self._handoff_backlog:
+            self._since_timeout += 1  # the last hand-off timed out: not again so soon
+            return
         self.handoffs += 1
         self._drained.clear()
         self._handoff_wanted = True
         self._wake.set()
-        if not self._drained.wait(_HANDOFF_TIMEOUT_S):
-            self._stalled_at = sent
+        self._since_timeout = -1 if self._drained.wait(_HANDOFF_TIMEOUT_S) else 0
 
     def _drop(self) -> None:
         queue = self._queue
