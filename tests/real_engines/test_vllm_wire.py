@@ -205,3 +205,21 @@ def test_replay_returns_the_live_messages_byte_for_byte(
                 assert replayed[seq] == payload, f"rank {rank} seq {seq}: replay differs from live"
     finally:
         ctx.term()
+
+
+def test_vllm_lists_every_ranks_event_endpoints_offset_by_rank(
+    vllm: RealVLLM, client: VLLMClient
+) -> None:
+    """vLLM's GET /kv_event_sources names, for rank r, the live and replay endpoints at base + r with the configured topic: the port rule consumers apply."""
+    resp = client.http.get("/kv_event_sources")
+    resp.raise_for_status()
+    sources = resp.json()
+    assert sorted(sources) == [str(r) for r in range(vllm.dp_size)]
+    live_base = int(vllm.kv_endpoint.rpartition(":")[2])
+    replay_base = int(vllm.replay_endpoint.rpartition(":")[2])
+    for rank in range(vllm.dp_size):
+        source = sources[str(rank)]
+        assert source["endpoint"] == f"tcp://*:{live_base + rank}"
+        assert source["replay_endpoint"] == f"tcp://*:{replay_base + rank}"
+        assert source["topic"] == vllm.topic
+        assert source["enable_kv_cache_events"] is True
