@@ -21,7 +21,12 @@ def test_sglang_and_vllm_spellings() -> None:
         ' "buffer_steps": 5, "hwm": 10, "max_queue_size": 7, "topic": "kv", "bind": true}'
     )
     assert sglang.enabled and sglang.endpoint == "tcp://*:6000" and sglang.bind is True
-    assert (sglang.buffer_steps, sglang.hwm, sglang.max_queue_size, sglang.topic) == (5, 10, 7, "kv")
+    assert (sglang.buffer_steps, sglang.hwm, sglang.max_queue_size, sglang.topic) == (
+        5,
+        10,
+        7,
+        "kv",
+    )
     vllm = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq"}')
     assert vllm.enabled
     off = KVEventsConfig.from_json('{"enable_kv_cache_events": false, "publisher": "zmq"}')
@@ -43,10 +48,16 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ('{"hwmm": 3}', r"unknown key 'hwmm' \(did you mean 'hwm'\?\); accepted keys: publisher, endpoint"),
+        (
+            '{"hwmm": 3}',
+            r"unknown key 'hwmm' \(did you mean 'hwm'\?\); accepted keys: publisher, endpoint",
+        ),
         ('{"hwm": "3"}', r"key 'hwm': Expected `int`, got `str`"),
         ('{"bind": "yes"}', r"key 'bind'"),
-        ('{"endpoint": "udp://x:1"}', r"key 'endpoint': endpoint 'udp://x:1' has an unknown scheme"),
+        (
+            '{"endpoint": "udp://x:1"}',
+            r"key 'endpoint': endpoint 'udp://x:1' has an unknown scheme",
+        ),
         ('{"replay_endpoint": "tcp://*"}', r"key 'replay_endpoint'.*has no port"),
         ('{"buffer_steps": 0}', r"'buffer_steps' is 0; it must be >= 1"),
         ('{"publisher": ""}', r"'publisher' is empty"),

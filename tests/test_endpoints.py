@@ -117,7 +117,12 @@ def test_port_plan_lists_every_rank() -> None:
 @pytest.mark.parametrize(
     ("live", "replay", "dp_size", "match"),
     [
-        ("tcp://*:5557", "tcp://*:5559", 4, r"\*:5557-5560 and replay endpoints \*:5559-5562 overlap"),
+        (
+            "tcp://*:5557",
+            "tcp://*:5559",
+            4,
+            r"\*:5557-5560 and replay endpoints \*:5559-5562 overlap",
+        ),
         ("tcp://*:5557", "tcp://127.0.0.1:5557", 1, "overlap"),
         ("ipc:///tmp/k", "ipc:///tmp/k", 2, "overlap"),
     ],

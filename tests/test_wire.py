@@ -43,9 +43,7 @@ GOLDEN_MAP = {
     "cleared": bytes.fromhex("81a474797065b0416c6c426c6f636b73436c6561726564"),
 }
 GOLDEN_ARRAY = {
-    "stored": bytes.fromhex(
-        "97ab426c6f636b53746f726564920beac0940102030402c0a3475055"
-    ),
+    "stored": bytes.fromhex("97ab426c6f636b53746f726564920beac0940102030402c0a3475055"),
     "removed": bytes.fromhex("93ac426c6f636b52656d6f766564910baa4350555f50494e4e4544"),
     "cleared": bytes.fromhex("91b0416c6c426c6f636b73436c6561726564"),
 }
@@ -108,14 +106,25 @@ def test_unknown_map_keys_and_omitted_nil_fields() -> None:
         [
             3.0,
             [
-                {"type": "BlockStored", "block_hashes": [1], "token_ids": [7, 8], "block_size": 2, "new": 1},
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [1],
+                    "token_ids": [7, 8],
+                    "block_size": 2,
+                    "new": 1,
+                },
                 {"type": "BlockRemoved", "block_hashes": [1], "later": {"x": 1}},
             ],
         ]
     )
     stored, removed = wire.decode_batch(payload).events
     assert stored == BlockStored(
-        block_hashes=[1], parent_block_hash=None, token_ids=[7, 8], block_size=2, lora_id=None, medium=None
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[7, 8],
+        block_size=2,
+        lora_id=None,
+        medium=None,
     )
     assert removed == BlockRemoved(block_hashes=[1])
 
