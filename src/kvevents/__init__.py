@@ -1,8 +1,26 @@
 """kvevents: the KV-cache event plane for data-parallel LLM serving.
 
 One public surface: import from ``kvevents``; submodules may move.
+
+* Publishing (engine side): :class:`ZmqEventPublisher`, :class:`EventPublisherFactory`,
+  :class:`KVEventsConfig`, :func:`select_kv_publisher_dp_rank`, the wire structs.
+* Consuming (router side): :class:`Subscriber` and its items (:class:`Delivery`,
+  :class:`Gap`, :class:`Loss`, :class:`Reset`, :class:`Unreachable`),
+  :class:`PrefixIndex`, :class:`Router`.
+* The simulated engine lives in :mod:`kvevents.engine` (``kvevents engine`` on the
+  command line).
 """
 
+from kvevents.config import KVEventsConfig
+from kvevents.discovery import StreamSpec, discover, streams_from_server_info
+from kvevents.endpoints import (
+    Endpoint,
+    PortPlan,
+    RankEndpoints,
+    offset_endpoint_port,
+    select_kv_publisher_dp_rank,
+)
+from kvevents.engine_watcher import EngineStatus
 from kvevents.errors import (
     ConfigError,
     DiscoveryError,
@@ -12,7 +30,21 @@ from kvevents.errors import (
     SubscriberStateError,
     WireError,
 )
-from kvevents.hashing import content_keys
+from kvevents.hashing import content_keys, sglang_block_hashes, vllm_block_hashes
+from kvevents.index import PrefixIndex
+from kvevents.index_types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
+from kvevents.publisher import (
+    EventPublisher,
+    EventPublisherFactory,
+    NullEventPublisher,
+    PublisherState,
+    PublisherStats,
+    ZmqEventPublisher,
+)
+from kvevents.router import HolderLoad, HolderScore, RouteDecision, Router, ScoringWeights
+from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
+from kvevents.stream_stats import StreamStats
+from kvevents.subscriber import Subscriber, SubscriberState
 from kvevents.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,6 +53,7 @@ from kvevents.wire import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    event_to_dict,
     hash_to_int,
 )
 
@@ -29,18 +62,58 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "ConfigError",
+    "Delivery",
     "DiscoveryError",
+    "Endpoint",
     "EndpointError",
+    "EngineStatus",
+    "EventPublisher",
+    "EventPublisherFactory",
+    "Gap",
+    "Holder",
+    "HolderLoad",
+    "HolderMatch",
+    "HolderScore",
+    "IndexStats",
     "KVCacheEvent",
     "KVEventBatch",
+    "KVEventsConfig",
     "KVEventsError",
+    "Loss",
+    "NullEventPublisher",
+    "PortPlan",
+    "PrefixIndex",
+    "PrefixMatch",
+    "PublisherState",
     "PublisherStateError",
+    "PublisherStats",
+    "RankEndpoints",
+    "Reset",
+    "RouteDecision",
+    "Router",
+    "ScoringWeights",
+    "Signal",
+    "StreamSpec",
+    "StreamStats",
+    "Subscriber",
+    "SubscriberState",
     "SubscriberStateError",
+    "Tier",
+    "TierCredits",
+    "Unreachable",
     "WireError",
+    "ZmqEventPublisher",
     "content_keys",
     "decode_batch",
+    "discover",
     "encode_batch",
+    "event_to_dict",
     "hash_to_int",
+    "offset_endpoint_port",
+    "select_kv_publisher_dp_rank",
+    "sglang_block_hashes",
+    "streams_from_server_info",
+    "vllm_block_hashes",
 ]
 
 __version__ = "0.1.0"
