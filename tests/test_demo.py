@@ -1,0 +1,224 @@
+"""`kvevents demo`: end to end as a subprocess, its cleanup on signals, and its parts."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvevents.cli import main
+from kvevents.demo_chart import cumulative, rolling
+from kvevents.demo_plane import _metric_sum
+from kvevents.demo_procs import Child
+from kvevents.demo_replay import Outcome, PolicyRun, Workload, hit_rate, pooled_upper_bound
+from kvevents.demo_report import finite_json, summarize
+from kvevents.engine.cache import PrefixCache
+from kvevents.engine.trace import request_tokens
+from kvevents.errors import ConfigError, KVEventsError
+
+DEMO = [sys.executable, "-m", "kvevents.cli", "demo"]
+
+
+def _stopped(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie (exited, waiting for a parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def _all_stopped(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running after ``timeout`` seconds (an empty list when all stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if not _stopped(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_short_demo_orders_the_policies_and_stops_everything(tmp_path: Path) -> None:
+    """A 300-request demo: KV-aware beats round-robin, the pooled bound beats both, nothing is lost, every process it started is stopped."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [*DEMO, "--requests", "300", "--json", str(out), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    kv, rr = doc["policies"]["kv_aware"], doc["policies"]["round_robin"]
+    assert kv["requests"] == rr["requests"] == 300
+    assert kv["failed"] == rr["failed"] == 0
+    assert kv["hit_rate"] > rr["hit_rate"] > 0
+    assert doc["upper_bound_hit_rate"] >= kv["hit_rate"]
+    assert kv["load_max_over_min"] < 2.0
+    events = doc["events"]
+    assert events["lost"] == 0
+    assert events["batches_delivered"] == events["batches_published"] > 0
+    assert events["events_applied"] == events["events_published"]
+    assert all(c["consistent"] for c in doc["index_consistency"].values())
+    chart = Path(doc["chart"])
+    assert chart.parent == tmp_path
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Prefix-cache hit rate by routing policy" in proc.stdout
+    procs = doc["processes"]
+    pids = [procs["engine"], procs["router"], *procs["ranks"]]
+    assert len(procs["ranks"]) == 4
+    assert _all_stopped(pids) == []
+
+
+def _read_lines(pipe: Any, lines: queue.Queue[str]) -> None:
+    for line in pipe:
+        lines.put(line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupted_demo_stops_engine_router_and_ranks(sig: signal.Signals) -> None:
+    """A signal while the trace replays ends the demo with code 130 and stops the engine, its ranks and the router."""
+    proc = subprocess.Popen(
+        [*DEMO, "--requests", "300", "--no-chart"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        engine_url = None
+        deadline = time.monotonic() + 60
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line.startswith("engine ready:"):
+                engine_url = line.split()[-1]
+            if line.startswith("replaying"):
+                break
+        assert engine_url is not None
+        ranks = [r["pid"] for r in httpx.get(f"{engine_url}/health", timeout=10).json()["ranks"]]
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(children) >= 2 and len(ranks) == 4
+    assert _all_stopped(children + ranks) == []
+
+
+def test_bad_options_exit_2_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Invalid demo options fail before anything starts, with exit code 2 and a message naming the option."""
+    assert main(["demo", "--requests", "0"]) == 2
+    assert "ConfigError: --requests 0: must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--dp-size", "0"]) == 2
+    assert "--dp-size 0" in capsys.readouterr().err
+    bad = tmp_path / "trace.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    assert main(["demo", "--trace", str(bad)]) == 2
+    assert f"{bad}:1: not a Mooncake trace request" in capsys.readouterr().err
+    assert main(["demo", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def test_child_that_exits_early_is_reported_with_its_stderr() -> None:
+    """A subcommand that exits before its ready line raises an error naming it, its exit code and its stderr."""
+    child = Child("engine", ["--port", "0", "--dp-size", "0"])
+    with pytest.raises(KVEventsError) as info:
+        child.start(timeout=60)
+    message = str(info.value)
+    assert "`kvevents engine` exited with code 2 before it was ready" in message
+    assert "--dp-size 0" in message
+    assert child.process is not None and child.process.poll() == 2
+    assert child.stop() == 2  # idempotent after the failure
+
+
+def test_workload_compresses_arrivals_and_caps_outputs() -> None:
+    """Arrival offsets are the trace's divided by the speedup, and output tokens are capped."""
+    w = Workload.load(None, 50, speedup=10.0, max_new_tokens=7)
+    assert len(w) == 50
+    last = w.requests[-1]
+    assert w.arrival_s(0) == 0.0
+    assert w.arrival_s(49) == pytest.approx((last.timestamp - w.requests[0].timestamp) / 10_000)
+    assert all(w.new_tokens(i) == min(7, r.output_length) for i, r in enumerate(w.requests))
+    body = json.loads(w.body(3))
+    assert body["input_ids"] == request_tokens(w.requests[3]).tolist()
+    assert "routed_dp_rank" not in body
+    with pytest.raises(ConfigError, match="--speedup 0"):
+        Workload.load(None, 5, speedup=0.0, max_new_tokens=1)
+
+
+def test_pooled_upper_bound_equals_one_big_cache() -> None:
+    """The upper bound is exactly what one cache of the summed capacity reports on the same requests."""
+    w = Workload.load(None, 40, speedup=1.0, max_new_tokens=1)
+    pairs = pooled_upper_bound(w, 16, 4 * 2048)
+    cache = PrefixCache(16, 4 * 2048)
+    for r in w.requests:
+        cache.release(cache.admit(request_tokens(r)))
+    assert hit_rate(pairs) == pytest.approx(cache.stats.hit_rate)
+    assert sum(p for p, _ in pairs) == cache.stats.prompt_tokens
+    assert hit_rate(pairs) > 0  # the conversation trace reuses its shared first block
+
+
+def test_summary_hit_rate_and_load_balance() -> None:
+    """Hit rate sums cached over prompt tokens; load max/min compares prompt tokens per rank; failures are counted apart."""
+    run = PolicyRun(
+        "kv_aware",
+        [
+            Outcome(0, 100, 50, 0.0, 0.01),
+            Outcome(1, 200, 0, 0.0, 0.02),
+            Outcome(1, 100, 100, 0.0, 0.03),
+            Outcome(-1, 0, 0, 0.0, 0.04, error="HTTP 502: boom"),
+            None,
+        ],
+        wall_s=2.0,
+    )
+    s = summarize(run, dp_size=2)
+    assert s["hit_rate"] == pytest.approx(150 / 400)
+    assert s["prompt_tokens_per_rank"] == [100, 300]
+    assert s["load_max_over_min"] == pytest.approx(3.0)
+    assert s["failed"] == 1 and s["errors"] == ["HTTP 502: boom"]
+    assert s["requests"] == 3 and s["requests_per_s"] == pytest.approx(1.5)
+    idle = summarize(PolicyRun("round_robin", [Outcome(0, 10, 0, 0.0, 0.1)], 1.0), dp_size=2)
+    assert finite_json(idle)["load_max_over_min"] is None  # a rank served nothing
+
+
+def test_chart_series() -> None:
+    """Cumulative and rolling hit rates over (prompt, cached) pairs."""
+    pairs = [(100, 0), (100, 100), (200, 0), (100, 100)]
+    assert cumulative(pairs) == pytest.approx([0.0, 0.5, 0.25, 0.4])
+    assert rolling(pairs, 2) == pytest.approx([0.0, 0.5, 1 / 3, 1 / 3])
+
+
+def test_metric_sum_reads_prometheus_text() -> None:
+    """Every sample of a metric family is summed, and no other family's."""
+    text = (
+        "# TYPE kvevents_router_events_total counter\n"
+        'kvevents_router_events_total{type="BlockStored",outcome="ok"} 12.0\n'
+        'kvevents_router_events_total{type="BlockRemoved",outcome="ok"} 3.0\n'
+        "kvevents_router_events_created 1.7e9\n"
+        "kvevents_router_events_total_extra 99\n"
+    )
+    assert _metric_sum(text, "kvevents_router_events_total") == 15.0
