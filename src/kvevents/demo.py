@@ -33,7 +33,6 @@ import multiprocessing
 import shlex
 import signal
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,7 +40,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvevents.demo_plane import Plane, Settled
+from kvevents.demo_plane import EventCounts, Plane, Settled
 from kvevents.demo_procs import Child
 from kvevents.demo_replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
 from kvevents.demo_report import (
@@ -71,60 +70,29 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+_TUNABLES = (  # flag, type, help; defaults from DEFAULTS
+    ("--requests", int, "requests replayed per policy"),
+    ("--dp-size", int, "engine ranks"),
+    ("--page-size", int, "tokens per KV block"),
+    ("--max-blocks", int, "cache pages per rank"),
+    ("--speedup", float, "trace seconds per second of replay"),
+    ("--concurrency", int, "requests in flight at most"),
+    ("--max-new-tokens", int, "cap on each request's output tokens"),
+    ("--router-args", str, "options passed to `kvevents router`"),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    d = DEFAULTS
     add("--trace", type=Path, default=None, help="Mooncake trace (default: the bundled one)")
-    add(
-        "--requests",
-        type=int,
-        default=d["requests"],
-        help=f"requests replayed per policy ({d['requests']})",
-    )
-    add("--dp-size", type=int, default=d["dp_size"], help=f"engine ranks ({d['dp_size']})")
     add("--enable-dp-attention", action="store_true", help="engine in SGLang's DP-attention mode")
-    add(
-        "--page-size",
-        type=int,
-        default=d["page_size"],
-        help=f"tokens per KV block ({d['page_size']})",
-    )
-    add(
-        "--max-blocks",
-        type=int,
-        default=d["max_blocks"],
-        help=f"cache pages per rank ({d['max_blocks']})",
-    )
-    add(
-        "--speedup",
-        type=float,
-        default=d["speedup"],
-        help=f"trace seconds per second ({d['speedup']:g})",
-    )
-    add(
-        "--concurrency",
-        type=int,
-        default=d["concurrency"],
-        help=f"requests in flight at most ({d['concurrency']})",
-    )
-    add(
-        "--max-new-tokens",
-        type=int,
-        default=d["max_new_tokens"],
-        help=f"cap on output tokens ({d['max_new_tokens']})",
-    )
-    add(
-        "--router-args",
-        default=d["router_args"],
-        metavar="ARGS",
-        help=f"`kvevents router` options ('{d['router_args']}')",
-    )
+    for flag, kind, text in _TUNABLES:
+        default = DEFAULTS[flag[2:].replace("-", "_")]
+        add(flag, type=kind, default=default, help=f"{text} (default: {default!r})")
     add("--out", type=Path, default=Path("demo-out"), help="directory for the chart (demo-out)")
     add("--no-chart", action="store_true", help="do not draw the PNG chart")
     add("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
-    add(
-        "--startup-timeout", type=float, default=90.0, help="seconds for engine and router to start"
-    )
+    add("--startup-timeout", type=float, default=90.0, help="seconds for each process to start")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,6 +142,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--startup-timeout {args.startup_timeout}: must be > 0 seconds")
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo stops the pool itself
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # leave through the same cleanup as Ctrl-C
 
@@ -201,6 +173,43 @@ def _replay(
         return asyncio.run(replay(name, workload, url, concurrency=concurrency, on_done=on_done))
 
 
+def _run_plane(
+    args: argparse.Namespace, workload: Workload, engine: Child, router: Child, console: Console
+) -> tuple[dict[str, PolicyRun], dict[str, Settled], EventCounts]:
+    """Start engine and router, replay each policy, settle; the caller stops the children."""
+    mode = "DP attention" if args.enable_dp_attention else "pure DP"
+    say = console.print
+    say(
+        f"starting kvevents engine (dp {args.dp_size}, {mode}, {args.max_blocks:,} pages of "
+        f"{args.page_size} tokens per rank) and kvevents router",
+        soft_wrap=True,
+    )
+    engine_url = engine.start(args.startup_timeout)
+    say(f"engine ready: {engine_url}", soft_wrap=True)
+    router.argv += ["--engine", engine_url]
+    router_url = router.start(args.startup_timeout)
+    say(f"router ready: {router_url}", soft_wrap=True)
+    runs: dict[str, PolicyRun] = {}
+    consistency: dict[str, Settled] = {}
+    plane = Plane(engine_url, router_url)
+    try:
+        engine.adopt(plane.rank_pids())
+        plane.wait_subscribed(args.dp_size, args.startup_timeout)
+        say(
+            f"replaying {len(workload):,} requests of {workload.trace_name}, "
+            f"{args.speedup:g}x faster than recorded, at most {args.concurrency} in flight",
+            soft_wrap=True,
+        )
+        for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
+            if runs:
+                plane.flush(timeout=30.0)
+            runs[name] = _replay(name, workload, f"{url}/generate", args.concurrency, console)
+            consistency[name] = plane.wait_settled(timeout=30.0)
+        return runs, consistency, plane.event_counts()
+    finally:
+        plane.close()
+
+
 def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """Run the demo as described in the module docstring; returns the results document."""
     _check(args)
@@ -213,43 +222,27 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
     engine = Child("engine", _engine_args(args))
-    router = Child("router", [])
-    runs: dict[str, PolicyRun] = {}
-    consistency: dict[str, Settled] = {}
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    with ExitStack() as stack:
-        stack.callback(signal.signal, signal.SIGTERM, previous)
-        pool = multiprocessing.get_context("spawn").Pool(1)
-        stack.callback(pool.join)
-        stack.callback(pool.terminate)
+    router = Child("router", ["--port", "0", *router_extra])
+    previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous_int = signal.getsignal(signal.SIGINT)
+    pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
+    try:
         bound = pool.apply_async(
             pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
         )
-        stack.callback(engine.stop)
-        console.print(f"starting the engine: dp {args.dp_size}, {args.max_blocks:,} pages per rank")
-        engine_url = engine.start(args.startup_timeout)
-        router.argv += ["--engine", engine_url, "--port", "0", *router_extra]
-        stack.callback(router.stop)
-        router_url = router.start(args.startup_timeout)
-        plane = Plane(engine_url, router_url)
-        stack.callback(plane.close)
-        engine.adopt(plane.rank_pids())
-        plane.wait_subscribed(args.dp_size, args.startup_timeout)
-        console.print(
-            f"engine {engine_url}, router {router_url}: replaying {len(workload):,} requests of {workload.trace_name}"
-        )
-        for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
-            if runs:
-                plane.flush(timeout=30.0)
-            runs[name] = _replay(name, workload, f"{url}/generate", args.concurrency, console)
-            consistency[name] = plane.wait_settled(timeout=30.0)
-        events = plane.event_counts()
-        processes = {
-            "engine": engine.pid,
-            "router": router.pid,
-            "ranks": list(engine.adopted),
-        }
+        runs, consistency, events = _run_plane(args, workload, engine, router, console)
         upper = bound.get(timeout=600.0)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup short
+        try:
+            router.stop()
+            engine.stop()
+            pool.terminate()
+            pool.join()
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous_term)
+    processes = {"engine": engine.pid, "router": router.pid, "ranks": list(engine.adopted)}
     policies = {name: summarize(r, args.dp_size) for name, r in runs.items()}
     upper_rate = sum(c for _, c in upper) / max(1, sum(p for p, _ in upper))
     chart = None
