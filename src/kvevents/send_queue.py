@@ -185,7 +185,11 @@ class SendQueue:
         self._drained.clear()
         self._handoff_wanted = True
         self._wake.set()
-        self._since_timeout = -1 if self._drained.wait(_HANDOFF_TIMEOUT_S) else 0
+        if self._drained.wait(_HANDOFF_TIMEOUT_S):
+            self._since_timeout = -1
+        else:
+            self._since_timeout = 0
+            self._handoff_wanted = False  # the sender goes back to yielding every ~1 ms
 
     def _drop(self) -> None:
         queue = self._queue
