@@ -231,41 +231,60 @@ class SendQueue:
             with lock:
                 if not self._pub_open:
                     return
-                for _ in range(_CHUNK):
-                    if not queue:
-                        break
-                    self._send_next()
+                self._send_chunk()
             if time.monotonic() > deadline:
                 if not self._handoff_wanted:
                     time.sleep(_YIELD_S)  # a deliberate GIL yield for other threads, not a poll
                 deadline = time.monotonic() + _SLICE_S
 
-    def _send_next(self) -> None:
-        """Send the next entry. The send lock is held and the queue is not empty."""
-        item = self._queue.popleft()
-        if isinstance(item, _Marker):  # C-level check on an exact type, as cheap as `is`
-            with self._drop_lock:
-                item.closed = True
-                self._next_seq += item.count
-            if item.flushed is not None:
-                item.flushed.set()
-            return
-        try:
-            payload = self._encode(item)
-        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-            self.encode_errors += 1
-            return
+    def _send_chunk(self) -> None:
+        """Send up to ``_CHUNK`` entries; the send lock is held. The per-batch hot loop."""
+        queue, encode, send, topic = self._queue, self._encode, self._send_frame, self._topic
+        popleft = queue.popleft
+        store = self._buffer.put if self._buffer is not None else None
         seq = self._next_seq
-        self._next_seq = seq + 1
-        seq_frame = _SEQ_PACK(seq)
-        if self._buffer is not None:
-            self._buffer.put(seq, seq_frame, payload)
-        send = self._send_frame
+        sent = failed = 0
         try:
-            send(self._topic, _MORE)
-            send(seq_frame, _MORE)
-            send(payload, _LAST)
-        except zmq.ZMQError:
-            self.send_errors += 1
-        else:
-            self.published += 1
+            for _ in range(_CHUNK):
+                if not queue:
+                    break
+                item = popleft()
+                if isinstance(item, _Marker):  # C-level check on an exact type
+                    self._next_seq, self.published, self.send_errors = (
+                        seq,
+                        self.published + sent,
+                        self.send_errors + failed,
+                    )
+                    sent = failed = 0
+                    self._take_marker(item)
+                    seq = self._next_seq
+                    continue
+                try:
+                    payload = encode(item)
+                except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                    self.encode_errors += 1
+                    continue
+                seq_frame = _SEQ_PACK(seq)
+                if store is not None:
+                    store(seq, seq_frame, payload)  # buffered before it is sent
+                seq += 1
+                try:
+                    send(topic, _MORE)
+                    send(seq_frame, _MORE)
+                    send(payload, _LAST)
+                except zmq.ZMQError:
+                    failed += 1
+                else:
+                    sent += 1
+        finally:
+            self._next_seq = seq
+            self.published += sent
+            self.send_errors += failed
+
+    def _take_marker(self, marker: _Marker) -> None:
+        """A drop run burns its sequence numbers; a flush marker wakes its waiter."""
+        with self._drop_lock:
+            marker.closed = True
+            self._next_seq += marker.count
+        if marker.flushed is not None:
+            marker.flushed.set()
