@@ -65,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['ceiling_cpu_s_per_million_blocks']:>9.2f} {c['lost_in_all_rounds']:>5}"
         )
     print("share: of the ceiling (send_multipart); raw: of the raw ceiling (C-level frame sends)")
+    setup = result["setup"]
+    print(
+        f"load average (1 min) before/after: {setup['loadavg_1m_before']:.2f} / "
+        f"{setup['loadavg_1m_after']:.2f} on {result['machine']['cpus']} CPUs"
+    )
+    for c in result["cases"]:
+        print(
+            f"{c['blocks_per_batch']}-block: calls over 5 ms: publish() {c['publish_calls_over_5ms']}, "
+            f"bare send_multipart {c['ceiling_calls_over_5ms']} (its worst "
+            f"{c['ceiling_call_max_us_worst']:,.0f} us)"
+        )
     for c in result["cases"]:
         missed = [name for name, ok in c["targets"].items() if not ok]
         verdict = "all targets met" if not missed else "NOT met: " + ", ".join(missed)

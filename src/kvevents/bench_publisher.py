@@ -26,6 +26,7 @@ takes the median round of each.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import struct
 import sys
@@ -273,6 +274,8 @@ def _summary(
             "p99": latencies[int(len(latencies) * 0.99)] / 1e3,
             "p999": latencies[int(len(latencies) * 0.999)] / 1e3,
             "max": latencies[-1] / 1e3,
+            "calls_over_1ms": sum(1 for t in latencies if t > 1_000_000),
+            "calls_over_5ms": sum(1 for t in latencies if t > 5_000_000),
         },
         "sender_cpu_s_per_million_blocks": cpu / delivered * 1e6 if delivered else None,
         "subscriber_cpu_s": sub["cpu_s"],
@@ -293,6 +296,7 @@ def run_publisher_bench(
     publisher rounds by throughput, the share of the ceiling, and whether the targets
     were met: share >= 0.9, nothing lost, publish() p99 <= 5 us and max <= 5 ms).
     """
+    load_before = os.getloadavg()
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
     proc = spawn.Process(target=_subscriber, args=(theirs,), name="kvevents-bench-subscriber")
@@ -322,6 +326,9 @@ def run_publisher_bench(
             "repeats": repeats,
             "transport": "tcp loopback",
             "switch_interval_s": sys.getswitchinterval(),
+            # Other processes compete for the same cores; these say how busy the box was.
+            "loadavg_1m_before": load_before[0],
+            "loadavg_1m_after": os.getloadavg()[0],
         },
         "rounds": rounds,
         "cases": cases,
@@ -354,6 +361,15 @@ def _case(rounds: list[dict[str, Any]], blocks: int) -> dict[str, Any]:
         "publish_us": ours["call_us"],
         "publish_p99_us_median": p99,
         "publish_max_us_worst": worst_max,
+        "publish_calls_over_5ms": sum(
+            r["call_us"]["calls_over_5ms"] for r in mine if r["kind"] == "publisher"
+        ),
+        "ceiling_call_max_us_worst": max(
+            r["call_us"]["max"] for r in mine if r["kind"] == "ceiling"
+        ),
+        "ceiling_calls_over_5ms": sum(
+            r["call_us"]["calls_over_5ms"] for r in mine if r["kind"] == "ceiling"
+        ),
         "sender_cpu_s_per_million_blocks": ours["sender_cpu_s_per_million_blocks"],
         "ceiling_cpu_s_per_million_blocks": ceiling["sender_cpu_s_per_million_blocks"],
         "lost_in_all_rounds": lost,
