@@ -203,6 +203,8 @@ class ZmqEventPublisher(EventPublisher):
         )
         self._lifecycle_lock = threading.Lock()
         self._state = PublisherState.RUNNING
+        self._accepting = True  # publish()'s one-attribute view of the state
+        self._put = self._send_queue.put
         self._unsent = 0
         if self._replay is not None:
             self._replay.start()
@@ -252,13 +254,13 @@ class ZmqEventPublisher(EventPublisher):
 
     def publish(self, events: KVEventBatch) -> None:
         """Queue one batch (filling its rank when unset); drop and count it when the queue is full."""
-        if self._state is not PublisherState.RUNNING:
+        if not self._accepting:
             raise PublisherStateError(
                 f"publisher rank {self._rank} is {self._state.value}: publish() before shutdown()"
             )
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._rank
-        self._send_queue.put(events)
+        self._put(events)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every batch accepted before this call is sent; False if ``timeout`` passed first."""
@@ -270,6 +272,7 @@ class ZmqEventPublisher(EventPublisher):
             if self._state is not PublisherState.RUNNING:
                 return
             self._state = PublisherState.DRAINING
+            self._accepting = False
         deadline = time.monotonic() + (self._shutdown_timeout if timeout is None else timeout)
         self._unsent = self._send_queue.close(deadline)
         if self._replay is not None:
