@@ -113,7 +113,6 @@ class SendQueue:
         self._drained = threading.Event()
         self._handoff_wanted = False
         self._since_timeout = -1  # batches put above the mark since a hand-off timed out
-
         self._sender_idle = False
         self._closing = False
         self._abandon = False
