@@ -436,13 +436,15 @@ def test_shutdown_is_idempotent_and_publish_after_it_raises(
 
 def test_context_manager_shuts_down(zmq_context: Any) -> None:
     """Leaving a with-block shuts the publisher down and stops its threads."""
-    with ZmqEventPublisher(0, "tcp://127.0.0.1:0", bind=True, context=zmq_context) as pub:
+    before = set(threading.enumerate())
+    with ZmqEventPublisher(
+        0, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True, context=zmq_context
+    ) as pub:
         assert isinstance(pub, ZmqEventPublisher)
+        assert len(set(threading.enumerate()) - before) == 2  # sender and replay
         pub.publish(batch(0))
     assert pub.state is PublisherState.CLOSED
-    assert not any(
-        t.name.startswith("kvevents-publisher-0") and t.is_alive() for t in threading.enumerate()
-    )
+    assert {t for t in threading.enumerate() if t.is_alive()} - before == set()
 
 
 def test_null_publisher_accepts_any_publisher_arguments() -> None:
