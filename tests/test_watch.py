@@ -138,8 +138,8 @@ def test_table_shows_each_stream(publisher: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((), "give at least one engine URL or --endpoint"),
-        (("--replay-endpoint", "tcp://127.0.0.1:1"), "give --endpoint first"),
+        ((), "give at least one engine URL, --engine, --engines-file or --endpoint"),
+        (("--replay-endpoint", "tcp://127.0.0.1:1"), "give --engine or --endpoint first"),
         (
             ("--endpoint", "tcp://*:5557"),
             "EndpointError: endpoint 'tcp://*:5557' has a wildcard host",

@@ -14,6 +14,8 @@ Endpoints (JSON in and out):
 * ``POST /flush_cache[?dp_rank=r]``, ``GET /health``, ``GET /load``,
   ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
   consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
+* ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
+  ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
 A malformed body or query answers 400 with ``{"error": ...}`` naming the field; an
 unavailable rank answers 503.
@@ -32,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvevents.config import KVEventsConfig
+from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.tokenizer import ByteTokenizer
@@ -165,17 +168,26 @@ def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
             body["kv_events"] = block
         return JSONResponse(body)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> JSONResponse:
-        tokens, rank, max_new = _parse_generate(await request.body(), dp_size, tokenizer)
+    async def run_generate(
+        tokens: list[int], rank: int | None, max_new: int
+    ) -> tuple[int, dict[str, Any]]:
+        """Generate on ``rank`` (round-robin over the live ranks when None)."""
         if rank is None:
             live = supervisor.live_ranks()
             if not live:
                 raise EngineRankError("no rank is running")
             rank = live[next(round_robin) % len(live)]
-        result = await supervisor.call(
+        result: dict[str, Any] = await supervisor.call(
             rank, "generate", timeout=600.0, input_ids=tokens, max_new_tokens=max_new
         )
+        return rank, result
+
+    add_openai_routes(app, dp_size, run_generate)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> JSONResponse:
+        tokens, rank, max_new = _parse_generate(await request.body(), dp_size, tokenizer)
+        rank, result = await run_generate(tokens, rank, max_new)
         output_ids = result["output_ids"]
         meta = {
             "prompt_tokens": result["prompt_tokens"],

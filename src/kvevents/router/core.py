@@ -6,6 +6,16 @@ a demo or a test may drive it directly: feed it the subscriber's items
 ask :meth:`Router.query` / :meth:`Router.route`. Requests it forwards are bracketed by
 :meth:`Router.begin` and :meth:`Router.finish`, so its own in-flight work counts as load.
 
+Block sizes: the router keys every request with one block size (``block_size``, else
+the first one declared for a holder, else the first one seen in events). Declared
+sizes (configuration, ``/server_info``) and every stored chain are checked against it
+by :class:`~kvevents.block_sizes.BlockSizes`; a mismatch is logged and counted, and
+mismatching ``BlockStored`` events are skipped (they could never match a request).
+
+Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.scoring`) or ``round-robin``
+(the next available holder in turn, for comparisons; scores are still computed, so the
+decision still reports what each holder had cached).
+
 Signals: a ``reset`` (the engine restarted) and a ``loss`` (events that will never
 arrive) both clear the holder's blocks. After a loss the index cannot know which
 removals it missed; keeping the blocks would send requests, again and again, to a rank
@@ -23,12 +33,15 @@ from typing import Any
 
 import msgspec
 
+from kvevents.block_sizes import BlockSizes
 from kvevents.index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index_types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
 from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
 
-__all__ = ["RouteDecision", "Router", "Ticket"]
+__all__ = ["POLICIES", "RouteDecision", "Router", "Ticket"]
+
+POLICIES = ("kv-aware", "round-robin")
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +52,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     n_blocks: int
     block_size: int
     scores: list[HolderScore]
+    policy: str = "kv-aware"
 
     @property
     def holder(self) -> Holder:
@@ -47,6 +61,12 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def chosen(self) -> HolderScore:
         return self.scores[0]
+
+    @property
+    def matched_tokens(self) -> int:
+        """Tokens of the request the chosen holder has cached, in any tier."""
+        m = self.chosen.matched
+        return (m.gpu + m.cpu + m.disk) * self.block_size
 
 
 class Ticket(msgspec.Struct, frozen=True):
@@ -68,6 +88,8 @@ class Router:
         max_entries: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
         self.index = PrefixIndex(block_size=block_size, max_entries=max_entries, credits=credits)
+        self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
+        self._next_turn = 0
         self.weights = weights or ScoringWeights()
         self.loads: dict[Holder, HolderLoad] = {}
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
@@ -76,9 +98,24 @@ class Router:
 
     # --- feeding ----------------------------------------------------------------------
 
-    def add_holder(self, holder: Holder, *, block_size: int | None = None) -> None:
-        """Make a holder routable (known from discovery before any event arrives)."""
+    def add_holder(
+        self,
+        holder: Holder,
+        *,
+        block_size: int | None = None,
+        source: str = "server_info",
+        origin: str | None = None,
+    ) -> None:
+        """Make a holder routable (known from discovery or configuration before any event).
+
+        ``block_size`` is the size ``source`` ("server_info", "configured") declares for
+        it, checked against the router's (``origin`` says where, in words, for the log).
+        """
         holder = Holder(*holder)
+        if block_size is not None:
+            where = origin or f"{source} of {holder.worker}"
+            if not self.block_sizes.declare(holder, block_size, source, where):
+                block_size = None  # keep the router's size for this holder's events
         self.index.add_holder(holder, block_size=block_size)
         self.loads.setdefault(holder, HolderLoad())
 
@@ -87,7 +124,7 @@ class Router:
         if isinstance(item, Delivery):
             if item.holder not in self.loads:
                 self.loads[item.holder] = HolderLoad()
-            self.index.apply(item.holder, item.batch)
+            self.index.apply(item.holder, self.block_sizes.check(item.holder, item.batch))
             self.batches_applied += 1
             return
         holder = item.holder
@@ -149,8 +186,14 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        policy: str = "kv-aware",
     ) -> RouteDecision:
-        """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost)."""
+        """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
+
+        ``policy`` is one of :data:`POLICIES` (see the module docstring).
+        """
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         keys = self._keys(token_ids, lora, cache_salt)
         found = self.index.match_keys(keys).by_holder()
         scores = score(
@@ -162,6 +205,11 @@ class Router:
             weights=self.weights,
         )
         best = choose(scores)
+        if policy == "round-robin":
+            turn = [s for s in sorted(scores, key=lambda s: self._order(s.holder)) if s.available]
+            best = turn[self._next_turn % len(turn)]
+            self._next_turn += 1
+            scores = [best, *(s for s in scores if s is not best)]
         assert self.index.block_size is not None  # keys_for checked it
         return RouteDecision(
             worker=best.worker,
@@ -169,7 +217,12 @@ class Router:
             n_blocks=len(keys),
             block_size=self.index.block_size,
             scores=scores,
+            policy=policy,
         )
+
+    def _order(self, holder: Holder) -> int:
+        slot = self.index.slot_of(holder)
+        return -1 if slot is None else slot
 
     def begin(self, decision: RouteDecision) -> Ticket:
         """Count a request forwarded to the chosen holder as in-flight load."""
@@ -211,6 +264,7 @@ class Router:
                     "signals": {
                         kind: n for (kind, holder), n in self.signals.items() if holder == h
                     },
+                    "block_size": self.block_sizes.for_holder(h),
                 }
             )
         return out

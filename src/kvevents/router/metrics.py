@@ -17,6 +17,13 @@ Families (all prefixed ``kvevents_router_``):
   ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
   ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
 * ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
+* ``block_size_mismatches_total{worker,dp_rank,source,expected,observed}``: block size
+  disagreements (:mod:`kvevents.block_sizes`); for ``source="events"`` the BlockStored
+  events skipped.
+* with a :class:`~kvevents.router.request_stats.RequestStats`:
+  ``requests_total{endpoint,worker,dp_rank,policy,status}``,
+  ``matched_tokens{endpoint}`` (histogram), ``prompt_tokens_total{endpoint}``,
+  ``engine_cached_tokens_total{worker,dp_rank}``, ``engine_prompt_tokens_total{worker,dp_rank}``.
 """
 
 from __future__ import annotations
@@ -24,10 +31,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvevents.router.core import Router
+from kvevents.router.request_stats import MATCHED_TOKEN_BUCKETS, RequestStats
 from kvevents.signals import Holder
 from kvevents.stream_stats import StreamStats
 
@@ -56,9 +69,15 @@ StreamStatsSource = Callable[[], Mapping[Holder, StreamStats]]
 class RouterCollector(Collector):
     """Reads a :class:`Router` (and optionally stream statistics) at scrape time."""
 
-    def __init__(self, router: Router, streams: StreamStatsSource | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        streams: StreamStatsSource | None = None,
+        requests: RequestStats | None = None,
+    ) -> None:
         self.router = router
         self.streams = streams
+        self.requests = requests
 
     def collect(self) -> Iterable[Metric]:
         router = self.router
@@ -107,8 +126,60 @@ class RouterCollector(Collector):
             worker, rank = ("", "") if holder is None else (holder.worker, str(holder.dp_rank))
             signals.add_metric([kind, worker, rank], n)
         yield signals
+        sizes = CounterMetricFamily(
+            _P + "block_size_mismatches",
+            "block size disagreements; for source=events, BlockStored events skipped",
+            labels=["worker", "dp_rank", "source", "expected", "observed"],
+        )
+        for m in router.block_sizes.mismatches.values():
+            sizes.add_metric(
+                [m.worker, str(m.dp_rank), m.source, str(m.expected), str(m.observed)], m.count
+            )
+        yield sizes
+        if self.requests is not None:
+            yield from self._requests(self.requests)
         if self.streams is not None:
             yield from self._streams(self.streams())
+
+    def _requests(self, stats: RequestStats) -> Iterable[Metric]:
+        requests = CounterMetricFamily(
+            _P + "requests",
+            "requests forwarded to engines, by engine status",
+            labels=["endpoint", "worker", "dp_rank", "policy", "status"],
+        )
+        for (endpoint, worker, rank, policy, status), n in sorted(stats.requests.items()):
+            requests.add_metric([endpoint, worker, str(rank), policy, status], n)
+        yield requests
+        matched = HistogramMetricFamily(
+            _P + "matched_tokens",
+            "tokens of a forwarded request cached on the chosen holder (router's view)",
+            labels=["endpoint"],
+        )
+        prompt = CounterMetricFamily(
+            _P + "prompt_tokens", "tokens of forwarded requests", labels=["endpoint"]
+        )
+        for endpoint, counts in sorted(stats.matched_buckets.items()):
+            cumulative, total = [], 0
+            for bound, n in zip((*MATCHED_TOKEN_BUCKETS, "+Inf"), counts, strict=True):
+                total += n
+                cumulative.append((str(bound), float(total)))
+            matched.add_metric([endpoint], cumulative, float(stats.matched_sum[endpoint]))
+            prompt.add_metric([endpoint], stats.prompt_tokens[endpoint])
+        yield matched
+        yield prompt
+        labels = ["worker", "dp_rank"]
+        cached = CounterMetricFamily(
+            _P + "engine_cached_tokens", "cached prompt tokens the engines reported", labels=labels
+        )
+        engine_prompt = CounterMetricFamily(
+            _P + "engine_prompt_tokens", "prompt tokens the engines reported", labels=labels
+        )
+        for holder in sorted(stats.engine_prompt):
+            lv = [holder.worker, str(holder.dp_rank)]
+            cached.add_metric(lv, stats.engine_cached[holder])
+            engine_prompt.add_metric(lv, stats.engine_prompt[holder])
+        yield cached
+        yield engine_prompt
 
     def _streams(self, streams: Mapping[Holder, StreamStats]) -> Iterable[Metric]:
         labels = ["worker", "dp_rank"]
@@ -140,10 +211,14 @@ class RouterCollector(Collector):
             yield family
 
 
-def make_registry(router: Router, streams: StreamStatsSource | None = None) -> CollectorRegistry:
+def make_registry(
+    router: Router,
+    streams: StreamStatsSource | None = None,
+    requests: RequestStats | None = None,
+) -> CollectorRegistry:
     """A fresh registry holding only this router's collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RouterCollector(router, streams))
+    registry.register(RouterCollector(router, streams, requests))
     return registry
 
 

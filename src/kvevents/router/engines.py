@@ -1,0 +1,122 @@
+"""What the router asks each engine over HTTP: its ranks (once), then its load or health.
+
+One :func:`watch_engine` task per engine, until the service stops:
+
+1. Register the engine's holders with the router. A described engine
+   (:attr:`EngineSpec.described <kvevents.engine_spec.EngineSpec.described>`) has its ranks
+   from the spec; its ``/server_info`` is then read once, best effort, only to cross-check
+   a block size it may advertise (vLLM has none). A discovered engine is registered from
+   its ``/server_info`` (retried until it answers). A configured block size and the
+   advertised one are both declared to the router, which checks them
+   (:mod:`kvevents.block_sizes`).
+2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load at ``GET /load``;
+   ``vllm`` and ``sglang`` engines are only asked ``GET /health`` (200 = every rank
+   available). The router's own in-flight requests count as load for every kind.
+
+Errors never end the task: they mark the engine's ranks unavailable and are kept in
+:attr:`EngineState.error` for ``/workers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvevents.discovery import streams_from_server_info
+from kvevents.engine_spec import EngineSpec
+from kvevents.errors import DiscoveryError
+from kvevents.router.core import Router
+from kvevents.signals import Holder
+
+__all__ = ["EngineState", "watch_engine"]
+
+
+@dataclass
+class EngineState:
+    """What the router knows of one engine (read by ``/workers``)."""
+
+    spec: EngineSpec
+    registered: bool = False
+    error: str | None = None
+    advertised_block_size: int | None = None
+
+
+def _advertised_block_size(info: Any) -> int | None:
+    if not isinstance(info, dict):
+        return None
+    block = info.get("kv_events")
+    for value in (
+        block.get("block_size") if isinstance(block, dict) else None,
+        info.get("page_size"),
+        info.get("block_size"),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+async def _register(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
+    spec = state.spec
+    configured = f"--block-size of engine {spec.worker}"
+    if spec.described:
+        holders = [Holder(s.worker, s.dp_rank) for s in spec.streams()]
+        for h in holders:
+            router.add_holder(h, block_size=spec.block_size, source="configured", origin=configured)
+        state.registered = True
+        try:  # best effort: only to cross-check an advertised block size
+            response = await client.get(f"{spec.url}/server_info", timeout=5.0)
+            advertised = _advertised_block_size(response.json()) if response.is_success else None
+        except (httpx.HTTPError, ValueError):
+            advertised = None
+    else:
+        response = await client.get(f"{spec.url}/server_info", timeout=5.0)
+        streams = streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
+        holders = [Holder(s.worker, s.dp_rank) for s in streams]
+        advertised = streams[0].block_size if streams else None
+        for h in holders:
+            router.add_holder(h, block_size=spec.block_size, source="configured", origin=configured)
+        state.registered = True
+    state.advertised_block_size = advertised
+    if advertised is not None:
+        for h in holders:
+            router.add_holder(
+                h, block_size=advertised, source="server_info", origin=f"/server_info of {spec.url}"
+            )
+
+
+async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
+    spec = state.spec
+    if spec.engine_kind == "kvevents":
+        response = await client.get(f"{spec.url}/load", timeout=5.0)
+        router.update_load(spec.worker, response.json())
+        router.set_worker_available(spec.worker, True)
+        return
+    response = await client.get(f"{spec.url}/health", timeout=5.0)
+    if response.status_code != 200:
+        raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status_code}")
+    router.set_worker_available(spec.worker, True)
+
+
+async def watch_engine(
+    router: Router,
+    state: EngineState,
+    client: httpx.AsyncClient,
+    interval: float,
+    stopping: asyncio.Event,
+) -> None:
+    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set."""
+    while not stopping.is_set():
+        try:
+            if not state.registered:
+                await _register(router, state, client)
+            await _poll_load(router, state, client)
+            state.error = None
+        except (httpx.HTTPError, ValueError, DiscoveryError) as exc:
+            router.set_worker_available(state.spec.worker, False)
+            state.error = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), interval)

@@ -1,0 +1,249 @@
+"""``POST /v1/completions``: OpenAI-compatible routing to the engine rank holding the prefix.
+
+The body is an OpenAI completions request. ``prompt`` is text, a list of token ids, or
+a list holding one of either; a batch of several prompts answers 400 (send one request
+per prompt: each may belong on another rank). Text is tokenized as the engine would
+(:mod:`kvevents.router.tokenize`, honouring vLLM's ``add_special_tokens``), the router
+chooses ``(engine, rank)`` and the request goes to that engine's ``/v1/completions``:
+
+* ``vllm`` engines: the body bytes unchanged, with the header ``X-data-parallel-rank: r``;
+* ``sglang`` and ``kvevents`` engines: ``routed_dp_rank: r`` set in the JSON body (a
+  client's ``data_parallel_rank`` removed).
+
+The client's headers go along (``Authorization`` included) except hop-by-hop ones and
+any ``X-data-parallel-rank`` of its own. ``"stream": true`` relays the engine's
+server-sent events chunk by chunk as they arrive; an engine failing midway ends the
+stream with an SSE ``error`` event. Every answer carries the decision::
+
+    x-kvevents-worker: http://10.0.0.5:8000      x-kvevents-dp-rank: 1
+    x-kvevents-matched-tokens: 96                x-kvevents-prompt-tokens: 130
+    x-kvevents-policy: kv-aware
+
+and it is counted (:mod:`kvevents.router.request_stats`), with the engine's own
+``cached_tokens`` when it reports them. Errors use OpenAI's shape,
+``{"error": {"message", "type", "code"}}``: 400 for a bad body, 503 before any block
+size is known or with no rank available, 502 when the engine cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvevents.router.core import RouteDecision
+from kvevents.router.request_stats import engine_usage
+from kvevents.router.tokenize import TokenizeError
+
+if TYPE_CHECKING:
+    from kvevents.router.app import RouterService
+
+__all__ = ["RANK_HEADER", "add_openai_routes", "decision_headers", "prompt_of"]
+
+RANK_HEADER = "X-data-parallel-rank"
+_DROP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "accept-encoding",
+        RANK_HEADER.lower(),
+    }
+)
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": str(self), "type": self.kind, "code": self.status}},
+            status_code=self.status,
+        )
+
+
+def prompt_of(body: Mapping[str, Any]) -> str | list[int]:
+    """The single prompt of a completions body: text or token ids (OpenAIError 400 else)."""
+    if "prompt" not in body:
+        raise OpenAIError(400, "the body has no 'prompt' (text or a list of token ids)")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t <= _MAX_TOKEN_ID for t in prompt):
+                raise OpenAIError(400, f"prompt token ids must be in 0..{_MAX_TOKEN_ID}")
+            return prompt
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise OpenAIError(
+                400,
+                f"prompt holds a batch of {len(prompt)} prompts; the router places one prompt "
+                "per request (each may belong on another rank): send one request per prompt",
+            )
+    raise OpenAIError(
+        400, "prompt must be a string, a non-empty list of token ids, or a list of one of them"
+    )
+
+
+def decision_headers(decision: RouteDecision, prompt_tokens: int) -> dict[str, str]:
+    """The response headers that show where a request went and why."""
+    return {
+        "x-kvevents-worker": quote(decision.worker, safe=":/?&=@[]+,;~!$'()*"),
+        "x-kvevents-dp-rank": str(decision.dp_rank),
+        "x-kvevents-matched-tokens": str(decision.matched_tokens),
+        "x-kvevents-prompt-tokens": str(prompt_tokens),
+        "x-kvevents-policy": decision.policy,
+    }
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+
+
+class _UsageTracker:
+    """Remembers the last SSE ``data:`` line that carries usage (``include_usage``)."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.last: bytes | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                self.last = line[5:].strip()
+
+    def usage(self) -> tuple[int, int] | None:
+        if self.last is None:
+            return None
+        try:
+            return engine_usage(json.loads(self.last))
+        except ValueError:
+            return None
+
+
+def add_openai_routes(app: FastAPI, service: RouterService) -> None:
+    """Serve ``POST /v1/completions`` on ``app`` for ``service`` (see the module docstring)."""
+    router = service.router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            return await _complete(request)
+        except OpenAIError as exc:
+            return exc.response()
+
+    async def _complete(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise OpenAIError(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object (an OpenAI completions request)")
+        prompt = prompt_of(body)
+        if isinstance(prompt, str):
+            model = body.get("model")
+            try:
+                tokens = await service.text_tokenizer.encode(
+                    prompt,
+                    add_special_tokens=body.get("add_special_tokens", True) is not False,
+                    model=model if isinstance(model, str) else None,
+                )
+            except TokenizeError as exc:
+                raise OpenAIError(502, str(exc), "tokenizer_error") from None
+        else:
+            tokens = prompt
+        salt = body.get("cache_salt")
+        try:
+            decision = router.route(
+                tokens, cache_salt=salt if isinstance(salt, str) else None, policy=service.policy
+            )
+        except ValueError as exc:
+            raise OpenAIError(503, str(exc), "service_unavailable") from None
+        spec = service.spec(decision.worker)
+        headers = _forward_headers(request)
+        if spec.engine_kind == "vllm":
+            headers[RANK_HEADER] = str(decision.dp_rank)
+            content = raw
+        else:
+            body.pop("data_parallel_rank", None)
+            body["routed_dp_rank"] = decision.dp_rank
+            content = msgspec.json.encode(body)
+            headers["content-type"] = "application/json"
+        shown = decision_headers(decision, len(tokens))
+        client = service.client
+        upstream_request = client.build_request(
+            "POST", f"{spec.url}/v1/completions", content=content, headers=headers
+        )
+        ticket = router.begin(decision)
+        try:
+            upstream = await client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            router.finish(ticket)
+            service.requests.record("completions", decision, len(tokens), 502)
+            error = OpenAIError(
+                502,
+                f"forwarding to {spec.url} failed: {type(exc).__name__}: {exc}",
+                "bad_gateway",
+            )
+            response = error.response()
+            response.headers.update(shown)
+            return response
+        service.requests.record("completions", decision, len(tokens), upstream.status_code)
+        media = upstream.headers.get("content-type", "application/json")
+        if body.get("stream") is not True or upstream.status_code != 200:
+            try:
+                payload = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                router.finish(ticket)
+            if upstream.status_code == 200:
+                try:
+                    usage = engine_usage(json.loads(payload))
+                except ValueError:
+                    usage = None
+                service.requests.record_usage(decision.holder, usage)
+            return Response(
+                payload, status_code=upstream.status_code, media_type=media, headers=shown
+            )
+
+        async def relay() -> AsyncIterator[bytes]:
+            tracker = _UsageTracker()
+            try:
+                async for chunk in upstream.aiter_raw():
+                    tracker.feed(chunk)
+                    yield chunk
+            except httpx.HTTPError as exc:
+                message = f"the engine {spec.url} failed midway: {type(exc).__name__}: {exc}"
+                error = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
+                yield b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"
+            finally:
+                await upstream.aclose()
+                router.finish(ticket)
+                service.requests.record_usage(decision.holder, tracker.usage())
+
+        return StreamingResponse(
+            relay(), status_code=upstream.status_code, media_type=media, headers=shown
+        )

@@ -1,0 +1,140 @@
+"""Text to token ids the way the engine does it, so the router's keys match the engine's blocks.
+
+A text prompt must be tokenized exactly as the engine will (special tokens included:
+vLLM adds the tokenizer's BOS to completions unless ``add_special_tokens`` is false),
+or every block key differs and nothing matches. Three ways:
+
+* :class:`ByteTextTokenizer`: our simulated engine's byte tokenizer (the default);
+* :class:`FileTokenizer` (``--tokenizer PATH``): the model folder's ``tokenizer.json``
+  loaded with the ``tokenizers`` library (the optional ``kvevents[tokenizers]`` extra),
+  the same file and library vLLM's fast tokenizers use;
+* :class:`EndpointTokenizer` (``--tokenize-endpoint URL``): ask the engine, e.g.
+  vLLM's ``POST /tokenize`` ``{"prompt", "add_special_tokens", "model"}`` ->
+  ``{"tokens": [...]}`` (our simulated engine serves the same). One HTTP round trip
+  per text prompt.
+
+Each has ``async encode(text, add_special_tokens=True, model=None) -> list[int]`` and
+raises :class:`TokenizeError` with a message for the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from kvevents.engine.tokenizer import ByteTokenizer
+from kvevents.errors import ConfigError
+
+__all__ = [
+    "ByteTextTokenizer",
+    "EndpointTokenizer",
+    "FileTokenizer",
+    "TextTokenizer",
+    "TokenizeError",
+]
+
+
+class TokenizeError(Exception):
+    """The text could not be tokenized (the engine's /tokenize failed or answered oddly)."""
+
+
+class TextTokenizer(Protocol):
+    name: str
+
+    async def encode(
+        self, text: str, *, add_special_tokens: bool = True, model: str | None = None
+    ) -> list[int]: ...
+
+
+class ByteTextTokenizer:
+    """One token per UTF-8 byte: what the simulated engine does (it has no special tokens)."""
+
+    name = "bytes"
+
+    def __init__(self) -> None:
+        self._bytes = ByteTokenizer()
+
+    async def encode(
+        self, text: str, *, add_special_tokens: bool = True, model: str | None = None
+    ) -> list[int]:
+        return self._bytes.encode(text)
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizer.json`` (a file, or the model folder holding one)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError(
+                f"--tokenizer {path}: no tokenizer.json there; give the model folder (the "
+                "one the engine loads) or its tokenizer.json"
+            )
+        try:
+            tokenizers: Any = importlib.import_module("tokenizers")
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"--tokenizer {path} needs the 'tokenizers' library: pip install "
+                "'kvevents[tokenizers]' (or use --tokenize-endpoint to ask the engine)"
+            ) from None
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own untyped errors for bad files
+            raise ConfigError(f"--tokenizer {file} cannot be loaded: {exc}") from None
+        self.name = str(file)
+
+    async def encode(
+        self, text: str, *, add_special_tokens: bool = True, model: str | None = None
+    ) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+
+class EndpointTokenizer:
+    """The engine's own ``/tokenize`` over HTTP (the client is the service's)."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient | None = None) -> None:
+        parsed = httpx.URL(url)
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ConfigError(
+                f"--tokenize-endpoint {url!r}: give the full URL, e.g. http://127.0.0.1:8000/tokenize"
+            )
+        self.url = url
+        self.name = url
+        self.client = client
+
+    async def encode(
+        self, text: str, *, add_special_tokens: bool = True, model: str | None = None
+    ) -> list[int]:
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": add_special_tokens}
+        if model is not None:
+            body["model"] = model
+        try:
+            if self.client is None:
+                async with httpx.AsyncClient(timeout=30.0) as client:
+                    response = await client.post(self.url, json=body)
+            else:
+                response = await self.client.post(self.url, json=body, timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise TokenizeError(
+                f"tokenizing at {self.url} failed: {type(exc).__name__}: {exc}"
+            ) from None
+        if response.status_code != 200:
+            raise TokenizeError(
+                f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}"
+            )
+        try:
+            tokens = response.json().get("tokens")
+        except (ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise TokenizeError(
+                f'{self.url} did not answer {{"tokens": [ids...]}}; is it the engine\'s /tokenize?'
+            )
+        return tokens
