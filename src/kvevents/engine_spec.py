@@ -86,7 +86,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         unknown = sorted(set(fields) - set(FIELDS))
         if unknown:
             raise ConfigError(
-                f"engine {url!r}: unknown field(s) {', '.join(unknown)}; known fields: "
+                f"engine {url}: unknown field(s) {', '.join(unknown)}; known fields: "
                 f"{', '.join(FIELDS)}"
             )
         if not isinstance(url, str) or not url.strip():

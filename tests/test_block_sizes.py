@@ -1,0 +1,106 @@
+"""Block sizes: declared versus observed, mismatches counted, logged and (for the router) skipped."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvevents.block_sizes import BlockSizes
+from kvevents.router.core import Router
+from kvevents.signals import Delivery, Holder
+from kvevents.wire import BlockRemoved, BlockStored, KVEventBatch
+
+A = Holder("http://a:1", 0)
+B = Holder("http://a:1", 1)
+
+
+def stored(
+    tokens: list[int], size: int, first_hash: int = 1, medium: str | None = None
+) -> BlockStored:
+    n = len(tokens) // size if tokens else 1
+    return BlockStored(
+        block_hashes=list(range(first_hash, first_hash + n)),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=size,
+        lora_id=None,
+        medium=medium,
+    )
+
+
+def batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=0)  # type: ignore[arg-type]
+
+
+def test_first_known_size_is_expected_and_others_are_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Shared mode: the first stored chain sets the size; a chain of another size is dropped, counted and logged once."""
+    sizes = BlockSizes(shared=True)
+    ok = batch(stored(list(range(8)), 4))
+    assert sizes.check(A, ok) is ok and sizes.size == 4
+    with caplog.at_level(logging.ERROR, logger="kvevents.block_sizes"):
+        bad = sizes.check(B, batch(stored(list(range(16)), 8, 10), BlockRemoved(block_hashes=[1])))
+        sizes.check(B, batch(stored(list(range(16)), 8, 20)))
+    assert [type(e).__name__ for e in bad.events] == ["BlockRemoved"]
+    assert sizes.mismatch_events(B) == 2 and sizes.mismatch_events(A) == 0
+    [record] = sizes.mismatches.values()
+    assert (record.source, record.expected, record.observed, record.count) == ("events", 4, 8, 2)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "http://a:1 rank 1" in line and "block_size 8" in line and "4 is expected" in line
+    assert "first events of http://a:1 rank 0" in line
+
+
+def test_declarations_are_checked_against_the_expected_size() -> None:
+    """A configured size becomes the expectation; a /server_info size that disagrees is a counted mismatch."""
+    sizes = BlockSizes(shared=True, size=16, source="router --block-size")
+    assert sizes.declare(A, 16, "configured", "configured for a")
+    assert not sizes.declare(A, 32, "server_info", "/server_info of a")
+    assert sizes.for_holder(A)["mismatches"] == [
+        {
+            "worker": A.worker,
+            "dp_rank": 0,
+            "source": "server_info",
+            "expected": 16,
+            "expected_from": "router --block-size",
+            "observed": 32,
+            "count": 1,
+        }
+    ]
+
+
+def test_per_holder_mode_lets_engines_differ() -> None:
+    """Unshared (watch): each holder has its own expectation, so different engines may use different sizes."""
+    sizes = BlockSizes(shared=False)
+    sizes.check(A, batch(stored(list(range(4)), 4)))
+    sizes.check(B, batch(stored(list(range(8)), 8)))
+    assert sizes.mismatches == {}
+    assert sizes.expected(A) is not None and sizes.expected(B) is not None
+    assert (sizes.expected(A)[0], sizes.expected(B)[0]) == (4, 8)  # type: ignore[index]
+
+
+def test_offload_copies_carry_no_size_and_pass() -> None:
+    """A BlockStored without tokens (a tier copy) is never counted as a mismatch."""
+    sizes = BlockSizes(shared=True, size=16)
+    copy = batch(stored([], 4, medium="CPU"))
+    assert sizes.check(A, copy) is copy and sizes.mismatches == {}
+
+
+def test_router_skips_mismatching_events_and_reports_them() -> None:
+    """The router keeps blocks of the expected size only, and /workers' summary shows the mismatch."""
+    router = Router(block_size=4)
+    router.add_holder(A, block_size=4, source="configured")
+    router.add_holder(B, block_size=8, source="server_info", origin="/server_info of b")
+    router.handle(Delivery(A, 0, batch(stored(list(range(8)), 4))))
+    router.handle(Delivery(B, 0, batch(stored(list(range(16)), 8, 50))))
+    assert router.index.holder_size(A) == 2 and router.index.holder_size(B) == 0
+    assert router.index.stats.block_size_mismatch == 0  # skipped before the index
+    summary = {h["dp_rank"]: h["block_size"] for h in router.holder_summary()}
+    assert summary[1]["observed"] == 8 and summary[1]["expected"] == 4
+    assert {(m["source"], m["count"]) for m in summary[1]["mismatches"]} == {
+        ("server_info", 1),
+        ("events", 1),
+    }
+    decision = router.route(list(range(8)))
+    assert (decision.dp_rank, decision.matched_tokens) == (0, 8)
