@@ -563,3 +563,9 @@ def test_live_bytes_equal_sglang_captures_after_probes(
         assert got is not None
         assert got[0] == frames[0] and got[2] == frames[2]
         assert parse_live_frames(got).seq == first + i
+
+
+def test_connecting_to_port_zero_is_refused_with_the_fix() -> None:
+    """A non-wildcard host with port 0 (which connects by default) is refused, naming the fix."""
+    with pytest.raises(EndpointError, match=r"port 0 means 'the OS picks'.*tcp://\*:0"):
+        ZmqEventPublisher(0, endpoint="tcp://127.0.0.1:0")

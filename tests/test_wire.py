@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from wire_samples import SAMPLE_FILES, load_wire_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvevents import wire
 from kvevents.errors import WireError
 from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from wire_samples import SAMPLE_FILES, load_wire_samples
 
 STORED = BlockStored(
     block_hashes=[11, -22],

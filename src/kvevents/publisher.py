@@ -60,6 +60,12 @@ def _open_socket(
 ) -> str:
     """Bind or connect; return the address with an OS-picked port filled in."""
     address = str(endpoint)
+    if not bind and endpoint.is_tcp and endpoint.port == 0:
+        raise EndpointError(
+            f"cannot connect the {role} endpoint {address} of publisher rank {rank}: port 0 "
+            "means 'the OS picks', which only works when binding; use tcp://*:0 (or set "
+            "bind=true) to bind an OS-chosen port, or name the port to connect to"
+        )
     if endpoint.is_ipv6:
         sock.ipv6 = True
     if bind and endpoint.scheme == "ipc" and _ipc_listening(str(endpoint.path)):
