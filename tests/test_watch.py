@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -174,3 +175,80 @@ def test_watch_engine_url_follows_every_rank() -> None:
         assert stored[0]["type"] == "BlockStored" and stored[0]["token_ids"] == list(range(48))
     finally:
         engine.stop()
+
+
+def _free_port_range(count: int) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "engine"))
+    from engine_support import free_port_range
+
+    return int(free_port_range(count))
+
+
+@pytest.fixture(scope="module")
+def fixed_port_engine() -> Iterator[tuple[EngineProcess, int]]:
+    """A dp-2 engine (page size 4) publishing on base + r, replaying on base + 2 + r; one batch per rank."""
+    base = _free_port_range(4)
+    config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{base}",
+        "replay_endpoint": f"tcp://*:{base + 2}",
+    }
+    engine = EngineProcess(["--port", "0", "--dp-size", "2", "--page-size", "4"], config)
+    try:
+        engine.generate(list(range(16)), rank=0)
+        engine.generate(list(range(100, 108)), rank=1)
+        yield engine, base
+    finally:
+        engine.stop()
+
+
+def test_watch_engine_described_by_flags_follows_every_rank(
+    fixed_port_engine: tuple[EngineProcess, int],
+) -> None:
+    """--engine URL --kv-endpoint tcp://*:BASE --dp-size 2 subscribes rank r at BASE + r on the URL's host."""
+    engine, base = fixed_port_engine
+    result = kvevents(
+        "watch", "--engine", engine.url, "--kv-endpoint", f"tcp://*:{base}",
+        "--replay-endpoint", f"tcp://*:{base + 2}", "--dp-size", "2", "--name", "sim",
+        "--json", "--count", "2", "--duration", "30",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    batches = {x["dp_rank"]: x for x in lines if "seq" in x}
+    assert {(x["worker"], x["seq"]) for x in batches.values()} == {("sim", 0)}
+    assert batches[0]["events"][0]["token_ids"] == list(range(16))
+    assert batches[1]["events"][0]["token_ids"] == list(range(100, 108))
+    assert not [x for x in lines if x.get("signal") == "block_size_mismatch"]
+
+
+def test_watch_reports_a_block_size_mismatch_from_an_engines_file(
+    fixed_port_engine: tuple[EngineProcess, int], tmp_path: Path
+) -> None:
+    """An engines file configuring block size 8 for a page-4 engine prints one block_size_mismatch line per rank."""
+    engine, base = fixed_port_engine
+    path = tmp_path / "engines.toml"
+    path.write_text(
+        f'[[engines]]\nurl = "{engine.url}"\nkv_endpoint = "tcp://*:{base}"\n'
+        f'replay_endpoint = "tcp://*:{base + 2}"\ndp_size = 2\nblock_size = 8\n'
+    )
+    result = kvevents(
+        "watch", "--engines-file", str(path), "--json", "--count", "2", "--duration", "30"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    mismatches = [x for x in lines if x.get("signal") == "block_size_mismatch"]
+    assert sorted(
+        (m["dp_rank"], m["expected"], m["observed"], m["source"]) for m in mismatches
+    ) == [
+        (0, 8, 4, "events"),
+        (1, 8, 4, "events"),
+    ]
+    assert len([x for x in lines if "seq" in x]) == 2  # the batches are still shown
+    assert f"engine {engine.url} rank 0 sends BlockStored events with block_size 4" in result.stderr
+
+
+def test_watch_refuses_a_bad_engine_description() -> None:
+    """A described engine with an invalid endpoint exits 2 naming the engine."""
+    result = kvevents("watch", "--engine", "http://h:1", "--kv-endpoint", "tcp://h:0")
+    assert result.returncode == 2
+    assert "ConfigError: engine http://h:1: kv_endpoint tcp://h:0 has port 0" in result.stderr

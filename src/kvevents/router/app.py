@@ -72,6 +72,22 @@ class RouterService:
         self.router = router
         specs = [e if isinstance(e, EngineSpec) else EngineSpec.create(e) for e in engines]
         self.states = {s.worker: EngineState(s) for s in specs}
+        for spec in specs:  # before any event is handled: configured sizes come first
+            if spec.block_size is None:
+                continue
+            origin = f"--block-size of engine {spec.worker}"
+            if spec.described:
+                for stream in spec.streams():
+                    router.add_holder(
+                        Holder(stream.worker, stream.dp_rank),
+                        block_size=spec.block_size,
+                        source="configured",
+                        origin=origin,
+                    )
+            else:
+                router.declare_block_size(
+                    Holder(spec.worker, 0), spec.block_size, source="configured", origin=origin
+                )
         self.engines = [s.url for s in specs]
         self.subscriber = subscriber
         self.load_interval = load_interval

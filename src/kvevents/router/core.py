@@ -112,12 +112,26 @@ class Router:
         it, checked against the router's (``origin`` says where, in words, for the log).
         """
         holder = Holder(*holder)
-        if block_size is not None:
-            where = origin or f"{source} of {holder.worker}"
-            if not self.block_sizes.declare(holder, block_size, source, where):
-                block_size = None  # keep the router's size for this holder's events
+        if block_size is not None and not self.declare_block_size(
+            holder, block_size, source=source, origin=origin
+        ):
+            block_size = None  # keep the router's size for this holder's events
         self.index.add_holder(holder, block_size=block_size)
         self.loads.setdefault(holder, HolderLoad())
+
+    def declare_block_size(
+        self, holder: Holder, block_size: int, *, source: str, origin: str | None = None
+    ) -> bool:
+        """Check a block size declared for ``holder`` (which need not be routable yet).
+
+        The first size known becomes the router's; False on a mismatch (logged, counted).
+        """
+        holder = Holder(*holder)
+        where = origin or f"{source} of {holder.worker}"
+        ok = self.block_sizes.declare(holder, block_size, source, where)
+        if self.index.block_size is None:
+            self.index.block_size = self.block_sizes.size
+        return ok
 
     def handle(self, item: Delivery | Signal) -> None:
         """Apply one subscriber item: a batch goes to the index, a reset or loss clears the holder."""

@@ -1,0 +1,150 @@
+"""A fake OpenAI-style engine for router tests: real HTTP, records what it receives.
+
+:class:`FakeEngine` serves, on 127.0.0.1 and an OS-chosen port, from a uvicorn thread:
+
+* ``POST /v1/completions``: records ``(headers, raw body)``; answers a completion whose
+  ``usage.prompt_tokens_details.cached_tokens`` is :attr:`FakeEngine.cached_tokens`.
+  A body with ``fail_status`` answers that status with an error. With ``"stream": true``
+  it sends :attr:`FakeEngine.chunks` SSE chunks ``data: {"i": n}``,
+  then ``data: [DONE]``; after the first chunk it waits (at most 20 s) until the test
+  calls :meth:`FakeEngine.release`, so a test can prove chunks are relayed as they come.
+* ``POST /tokenize``: words ``wN`` -> token id N (vLLM's request/answer shape); recorded.
+* ``GET /health``: 200.
+
+:class:`RankPublishers` publishes, like a data-parallel engine, one real
+:class:`~kvevents.ZmqEventPublisher` per rank on base + rank (replay on its own range).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvevents.publisher import ZmqEventPublisher
+from kvevents.wire import BlockStored, KVEventBatch
+
+__all__ = ["FakeEngine", "RankPublishers"]
+
+
+class FakeEngine:
+    """See the module docstring. ``close()`` it (fixtures do)."""
+
+    chunks = 5
+    cached_tokens = 7
+
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self._release = threading.Event()
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            raw = await request.body()
+            self.received.append((dict(request.headers), raw))
+            body = json.loads(raw)
+            if "fail_status" in body:
+                error = {"error": {"message": "asked to fail", "code": body["fail_status"]}}
+                return JSONResponse(error, status_code=body["fail_status"])
+            if body.get("stream"):
+                return StreamingResponse(self._stream(), media_type="text/event-stream")
+            usage = {
+                "prompt_tokens": 10,
+                "completion_tokens": 1,
+                "total_tokens": 11,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            }
+            return JSONResponse({"object": "text_completion", "choices": [], "usage": usage})
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> JSONResponse:
+            body = json.loads(await request.body())
+            self.tokenized.append(body)
+            return JSONResponse({"tokens": [int(w[1:]) for w in body["prompt"].split()]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)  # off the main thread: no signal handlers
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise AssertionError("the fake engine did not start within 20 s")
+            time.sleep(0.01)
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        for i in range(self.chunks):
+            yield f"data: {json.dumps({'i': i})}\n\n".encode()
+            if i == 0:
+                released = await asyncio.to_thread(self._release.wait, 20.0)
+                assert released, "the test never released the stream"
+        yield b"data: [DONE]\n\n"
+
+    def release(self) -> None:
+        """Let a held stream continue past its first chunk."""
+        self._release.set()
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+
+class RankPublishers:
+    """One publisher per rank on tcp://127.0.0.1:live_base + r (replay: replay_base + r)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        dp_size: int,
+        live_base: int,
+        replay_base: int,
+        topic: str = "",
+    ) -> None:
+        self.live = f"tcp://127.0.0.1:{live_base}"
+        self.replay = f"tcp://127.0.0.1:{replay_base}"
+        self.publishers = [
+            ZmqEventPublisher(r, self.live, self.replay, bind=True, topic=topic, context=ctx)
+            for r in range(dp_size)
+        ]
+        self._hash = 1000
+
+    def store(self, rank: int, tokens: list[int], block_size: int) -> None:
+        """Publish a BlockStored chain of ``tokens`` (full blocks) from ``rank``."""
+        n = len(tokens) // block_size
+        hashes = list(range(self._hash, self._hash + n))
+        self._hash += n
+        event = BlockStored(
+            block_hashes=hashes,  # type: ignore[arg-type]
+            parent_block_hash=None,
+            token_ids=tokens[: n * block_size],
+            block_size=block_size,
+            lora_id=None,
+            medium="GPU",
+        )
+        batch = KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=rank)
+        self.publishers[rank].publish(batch)
+
+    def close(self) -> None:
+        for pub in self.publishers:
+            pub.shutdown()

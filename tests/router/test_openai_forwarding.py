@@ -1,0 +1,293 @@
+"""/v1/completions through `kvevents router` to fake OpenAI engines described by flags only.
+
+Two fake engines (real HTTP, recording what they receive) are described to a router
+subprocess with ``--engine URL --kv-endpoint ... --dp-size 2`` (no /server_info: the fake
+has none); their KV events come from real publishers, one per rank on base + rank.
+Engine A is a vLLM (rank in the ``X-data-parallel-rank`` header), engine B an SGLang
+(``routed_dp_rank`` in the body).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from openai_support import FakeEngine, RankPublishers
+from router_support import RouterProc, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from engine_support import free_port_range
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _publishers(ctx: zmq.Context) -> RankPublishers:
+    base = free_port_range(4)
+    return RankPublishers(ctx, 2, base, base + 2, topic="kv")
+
+
+@pytest.fixture(scope="module")
+def plane(ctx: zmq.Context) -> Iterator[dict]:
+    """Engines A (vllm) and B (sglang), dp 2 each, with their publishers."""
+    a, b = FakeEngine(), FakeEngine()
+    pubs_a, pubs_b = _publishers(ctx), _publishers(ctx)
+    try:
+        yield {"a": a, "b": b, "pubs_a": pubs_a, "pubs_b": pubs_b}
+    finally:
+        for thing in (pubs_a, pubs_b, a, b):
+            thing.close()
+
+
+def described(engine: FakeEngine, pubs: RankPublishers, *extra: str) -> list[str]:
+    return [
+        "--engine", engine.url, "--kv-endpoint", pubs.live, "--replay-endpoint", pubs.replay,
+        "--dp-size", "2", "--topic", "kv", "--block-size", str(BS), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def router(plane: dict) -> Iterator[RouterProc]:
+    argv = described(plane["a"], plane["pubs_a"])
+    argv += described(plane["b"], plane["pubs_b"], "--engine-kind", "sglang")
+    proc = RouterProc([], *argv, "--load-interval", "0.2")
+    try:
+        wait_until(lambda: _connected(proc) == 4, 20, "the router to follow all four ranks")
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _connected(router: RouterProc) -> int:
+    workers = router.http.get("/workers").json()
+    return sum(s["status"] == "connected" for s in workers["streams"])
+
+
+def matched(router: RouterProc, worker: str, rank: int, tokens: list[int]) -> int:
+    body = router.post("/query", {"input_ids": tokens}).json()
+    return next(
+        m["matched_tokens"]
+        for m in body["matches"]
+        if m["worker"] == worker and m["dp_rank"] == rank
+    )
+
+
+def held(
+    router: RouterProc, pubs: RankPublishers, worker: str, rank: int, tokens: list[int]
+) -> None:
+    """Publish ``tokens`` from ``rank`` and wait until the router has indexed them."""
+    pubs.store(rank, tokens, BS)
+    wait_until(
+        lambda: matched(router, worker, rank, tokens) == len(tokens),
+        10,
+        f"{worker} rank {rank} to hold the prefix in the router",
+    )
+
+
+def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
+    plane: dict, router: RouterProc
+) -> None:
+    """A token-id prompt goes to the vLLM rank holding its prefix: header set, body bytes and auth forwarded as sent."""
+    a = plane["a"]
+    prefix = list(range(100, 116))
+    held(router, plane["pubs_a"], a.url, 1, prefix)
+    raw = json.dumps({"model": "tiny", "prompt": [*prefix, 7, 8], "max_tokens": 1}).encode()
+    response = router.http.post(
+        "/v1/completions",
+        content=raw,
+        headers={
+            "content-type": "application/json",
+            "authorization": "Bearer sk-test",
+            "X-data-parallel-rank": "0",  # the client's own is replaced
+        },
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvevents-worker"] == a.url
+    assert response.headers["x-kvevents-dp-rank"] == "1"
+    assert response.headers["x-kvevents-matched-tokens"] == "16"
+    assert response.headers["x-kvevents-prompt-tokens"] == "18"
+    assert response.headers["x-kvevents-policy"] == "kv-aware"
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+    headers, body = a.received[-1]
+    assert headers["x-data-parallel-rank"] == "1"
+    assert headers["authorization"] == "Bearer sk-test"
+    assert body == raw
+
+
+def test_sglang_engine_gets_routed_dp_rank_in_the_body(plane: dict, router: RouterProc) -> None:
+    """For an SGLang engine the rank travels as routed_dp_rank in the JSON body, with no rank header."""
+    b = plane["b"]
+    prefix = list(range(200, 212))
+    held(router, plane["pubs_b"], b.url, 0, prefix)
+    sent = {"prompt": [prefix], "max_tokens": 1, "data_parallel_rank": 1}  # a batch of one
+    response = router.post("/v1/completions", sent)
+    assert response.status_code == 200, response.text
+    assert (response.headers["x-kvevents-worker"], response.headers["x-kvevents-dp-rank"]) == (
+        b.url,
+        "0",
+    )
+    headers, body = b.received[-1]
+    assert "x-data-parallel-rank" not in headers
+    assert json.loads(body) == {"prompt": [prefix], "max_tokens": 1, "routed_dp_rank": 0}
+
+
+def test_streaming_relays_each_chunk_as_it_arrives(plane: dict, router: RouterProc) -> None:
+    """A streamed answer's first chunk reaches the client while the engine still holds the rest; all arrive in order."""
+    a = plane["a"]
+    prefix = list(range(300, 308))
+    held(router, plane["pubs_a"], a.url, 0, prefix)
+    request = {"prompt": prefix, "stream": True, "max_tokens": 5}
+    with router.http.stream("POST", "/v1/completions", json=request) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-kvevents-dp-rank"] == "0"
+        chunks = response.iter_raw()
+        first = b""
+        while b"\n\n" not in first:  # bounded by the client's 30 s read timeout
+            first += next(chunks)
+        assert first == b'data: {"i": 0}\n\n'  # the engine is still waiting for release()
+        a.release()
+        rest = b"".join(chunks)
+    events = [e for e in (first + rest).split(b"\n\n") if e]
+    assert events == [*(f'data: {{"i": {i}}}'.encode() for i in range(5)), b"data: [DONE]"]
+
+
+def test_bad_requests_answer_400_in_openai_shape(router: RouterProc) -> None:
+    """A batch of prompts, a missing prompt, or a non-JSON body answers 400 with an OpenAI error saying why."""
+    batch = router.post("/v1/completions", {"prompt": ["one", "two"]})
+    assert batch.status_code == 400
+    assert "batch of 2 prompts" in batch.json()["error"]["message"]
+    assert batch.json()["error"]["type"] == "invalid_request_error"
+    assert (
+        "no 'prompt'" in router.post("/v1/completions", {"model": "m"}).json()["error"]["message"]
+    )
+    bad = router.http.post(
+        "/v1/completions", content=b"{", headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+    assert router.post("/v1/completions", {"prompt": [1, -2]}).status_code == 400
+
+
+def test_engine_errors_are_relayed_with_the_decision(plane: dict, router: RouterProc) -> None:
+    """An engine's error status and body come back unchanged, with the decision headers."""
+    response = router.post("/v1/completions", {"prompt": list(range(400, 408)), "fail_status": 422})
+    assert response.status_code == 422
+    assert response.json() == {"error": {"message": "asked to fail", "code": 422}}
+    assert response.headers["x-kvevents-worker"] in (plane["a"].url, plane["b"].url)
+
+
+def test_metrics_count_routed_requests_and_matched_tokens(plane: dict, router: RouterProc) -> None:
+    """/metrics counts forwarded requests by worker, rank, policy and status, and the matched and engine-cached tokens."""
+    a = plane["a"]
+    prefix = list(range(500, 508))
+    held(router, plane["pubs_a"], a.url, 1, prefix)
+    assert router.post("/v1/completions", {"prompt": prefix}).status_code == 200
+    text = router.http.get("/metrics").text
+    line = (
+        'kvevents_router_requests_total{dp_rank="1",endpoint="completions",policy="kv-aware",'
+        f'status="200",worker="{a.url}"}}'
+    )
+    assert line in text
+    assert 'kvevents_router_matched_tokens_bucket{endpoint="completions",le="16"}' in text
+    cached = f'kvevents_router_engine_cached_tokens_total{{dp_rank="1",worker="{a.url}"}}'
+    assert any(x.startswith(cached) and float(x.split()[-1]) >= 7 for x in text.splitlines())
+    assert "kvevents_router_requests_total{dp_rank" in text and 'status="422"' in text
+
+
+def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
+    """With --tokenize-endpoint, a text prompt is tokenized by the engine's /tokenize and routed by those ids."""
+    a = plane["a"]
+    proc = RouterProc(
+        [], *described(a, plane["pubs_a"]), "--tokenize-endpoint", f"{a.url}/tokenize"
+    )
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        held(proc, plane["pubs_a"], a.url, 1, list(range(600, 608)))
+        text = " ".join(f"w{i}" for i in range(600, 610))
+        response = proc.post("/v1/completions", {"model": "tiny", "prompt": text})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvevents-dp-rank"] == "1"
+        assert response.headers["x-kvevents-matched-tokens"] == "8"
+        assert a.tokenized[-1] == {"prompt": text, "add_special_tokens": True, "model": "tiny"}
+        assert json.loads(a.received[-1][1])["prompt"] == text  # the text itself is forwarded
+    finally:
+        proc.stop()
+
+
+def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> None:
+    """With --tokenizer, text is encoded by the model's tokenizer.json, BOS included unless add_special_tokens is false."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 1000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    a = plane["a"]
+    proc = RouterProc([], *described(a, plane["pubs_a"]), "--tokenizer", str(tmp_path))
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        held(proc, plane["pubs_a"], a.url, 0, [1, 700, 701, 702, 703, 704, 705, 706])
+        text = " ".join(f"w{i}" for i in range(700, 710))
+        with_bos = proc.post("/v1/completions", {"prompt": text})
+        assert with_bos.headers["x-kvevents-dp-rank"] == "0"
+        assert with_bos.headers["x-kvevents-matched-tokens"] == "8"
+        assert with_bos.headers["x-kvevents-prompt-tokens"] == "11"
+        plain = proc.post("/v1/completions", {"prompt": text, "add_special_tokens": False})
+        assert plain.headers["x-kvevents-prompt-tokens"] == "10"
+        assert plain.headers["x-kvevents-matched-tokens"] == "0"
+        assert proc.http.get("/workers").json()["tokenizer"] == str(tmp_path / "tokenizer.json")
+    finally:
+        proc.stop()
+
+
+def test_round_robin_policy_takes_turns_and_says_so(plane: dict) -> None:
+    """--policy round-robin sends successive requests to each rank in turn, whatever they cache, and labels them."""
+    a = plane["a"]
+    proc = RouterProc([], *described(a, plane["pubs_a"]), "--policy", "round-robin")
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        held(proc, plane["pubs_a"], a.url, 1, list(range(800, 808)))
+        ranks = [
+            proc.post("/v1/completions", {"prompt": list(range(800, 808))}).headers
+            for _ in range(4)
+        ]
+        assert [h["x-kvevents-dp-rank"] for h in ranks] == ["0", "1", "0", "1"]
+        assert {h["x-kvevents-policy"] for h in ranks} == {"round-robin"}
+        assert 'policy="round-robin"' in proc.http.get("/metrics").text
+    finally:
+        proc.stop()
+
+
+def test_unreachable_engine_answers_503_until_it_is_healthy() -> None:
+    """A described engine whose /health does not answer has no available rank: 503 in OpenAI shape."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = RouterProc(
+        [],
+        "--engine", f"http://127.0.0.1:{port}", "--kv-endpoint", f"tcp://127.0.0.1:{port}",
+        "--block-size", "4", "--load-interval", "0.2",
+    )  # fmt: skip
+    try:
+        wait_until(
+            lambda: proc.http.get("/workers").json()["engines"][0]["load_error"] is not None,
+            10,
+            "the health poll to fail",
+        )
+        response = proc.post("/v1/completions", {"prompt": [1, 2, 3, 4]})
+        assert response.status_code == 503
+        assert "no available holder" in response.json()["error"]["message"]
+    finally:
+        proc.stop()
