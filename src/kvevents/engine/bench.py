@@ -44,7 +44,7 @@ def _rank_worker(params: dict[str, Any]) -> dict[str, Any]:
     from kvevents.publisher import ZmqEventPublisher
 
     rank, dp_size = params["rank"], params["dp_size"]
-    publisher = ZmqEventPublisher(attn_dp_rank=rank, endpoint="tcp://127.0.0.1:0")
+    publisher = ZmqEventPublisher(attn_dp_rank=rank, endpoint="tcp://127.0.0.1:0", bind=True)
     cache = PrefixCache(
         params["page_size"], params["max_blocks"], get_hash_scheme(params["hash_scheme"])
     )
