@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.server
+import itertools
 import json
 import queue
 import signal
@@ -19,7 +22,14 @@ from kvevents.cli import main
 from kvevents.demo_chart import cumulative, rolling
 from kvevents.demo_plane import _metric_sum
 from kvevents.demo_procs import Child
-from kvevents.demo_replay import Outcome, PolicyRun, Workload, hit_rate, pooled_upper_bound
+from kvevents.demo_replay import (
+    Outcome,
+    PolicyRun,
+    Workload,
+    hit_rate,
+    pooled_upper_bound,
+    replay,
+)
 from kvevents.demo_report import finite_json, summarize
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.trace import request_tokens
@@ -168,6 +178,66 @@ def test_workload_compresses_arrivals_and_caps_outputs() -> None:
     assert "routed_dp_rank" not in body
     with pytest.raises(ConfigError, match="--speedup 0"):
         Workload.load(None, 5, speedup=0.0, max_new_tokens=1)
+
+
+class _FakeEngine(http.server.BaseHTTPRequestHandler):
+    """Answers /generate by the request's position: a good answer, a 500, or one missing fields."""
+
+    counter = itertools.count()
+    in_flight = 0
+    most_in_flight = 0
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        cls = type(self)
+        with cls.lock:
+            n = next(cls.counter)
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        time.sleep(0.02)
+        with cls.lock:
+            cls.in_flight -= 1
+        if n % 3 == 1:
+            status, answer = 500, {"error": "rank down"}
+        elif n % 3 == 2:
+            status, answer = 200, {"text": "no figures"}
+        else:
+            status, answer = (
+                200,
+                {"dp_rank": n % 2, "prompt_tokens": len(body["input_ids"]), "cached_tokens": 16},
+            )
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_replay_records_failed_and_malformed_answers_and_bounds_concurrency() -> None:
+    """Every request gets an outcome in trace order; error statuses and answers without figures are recorded as failures; at most `concurrency` are in flight."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeEngine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        w = Workload.load(None, 12, speedup=1e9, max_new_tokens=1)
+        url = f"http://127.0.0.1:{server.server_address[1]}/generate"
+        run = asyncio.run(replay("kv_aware", w, url, concurrency=2))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    outcomes = [o for o in run.outcomes if o is not None]
+    assert len(outcomes) == 12
+    assert sum(o.error is None for o in outcomes) == 4
+    assert sum("HTTP 500" in (o.error or "") for o in outcomes) == 4
+    assert sum("answer lacks dp_rank" in (o.error or "") for o in outcomes) == 4
+    assert all(o.cached_tokens == 16 and o.dp_rank in (0, 1) for o in outcomes if o.error is None)
+    assert _FakeEngine.most_in_flight <= 2
 
 
 def test_pooled_upper_bound_equals_one_big_cache() -> None:

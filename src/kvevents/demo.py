@@ -135,6 +135,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--dp-size", args.dp_size),
         ("--page-size", args.page_size),
         ("--max-blocks", args.max_blocks),
+        ("--concurrency", args.concurrency),
     ):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be at least 1")

@@ -109,9 +109,7 @@ class PolicyRun:
         return [o.error for o in self.outcomes if o is not None and o.error is not None]
 
 
-async def _send(
-    client: httpx.AsyncClient, url: str, body: bytes, t0: float
-) -> tuple[Outcome, float]:
+async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> Outcome:
     sent = time.monotonic()
     try:
         response = await client.post(
@@ -120,18 +118,18 @@ async def _send(
         answer = response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-        return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error), sent
+        return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
     if not isinstance(answer, dict):
         error = f"HTTP {response.status_code}: {response.text[:200]}"
-        return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error), sent
-    outcome = Outcome(
-        int(answer["dp_rank"]),
-        int(answer["prompt_tokens"]),
-        int(answer["cached_tokens"]),
-        sent - t0,
-        time.monotonic() - sent,
-    )
-    return outcome, sent
+        return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
+    try:
+        rank, prompt, cached = (
+            int(answer[k]) for k in ("dp_rank", "prompt_tokens", "cached_tokens")
+        )
+    except (KeyError, TypeError, ValueError):
+        error = f"answer lacks dp_rank, prompt_tokens or cached_tokens: {response.text[:200]}"
+        return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
+    return Outcome(rank, prompt, cached, sent - t0, time.monotonic() - sent)
 
 
 async def replay(
@@ -157,7 +155,7 @@ async def replay(
 
         async def one(i: int) -> None:
             try:
-                outcome, _ = await _send(client, url, workload.body(i), t0)
+                outcome = await _send(client, url, workload.body(i), t0)
             finally:
                 slots.release()
             run.outcomes[i] = outcome
