@@ -93,10 +93,13 @@ def _publisher(r: dict[str, Any]) -> Iterator[Figure]:
     for c in r["cases"]:
         b = c["blocks_per_batch"]
         share = c["share_of_ceiling"]
+        raw = c.get("share_of_raw_ceiling")
         yield Figure(
             "publisher",
-            f"{b}-block batches: blocks/s delivered (share of bare PUB)",
-            f"{_n(c['publisher_blocks_per_s'])} ({_pct(share)})",
+            f"{b}-block batches: blocks/s delivered (share of a bare PUB"
+            + ("; of pyzmq's C-level send)" if raw is not None else ")"),
+            f"{_n(c['publisher_blocks_per_s'])} ({_pct(share)}"
+            + (f"; {_pct(raw)})" if raw is not None else ")"),
             ">= 90%",
             share >= 0.9,
         )
@@ -123,7 +126,8 @@ def _subscriber(r: dict[str, Any]) -> Iterator[Figure]:
         per_cpu = c["blocks_per_cpu_s"]
         yield Figure(
             "subscriber",
-            f"{c['mode']}, {c['streams']} stream(s), {b}-block batches: blocks per CPU s",
+            f"{c['mode']}, {c['streams']} stream{'s' if c['streams'] != 1 else ''}, "
+            f"{b}-block batches: blocks per CPU s",
             _n(per_cpu),
             f">= {_n(target)}" if b == 32 else "",
             per_cpu >= target if b == 32 else None,
