@@ -61,12 +61,13 @@ def _routing(r: dict[str, Any]) -> Iterator[Figure]:
     s = r["settings"]
     yield Figure(
         "routing",
-        f"requests replayed per policy ({s['requests']:,}, {s['max_blocks_per_rank']:,} "
-        f"pages of {s['page_size']} tokens per rank)",
-        f"{s['requests']:,}",
+        "requests per policy; cache per rank",
+        f"{s['requests']:,}; {s['max_blocks_per_rank']:,} pages x {s['page_size']} tokens",
         "",
         None,
     )
+    if s.get("router_args"):
+        yield Figure("routing", "router options", f"`{' '.join(s['router_args'])}`", "", None)
     yield Figure("routing", "hit rate, KV-aware", _pct(kv["hit_rate"]), "", None)
     yield Figure("routing", "hit rate, round-robin", _pct(rr["hit_rate"]), "", None)
     yield Figure("routing", "hit rate, pooled cache (upper bound)", _pct(bound), "", None)
