@@ -184,6 +184,8 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
             raise OpenAIError(503, str(exc), "service_unavailable") from None
         spec = service.spec(decision.worker)
         headers = _forward_headers(request)
+        headers["accept-encoding"] = "identity"  # bytes are relayed as they come, unencoded
+        headers["content-type"] = "application/json"  # the body was parsed as JSON
         if spec.engine_kind == "vllm":
             headers[RANK_HEADER] = str(decision.dp_rank)
             content = raw
@@ -191,7 +193,6 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
             body.pop("data_parallel_rank", None)
             body["routed_dp_rank"] = decision.dp_rank
             content = msgspec.json.encode(body)
-            headers["content-type"] = "application/json"
         shown = decision_headers(decision, len(tokens))
         client = service.client
         upstream_request = client.build_request(
