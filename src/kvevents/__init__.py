@@ -11,6 +11,7 @@ One public surface: import from ``kvevents``; submodules may move.
   command line).
 """
 
+from kvevents.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.config import KVEventsConfig
 from kvevents.discovery import StreamSpec, discover, streams_from_server_info
 from kvevents.endpoints import (
@@ -20,6 +21,7 @@ from kvevents.endpoints import (
     offset_endpoint_port,
     select_kv_publisher_dp_rank,
 )
+from kvevents.engine_spec import EngineSpec, load_engines_file
 from kvevents.engine_watcher import EngineStatus
 from kvevents.errors import (
     ConfigError,
@@ -60,12 +62,15 @@ from kvevents.wire import (
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
+    "BlockSizeMismatch",
+    "BlockSizes",
     "BlockStored",
     "ConfigError",
     "Delivery",
     "DiscoveryError",
     "Endpoint",
     "EndpointError",
+    "EngineSpec",
     "EngineStatus",
     "EventPublisher",
     "EventPublisherFactory",
@@ -109,6 +114,7 @@ __all__ = [
     "encode_batch",
     "event_to_dict",
     "hash_to_int",
+    "load_engines_file",
     "offset_endpoint_port",
     "select_kv_publisher_dp_rank",
     "sglang_block_hashes",
