@@ -23,22 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
-import socket
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import uvicorn
-
 from kvevents.config import KVEventsConfig
-from kvevents.endpoints import WILDCARD_HOSTS, PortPlan
+from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.server import EngineInfo, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
-from kvevents.errors import ConfigError, EndpointError
+from kvevents.errors import ConfigError
 from kvevents.hashing import HASH_SCHEMES, get_hash_scheme
+from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
 
 __all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]
 
@@ -152,43 +148,15 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve_engine(EngineSettings.from_args(args)))
 
 
-def _bind_http(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise EndpointError(
-            f"HTTP address {host}:{port} cannot be bound ({exc.strerror}): choose another --port"
-        ) from None
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-def _url(host: str, sock: socket.socket) -> str:
-    port = sock.getsockname()[1]
-    shown = "127.0.0.1" if host in WILDCARD_HOSTS or host == "" else host
-    return f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the engine owns SIGINT and SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def serve_engine(settings: EngineSettings) -> int:
     """Run the engine until a signal (exit code 0) or a dead rank (exit code 1)."""
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    sock = _bind_http(settings.host, settings.port)
+    with stop_on_signals(stop):
+        return await _serve_until_stopped(settings, stop)
+
+
+async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) -> int:
+    sock = bind_http(settings.host, settings.port, "engine")
     supervisor = RankSupervisor(settings.rank_specs(), startup_timeout=settings.startup_timeout)
     stop_wait = asyncio.create_task(stop.wait())
     try:
@@ -206,19 +174,8 @@ async def serve_engine(settings: EngineSettings) -> int:
             hash_scheme=settings.hash_scheme,
             kv_events_config=settings.kv_events_config,
         )
-        config = uvicorn.Config(
-            create_app(supervisor, info), log_level="warning", access_log=False, lifespan="off"
-        )
-        server = _Server(config)
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        for _ in range(1000):  # startup is one accept() setup; bounded wait
-            if server.started or serving.done():
-                break
-            await asyncio.sleep(0.01)
-        if not server.started:
-            await serving
-            raise EndpointError(f"HTTP server on {_url(settings.host, sock)} did not start")
-        print(READY_PREFIX + _url(settings.host, sock), flush=True)
+        server, serving = await start_http(create_app(supervisor, info), sock, lifespan="off")
+        print(READY_PREFIX + http_url(settings.host, sock), flush=True)
         failed = asyncio.create_task(supervisor.failed.wait())
         await asyncio.wait({stop_wait, failed, serving}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
@@ -234,8 +191,6 @@ async def serve_engine(settings: EngineSettings) -> int:
         stop_wait.cancel()
         await supervisor.stop()
         sock.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 if __name__ == "__main__":  # pragma: no cover

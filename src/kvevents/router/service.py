@@ -41,12 +41,12 @@ import asyncio
 
 from kvevents.engine_args import add_engine_arguments, engine_specs
 from kvevents.errors import ConfigError
+from kvevents.http_serving import serve_app
 from kvevents.index import DEFAULT_MAX_ENTRIES
 from kvevents.index_types import TierCredits
 from kvevents.router.app import RouterService, create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.scoring import ScoringWeights
-from kvevents.router.serve import serve_app
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
 from kvevents.subscriber import Subscriber
 
@@ -184,4 +184,4 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(service: RouterService, host: str, port: int) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
-    return await serve_app(create_app(service), host, port, READY_PREFIX)
+    return await serve_app(create_app(service), host, port, READY_PREFIX, "router")

@@ -1,0 +1,111 @@
+"""Serving an HTTP app for a kvevents command: bind first, announce, stop on a signal.
+
+The listening socket is bound before uvicorn starts, so ``--port 0`` works and a taken
+port is an :class:`~kvevents.errors.EndpointError` naming the address. Once the app
+accepts requests the command prints one machine-readable line,
+``{ready_prefix}http://HOST:PORT``, which tests, the demo and scripts wait for.
+uvicorn's own signal handling is off: the command owns SIGINT and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import uvicorn
+
+from kvevents.endpoints import WILDCARD_HOSTS
+from kvevents.errors import EndpointError
+
+__all__ = ["bind_http", "http_url", "serve_app", "start_http", "stop_on_signals"]
+
+_STARTUP_POLLS = 3000  # x 10 ms: startup is the app's lifespan plus one listen()
+
+
+def bind_http(host: str, port: int, what: str) -> socket.socket:
+    """A listening, non-blocking TCP socket on ``host:port`` (0: the OS picks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise EndpointError(
+            f"{what} HTTP address {host}:{port} cannot be bound ({exc.strerror}): "
+            "choose another --port (0 lets the OS pick)"
+        ) from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def http_url(host: str, sock: socket.socket) -> str:
+    """The URL clients use for ``sock``: a wildcard host is shown as 127.0.0.1."""
+    port = sock.getsockname()[1]
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS or host == "" else host
+    return f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def start_http(
+    app: Any, sock: socket.socket, *, lifespan: Literal["auto", "on", "off"] = "auto"
+) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """Start serving ``app`` on ``sock``; returns once it accepts requests.
+
+    Stop it with ``server.should_exit = True`` and ``await task``. Raises
+    :class:`EndpointError` if the server ends before it started.
+    """
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan)
+    server = _QuietServer(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(_STARTUP_POLLS):
+        if server.started or serving.done():
+            break
+        await asyncio.sleep(0.01)
+    if not server.started:
+        await serving
+        raise EndpointError(f"HTTP server on {http_url('', sock)} did not start")
+    return server, serving
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """Set ``stop`` on SIGINT or SIGTERM while the block runs."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_app(app: Any, host: str, port: int, ready_prefix: str, what: str) -> int:
+    """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0."""
+    stop = asyncio.Event()
+    with stop_on_signals(stop):
+        sock = bind_http(host, port, what)
+        try:
+            server, serving = await start_http(app, sock)
+            print(ready_prefix + http_url(host, sock), flush=True)
+            stop_wait = asyncio.create_task(stop.wait())
+            await asyncio.wait({stop_wait, serving}, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+            server.should_exit = True
+            await serving
+            return 0
+        finally:
+            sock.close()
