@@ -30,6 +30,23 @@ from kvevents.wire import (
 READY = "kvevents engine ready "
 
 
+def await_ready_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
+    """The rest of the first stdout line starting with ``prefix``, or None (exit or timeout)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=deadline - time.monotonic()):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+    return None
+
+
 class Engine:
     """A `kvevents engine` subprocess on OS-chosen ports; stop() it (the fixture does)."""
 
@@ -46,20 +63,11 @@ class Engine:
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
 
     def _await_ready(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=deadline - time.monotonic()):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(READY):
-                    return line[len(READY) :].strip()
-        self.stop(expect=None)
-        raise AssertionError(f"engine did not become ready: {self.stderr}")
+        url = await_ready_line(self.proc, READY, timeout)
+        if url is None:
+            self.stop(expect=None)
+            raise AssertionError(f"engine did not become ready: {self.stderr}")
+        return url
 
     def wait_exit(self, timeout: float = 20.0) -> int:
         try:

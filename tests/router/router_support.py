@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import selectors
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from engine_support import Engine
+from engine_support import Engine, await_ready_line
 
 __all__ = ["KV_CONFIG", "Engine", "RouterProc", "wait_until"]
 
@@ -38,20 +37,11 @@ class RouterProc:
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
 
     def _await_ready(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=deadline - time.monotonic()):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(READY):
-                    return line[len(READY) :].strip()
-        code = self.stop(expect=None)
-        raise AssertionError(f"router did not become ready (exit {code}): {self.stderr}")
+        url = await_ready_line(self.proc, READY, timeout)
+        if url is None:
+            code = self.stop(expect=None)
+            raise AssertionError(f"router did not become ready (exit {code}): {self.stderr}")
+        return url
 
     stderr = ""
 
