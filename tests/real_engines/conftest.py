@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from real_vllm_helpers import ENV_URL, SCRIPT, IndexFeed, RealVLLM, VLLMClient
+from real_vllm_router import RouterProcess
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,3 +53,20 @@ def feed(vllm: RealVLLM) -> Iterator[IndexFeed]:
     f = IndexFeed(vllm)
     yield f
     f.close()
+
+
+@pytest.fixture(scope="session")
+def router_service(vllm: RealVLLM) -> Iterator[RouterProcess]:
+    """One ``kvevents router`` subprocess for the whole session, in front of the real vLLM,
+    described by flags only (``--engine URL --kv-endpoint ... --engine-kind vllm``) and
+    tokenizing text with the model folder's ``tokenizer.json``. It must exit 0 on SIGTERM."""
+    proc = vllm.start_router()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def router(router_service: RouterProcess) -> RouterProcess:
+    """The session's router, checked to be still running before each test."""
+    assert router_service.alive(), f"kvevents router died:\n{router_service.output()}"
+    return router_service

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from real_vllm_router import RouterProcess, vllm_engine_args
 
 from kvevents.discovery import StreamSpec
 from kvevents.hashing import content_keys
@@ -88,6 +89,28 @@ class RealVLLM:
             topic=env.get("KVEVENTS_REAL_VLLM_TOPIC", "kv"),
             hash_mode=env.get("KVEVENTS_REAL_VLLM_HASH_MODE", "int"),
             state_dir=env["KVEVENTS_REAL_VLLM_STATE"],
+        )
+
+    def router_engine_args(self) -> list[str]:
+        """The flags describing this vLLM to ``kvevents router``, after ``--engine URL``."""
+        return vllm_engine_args(
+            kv_endpoint=self.kv_endpoint,
+            replay_endpoint=self.replay_endpoint,
+            dp_size=self.dp_size,
+            topic=self.topic,
+            block_size=self.block_size,
+        )
+
+    def start_router(self, *extra: str, log: Path | None = None) -> RouterProcess:
+        """``kvevents router`` in front of this vLLM, tokenizing text with its model's
+        ``tokenizer.json``; ``extra`` router options (``--policy``...). Stop it after."""
+        return RouterProcess(
+            self.url,
+            self.router_engine_args(),
+            "--tokenizer",
+            self.model,
+            *extra,
+            log=log or Path(self.state_dir) / "router.log",
         )
 
     def rank_endpoint(self, rank: int) -> str:
@@ -329,9 +352,15 @@ class IndexFeed:
         return self.model.match(rank, tokens, bs) == full
 
     def settle(
-        self, client: VLLMClient, rank: int, prompts: Prompts, timeout: float = 30.0
+        self,
+        client: VLLMClient,
+        rank: int,
+        prompts: Prompts,
+        timeout: float = 30.0,
+        router: RouterProcess | None = None,
     ) -> None:
-        """Make sure every event rank ``rank`` published so far has been applied.
+        """Make sure every event rank ``rank`` published so far has been applied, here
+        and (given ``router``) in the router service too.
 
         Sends a fresh one-block prompt to the rank and waits until its block is in.
         Events of one stream are delivered in seq order, so everything the rank
@@ -341,6 +370,8 @@ class IndexFeed:
         barrier = prompts.fresh(self.vllm.block_size + 1)
         client.complete(barrier, rank)
         self.wait_for(lambda: self.holds(rank, barrier), timeout, f"rank {rank}'s barrier block")
+        if router is not None:
+            router.wait_holds(rank, barrier, self.vllm.block_size, timeout)
 
     def predicted_cached_tokens(self, rank: int, tokens: Sequence[int]) -> int:
         """What the index says rank ``rank`` will serve from cache for ``tokens``."""
@@ -366,6 +397,24 @@ class IndexFeed:
             f"only in events {len(model_hashes - index_hashes)}"
         )
         assert index_keys == model_keys
+
+    def assert_router_equals_model(self, router: RouterProcess, rank: int) -> None:
+        """The router service's index (``GET /dump``) holds for ``rank`` exactly the blocks
+        vLLM's events say it holds: the same engine hashes in the GPU tier, and the same
+        content keys (one per held token prefix). Settle both first."""
+        index = router.index()
+        holder = router.holder(rank)
+        router_hashes = index.holder_hashes(holder)
+        router_keys = index.holder_keys(holder)
+        with self.cond:
+            model_hashes = self.model.hashes(rank)
+            model_keys = self.model.content_keys(rank, self.vllm.block_size)
+        assert router_hashes == model_hashes, (
+            f"rank {rank}: router /dump has {len(router_hashes)} engine hashes, vLLM's events "
+            f"say {len(model_hashes)}; only in the router {len(router_hashes - model_hashes)}, "
+            f"only in the events {len(model_hashes - router_hashes)}"
+        )
+        assert router_keys == model_keys
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -1,58 +1,120 @@
-"""kvevents' Router, fed by vLLM's own events, sends requests where their prefix is cached.
+"""``kvevents router``'s ``/v1/completions`` in front of a real vLLM: requests go where their
+prefix is cached, and vLLM itself says it reused it.
 
-The router is driven in-process (:class:`kvevents.router.core.Router`, the logic behind
-``kvevents router``) and each decision is carried out as a user would: the request goes
-to vLLM's ``/v1/completions`` with ``X-data-parallel-rank`` set to the chosen rank. vLLM's
-own ``cached_tokens`` then says whether the prefix was really reused.
+The router is the ``router`` fixture: a subprocess given vLLM by flags only, tokenizing
+text prompts with the model folder's ``tokenizer.json``. Each request is an ordinary
+OpenAI completions request to the router; its decision comes back in the
+``x-kvevents-*`` headers and vLLM's own ``usage.prompt_tokens_details.cached_tokens``
+(``--enable-prompt-tokens-details``) says how many prompt tokens it served from cache.
 """
 
 from __future__ import annotations
 
+import json
+import re
+
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
+from real_vllm_router import RouterProcess, words
+
+FEED_TIMEOUT_S = 30.0
 
 
 def test_requests_sharing_a_prefix_go_to_the_rank_that_holds_it_and_vllm_reuses_it(
-    vllm: RealVLLM, client: VLLMClient, feed: IndexFeed
+    vllm: RealVLLM, client: VLLMClient, feed: IndexFeed, router: RouterProcess
 ) -> None:
-    """A conversation prefix cached on rank r draws every follow-up sharing it to rank r, where vLLM serves the whole prefix from cache."""
+    """A text prompt whose three-block prefix is cached on rank r is sent by the router's /v1/completions to rank r (decision headers), where vLLM reports exactly the predicted cached tokens, at least the whole prefix."""
     prompts = Prompts("routing-shared-prefix")
     bs = vllm.block_size
     for home in range(vllm.dp_size):
         prefix = prompts.fresh(3 * bs)  # three full blocks
         client.complete(prefix + prompts.fresh(5), home)
-        feed.settle(client, home, prompts)
+        feed.settle(client, home, prompts, router=router)
         for turn in range(3):
             request = prefix + prompts.fresh(bs + 7)
-            decision = feed.route(request)
-            assert decision.dp_rank == home, (
-                f"turn {turn}: routed to rank {decision.dp_rank}, prefix is on rank {home}; "
-                f"scores {decision.scores}"
+            routed = router.complete(words(request))
+            assert routed.status == 200, routed.body
+            assert (routed.worker, routed.dp_rank, routed.policy) == (vllm.url, home, "kv-aware"), (
+                f"turn {turn}: routed to rank {routed.dp_rank}, the prefix is on rank {home}"
             )
-            assert decision.chosen.matched.gpu == 3
-            predicted = feed.predicted_cached_tokens(decision.dp_rank, request)
-            ticket = feed.router.begin(decision)
-            try:
-                usage = client.complete(request, decision.dp_rank)
-            finally:
-                feed.router.finish(ticket)
-            assert client.cached_tokens(usage) == predicted >= 3 * bs
-            feed.settle(client, home, prompts)
+            # The router tokenized the text as vLLM did.
+            assert routed.prompt_tokens == routed.usage["prompt_tokens"] == len(request)
+            assert routed.matched_tokens >= 3 * bs
+            predicted = min(routed.matched_tokens, vllm.max_cached_tokens(len(request)))
+            assert routed.cached_tokens == predicted, (
+                f"turn {turn}: the router predicted {predicted} cached tokens, vLLM reported "
+                f"{routed.cached_tokens}"
+            )
+            router.wait_holds(home, request, bs, FEED_TIMEOUT_S)
+
+
+def test_streaming_through_the_router_relays_every_chunk_and_the_usage(
+    vllm: RealVLLM, client: VLLMClient, router: RouterProcess
+) -> None:
+    """A streaming /v1/completions request through the router comes back as vLLM's server-sent events, a chunk per generated token, then the usage with the cached tokens and [DONE], with the decision headers."""
+    prompts = Prompts("routing-stream")
+    bs = vllm.block_size
+    prompt = prompts.fresh(2 * bs + 3)
+    first = router.complete(prompt, max_tokens=1)
+    router.wait_holds(first.dp_rank, prompt, bs, FEED_TIMEOUT_S)
+    routed = router.complete(prompt[: 2 * bs] + prompts.fresh(9), max_tokens=6, stream=True)
+    assert routed.status == 200, routed.body
+    assert routed.dp_rank == first.dp_rank
+    assert routed.matched_tokens == 2 * bs
+    chunks = routed.body
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    # One chunk per generated token (vLLM may fold a token that decodes to nothing, e.g.
+    # a special token, into the next one), the last with finish_reason "length".
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    assert 2 <= len(choices) <= 6, chunks
+    assert choices[-1]["finish_reason"] == "length"
+    assert "usage" in events[-1] and not events[-1]["choices"]
+    assert routed.usage["completion_tokens"] == 6
+    assert routed.cached_tokens == 2 * bs
 
 
 def test_prompts_with_no_cached_prefix_are_spread_over_the_ranks(
-    vllm: RealVLLM, client: VLLMClient, feed: IndexFeed
+    vllm: RealVLLM, router: RouterProcess
 ) -> None:
-    """Fresh prompts that no rank holds are spread across every rank rather than piled on one."""
+    """Fresh prompts that no rank holds, sent one by one through the router, are spread across every rank rather than piled on one, and vLLM serves none of them from cache."""
     prompts = Prompts("routing-spread")
     chosen = []
     for _ in range(2 * vllm.dp_size):
-        request = prompts.fresh(2 * vllm.block_size + 3)
-        decision = feed.route(request)
-        assert decision.chosen.matched.blocks == 0
-        ticket = feed.router.begin(decision)
-        try:
-            assert client.cached_tokens(client.complete(request, decision.dp_rank)) == 0
-        finally:
-            feed.router.finish(ticket)
-        chosen.append(decision.dp_rank)
+        routed = router.complete(prompts.fresh(2 * vllm.block_size + 3))
+        assert routed.status == 200, routed.body
+        assert routed.matched_tokens == 0
+        assert routed.cached_tokens == 0
+        chosen.append(routed.dp_rank)
     assert sorted(set(chosen)) == list(range(vllm.dp_size))
+
+
+def test_router_metrics_count_the_requests_and_vllms_cached_tokens(
+    vllm: RealVLLM, router: RouterProcess
+) -> None:
+    """After a request through the router, /metrics counts it for the rank it went to, with the prompt and cached tokens vLLM reported."""
+    prompts = Prompts("routing-metrics")
+    bs = vllm.block_size
+    before = _engine_counters(router.metrics(), vllm.url)
+    prompt = prompts.fresh(2 * bs + 1)
+    first = router.complete(prompt)
+    router.wait_holds(first.dp_rank, prompt, bs, FEED_TIMEOUT_S)
+    again = router.complete(prompt)
+    assert again.dp_rank == first.dp_rank and again.cached_tokens == 2 * bs
+    after = _engine_counters(router.metrics(), vllm.url)
+    rank = str(first.dp_rank)
+    assert after[("prompt", rank)] - before.get(("prompt", rank), 0) == 2 * len(prompt)
+    assert after[("cached", rank)] - before.get(("cached", rank), 0) == 2 * bs
+
+
+def _engine_counters(text: str, worker: str) -> dict[tuple[str, str], float]:
+    """``kvevents_router_engine_{prompt,cached}_tokens_total`` of ``worker``, by rank."""
+    out: dict[tuple[str, str], float] = {}
+    pattern = re.compile(r"^kvevents_router_engine_(prompt|cached)_tokens_total\{(.*)\} (\S+)$")
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if m is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if labels.get("worker") == worker:
+            out[(m.group(1), labels["dp_rank"])] = float(m.group(3))
+    return out
