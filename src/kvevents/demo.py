@@ -27,14 +27,12 @@ nothing was lost and the index matched the engine; 1 otherwise; 2 for bad option
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing
 import shlex
 import signal
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from rich.console import Console
@@ -50,6 +48,7 @@ from kvevents.demo_report import (
     results_document,
     summarize,
 )
+from kvevents.demo_signals import Interrupts
 from kvevents.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "run_demo", "run_routing_bench"]
@@ -147,12 +146,13 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo stops the pool itself
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # leave through the same cleanup as Ctrl-C
-
-
 def _replay(
-    name: str, workload: Workload, url: str, concurrency: int, console: Console
+    name: str,
+    workload: Workload,
+    url: str,
+    concurrency: int,
+    console: Console,
+    interrupts: Interrupts,
 ) -> PolicyRun:
     columns = (
         TextColumn("{task.description:<20}"),
@@ -171,11 +171,16 @@ def _replay(
             hit = f"{100 * totals[1] / totals[0]:.1f}%" if totals[0] else "-"
             progress.update(task, advance=1, hit=hit)
 
-        return asyncio.run(replay(name, workload, url, concurrency=concurrency, on_done=on_done))
+        return interrupts.run(replay(name, workload, url, concurrency=concurrency, on_done=on_done))
 
 
 def _run_plane(
-    args: argparse.Namespace, workload: Workload, engine: Child, router: Child, console: Console
+    args: argparse.Namespace,
+    workload: Workload,
+    engine: Child,
+    router: Child,
+    console: Console,
+    interrupts: Interrupts,
 ) -> tuple[dict[str, PolicyRun], dict[str, Settled], EventCounts]:
     """Start engine and router, replay each policy, settle; the caller stops the children."""
     mode = "DP attention" if args.enable_dp_attention else "pure DP"
@@ -204,7 +209,9 @@ def _run_plane(
         for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
             if runs:
                 plane.flush(timeout=30.0)
-            runs[name] = _replay(name, workload, f"{url}/generate", args.concurrency, console)
+            runs[name] = _replay(
+                name, workload, f"{url}/generate", args.concurrency, console, interrupts
+            )
             consistency[name] = plane.wait_settled(timeout=30.0)
         return runs, consistency, plane.event_counts()
     finally:
@@ -224,25 +231,22 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
     engine = Child("engine", _engine_args(args))
     router = Child("router", ["--port", "0", *router_extra])
-    previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    previous_int = signal.getsignal(signal.SIGINT)
-    pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
-    try:
-        bound = pool.apply_async(
-            pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
-        )
-        runs, consistency, events = _run_plane(args, workload, engine, router, console)
-        upper = bound.get(timeout=600.0)
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup short
+    with Interrupts() as interrupts:  # Ctrl-C and SIGTERM: see kvevents.demo_signals
+        pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
         try:
-            router.stop()
-            engine.stop()
-            pool.terminate()
-            pool.join()
+            bound = pool.apply_async(
+                pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
+            )
+            runs, consistency, events = _run_plane(
+                args, workload, engine, router, console, interrupts
+            )
+            upper = bound.get(timeout=600.0)
         finally:
-            signal.signal(signal.SIGINT, previous_int)
-            signal.signal(signal.SIGTERM, previous_term)
+            with interrupts.deferred():  # a second signal must not cut the cleanup short
+                router.stop()
+                engine.stop()
+                pool.terminate()
+                pool.join()
     processes = {"engine": engine.pid, "router": router.pid, "ranks": list(engine.adopted)}
     policies = {name: summarize(r, args.dp_size) for name, r in runs.items()}
     upper_rate = sum(c for _, c in upper) / max(1, sum(p for p, _ in upper))
