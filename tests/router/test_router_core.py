@@ -97,3 +97,48 @@ def test_two_routers_have_separate_metric_registries() -> None:
     assert "kvevents_router_lookups_total 1.0" in text_a
     assert 'kvevents_router_routes_total{dp_rank="0",worker="http://e:1"} 1.0' in text_a
     assert "kvevents_router_index_entries 0.0" in text_b
+
+
+def _serve(router: Router, tokens: list[int], seqs: dict[Holder, int]) -> Holder:
+    """Route one request, store its blocks on the chosen holder (as its engine would), finish it."""
+    decision = router.route(tokens)
+    ticket = router.begin(decision)
+    holder = decision.holder
+    router.handle(Delivery(holder, seqs[holder], stored_chain(tokens)))
+    seqs[holder] += 1
+    router.finish(ticket)
+    return holder
+
+
+def stored_chain(tokens: list[int]) -> KVEventBatch:
+    """The BlockStored of a whole request's full blocks of 2 tokens, engine hashes made up."""
+    n = len(tokens) // 2
+    return stored([hash(tuple(tokens[: 2 * (i + 1)])) for i in range(n)], tokens[: 2 * n])
+
+
+def test_sequential_requests_sharing_one_block_spread_across_ranks() -> None:
+    """One request at a time, all sharing their first block: new conversations spread over every rank instead of all going to the holder of the shared block."""
+    holders = [Holder("http://e:1", r) for r in range(4)]
+    router = Router(block_size=2)
+    for h in holders:
+        router.add_holder(h, block_size=2)
+    seqs = dict.fromkeys(holders, 0)
+    shared = [7, 7]
+    chosen = [_serve(router, shared + [100 + i] * 80, seqs) for i in range(8)]
+    assert all(router.query(shared)[h].gpu == 1 for h in holders)
+    assert sorted(chosen.count(h) for h in holders) == [2, 2, 2, 2]
+
+
+def test_a_follow_up_stays_with_the_rank_holding_its_conversation() -> None:
+    """Turns of a conversation, one at a time, keep going to the rank that holds the conversation so far, despite the recent work it got."""
+    holders = [Holder("http://e:1", r) for r in range(2)]
+    router = Router(block_size=2)
+    for h in holders:
+        router.add_holder(h, block_size=2)
+    seqs = dict.fromkeys(holders, 0)
+    conversation = [7, 7] + [1] * 40
+    home = _serve(router, conversation, seqs)
+    for turn in range(2, 6):
+        conversation += [turn] * 20
+        assert _serve(router, conversation, seqs) == home
+    assert router.loads[home].recent_blocks > 50

@@ -1,11 +1,18 @@
-"""Router scoring: the documented cost, tier credits, tie-breaks and availability."""
+"""Router scoring: the documented cost, tier credits, recent-work balance, tie-breaks and availability."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvevents.index_types import HolderMatch, TierCredits
-from kvevents.router.scoring import HolderLoad, ScoringWeights, choose, pending_blocks, score
+from kvevents.router.scoring import (
+    HolderLoad,
+    ScoringWeights,
+    choose,
+    note_routed,
+    pending_blocks,
+    score,
+)
 from kvevents.signals import Holder
 
 H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
@@ -50,18 +57,63 @@ def test_load_outweighs_a_small_cache_advantage() -> None:
         10,
         [H0, H1],
         {H0: HolderMatch(2, 0, 0)},
-        {H0: HolderLoad(inflight_requests=2, inflight_blocks=20.0)},
+        {H0: HolderLoad(inflight_requests=2, inflight_blocks=40.0)},
     )
     assert choose(scores).holder == H1
 
 
-def test_ties_go_to_lower_load_then_fewer_routed_then_order() -> None:
-    """Equal cost: lower pending wins; equal pending: the holder sent fewer requests so far."""
+def test_ties_go_to_lower_pending_then_less_recent_work_then_fewer_routed_then_order() -> None:
+    """Equal cost: lower pending wins; then less recent work (not fewer requests); then fewer routed; then order."""
+    no_balance = ScoringWeights(balance_weight=0.0)
+    loads = {
+        H0: HolderLoad(routed=1, recent_blocks=10.0),
+        H1: HolderLoad(routed=5, recent_blocks=2.0),
+        H2: HolderLoad(routed=3, recent_blocks=2.0),
+    }
+    assert [s.holder for s in score(4, [H0, H1, H2], {}, loads, weights=no_balance)] == [H2, H1, H0]
     even = score(4, [H0, H1, H2], {}, {H0: HolderLoad(routed=3), H1: HolderLoad(routed=1)})
     assert [s.holder for s in even] == [H2, H1, H0]
     # Same cost, different load: H0 caches 1 block but has 1 pending block.
-    mixed = score(4, [H0, H1], {H0: HolderMatch(1, 0, 0)}, {H0: HolderLoad(inflight_blocks=1.0)})
+    mixed = score(
+        4,
+        [H0, H1],
+        {H0: HolderMatch(1, 0, 0)},
+        {H0: HolderLoad(inflight_blocks=1.0)},
+        weights=ScoringWeights(load_weight=1.0),
+    )
     assert mixed[0].cost == mixed[1].cost and choose(mixed).holder == H1
+
+
+def test_recent_work_above_the_least_loaded_available_holder_is_weighted() -> None:
+    """The balance term is balance_weight times recent work above the least recent work of an available holder."""
+    loads = {
+        H0: HolderLoad(recent_blocks=300.0),
+        H1: HolderLoad(recent_blocks=100.0),
+        H2: HolderLoad(recent_blocks=200.0, available=False),
+    }
+    by = {s.holder: s for s in score(10, [H0, H1, H2], {}, loads)}  # default weight 0.05
+    assert by[H0].balance_blocks == 200.0 and by[H0].cost == pytest.approx(10 + 0.05 * 200)
+    assert by[H1].balance_blocks == 0.0 and by[H1].cost == 10.0
+    assert by[H2].balance_blocks == 100.0  # unavailable: not the reference, and never chosen
+    # A cached prefix is worth more than a modest excess of recent work, not a large one.
+    prefix = {H0: HolderMatch(8, 0, 0)}
+    loads[H0].recent_blocks = 140.0
+    assert choose(score(10, [H0, H1], prefix, loads)).holder == H0  # 2 + 0.05 * 40 < 10
+    loads[H0].recent_blocks = 400.0
+    assert choose(score(10, [H0, H1], prefix, loads)).holder == H1  # 2 + 0.05 * 300 > 10
+
+
+def test_note_routed_adds_prompt_blocks_and_halves_recent_work_every_half_life() -> None:
+    """Each routed request decays every holder's recent work; after half_life requests elsewhere it has halved."""
+    weights = ScoringWeights(balance_half_life=4.0)
+    loads = {H0: HolderLoad(), H1: HolderLoad()}
+    assert note_routed(loads, H0, 100.0, weights) is loads[H0]
+    for _ in range(4):
+        note_routed(loads, H1, 1.0, weights)
+    assert loads[H0].recent_blocks == pytest.approx(50.0)
+    assert loads[H1].recent_blocks == pytest.approx(sum(0.5 ** (k / 4) for k in range(4)))
+    note_routed(loads, H2, 8.0, weights)
+    assert loads[H2].recent_blocks == 8.0  # a holder not seen before is added
 
 
 def test_unavailable_holders_are_never_chosen() -> None:
@@ -74,6 +126,11 @@ def test_unavailable_holders_are_never_chosen() -> None:
 
 
 def test_weights_are_validated() -> None:
-    """Negative weights are refused with the field named."""
+    """Negative weights and a half-life that is not a positive finite number are refused with the field named."""
     with pytest.raises(ValueError, match="load_weight=-1"):
         ScoringWeights(load_weight=-1)
+    with pytest.raises(ValueError, match=r"balance_weight=-0\.5"):
+        ScoringWeights(balance_weight=-0.5)
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="balance_half_life"):
+            ScoringWeights(balance_half_life=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents.index import PrefixIndex
+from kvevents.router.scoring import ScoringWeights
+from kvevents.router.service import add_arguments, build_service
 from kvevents.signals import Holder
 
 PAGE = 4
@@ -147,13 +150,43 @@ def test_engine_not_up_yet_is_reported_not_fatal() -> None:
         proc.stop()
 
 
-def test_bad_option_exits_2_with_a_message() -> None:
-    """A malformed --credits value exits with code 2 and names the option."""
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--credits", "1,2"], "ConfigError: --credits '1,2'"),
+        (["--balance-weight", "-1"], "ConfigError: --balance-weight -1.0: must be a number >= 0"),
+        (["--balance-half-life", "0"], "ConfigError: --balance-half-life 0.0: must be a positive"),
+    ],
+)
+def test_bad_option_exits_2_with_a_message(option: list[str], message: str) -> None:
+    """A malformed --credits, a negative weight or a zero half-life exits with code 2 and names the option."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "router", "--engine", "x", "--credits", "1,2"],
+        [sys.executable, "-m", "kvevents.cli", "router", "--engine", "x", *option],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 2
-    assert "ConfigError: --credits '1,2'" in done.stderr
+    assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "weights"),
+    [
+        ([], ScoringWeights()),
+        (
+            ["--load-weight", "0.5", "--balance-weight", "0", "--balance-half-life", "16"],
+            ScoringWeights(load_weight=0.5, balance_weight=0.0, balance_half_life=16),
+        ),
+    ],
+)
+def test_scoring_options_reach_the_router(argv: list[str], weights: ScoringWeights) -> None:
+    """With no scoring options the router uses ScoringWeights' defaults; each option sets its weight."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    service = build_service(parser.parse_args(["--engine", "http://127.0.0.1:9", *argv]))
+    try:
+        assert service.router.weights == weights
+    finally:
+        assert service.subscriber is not None
+        service.subscriber.close()

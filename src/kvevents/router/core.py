@@ -4,7 +4,10 @@ The HTTP service (:mod:`kvevents.router.service`) is a thin shell around this cl
 a demo or a test may drive it directly: feed it the subscriber's items
 (:meth:`Router.handle`), engines' ``/load`` bodies (:meth:`Router.update_load`), and
 ask :meth:`Router.query` / :meth:`Router.route`. Requests it forwards are bracketed by
-:meth:`Router.begin` and :meth:`Router.finish`, so its own in-flight work counts as load.
+:meth:`Router.begin` and :meth:`Router.finish`, so its own in-flight work counts as load;
+``begin`` also adds the request's prompt to the holder's recent work, the balance term
+of the cost. :meth:`Router.route` alone changes nothing: a caller that routes without
+``begin`` (``POST /route``) gets no balance for those requests.
 
 Block sizes: the router keys every request with one block size (``block_size``, else
 the first one declared for a holder, else the first one seen in events). Declared
@@ -36,7 +39,14 @@ import msgspec
 from kvevents.block_sizes import BlockSizes
 from kvevents.index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index_types import DEFAULT_CREDITS, HolderMatch, TierCredits
-from kvevents.router.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
+from kvevents.router.scoring import (
+    HolderLoad,
+    HolderScore,
+    ScoringWeights,
+    choose,
+    note_routed,
+    score,
+)
 from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
 
 __all__ = ["POLICIES", "RouteDecision", "Router", "Ticket"]
@@ -239,9 +249,9 @@ class Router:
         return -1 if slot is None else slot
 
     def begin(self, decision: RouteDecision) -> Ticket:
-        """Count a request forwarded to the chosen holder as in-flight load."""
+        """Count a request forwarded to the chosen holder as in-flight and recent load."""
         holder = decision.holder
-        load = self.loads.setdefault(holder, HolderLoad())
+        load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
         blocks = decision.chosen.prefill_blocks
         load.inflight_requests += 1
         load.inflight_blocks += blocks

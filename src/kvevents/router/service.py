@@ -91,17 +91,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-interval", type=float, default=0.5, help="seconds between /load or /health"
     )
+    weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
     parser.add_argument(
         "--load-weight",
         type=float,
-        default=1.0,
-        help="blocks of prefill one pending block is worth",
+        default=weights.load_weight,
+        help="blocks of prefill one block of pending (in-flight) work is worth "
+        f"(default {weights.load_weight:g})",
     )
     parser.add_argument(
         "--foreign-request-blocks",
         type=float,
-        default=8.0,
-        help="pending blocks assumed per engine request this router did not send",
+        default=weights.foreign_request_blocks,
+        help="pending blocks assumed per engine request this router did not send "
+        f"(default {weights.foreign_request_blocks:g})",
+    )
+    parser.add_argument(
+        "--balance-weight",
+        type=float,
+        default=weights.balance_weight,
+        help="blocks of prefill one block of a rank's excess recent work is worth; 0 turns "
+        f"the balance off (default {weights.balance_weight:g})",
+    )
+    parser.add_argument(
+        "--balance-half-life",
+        type=float,
+        default=weights.balance_half_life,
+        metavar="REQUESTS",
+        help="requests routed after which a request's share of a rank's recent work halves "
+        f"(default {weights.balance_half_life:g})",
     )
     parser.add_argument(
         "--credits",
@@ -124,6 +142,26 @@ def _credits(text: str) -> TierCredits:
     return TierCredits(gpu=gpu, cpu=cpu, disk=disk)
 
 
+def _weights(args: argparse.Namespace) -> ScoringWeights:
+    for flag, value in (
+        ("--load-weight", args.load_weight),
+        ("--foreign-request-blocks", args.foreign_request_blocks),
+        ("--balance-weight", args.balance_weight),
+    ):
+        if not value >= 0:
+            raise ValueError(f"{flag} {value}: must be a number >= 0")
+    if not 0 < args.balance_half_life < float("inf"):
+        raise ValueError(
+            f"--balance-half-life {args.balance_half_life}: must be a positive number of requests"
+        )
+    return ScoringWeights(
+        load_weight=args.load_weight,
+        foreign_request_blocks=args.foreign_request_blocks,
+        balance_weight=args.balance_weight,
+        balance_half_life=args.balance_half_life,
+    )
+
+
 def _tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
     if args.tokenizer is not None:
         return FileTokenizer(args.tokenizer)
@@ -142,9 +180,7 @@ def build_service(args: argparse.Namespace) -> RouterService:
     router = Router(
         block_size=block_size,
         credits=_credits(args.credits),
-        weights=ScoringWeights(
-            load_weight=args.load_weight, foreign_request_blocks=args.foreign_request_blocks
-        ),
+        weights=_weights(args),
         max_entries=args.max_entries,
     )
     specs = engine_specs(args)
