@@ -61,11 +61,9 @@ DEFAULTS: dict[str, Any] = {
     "speedup": 12.0,
     "concurrency": 32,
     "max_new_tokens": 32,
-    # The router's default load weight (1.0) counts every uncached block of a request in
-    # flight as pending prefill for as long as the request runs, although its prefill is
-    # over after the first step; on this workload that overrides prefix affinity (77% of
-    # the upper bound instead of 96%, at the same load balance). See the README.
-    "router_args": "--load-weight 0.25",
+    # Empty: the router runs with its own defaults, which were chosen on this replay and
+    # others (see kvevents.router.scoring), so the demo shows what `kvevents router` does.
+    "router_args": "",
 }
 
 
