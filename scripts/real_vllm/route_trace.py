@@ -4,7 +4,7 @@
 
     python scripts/real_vllm/route_trace.py [--requests 1000] [--concurrency 8,1]
         [--policies kv-aware,round-robin] [--blocks-per-rank 1500] [--dp-size 2]
-        [--max-blocks-per-request 16] [--load-weight 1.0] [--json OUT]
+        [--max-blocks-per-request 16] [--load-weight W] [--json OUT]
 
 Runs with the project's Python. It starts its own vLLM (the cached venv and tiny model
 that ``scripts/test-real-vllm`` builds; run that once first) with data parallelism,
@@ -21,7 +21,7 @@ its ``input_length`` scaled by 32/512. ``max_tokens=1``: the prefill is what is 
 Each run (one policy, one concurrency) starts from an empty cache
 (``/reset_prefix_cache``) and a new router subprocess, given vLLM by flags only::
 
-    kvevents router --port 0 --policy P --load-weight W --engine URL --kv-endpoint ...
+    kvevents router --port 0 --policy P [--load-weight W] --engine URL --kv-endpoint ...
         --replay-endpoint ... --dp-size 2 --topic kv --block-size 32 --engine-kind vllm
         --tokenizer MODEL_DIR
 
@@ -113,14 +113,17 @@ def run(
     prompts: list[list[int]],
     policy: str,
     concurrency: int,
-    load_weight: float,
+    load_weight: float | None,
     log_dir: Path,
 ) -> dict[str, Any]:
     """Replay every prompt through a new router with ``policy``; return the run's figures."""
     tag = f"{policy}-c{concurrency}"
     barriers = empty_cache(vllm, client, tag)
     router = vllm.start_router(
-        "--policy", policy, "--load-weight", str(load_weight), log=log_dir / f"router-{tag}.log"
+        "--policy",
+        policy,
+        *([] if load_weight is None else ["--load-weight", str(load_weight)]),
+        log=log_dir / f"router-{tag}.log",
     )
     try:
         for rank, barrier in barriers.items():  # the router has caught up with the reset
@@ -224,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dp-size", type=int, default=2)
     parser.add_argument("--max-blocks-per-request", type=int, default=16)
-    parser.add_argument("--load-weight", type=float, default=1.0, help="the router's --load-weight")
+    parser.add_argument(
+        "--load-weight",
+        type=float,
+        default=None,
+        help="the router's --load-weight (default: its own)",
+    )
     parser.add_argument("--venv", default=str(cache / "vllm-venv"))
     parser.add_argument("--model", default=str(cache / "tiny-model"))
     parser.add_argument(
