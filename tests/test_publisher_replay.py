@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,107 @@ def test_replay_buffer_keeps_the_newest_stored_seqs(
         assert (entry is not None) == (s in window)
         if entry is not None:
             assert entry.payload == b"p%d" % s and entry.seq_frame == s.to_bytes(8, "big")
+
+
+class _Hooked(list[Any]):
+    """A ring list that runs ``hook`` after every load or store, as a thread switch could."""
+
+    hook: Callable[[], None] = staticmethod(lambda: None)
+
+    def __getitem__(self, index: Any) -> Any:
+        value = super().__getitem__(index)
+        type(self).hook()
+        return value
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        type(self).hook()
+
+
+def _whole(entry: Any) -> bool:
+    return entry is None or (
+        entry.seq_frame == entry.seq.to_bytes(8, "big") and entry.payload == b"p%d" % entry.seq
+    )
+
+
+def _put(buffer: ReplayBuffer, seq: int) -> None:
+    buffer.put(seq, seq.to_bytes(8, "big"), b"p%d" % seq)
+
+
+def test_replay_buffer_readers_never_see_a_torn_entry() -> None:
+    """A read interleaved anywhere with a write gets a whole entry (one batch's fields) or none.
+
+    Between any two list operations of ``put`` another thread may read, and between any
+    two of a read the writer may store: both are simulated by hooking the ring's lists.
+    """
+    buffer = ReplayBuffer(2)
+    for seq in range(2):
+        _put(buffer, seq)
+    hooked = [_Hooked(ring) for ring in (buffer._seqs, buffer._frames, buffer._payloads)]  # type: ignore[attr-defined]
+    buffer._seqs, buffer._frames, buffer._payloads = hooked  # type: ignore[attr-defined]
+    seen: list[Any] = []
+    busy = [False]
+
+    def read_now() -> None:  # the writer paused: a reader looks at every seq
+        if busy[0]:
+            return
+        busy[0] = True
+        try:
+            seen.extend(buffer.get(s) for s in range(buffer.next_seq + 2))
+        finally:
+            busy[0] = False
+
+    _Hooked.hook = staticmethod(read_now)
+    try:
+        for seq in range(2, 8):
+            _put(buffer, seq)  # overwrites slot seq % 2 while readers look in between
+    finally:
+        _Hooked.hook = staticmethod(lambda: None)
+    assert seen and all(_whole(entry) for entry in seen)
+
+    writes = iter(range(8, 100))
+
+    def write_now() -> None:  # the reader paused: the writer overwrites the ring
+        if busy[0]:
+            return
+        busy[0] = True
+        try:
+            _put(buffer, next(writes))
+        finally:
+            busy[0] = False
+
+    _Hooked.hook = staticmethod(write_now)
+    try:
+        reads = [buffer.get(buffer.next_seq - 1) for _ in range(20)]
+    finally:
+        _Hooked.hook = staticmethod(lambda: None)
+    assert all(_whole(entry) for entry in reads)
+    assert all(entry is None for entry in reads)  # each was overwritten while it was read
+
+
+def test_publishing_allocates_nothing_the_garbage_collector_tracks(make_publisher: Make) -> None:
+    """Filling the replay ring (and sending) adds nothing to the cyclic GC's allocation count.
+
+    Objects the collector tracks count towards its thresholds; a publisher that made one
+    per batch would set off collections of the host's whole heap from its hot path.
+    """
+    pub = make_publisher(
+        0, "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=5_000
+    )
+    batches = [batch(i) for i in range(64)]  # made before counting: the caller's objects
+    assert pub.flush(timeout=5.0)
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for i in range(5_000):  # fills the ring from empty: every batch is a new entry
+            pub.publish(batches[i % 64])
+        assert pub.flush(timeout=10.0)
+        allocated = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert pub.stats.published >= 5_000
+    assert allocated < 100, f"{allocated} GC-tracked objects for 5,000 batches"
 
 
 def test_replay_from_the_middle(

@@ -36,35 +36,46 @@ class ReplayEntry(NamedTuple):
 class ReplayBuffer:
     """The last ``capacity`` published batches, by sequence number.
 
-    Layout: a fixed list of ``capacity`` slots; sequence ``s`` lives in slot
-    ``s % capacity`` as a :class:`ReplayEntry`.
+    Layout: three parallel lists of ``capacity`` slots, one per field (sequence number,
+    its 8-byte frame, payload); sequence ``s`` lives in slot ``s % capacity``. Parallel
+    lists rather than one tuple per batch, because ints and bytes are not tracked by the
+    cyclic garbage collector and tuples are: a tuple per batch would count towards the
+    collector's thresholds and so, at a few hundred thousand batches a second, set off
+    collections of the host engine's whole heap from inside the publisher's hot path.
+    Storing a batch allocates nothing the collector tracks.
 
     Invariants:
 
     * sequence numbers are stored in increasing order by a single writer (the publisher,
       under its send lock); ``next_seq`` is one past the highest stored;
     * the buffer answers for the window ``[next_seq - capacity, next_seq)``; a slot holds
-      the newest entry written to it, or None. A sequence number that was never stored
-      (a batch dropped before it was published) leaves its slot with an older entry,
-      which readers recognise by comparing ``entry.seq`` and ignore, as they ignore
+      the newest entry written to it, or sequence -1. A sequence number that was never
+      stored (a batch dropped before it was published) leaves its slot with an older
+      entry, which readers recognise by its sequence number and ignore, as they ignore
       anything below the window;
-    * readers in other threads see either the old or the new entry of a slot, never a
-      mix: replacing a list item is atomic under the GIL, and entries are immutable.
+    * readers in other threads never see a mix of two entries. The writer marks the slot
+      -1, stores frame and payload, then the new sequence number; a reader reads the
+      sequence number, frame and payload, then the sequence number again, and keeps the
+      entry only if both readings are the one it wants. A write in between changes the
+      second reading, because no sequence number is written twice (a seqlock, with the
+      GIL making each list store atomic).
 
-    Complexity: ``put`` and ``get`` are O(1) (one list store or load); ``since(start)`` is
-    O(1) per entry it yields (it visits at most ``capacity`` slots).
+    Complexity: ``put`` and ``get`` are O(1) (a few list stores or loads); ``since(start)``
+    is O(1) per entry it yields (it visits at most ``capacity`` slots).
 
     A deque scanned for ``start`` (upstream's choice) is O(n) per request; a dict needs
     an eviction per insert; a ring indexed by ``seq % capacity`` needs neither.
     """
 
-    __slots__ = ("_capacity", "_next", "_slots")
+    __slots__ = ("_capacity", "_frames", "_next", "_payloads", "_seqs")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"ReplayBuffer capacity={capacity} must be at least 1")
         self._capacity = capacity
-        self._slots: list[tuple[int, bytes, bytes] | None] = [None] * capacity
+        self._seqs: list[int] = [-1] * capacity
+        self._frames: list[bytes] = [b""] * capacity
+        self._payloads: list[bytes] = [b""] * capacity
         self._next = 0
 
     @property
@@ -83,16 +94,19 @@ class ReplayBuffer:
 
     def put(self, seq: int, seq_frame: bytes, payload: bytes) -> None:
         """Store a batch; ``seq`` must be above every stored one."""
-        # A plain tuple: building a NamedTuple runs Python code, and this is the hot path.
-        self._slots[seq % self._capacity] = (seq, seq_frame, payload)
+        slot = seq % self._capacity
+        seqs = self._seqs
+        seqs[slot] = -1  # readers of this slot from here on see no entry, or the new one
+        self._frames[slot] = seq_frame
+        self._payloads[slot] = payload
+        seqs[slot] = seq
         self._next = seq + 1
 
     def get(self, seq: int) -> ReplayEntry | None:
         """The entry of ``seq``, or None when it was dropped or is older than the last ``capacity``."""
-        if seq < self._next - self._capacity:
+        if seq < 0 or seq < self._next - self._capacity:
             return None  # older than the window, even if its slot was never reused
-        entry = self._slots[seq % self._capacity]
-        return ReplayEntry._make(entry) if entry is not None and entry[0] == seq else None
+        return self._read(seq)
 
     def since(self, start: int) -> Iterator[ReplayEntry]:
         """Every stored entry with ``seq >= start`` and below ``next_seq`` at the call, in order.
@@ -102,11 +116,19 @@ class ReplayBuffer:
         before it is reached has left the buffer and is skipped, like any older one.
         """
         end = self._next
-        slots, cap = self._slots, self._capacity
-        for seq in range(max(start, end - cap, 0), end):
-            entry = slots[seq % cap]
-            if entry is not None and entry[0] == seq:
-                yield ReplayEntry._make(entry)
+        read = self._read
+        for seq in range(max(start, end - self._capacity, 0), end):
+            entry = read(seq)
+            if entry is not None:
+                yield entry
+
+    def _read(self, seq: int) -> ReplayEntry | None:
+        slot = seq % self._capacity
+        seqs = self._seqs
+        if seqs[slot] != seq:
+            return None
+        entry = ReplayEntry(seq, self._frames[slot], self._payloads[slot])
+        return entry if seqs[slot] == seq else None  # overwritten while it was read
 
 
 class ReplayServer:
