@@ -25,11 +25,22 @@ running, would keep the caller waiting for the whole backlog. So when the backlo
 reaches ``handoff_backlog`` (256 by default), ``put()`` blocks on an event until the
 sender has emptied the queue, for at most 2 ms: the GIL changes hands once per 256
 batches, at a point chosen here rather than by the interpreter. ``put()`` stays a bare
-append for the other 255 calls, and the wait is bounded. After a hand-off that timed
-out (the sender is descheduled, or stuck), the next one comes only after another
-``handoff_backlog`` batches: a sender that cannot keep up costs the caller at most one
-2 ms wait per 256 batches, and the queue fills and drops are counted. An engine
-publishing once per scheduler step never reaches the mark.
+append for the other 255 calls.
+
+The sender ends every hand-off itself, not only the caller's timeout: once the queue is
+empty, or once the hand-off's 2 ms deadline has passed, it sets the event and then
+blocks until the caller is running again (at most 1 ms). A timeout alone would not
+bound the wait: a caller whose timeout expires must still take the GIL back, and a
+sender that drops the GIL in every ZMQ send and retakes it at once keeps it from the
+caller for as long as the backlog lasts (CPython only forces a switch when the holder
+has kept the GIL for a whole switch interval, and each retake counts as a switch). So
+a ``put()`` that hands off returns after about 2 ms at worst, plus however long the OS
+keeps the caller's core from it.
+
+After a hand-off that did not empty the queue (the sender cannot keep up), the next
+one comes only after another ``handoff_backlog`` batches: a sender that cannot keep up
+costs the caller at most one 2 ms wait per 256 batches, and the queue fills and drops
+are counted. An engine publishing once per scheduler step never reaches the mark.
 
 Outside a hand-off the sender yields the GIL after each millisecond of continuous work,
 so a long backlog never holds the engine's own threads back for long.
@@ -56,7 +67,8 @@ __all__ = ["SendQueue"]
 _SEQ_PACK = struct.Struct(">Q").pack
 _SLICE_S = 0.001  # the sender yields the GIL after this much continuous work
 _YIELD_S = 50e-6  # ... for this long
-_HANDOFF_TIMEOUT_S = 0.002  # longest put() waits for the sender to empty the queue
+_HANDOFF_TIMEOUT_S = 0.0015  # longest put() waits for the sender to empty the queue
+_RESUME_WAIT_S = 0.001  # longest the sender blocks after a hand-off for the caller to run
 _CHUNK = 32  # entries sent per hold of the send lock
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums costs ~0.5 us
 _LAST = int(zmq.NOBLOCK)
@@ -110,8 +122,11 @@ class SendQueue:
         self._send_lock = threading.Lock()  # held while entries leave the queue and are sent
         self._drop_lock = threading.Lock()  # orders drops against the sender closing a run
         self._wake = threading.Event()
-        self._drained = threading.Event()
+        self._drained = threading.Event()  # set by the sender: the hand-off is over
+        self._resumed = threading.Event()  # set by the caller: it runs again after a hand-off
         self._handoff_wanted = False
+        self._handoff_deadline = 0.0  # monotonic; the sender ends the hand-off here at latest
+        self._handoff_emptied = False  # the last hand-off ended with the queue empty
         self._since_timeout = -1  # batches put above the mark since a hand-off timed out
         self._sender_idle = False
         self._closing = False
@@ -176,19 +191,23 @@ class SendQueue:
             yield
 
     def _hand_off(self) -> None:
-        """Block until the sender has emptied the queue, at most 2 ms (see the module doc)."""
+        """Let the sender run until the queue is empty, at most ~2 ms (see the module doc)."""
         if 0 <= self._since_timeout < self._handoff_backlog:
-            self._since_timeout += 1  # the last hand-off timed out: not again so soon
+            self._since_timeout += 1  # the last hand-off did not empty the queue: not so soon
             return
         self.handoffs += 1
         self._drained.clear()
+        self._resumed.clear()
+        self._handoff_emptied = False
+        self._handoff_deadline = time.monotonic() + _HANDOFF_TIMEOUT_S
         self._handoff_wanted = True
         self._wake.set()
-        if self._drained.wait(_HANDOFF_TIMEOUT_S):
-            self._since_timeout = -1
-        else:
-            self._since_timeout = 0
-            self._handoff_wanted = False  # the sender goes back to yielding every ~1 ms
+        # The sender sets the event by the deadline; the timeout only matters when the
+        # sender is not running at all (descheduled, or stuck).
+        ended = self._drained.wait(_HANDOFF_TIMEOUT_S)
+        self._handoff_wanted = False
+        self._resumed.set()
+        self._since_timeout = -1 if ended and self._handoff_emptied else 0
 
     def _drop(self) -> None:
         queue = self._queue
@@ -212,8 +231,8 @@ class SendQueue:
                 self._send_slice()
                 continue
             if self._handoff_wanted:  # the queue is empty: the waiting caller may go on
-                self._handoff_wanted = False
-                self._drained.set()
+                self._end_handoff(emptied=True)
+                continue  # the caller may have queued more, or begun closing, meanwhile
             if self._closing:
                 return
             wake.clear()
@@ -223,7 +242,8 @@ class SendQueue:
             self._sender_idle = False
 
     def _send_slice(self) -> None:
-        """Send until the queue is empty; outside a hand-off, yield the GIL each ~1 ms."""
+        """Send until the queue is empty, giving the GIL back at every hand-off deadline and,
+        outside a hand-off, after each ~1 ms of work."""
         queue, lock = self._queue, self._send_lock
         deadline = time.monotonic() + _SLICE_S
         while queue and not self._abandon:
@@ -231,10 +251,23 @@ class SendQueue:
                 if not self._pub_open:
                     return
                 self._send_chunk()
-            if time.monotonic() > deadline:
-                if not self._handoff_wanted:
-                    time.sleep(_YIELD_S)  # a deliberate GIL yield for other threads, not a poll
+            now = time.monotonic()
+            if self._handoff_wanted:
+                if now > self._handoff_deadline:
+                    self._end_handoff(emptied=False)
+                    deadline = time.monotonic() + _SLICE_S
+            elif now > deadline:
+                time.sleep(_YIELD_S)  # a deliberate GIL yield for other threads, not a poll
                 deadline = time.monotonic() + _SLICE_S
+
+    def _end_handoff(self, *, emptied: bool) -> None:
+        """Release the caller waiting in :meth:`_hand_off` and block until it runs again."""
+        self._handoff_wanted = False
+        self._handoff_emptied = emptied
+        self._drained.set()
+        # Blocking here is what hands the GIL over; without it the caller would be woken
+        # but could wait for the GIL until the backlog is gone (see the module doc).
+        self._resumed.wait(_RESUME_WAIT_S)
 
     def _send_chunk(self) -> None:
         """Send up to ``_CHUNK`` entries; the send lock is held. The per-batch hot loop."""
