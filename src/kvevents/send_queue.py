@@ -29,7 +29,8 @@ append for the other 255 calls.
 
 The sender ends every hand-off itself, not only the caller's timeout: once the queue is
 empty, or once the hand-off's 2 ms deadline has passed, it sets the event and then
-blocks until the caller is running again (at most 1 ms). A timeout alone would not
+blocks until the caller is running again (at most 5 ms, which only a caller the OS
+keeps off its core for that long would take). A timeout alone would not
 bound the wait: a caller whose timeout expires must still take the GIL back, and a
 sender that drops the GIL in every ZMQ send and retakes it at once keeps it from the
 caller for as long as the backlog lasts (CPython only forces a switch when the holder
@@ -68,7 +69,7 @@ _SEQ_PACK = struct.Struct(">Q").pack
 _SLICE_S = 0.001  # the sender yields the GIL after this much continuous work
 _YIELD_S = 50e-6  # ... for this long
 _HANDOFF_TIMEOUT_S = 0.0015  # longest put() waits for the sender to empty the queue
-_RESUME_WAIT_S = 0.001  # longest the sender blocks after a hand-off for the caller to run
+_RESUME_WAIT_S = 0.005  # longest the sender blocks after a hand-off for the caller to run
 _CHUNK = 32  # entries sent per hold of the send lock
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums costs ~0.5 us
 _LAST = int(zmq.NOBLOCK)
