@@ -370,6 +370,15 @@ def _case(rounds: list[dict[str, Any]], blocks: int) -> dict[str, Any]:
         "ceiling_calls_over_5ms": sum(
             r["call_us"]["calls_over_5ms"] for r in mine if r["kind"] == "ceiling"
         ),
+        # The same for the C-level send loop: what the OS alone does to a single thread
+        # sending on this machine, with no second Python thread to wait for.
+        "raw_ceiling_call_max_us_worst": max(
+            r["call_us"]["max"] for r in mine if r["kind"] == "raw_ceiling"
+        ),
+        "raw_ceiling_calls_over_5ms": sum(
+            r["call_us"]["calls_over_5ms"] for r in mine if r["kind"] == "raw_ceiling"
+        ),
+        "publish_calls": sum(r["messages"] for r in mine if r["kind"] == "publisher"),
         "sender_cpu_s_per_million_blocks": ours["sender_cpu_s_per_million_blocks"],
         "ceiling_cpu_s_per_million_blocks": ceiling["sender_cpu_s_per_million_blocks"],
         "lost_in_all_rounds": lost,

@@ -116,6 +116,18 @@ def _publisher(r: dict[str, Any]) -> Iterator[Figure]:
             "<= 5 ms",
             worst <= 5,
         )
+        if "raw_ceiling_calls_over_5ms" in c:
+            yield Figure(
+                "publisher",
+                f"{b}-block batches: calls over 5 ms in {c['publish_calls']:,}: publish() / "
+                "bare send_multipart / C-level sends (worst of each)",
+                f"{c['publish_calls_over_5ms']} / {c['ceiling_calls_over_5ms']} / "
+                f"{c['raw_ceiling_calls_over_5ms']} ({worst:.1f} / "
+                f"{c['ceiling_call_max_us_worst'] / 1000.0:.1f} / "
+                f"{c['raw_ceiling_call_max_us_worst'] / 1000.0:.1f} ms)",
+                "",
+                None,
+            )
         lost = c["lost_in_all_rounds"]
         yield Figure("publisher", f"{b}-block batches: lost", str(lost), "0", lost == 0)
 
