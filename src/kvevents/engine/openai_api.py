@@ -1,4 +1,4 @@
-"""The simulated engine's OpenAI-style endpoints: ``/v1/completions`` and ``/tokenize``.
+"""The simulated engine's OpenAI-style endpoints: completions, chat completions, ``/tokenize``.
 
 Enough of vLLM's surface for a router to treat the simulated engine like a real one:
 
@@ -9,7 +9,13 @@ Enough of vLLM's surface for a router to treat the simulated engine like a real 
   ``text_completion`` objects whose ``usage`` has ``prompt_tokens_details.cached_tokens``
   (the prefix the rank reused), and a non-standard ``dp_rank``. Streaming sends one
   ``data:`` chunk per generated token, then ``data: [DONE]``.
-* ``POST /tokenize``: ``{"prompt": text}`` -> ``{"tokens", "count", "max_model_len"}``.
+* ``POST /v1/chat/completions``: the same for ``messages`` rendered with the engine's
+  chat template (:mod:`kvevents.engine.chat`; ``add_generation_prompt``,
+  ``continue_final_message``), ``max_completion_tokens`` or ``max_tokens``. Answers
+  ``chat.completion`` objects; streaming sends the role first, then one ``delta`` per
+  token.
+* ``POST /tokenize``: ``{"prompt": text}`` or, as vLLM takes it, ``{"messages": [...],
+  "add_generation_prompt": true}`` -> ``{"tokens", "count", "max_model_len"}``.
 
 The byte tokenizer has no special tokens, so ``add_special_tokens`` changes nothing.
 Errors answer OpenAI's ``{"error": {"message", "type", "code"}}``.
@@ -27,6 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvevents.engine.chat import ChatError, render_chat
 from kvevents.engine.tokenizer import ByteTokenizer
 
 __all__ = ["MODEL_NAME", "add_openai_routes"]
@@ -93,6 +100,31 @@ def _rank(request: Request, body: dict[str, Any], dp_size: int) -> int | None:
     return rank
 
 
+def _chat_prompt(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[int]:
+    """The token ids of a chat body's ``messages`` rendered with the engine's template."""
+    flags = {}
+    for key, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(key, default)
+        if not isinstance(value, bool):
+            raise _Invalid(f"{key}={value!r} must be true or false")
+        flags[key] = value
+    try:
+        text = render_chat(body.get("messages"), **flags)
+    except ChatError as exc:
+        raise _Invalid(str(exc)) from None
+    return tokenizer.encode(text)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise _Invalid(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _Invalid("the body must be a JSON object")
+    return body
+
+
 def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
     """Serve the endpoints of the module docstring on ``app``."""
     tokenizer = ByteTokenizer()
@@ -101,30 +133,37 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-        text = body.get("prompt") if isinstance(body, dict) else None
-        if not isinstance(text, str):
-            return _error(400, 'give {"prompt": "text"}')
-        tokens = tokenizer.encode(text)
+            body = _json_object(await request.body())
+            if "messages" in body:
+                tokens = _chat_prompt(body, tokenizer)
+            elif isinstance(body.get("prompt"), str):
+                tokens = tokenizer.encode(body["prompt"])
+            else:
+                raise _Invalid('give {"prompt": "text"} or {"messages": [...]}')
+        except _Invalid as exc:
+            return _error(400, str(exc))
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN}
         )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        return await _serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(request, chat=True)
+
+    async def _serve(request: Request, *, chat: bool) -> Response:
         try:
-            body = json.loads(await request.body())
-            if not isinstance(body, dict):
-                raise _Invalid("the body must be a JSON object")
-            tokens = _prompt(body, tokenizer)
+            body = _json_object(await request.body())
+            tokens = _chat_prompt(body, tokenizer) if chat else _prompt(body, tokenizer)
             rank = _rank(request, body, dp_size)
-            max_tokens = body.get("max_tokens")
+            max_tokens = body.get("max_completion_tokens") if chat else None
+            if max_tokens is None:
+                max_tokens = body.get("max_tokens")
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
             max_new = _int(max_new, "max_tokens", 0, 1_000_000)
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}")
         except _Invalid as exc:
             return _error(400, str(exc))
         rank, result = await generate(tokens, rank, max_new)
@@ -136,37 +175,46 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
             "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]},
         }
         head = {
-            "id": f"cmpl-{uuid.uuid4().hex[:16]}-{next(ids)}",
-            "object": "text_completion",
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}-{next(ids)}",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or MODEL_NAME,
             "dp_rank": rank,
         }
         if body.get("stream") is not True:
-            choice = {
-                "index": 0,
-                "text": tokenizer.decode(output),
-                "logprobs": None,
-                "finish_reason": "length",
-            }
+            text = tokenizer.decode(output)
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason="length")
             return JSONResponse({**head, "choices": [choice], "usage": usage})
         options = body.get("stream_options")
         with_usage = isinstance(options, dict) and options.get("include_usage") is True
+        if chat:
+            head["object"] = "chat.completion.chunk"
+
+        def chunk(choices: list[dict[str, Any]], chunk_usage: Any = None) -> bytes:
+            data = {**head, "choices": choices, "usage": chunk_usage}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         async def events() -> AsyncIterator[bytes]:
+            if chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
             for i, token in enumerate(output):
+                piece = tokenizer.decode([token])
+                choice: dict[str, Any] = {"index": 0}
+                if chat:
+                    choice["delta"] = {"content": piece}
+                else:
+                    choice["text"] = piece
                 last = i == len(output) - 1
-                choice = {
-                    "index": 0,
-                    "text": tokenizer.decode([token]),
-                    "logprobs": None,
-                    "finish_reason": "length" if last else None,
-                }
-                chunk = {**head, "choices": [choice], "usage": None}
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                choice.update(logprobs=None, finish_reason="length" if last else None)
+                yield chunk([choice])
             if with_usage:
-                chunk = {**head, "choices": [], "usage": usage}
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                yield chunk([], usage)
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
