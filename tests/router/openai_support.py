@@ -8,7 +8,12 @@
   it sends :attr:`FakeEngine.chunks` SSE chunks ``data: {"i": n}``,
   then ``data: [DONE]``; after the first chunk it waits (at most 20 s) until the test
   calls :meth:`FakeEngine.release`, so a test can prove chunks are relayed as they come.
+* ``POST /v1/chat/completions``: recorded in the same list; answers a
+  ``chat.completion`` with the same usage.
 * ``POST /tokenize``: words ``wN`` -> token id N (vLLM's request/answer shape); recorded.
+  With ``messages`` (vLLM's chat form) the words of every message's content, then
+  token 1 unless ``add_generation_prompt`` is false; a message whose content is
+  ``"refuse"`` answers 400, as vLLM does for a conversation it cannot render.
 * ``GET /health``: 200.
 
 :class:`RankPublishers` publishes, like a data-parallel engine, one real
@@ -66,11 +71,34 @@ class FakeEngine:
             }
             return JSONResponse({"object": "text_completion", "choices": [], "usage": usage})
 
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            raw = await request.body()
+            self.received.append((dict(request.headers), raw))
+            usage = {
+                "prompt_tokens": 10,
+                "completion_tokens": 1,
+                "total_tokens": 11,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            }
+            message = {"role": "assistant", "content": "w5"}
+            choice = {"index": 0, "message": message, "finish_reason": "length"}
+            return JSONResponse({"object": "chat.completion", "choices": [choice], "usage": usage})
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> JSONResponse:
             body = json.loads(await request.body())
             self.tokenized.append(body)
-            return JSONResponse({"tokens": [int(w[1:]) for w in body["prompt"].split()]})
+            if "messages" not in body:
+                return JSONResponse({"tokens": [int(w[1:]) for w in body["prompt"].split()]})
+            contents = [m["content"] for m in body["messages"]]
+            if "refuse" in contents:
+                error = {"message": "cannot render this conversation", "code": 400}
+                return JSONResponse({"error": error}, status_code=400)
+            tokens = [int(w[1:]) for text in contents for w in text.split()]
+            if body.get("add_generation_prompt", True):
+                tokens.append(1)
+            return JSONResponse({"tokens": tokens})
 
         @app.get("/health")
         async def health() -> Response:

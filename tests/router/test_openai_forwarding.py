@@ -226,6 +226,63 @@ def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
         proc.stop()
 
 
+def test_chat_is_rendered_by_the_engine_and_sent_to_the_rank_holding_it(plane: dict) -> None:
+    """With --tokenize-endpoint, a chat's messages go to the engine's /tokenize with every
+    template field, and the body goes unchanged to /v1/chat/completions of the holding rank."""
+    a = plane["a"]
+    proc = RouterProc(
+        [], *described(a, plane["pubs_a"]), "--tokenize-endpoint", f"{a.url}/tokenize"
+    )
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        held(proc, plane["pubs_a"], a.url, 1, list(range(800, 808)))
+        messages = [
+            {"role": "system", "content": "w800 w801 w802 w803"},
+            {"role": "user", "content": "w804 w805 w806 w807 w808"},
+        ]
+        chat = {
+            "model": "tiny",
+            "messages": messages,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "max_completion_tokens": 1,
+        }
+        raw = json.dumps(chat).encode()
+        response = proc.http.post(
+            "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["object"] == "chat.completion"
+        assert response.headers["x-kvevents-dp-rank"] == "1"
+        assert response.headers["x-kvevents-matched-tokens"] == "8"
+        assert response.headers["x-kvevents-prompt-tokens"] == "10"  # 9 words + generation prompt
+        assert a.tokenized[-1] == {
+            "messages": messages,
+            "model": "tiny",
+            "chat_template_kwargs": {"enable_thinking": False},
+            "tools": chat["tools"],
+        }
+        headers, body = a.received[-1]
+        assert headers["x-data-parallel-rank"] == "1"
+        assert body == raw  # forwarded as sent, to the chat path
+        open_ended = proc.post(
+            "/v1/chat/completions",
+            {"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+        )
+        assert open_ended.headers["x-kvevents-prompt-tokens"] == "9"
+        assert a.tokenized[-1]["continue_final_message"] is True
+        refused = proc.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "refuse"}]}
+        )
+        assert refused.status_code == 400  # the engine's verdict on the client's input
+        assert "cannot render this conversation" in refused.json()["error"]["message"]
+        metrics = proc.http.get("/metrics").text
+        bucket = 'kvevents_router_matched_tokens_bucket{endpoint="chat",le="16"} '
+        assert any(x.startswith(bucket) and float(x.split()[-1]) == 2 for x in metrics.splitlines())
+    finally:
+        proc.stop()
+
+
 def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> None:
     """With --tokenizer, text is encoded by the model's tokenizer.json, BOS included unless add_special_tokens is false."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -249,6 +306,9 @@ def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> 
         assert plain.headers["x-kvevents-prompt-tokens"] == "10"
         assert plain.headers["x-kvevents-matched-tokens"] == "0"
         assert proc.http.get("/workers").json()["tokenizer"] == str(tmp_path / "tokenizer.json")
+        chat = proc.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "w7"}]})
+        assert chat.status_code == 501  # a tokenizer.json has no chat template to apply
+        assert "--tokenize-endpoint" in chat.json()["error"]["message"]
     finally:
         proc.stop()
 

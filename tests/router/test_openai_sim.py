@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from router_support import Engine, RouterProc, wait_until
 
+from kvevents.engine.chat import render_chat
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from engine_support import free_port_range
 
@@ -136,6 +138,48 @@ def test_streaming_from_the_engine_arrives_in_order(router: RouterProc) -> None:
     assert chunks[3]["choices"][0]["finish_reason"] == "length"
     assert chunks[4]["usage"]["prompt_tokens"] == 10
     assert chunks[0]["dp_rank"] == int(response.headers["x-kvevents-dp-rank"])
+
+
+def test_chat_conversation_stays_on_the_rank_holding_its_earlier_turns(
+    router: RouterProc,
+) -> None:
+    """Turn 2 of a chat is routed to turn 1's rank, and the engine confirms the predicted reuse."""
+    turn1 = [
+        {"role": "system", "content": "You answer in one word, always and forever."},
+        {"role": "user", "content": "Which animal is the fastest on land?"},
+    ]
+    first = router.post("/v1/chat/completions", {"messages": turn1, "max_tokens": 3})
+    assert first.status_code == 200, first.text
+    rank = int(first.headers["x-kvevents-dp-rank"])
+    assert first.json()["dp_rank"] == rank
+    prompt1 = list(render_chat(turn1).encode())
+    assert first.headers["x-kvevents-prompt-tokens"] == str(len(prompt1))
+    pages = len(prompt1) // PAGE * PAGE
+    wait_until(lambda: matched(router, prompt1)[rank] == pages, 10, "turn 1 in the index")
+    reply = first.json()["choices"][0]["message"]["content"]
+    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    second = router.post("/v1/chat/completions", {"messages": turn2, "max_tokens": 1})
+    assert second.headers["x-kvevents-dp-rank"] == str(rank)
+    predicted = int(second.headers["x-kvevents-matched-tokens"])
+    assert predicted >= pages
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+
+
+def test_chat_streaming_and_bad_messages_through_the_router(router: RouterProc) -> None:
+    """A streamed chat is relayed to the end; malformed messages answer 400 naming the field."""
+    request = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True}
+    with router.http.stream("POST", "/v1/chat/completions", json=request) as response:
+        assert response.status_code == 200
+        body = b"".join(response.iter_raw())
+    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+    bad = router.post("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})
+    assert bad.status_code == 400
+    assert "messages[0].content" in bad.json()["error"]["message"]
+    missing = router.post("/v1/chat/completions", {"prompt": "not a chat"})
+    assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
 
 
 def test_engine_refuses_conflicting_ranks(engine: tuple[Engine, int]) -> None:

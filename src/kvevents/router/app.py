@@ -1,7 +1,7 @@
 """The router's HTTP application: :class:`RouterService` (what feeds the router) and its routes.
 
 The endpoints are listed in :mod:`kvevents.router.service` (the ``kvevents router``
-command); ``/v1/completions`` lives in :mod:`kvevents.router.openai`, engine polling in
+command); the OpenAI endpoints live in :mod:`kvevents.router.openai`, engine polling in
 :mod:`kvevents.router.engines`.
 """
 

@@ -1,10 +1,17 @@
-"""``POST /v1/completions``: OpenAI-compatible routing to the engine rank holding the prefix.
+"""OpenAI-compatible routing to the engine rank holding the prefix.
 
-The body is an OpenAI completions request. ``prompt`` is text, a list of token ids, or
-a list holding one of either; a batch of several prompts answers 400 (send one request
-per prompt: each may belong on another rank). Text is tokenized as the engine would
-(:mod:`kvevents.router.tokenize`, honouring vLLM's ``add_special_tokens``), the router
-chooses ``(engine, rank)`` and the request goes to that engine's ``/v1/completions``:
+``POST /v1/completions``: ``prompt`` is text, a list of token ids, or a list holding one
+of either; a batch of several prompts answers 400 (send one request per prompt: each
+may belong on another rank). Text is tokenized as the engine would
+(:mod:`kvevents.router.tokenize`, honouring vLLM's ``add_special_tokens``).
+
+``POST /v1/chat/completions``: ``messages`` are rendered with the engine's chat template
+and tokenized (with ``--tokenize-endpoint``, by the engine's own ``/tokenize``; with the
+default byte tokenizer, the simulated engine's template; ``--tokenizer FILE`` answers
+501, as a ``tokenizer.json`` holds no template).
+
+The router then chooses ``(engine, rank)`` and the request goes to the same path on that
+engine:
 
 * ``vllm`` engines: the body bytes unchanged, with the header ``X-data-parallel-rank: r``;
 * ``sglang`` and ``kvevents`` engines: ``routed_dp_rank: r`` set in the JSON body (a
@@ -19,10 +26,12 @@ stream with an SSE ``error`` event. Every answer carries the decision::
     x-kvevents-matched-tokens: 96                x-kvevents-prompt-tokens: 130
     x-kvevents-policy: kv-aware
 
-and it is counted (:mod:`kvevents.router.request_stats`), with the engine's own
-``cached_tokens`` when it reports them. Errors use OpenAI's shape,
-``{"error": {"message", "type", "code"}}``: 400 for a bad body, 503 before any block
-size is known or with no rank available, 502 when the engine cannot be reached.
+and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`` or
+``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
+OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (or what
+the engine's ``/tokenize`` refused), 501 for a chat the tokenizer cannot render, 503
+before any block size is known or with no rank available, 502 when the engine cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvevents.router.core import RouteDecision
 from kvevents.router.request_stats import engine_usage
-from kvevents.router.tokenize import TokenizeError
+from kvevents.router.tokenize import ChatError, TokenizeError
 
 if TYPE_CHECKING:
     from kvevents.router.app import RouterService
@@ -144,37 +153,51 @@ class _UsageTracker:
 
 
 def add_openai_routes(app: FastAPI, service: RouterService) -> None:
-    """Serve ``POST /v1/completions`` on ``app`` for ``service`` (see the module docstring)."""
+    """Serve the OpenAI endpoints of the module docstring on ``app`` for ``service``."""
     router = service.router
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            return await _complete(request)
+            raw, body = await _json_body(request, "completions")
+            return await _forward(request, raw, body, await _prompt_tokens(body), chat=False)
         except OpenAIError as exc:
             return exc.response()
 
-    async def _complete(request: Request) -> Response:
-        raw = await request.body()
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise OpenAIError(400, f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the body must be a JSON object (an OpenAI completions request)")
-        prompt = prompt_of(body)
-        if isinstance(prompt, str):
-            model = body.get("model")
+            raw, body = await _json_body(request, "chat completions")
             try:
-                tokens = await service.text_tokenizer.encode(
-                    prompt,
-                    add_special_tokens=body.get("add_special_tokens", True) is not False,
-                    model=model if isinstance(model, str) else None,
-                )
+                tokens = await service.text_tokenizer.encode_chat(body)
+            except ChatError as exc:
+                raise OpenAIError(400, str(exc)) from None
             except TokenizeError as exc:
-                raise OpenAIError(502, str(exc), "tokenizer_error") from None
-        else:
-            tokens = prompt
+                raise _tokenize_error(exc) from None
+            return await _forward(request, raw, body, tokens, chat=True)
+        except OpenAIError as exc:
+            return exc.response()
+
+    async def _prompt_tokens(body: dict[str, Any]) -> list[int]:
+        prompt = prompt_of(body)
+        if not isinstance(prompt, str):
+            return prompt
+        model = body.get("model")
+        try:
+            return await service.text_tokenizer.encode(
+                prompt,
+                add_special_tokens=body.get("add_special_tokens", True) is not False,
+                model=model if isinstance(model, str) else None,
+            )
+        except TokenizeError as exc:
+            raise _tokenize_error(exc) from None
+
+    async def _forward(
+        request: Request, raw: bytes, body: dict[str, Any], tokens: list[int], *, chat: bool
+    ) -> Response:
+        path, endpoint = (
+            ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
+        )
         salt = body.get("cache_salt")
         try:
             decision = router.route(
@@ -196,14 +219,14 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
         shown = decision_headers(decision, len(tokens))
         client = service.client
         upstream_request = client.build_request(
-            "POST", f"{spec.url}/v1/completions", content=content, headers=headers
+            "POST", f"{spec.url}{path}", content=content, headers=headers
         )
         ticket = router.begin(decision)
         try:
             upstream = await client.send(upstream_request, stream=True)
         except httpx.HTTPError as exc:
             router.finish(ticket)
-            service.requests.record("completions", decision, len(tokens), 502)
+            service.requests.record(endpoint, decision, len(tokens), 502)
             error = OpenAIError(
                 502,
                 f"forwarding to {spec.url} failed: {type(exc).__name__}: {exc}",
@@ -212,7 +235,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
             response = error.response()
             response.headers.update(shown)
             return response
-        service.requests.record("completions", decision, len(tokens), upstream.status_code)
+        service.requests.record(endpoint, decision, len(tokens), upstream.status_code)
         media = upstream.headers.get("content-type", "application/json")
         if body.get("stream") is not True or upstream.status_code != 200:
             try:
@@ -248,3 +271,24 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
         return StreamingResponse(
             relay(), status_code=upstream.status_code, media_type=media, headers=shown
         )
+
+
+async def _json_body(request: Request, what: str) -> tuple[bytes, dict[str, Any]]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise OpenAIError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the body must be a JSON object (an OpenAI {what} request)")
+    return raw, body
+
+
+def _tokenize_error(exc: TokenizeError) -> OpenAIError:
+    if exc.status == 501:
+        kind = "not_implemented"
+    elif 400 <= exc.status < 500:
+        kind = "invalid_request_error"  # the engine's /tokenize refused the client's input
+    else:
+        kind = "tokenizer_error"
+    return OpenAIError(exc.status, str(exc), kind)

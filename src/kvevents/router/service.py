@@ -11,8 +11,9 @@ engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stre
 :class:`~kvevents.Subscriber`), asks each engine for its load or health
 (:mod:`kvevents.router.engines`), and answers (JSON in and out):
 
-* ``POST /v1/completions``: an OpenAI completions request, routed to the rank holding
-  its longest prefix and relayed (streaming too); see :mod:`kvevents.router.openai`.
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI requests, routed to
+  the rank holding their longest prefix and relayed (streaming too); a chat is rendered
+  with the engine's template first. See :mod:`kvevents.router.openai`.
 * ``POST /query``: ``{"input_ids": [...]}`` or ``{"text": "..."}`` (optional ``lora``,
   ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
 * ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
@@ -26,8 +27,8 @@ engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stre
   :meth:`kvevents.PrefixIndex.to_bytes`).
 
 Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
-``--tokenize-endpoint`` (the engine's ``/tokenize``), by default with the simulated
-engine's byte tokenizer. A malformed body answers 400 naming the field; a request
+``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
+default with the simulated engine's byte tokenizer. A malformed body answers 400 naming the field; a request
 before any block size is known (no discovery, no event yet) answers 503.
 
 With ``--port 0`` the OS picks the port; the service prints
@@ -80,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     text.add_argument(
         "--tokenize-endpoint",
         metavar="URL",
-        help="ask this URL to tokenize text prompts, e.g. http://ENGINE:8000/tokenize",
+        help="ask this URL to tokenize text prompts and render chats, e.g. "
+        "http://ENGINE:8000/tokenize (vLLM's /tokenize takes both)",
     )
     parser.add_argument(
         "--policy",

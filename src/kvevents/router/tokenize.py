@@ -15,21 +15,34 @@ or every block key differs and nothing matches. Three ways:
 
 Each has ``async encode(text, add_special_tokens=True, model=None) -> list[int]`` and
 raises :class:`TokenizeError` with a message for the client.
+
+Chat requests (``/v1/chat/completions``) need the model's chat template applied first;
+``async encode_chat(body)`` takes the chat body. The engine is the authority on its own
+template, so the endpoint tokenizer sends the messages (and every field that shapes the
+rendering: ``add_generation_prompt``, ``continue_final_message``, ``chat_template``,
+``chat_template_kwargs``, ``tools``, ``add_special_tokens``) to the engine's
+``/tokenize``, as vLLM takes them. The byte tokenizer renders the simulated engine's
+template itself. A ``tokenizer.json`` holds no template engine, so the file tokenizer
+refuses chats with :class:`ChatUnsupported`, naming the flag that makes them work.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
+from kvevents.engine.chat import ChatError, render_chat
 from kvevents.engine.tokenizer import ByteTokenizer
 from kvevents.errors import ConfigError
 
 __all__ = [
     "ByteTextTokenizer",
+    "ChatError",
+    "ChatUnsupported",
     "EndpointTokenizer",
     "FileTokenizer",
     "TextTokenizer",
@@ -38,7 +51,30 @@ __all__ = [
 
 
 class TokenizeError(Exception):
-    """The text could not be tokenized (the engine's /tokenize failed or answered oddly)."""
+    """The text could not be tokenized (the engine's /tokenize failed or answered oddly).
+
+    ``status`` is what the router answers its client: 502 when the engine failed, the
+    engine's own 4xx when it refused the input (the client's to fix).
+    """
+
+    status = 502
+
+
+class ChatUnsupported(TokenizeError):
+    """This tokenizer cannot apply a chat template; the message says what can."""
+
+    status = 501
+
+
+# The chat body's fields that change how vLLM renders the messages into a prompt.
+CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
 
 
 class TextTokenizer(Protocol):
@@ -47,6 +83,15 @@ class TextTokenizer(Protocol):
     async def encode(
         self, text: str, *, add_special_tokens: bool = True, model: str | None = None
     ) -> list[int]: ...
+
+    async def encode_chat(self, body: Mapping[str, Any]) -> list[int]: ...
+
+
+def _chat_flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise ChatError(f"{key}={value!r} must be true or false")
+    return value
 
 
 class ByteTextTokenizer:
@@ -60,6 +105,15 @@ class ByteTextTokenizer:
     async def encode(
         self, text: str, *, add_special_tokens: bool = True, model: str | None = None
     ) -> list[int]:
+        return self._bytes.encode(text)
+
+    async def encode_chat(self, body: Mapping[str, Any]) -> list[int]:
+        """The simulated engine's template, rendered here (ChatError for bad messages)."""
+        text = render_chat(
+            body.get("messages"),
+            add_generation_prompt=_chat_flag(body, "add_generation_prompt", True),
+            continue_final_message=_chat_flag(body, "continue_final_message", False),
+        )
         return self._bytes.encode(text)
 
 
@@ -93,6 +147,13 @@ class FileTokenizer:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    async def encode_chat(self, body: Mapping[str, Any]) -> list[int]:
+        raise ChatUnsupported(
+            f"the router tokenizes with --tokenizer {self.name}, which holds no chat template: "
+            "start it with --tokenize-endpoint http://ENGINE/tokenize so the engine renders "
+            "chats, or send /v1/completions with the rendered prompt"
+        )
+
 
 class EndpointTokenizer:
     """The engine's own ``/tokenize`` over HTTP (the client is the service's)."""
@@ -113,6 +174,20 @@ class EndpointTokenizer:
         body: dict[str, Any] = {"prompt": text, "add_special_tokens": add_special_tokens}
         if model is not None:
             body["model"] = model
+        return await self._tokenize(body)
+
+    async def encode_chat(self, body: Mapping[str, Any]) -> list[int]:
+        """The engine renders the messages with its template and tokenizes them."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ChatError("messages must be a non-empty list of {role, content} objects")
+        request: dict[str, Any] = {"messages": messages}
+        for key in ("model", *CHAT_TEMPLATE_FIELDS):
+            if body.get(key) is not None:
+                request[key] = body[key]
+        return await self._tokenize(request)
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         try:
             if self.client is None:
                 async with httpx.AsyncClient(timeout=30.0) as client:
@@ -124,9 +199,12 @@ class EndpointTokenizer:
                 f"tokenizing at {self.url} failed: {type(exc).__name__}: {exc}"
             ) from None
         if response.status_code != 200:
-            raise TokenizeError(
+            error = TokenizeError(
                 f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}"
             )
+            if 400 <= response.status_code < 500:
+                error.status = response.status_code  # the engine refused the client's input
+            raise error
         try:
             tokens = response.json().get("tokens")
         except (ValueError, AttributeError):
