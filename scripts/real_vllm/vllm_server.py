@@ -43,6 +43,14 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 BLOCK_SIZE = 32  # vLLM on CPU needs a multiple of 32
 TOPIC = "kv"
+# The tiny model has no chat template of its own; this one keeps the word-level
+# vocabulary (role markers are words too: system w4, user w5, assistant w6), so a test
+# knows a chat's token ids. Each turn's prompt extends the previous turn's.
+CHAT_TEMPLATE = (
+    "{% set marks = {'system': 'w4', 'user': 'w5', 'assistant': 'w6'} %}"
+    "{% for m in messages %}{{ marks[m['role']] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w6 {% endif %}"
+)
 
 # Servers started by this process, by pid. vLLM outlives the call that started it, so
 # its Popen is kept here (dropping a live Popen warns) and reaped by stop().
@@ -71,6 +79,10 @@ class ServerSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def chat_template_path(self) -> Path:
+        return Path(self.state_dir) / "chat-template.jinja"
 
     @property
     def log_path(self) -> Path:
@@ -111,6 +123,8 @@ class ServerSpec:
             str(self.dp_size),
             "--kv-events-config",
             json.dumps(self.kv_events_config()),
+            "--chat-template",
+            str(self.chat_template_path),
             *self.extra_args,
         ]
 
@@ -292,6 +306,7 @@ def start(spec: ServerSpec, *, timeout: float = READY_TIMEOUT_S) -> float:
             f"a vLLM (process group {pgid}) is already running for {state}: stop it first"
         )
     save_spec(spec)
+    spec.chat_template_path.write_text(CHAT_TEMPLATE)
     with spec.log_path.open("ab") as log:
         log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {shlex.join(spec.argv())}\n".encode())
         log.flush()

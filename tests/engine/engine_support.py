@@ -116,6 +116,21 @@ class Engine:
         return [r["pid"] for r in self.http.get("/health").json()["ranks"]]
 
 
+def stream_events(
+    client: httpx.Client, path: str, body: dict[str, Any]
+) -> tuple[httpx.Headers, list[Any]]:
+    """POST ``body`` asking for a stream: the headers and every SSE ``data:`` payload, parsed.
+
+    Checks the status is 200 and the stream ends with ``data: [DONE]`` (not returned).
+    """
+    with client.stream("POST", path, json=body) as response:
+        raw = b"".join(response.iter_raw())
+    assert response.status_code == 200, raw
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]", events[-3:]
+    return response.headers, [json.loads(e) for e in events[:-1]]
+
+
 def free_port_range(count: int, attempts: int = 50) -> int:
     """A base port P chosen by the OS such that P..P+count-1 are all free right now."""
     for _ in range(attempts):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_support import Engine
+from engine_support import Engine, stream_events
 
 from kvevents.engine.chat import ChatError, render_chat
 
@@ -105,12 +104,7 @@ def test_chat_streaming_sends_the_role_then_one_delta_per_token(engine: Engine) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with engine.http.stream("POST", "/v1/chat/completions", json=request) as response:
-        assert response.status_code == 200
-        body = b"".join(response.iter_raw())
-    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    _, chunks = stream_events(engine.http, "/v1/chat/completions", request)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:4]]

@@ -103,14 +103,20 @@ class RealVLLM:
             block_size=self.block_size,
         )
 
-    def start_router(self, *extra: str, log: Path | None = None) -> RouterProcess:
+    def start_router(
+        self, *extra: str, log: Path | None = None, ask_engine: bool = False
+    ) -> RouterProcess:
         """``kvevents router`` in front of this vLLM, tokenizing text with its model's
-        ``tokenizer.json``; ``extra`` router options (``--policy``...). Stop it after."""
+        ``tokenizer.json`` or, ``ask_engine``, with vLLM's own ``/tokenize`` (which also
+        renders chats); ``extra`` router options (``--policy``...). Stop it after."""
+        if ask_engine:
+            tokenizer = ["--tokenize-endpoint", f"{self.url}/tokenize"]
+        else:
+            tokenizer = ["--tokenizer", self.model]
         return RouterProcess(
             self.url,
             self.router_engine_args(),
-            "--tokenizer",
-            self.model,
+            *tokenizer,
             *extra,
             log=log or Path(self.state_dir) / "router.log",
         )

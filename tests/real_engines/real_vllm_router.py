@@ -174,6 +174,19 @@ class RouterProcess:
                 )
             time.sleep(0.02)
 
+    def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 1) -> Routed:
+        """``POST /v1/chat/completions`` through the router; the decision and vLLM's usage."""
+        body = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        resp = self.http.post("/v1/chat/completions", json=body)
+        answer: Any = resp.json() if resp.status_code == 200 else resp.text
+        return self._routed(resp, answer, answer["usage"] if resp.status_code == 200 else {})
+
     def complete(
         self,
         prompt: Sequence[int] | str,
@@ -208,6 +221,10 @@ class RouterProcess:
                     (json.loads(d)["usage"] for d in answer if d != "[DONE]" and '"usage"' in d),
                     {},
                 )
+        return self._routed(resp, answer, usage)
+
+    @staticmethod
+    def _routed(resp: httpx.Response, answer: Any, usage: dict[str, Any]) -> Routed:
         h = resp.headers
         return Routed(
             status=resp.status_code,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
@@ -118,3 +119,37 @@ def _engine_counters(text: str, worker: str) -> dict[tuple[str, str], float]:
         if labels.get("worker") == worker:
             out[(m.group(1), labels["dp_rank"])] = float(m.group(3))
     return out
+
+
+def test_chat_turns_follow_their_conversation_and_vllm_reuses_it(vllm: RealVLLM) -> None:
+    """With the router asking vLLM's /tokenize to render chats, a conversation's second turn goes to the rank holding its first, where vLLM reports exactly the predicted cached tokens."""
+    prompts = Prompts("routing-chat")
+    bs = vllm.block_size
+    router = vllm.start_router(ask_engine=True, log=Path(vllm.state_dir) / "router-chat.log")
+    try:
+        system, user = prompts.fresh(2 * bs), prompts.fresh(bs)
+        turn1 = [
+            {"role": "system", "content": words(system)},
+            {"role": "user", "content": words(user)},
+        ]
+        first = router.chat(turn1)
+        assert first.status == 200, first.body
+        # The template of scripts/real_vllm/vllm_server.py: role words w4/w5/w6.
+        tokens1 = [4, *system, 5, *user, 6]
+        assert first.prompt_tokens == first.usage["prompt_tokens"] == len(tokens1)
+        router.wait_holds(first.dp_rank, tokens1, bs, FEED_TIMEOUT_S)
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": words(prompts.fresh(3))},
+            {"role": "user", "content": words(prompts.fresh(bs))},
+        ]
+        second = router.chat(turn2)
+        assert second.status == 200, second.body
+        assert (second.worker, second.dp_rank) == (vllm.url, first.dp_rank)
+        assert second.matched_tokens >= len(tokens1) // bs * bs
+        predicted = min(second.matched_tokens, vllm.max_cached_tokens(second.prompt_tokens))
+        assert second.cached_tokens == predicted, (
+            f"the router predicted {predicted} cached tokens, vLLM reported {second.cached_tokens}"
+        )
+    finally:
+        router.stop()

@@ -9,6 +9,7 @@ Engine A is a vLLM (rank in the ``X-data-parallel-rank`` header), engine B an SG
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -64,6 +65,17 @@ def router(plane: dict) -> Iterator[RouterProc]:
     proc = RouterProc([], *argv, "--load-interval", "0.2")
     try:
         wait_until(lambda: _connected(proc) == 4, 20, "the router to follow all four ranks")
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def router_for_a(plane: dict, *options: str) -> Iterator[RouterProc]:
+    """A router of its own in front of engine A alone, with ``options``, following both ranks."""
+    proc = RouterProc([], *described(plane["a"], plane["pubs_a"]), *options)
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
         yield proc
     finally:
         proc.stop()
@@ -209,11 +221,7 @@ def test_metrics_count_routed_requests_and_matched_tokens(plane: dict, router: R
 def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
     """With --tokenize-endpoint, a text prompt is tokenized by the engine's /tokenize and routed by those ids."""
     a = plane["a"]
-    proc = RouterProc(
-        [], *described(a, plane["pubs_a"]), "--tokenize-endpoint", f"{a.url}/tokenize"
-    )
-    try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+    with router_for_a(plane, "--tokenize-endpoint", f"{a.url}/tokenize") as proc:
         held(proc, plane["pubs_a"], a.url, 1, list(range(600, 608)))
         text = " ".join(f"w{i}" for i in range(600, 610))
         response = proc.post("/v1/completions", {"model": "tiny", "prompt": text})
@@ -222,23 +230,17 @@ def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
         assert response.headers["x-kvevents-matched-tokens"] == "8"
         assert a.tokenized[-1] == {"prompt": text, "add_special_tokens": True, "model": "tiny"}
         assert json.loads(a.received[-1][1])["prompt"] == text  # the text itself is forwarded
-    finally:
-        proc.stop()
 
 
 def test_chat_is_rendered_by_the_engine_and_sent_to_the_rank_holding_it(plane: dict) -> None:
     """With --tokenize-endpoint, a chat's messages go to the engine's /tokenize with every
     template field, and the body goes unchanged to /v1/chat/completions of the holding rank."""
     a = plane["a"]
-    proc = RouterProc(
-        [], *described(a, plane["pubs_a"]), "--tokenize-endpoint", f"{a.url}/tokenize"
-    )
-    try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
-        held(proc, plane["pubs_a"], a.url, 1, list(range(800, 808)))
+    with router_for_a(plane, "--tokenize-endpoint", f"{a.url}/tokenize") as proc:
+        held(proc, plane["pubs_a"], a.url, 1, list(range(900, 908)))
         messages = [
-            {"role": "system", "content": "w800 w801 w802 w803"},
-            {"role": "user", "content": "w804 w805 w806 w807 w808"},
+            {"role": "system", "content": "w900 w901 w902 w903"},
+            {"role": "user", "content": "w904 w905 w906 w907 w908"},
         ]
         chat = {
             "model": "tiny",
@@ -279,8 +281,6 @@ def test_chat_is_rendered_by_the_engine_and_sent_to_the_rank_holding_it(plane: d
         metrics = proc.http.get("/metrics").text
         bucket = 'kvevents_router_matched_tokens_bucket{endpoint="chat",le="16"} '
         assert any(x.startswith(bucket) and float(x.split()[-1]) == 2 for x in metrics.splitlines())
-    finally:
-        proc.stop()
 
 
 def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> None:
@@ -293,9 +293,7 @@ def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> 
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(tmp_path / "tokenizer.json"))
     a = plane["a"]
-    proc = RouterProc([], *described(a, plane["pubs_a"]), "--tokenizer", str(tmp_path))
-    try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+    with router_for_a(plane, "--tokenizer", str(tmp_path)) as proc:
         held(proc, plane["pubs_a"], a.url, 0, [1, 700, 701, 702, 703, 704, 705, 706])
         text = " ".join(f"w{i}" for i in range(700, 710))
         with_bos = proc.post("/v1/completions", {"prompt": text})
@@ -309,16 +307,12 @@ def test_tokenizer_file_encodes_like_the_engine(plane: dict, tmp_path: Path) -> 
         chat = proc.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "w7"}]})
         assert chat.status_code == 501  # a tokenizer.json has no chat template to apply
         assert "--tokenize-endpoint" in chat.json()["error"]["message"]
-    finally:
-        proc.stop()
 
 
 def test_round_robin_policy_takes_turns_and_says_so(plane: dict) -> None:
     """--policy round-robin sends successive requests to each rank in turn, whatever they cache, and labels them."""
     a = plane["a"]
-    proc = RouterProc([], *described(a, plane["pubs_a"]), "--policy", "round-robin")
-    try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+    with router_for_a(plane, "--policy", "round-robin") as proc:
         held(proc, plane["pubs_a"], a.url, 1, list(range(800, 808)))
         ranks = [
             proc.post("/v1/completions", {"prompt": list(range(800, 808))}).headers
@@ -327,8 +321,6 @@ def test_round_robin_policy_takes_turns_and_says_so(plane: dict) -> None:
         assert [h["x-kvevents-dp-rank"] for h in ranks] == ["0", "1", "0", "1"]
         assert {h["x-kvevents-policy"] for h in ranks} == {"round-robin"}
         assert 'policy="round-robin"' in proc.http.get("/metrics").text
-    finally:
-        proc.stop()
 
 
 def test_unreachable_engine_answers_503_until_it_is_healthy() -> None:

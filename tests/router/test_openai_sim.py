@@ -9,7 +9,6 @@ routing decision right.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from router_support import Engine, RouterProc, wait_until
 from kvevents.engine.chat import render_chat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-from engine_support import free_port_range
+from engine_support import free_port_range, stream_events
 
 PAGE = 4
 
@@ -128,16 +127,11 @@ def test_streaming_from_the_engine_arrives_in_order(router: RouterProc) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with router.http.stream("POST", "/v1/completions", json=request) as response:
-        assert response.status_code == 200
-        body = b"".join(response.iter_raw())
-    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    headers, chunks = stream_events(router.http, "/v1/completions", request)
     assert [c["choices"][0]["text"] for c in chunks[:4]] == [chr(ord("a") + i) for i in range(4)]
     assert chunks[3]["choices"][0]["finish_reason"] == "length"
     assert chunks[4]["usage"]["prompt_tokens"] == 10
-    assert chunks[0]["dp_rank"] == int(response.headers["x-kvevents-dp-rank"])
+    assert chunks[0]["dp_rank"] == int(headers["x-kvevents-dp-rank"])
 
 
 def test_chat_conversation_stays_on_the_rank_holding_its_earlier_turns(
@@ -168,12 +162,8 @@ def test_chat_conversation_stays_on_the_rank_holding_its_earlier_turns(
 def test_chat_streaming_and_bad_messages_through_the_router(router: RouterProc) -> None:
     """A streamed chat is relayed to the end; malformed messages answer 400 naming the field."""
     request = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True}
-    with router.http.stream("POST", "/v1/chat/completions", json=request) as response:
-        assert response.status_code == 200
-        body = b"".join(response.iter_raw())
-    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
-    assert events[-1] == b"[DONE]"
-    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    _, chunks = stream_events(router.http, "/v1/chat/completions", request)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
     bad = router.post("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]})
     assert bad.status_code == 400
