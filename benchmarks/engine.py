@@ -11,13 +11,13 @@ benchmarks/results/engine.json). The work is :func:`kvevents.engine.bench.run_en
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from kvevents.bench_report import write_results
 from kvevents.engine.bench import run_engine_bench
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         f"total: {total['requests']} requests, {total['events']} events, {total['blocks']} blocks "
         f"in {total['wall_s']:.1f} s wall on {result['host']['cpus']} CPUs"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0
 

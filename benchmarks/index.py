@@ -13,12 +13,12 @@ full path >= 300,000 block-ops/s per core; <= 100 bytes per (block, holder).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 from pathlib import Path
 
+from kvevents.bench_report import write_results
 from kvevents.index_bench import run_index_bench
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "index.json"
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "full path >= 300,000/s; <= 100 B per (block, holder)"
     )
     print("for scale (issue 5): Dynamo RadixTree via Python bindings, 87 us p99, ~390,000 ops/s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0
 

@@ -38,6 +38,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from kvevents.bench_report import write_results
 from kvevents.demo_procs import Child
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "openai_proxy.json"
@@ -204,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     Console().print(table)
     print(f"router adds {result['router_added_p50_ms']:.2f} ms at the median")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0
 

@@ -12,7 +12,6 @@ lost, publish() p99 <= 5 us and max <= 5 ms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvevents.bench_publisher import run_publisher_bench
+from kvevents.bench_report import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "publisher.json"
 
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         missed = [name for name, ok in c["targets"].items() if not ok]
         verdict = "all targets met" if not missed else "NOT met: " + ", ".join(missed)
         print(f"{c['blocks_per_batch']}-block batches: {verdict}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0
 

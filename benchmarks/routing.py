@@ -14,12 +14,12 @@ upper bound, above round-robin, load max/min <= 1.3, nothing lost, under 3 minut
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
+from kvevents.bench_report import write_results
 from kvevents.demo import run_routing_bench
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "routing.json"
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args(argv)
     result = run_routing_bench(quick=args.quick, requests=args.requests, console=Console())
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0 if result["ok"] else 1
 

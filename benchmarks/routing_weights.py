@@ -27,7 +27,6 @@ Writes every figure as JSON (default ``benchmarks/results/routing_weights.json``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -36,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvevents.bench_report import write_results
 from kvevents.demo_offline import OfflineRequest, ServiceModel, offline_replay, workload_requests
 from kvevents.demo_replay import Workload
-from kvevents.demo_report import finite_json, summarize
+from kvevents.demo_report import summarize
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.trace import BLOCK_TOKENS, hash_id_tokens, load_trace
 from kvevents.router.scoring import ScoringWeights
@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "elapsed_s": time.perf_counter() - started,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(finite_json(doc), indent=2) + "\n")
+    write_results(args.json, doc)
     print(f"wrote {args.json} in {doc['elapsed_s']:.0f} s")
     return 0
 

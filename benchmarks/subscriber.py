@@ -11,11 +11,11 @@ Target: at least 1,000,000 blocks per CPU second for 32-block batches.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from pathlib import Path
 
+from kvevents.bench_report import write_results
 from kvevents.subscriber_bench import run_subscriber_bench
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "subscriber.json"
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(target {result['target_blocks_per_cpu_s_32']:,}): "
         f"{'met' if result['target_met_32'] else 'NOT met'}"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0
 

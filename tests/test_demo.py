@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvevents.bench_report import finite_json
 from kvevents.cli import main
 from kvevents.demo_chart import cumulative, rolling
 from kvevents.demo_plane import _metric_sum
@@ -30,7 +31,7 @@ from kvevents.demo_replay import (
     pooled_upper_bound,
     replay,
 )
-from kvevents.demo_report import finite_json, summarize
+from kvevents.demo_report import summarize
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.trace import request_tokens
 from kvevents.errors import ConfigError, KVEventsError

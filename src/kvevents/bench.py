@@ -31,8 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kvevents.bench_report import render_markdown, render_table
-from kvevents.demo_report import finite_json
+from kvevents.bench_report import render_markdown, render_table, write_results
 from kvevents.errors import ConfigError, KVEventsError
 
 __all__ = ["BENCHMARKS", "add_arguments", "run", "run_benchmarks"]
@@ -166,8 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         command += f" --json {args.json}"
     doc = run_benchmarks(names, quick=args.quick, command=command, console=console)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(finite_json(doc), indent=2) + "\n")
+    write_results(path, doc)
     render_table(doc, console)
     console.print(f"results: {path}")
     return 1 if doc["errors"] else 0

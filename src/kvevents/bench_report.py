@@ -9,7 +9,10 @@ the results, or one whose JSON lacks a figure, simply yields fewer rows.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from rich.console import Console
@@ -19,10 +22,12 @@ __all__ = [
     "MARKER_END",
     "MARKER_START",
     "Figure",
+    "finite_json",
     "headlines",
     "render_markdown",
     "render_table",
     "splice_readme",
+    "write_results",
 ]
 
 MARKER_START = "<!-- performance:start -->"
@@ -35,6 +40,23 @@ TITLES = {
     "index": "Prefix index (conversation trace, lower-level API)",
     "engine": "Simulated engine (events and blocks emitted per rank)",
 }
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every infinite or NaN float replaced by None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def write_results(path: Path, doc: Any) -> None:
+    """Write a benchmark's results as indented JSON (non-finite floats as null), making the folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite_json(doc), indent=2) + "\n")
 
 
 class Figure(NamedTuple):

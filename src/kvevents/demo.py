@@ -38,12 +38,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvevents.bench_report import finite_json, write_results
 from kvevents.demo_plane import EventCounts, Plane, Settled
 from kvevents.demo_procs import Child
 from kvevents.demo_replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
 from kvevents.demo_report import (
     POLICY_LABELS,
-    finite_json,
     render_table,
     results_document,
     summarize,
@@ -291,8 +291,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     if chart is not None:
         console.print(f"chart: {chart}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(finite_json(doc), indent=2) + "\n")
+        write_results(args.json, doc)
         console.print(f"results: {args.json}")
     console.print(f"done in {doc['elapsed_s']:.0f} s; engine and router stopped")
     if not ok:

@@ -14,7 +14,6 @@ Definitions (the same in the table, the JSON and the README):
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict
 from typing import Any
 
@@ -27,7 +26,6 @@ from kvevents.demo_replay import Outcome, PolicyRun, hit_rate
 __all__ = [
     "POLICY_LABELS",
     "UPPER_BOUND_LABEL",
-    "finite_json",
     "render_table",
     "results_document",
     "summarize",
@@ -146,14 +144,3 @@ def render_table(doc: dict[str, Any], console: Console) -> None:
         "yes" if consistent else "NO",
     )
     console.print(plane)
-
-
-def finite_json(value: Any) -> Any:
-    """``value`` with every infinite or NaN float replaced by None (JSON has neither)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
