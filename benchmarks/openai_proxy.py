@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
 import sys
 import time
@@ -40,33 +39,10 @@ from rich.table import Table
 
 from kvevents.bench_report import write_results
 from kvevents.demo_procs import Child
+from kvevents.endpoints import free_port_range
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "openai_proxy.json"
 PAGE = 16
-
-
-def free_port_range(count: int, attempts: int = 50) -> int:
-    """A base port P such that P..P+count-1 are free on loopback right now."""
-    for _ in range(attempts):
-        socks: list[socket.socket] = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind(("127.0.0.1", 0))
-            base = int(first.getsockname()[1])
-            if base + count - 1 > 65535:
-                continue
-            for port in range(base + 1, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found in {attempts} attempts")
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:

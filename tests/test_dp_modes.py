@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvevents.endpoints import PortPlan
+from kvevents.endpoints import PortPlan, free_port_range
 from kvevents.wire import decode_batch, parse_live_frames, parse_replay_reply, replay_request_frames
 
 DP_SIZE = 4
@@ -64,29 +63,6 @@ while command(1.0) != "stop":
     pass
 pub.shutdown()
 """
-
-
-def free_port_range(n: int) -> int:
-    """A base port such that base..base+n-1 are all free on 127.0.0.1 (the OS picks the base)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n > 65536:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports found on 127.0.0.1")
 
 
 def read_json_line(proc: subprocess.Popen[str], timeout_s: float = TIMEOUT_S) -> dict[str, Any]:

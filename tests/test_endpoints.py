@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvevents import free_port_range
 from kvevents.endpoints import Endpoint, PortPlan, offset_endpoint_port, select_kv_publisher_dp_rank
 from kvevents.errors import EndpointError, KVEventsError
 
@@ -146,3 +149,17 @@ def test_port_plan_refuses_overflow() -> None:
         PortPlan.build(4, "tcp://*:65534")
     with pytest.raises(EndpointError, match="dp_size=0"):
         PortPlan.build(0, "tcp://*:5557")
+
+
+def test_free_port_range_gives_a_whole_range_that_binds() -> None:
+    """Every port of the returned range binds on the wildcard address, as a publisher binds them."""
+    base = free_port_range(4)
+    socks = [socket.socket() for _ in range(4)]
+    try:
+        for offset, sock in enumerate(socks):
+            sock.bind(("", base + offset))
+    finally:
+        for sock in socks:
+            sock.close()
+    with pytest.raises(ValueError, match="count must be at least 1"):
+        free_port_range(0)

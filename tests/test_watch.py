@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvevents.endpoints import free_port_range
 from subscriber_support import EngineProcess
 
 PUBLISHER = r"""
@@ -177,17 +178,10 @@ def test_watch_engine_url_follows_every_rank() -> None:
         engine.stop()
 
 
-def _free_port_range(count: int) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "engine"))
-    from engine_support import free_port_range
-
-    return int(free_port_range(count))
-
-
 @pytest.fixture(scope="module")
 def fixed_port_engine() -> Iterator[tuple[EngineProcess, int]]:
     """A dp-2 engine (page size 4) publishing on base + r, replaying on base + 2 + r; one batch per rank."""
-    base = _free_port_range(4)
+    base = free_port_range(4)
     config = {
         "publisher": "zmq",
         "endpoint": f"tcp://*:{base}",

@@ -18,6 +18,7 @@ from kvevents.endpoints import (
     Endpoint,
     PortPlan,
     RankEndpoints,
+    free_port_range,
     offset_endpoint_port,
     select_kv_publisher_dp_rank,
 )
@@ -113,6 +114,7 @@ __all__ = [
     "discover",
     "encode_batch",
     "event_to_dict",
+    "free_port_range",
     "hash_to_int",
     "load_engines_file",
     "offset_endpoint_port",

@@ -11,7 +11,9 @@ Per-rank offsets follow SGLang: rank ``r`` of a deployment whose base endpoint i
   the publisher reads the real port back after binding;
 * ``port + rank`` above 65535 is refused with the range in the message;
 * ipc and inproc endpoints get a ``_dp{rank}`` suffix instead of being refused;
-* a :class:`PortPlan` refuses overlapping live and replay ranges before anything binds.
+* a :class:`PortPlan` refuses overlapping live and replay ranges before anything binds;
+  :func:`free_port_range` finds a base whose whole range is free (for tests and
+  single-machine deployments that want fixed ``base + rank`` ports without choosing).
 
 Which rank a publisher uses is :func:`select_kv_publisher_dp_rank` (DESIGN §1): the
 attention-DP rank in DP-attention mode, else the DP rank, so both modes span
@@ -21,17 +23,19 @@ attention-DP rank in DP-attention mode, else the DP rank, so both modes span
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from kvevents.errors import EndpointError
+from kvevents.errors import EndpointError, KVEventsError
 
 __all__ = [
     "WILDCARD_HOSTS",
     "Endpoint",
     "PortPlan",
     "RankEndpoints",
+    "free_port_range",
     "offset_endpoint_port",
     "select_kv_publisher_dp_rank",
 ]
@@ -289,3 +293,35 @@ class PortPlan:
 
     def __iter__(self) -> Iterator[RankEndpoints]:
         return iter(self.ranks)
+
+
+def free_port_range(count: int, *, attempts: int = 50) -> int:
+    """A tcp port ``base`` such that ``base .. base + count - 1`` are all free right now.
+
+    The OS picks ``base`` (a bind to port 0); every port of the range is then bound on
+    the wildcard address, as a publisher binding ``tcp://*:PORT`` would, and released.
+    "Free right now" is all anyone can promise: another process may take a port before
+    the caller binds it. KVEventsError after ``attempts`` bases that did not fit.
+    """
+    if count < 1:
+        raise ValueError(f"free_port_range(count={count}): count must be at least 1")
+    for _ in range(attempts):
+        held: list[socket.socket] = []
+        try:
+            probe = socket.socket()
+            held.append(probe)
+            probe.bind(("", 0))
+            base = int(probe.getsockname()[1])
+            if base + count - 1 > MAX_PORT:
+                continue
+            for port in range(base + 1, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise KVEventsError(f"no {count} consecutive free tcp ports found in {attempts} attempts")

@@ -6,7 +6,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -129,30 +128,6 @@ def stream_events(
     events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]", events[-3:]
     return response.headers, [json.loads(e) for e in events[:-1]]
-
-
-def free_port_range(count: int, attempts: int = 50) -> int:
-    """A base port P chosen by the OS such that P..P+count-1 are all free right now."""
-    for _ in range(attempts):
-        socks: list[socket.socket] = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            if base + count - 1 > 65535:
-                continue
-            for port in range(base + 1, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise AssertionError(f"no {count} consecutive free ports found in {attempts} attempts")
 
 
 def pid_alive(pid: int) -> bool:
