@@ -95,6 +95,9 @@ def test_slow_joiner_gets_everything_published_before_it_connected(
     pub = make_publisher(*endpoints)
     for n in range(50):
         pub.publish(batch(n))
+    # Sent, not just queued, before the subscriber exists: the PUB drops them, so only
+    # replay can deliver them (a sender thread slow to start would send them live).
+    assert pub.flush(timeout=10.0)
     with Subscriber(streams=[spec_for(pub)]) as sub:
         items = collect(sub, until=lambda got: len(deliveries(got)) == 50)
         for n in range(50, 80):

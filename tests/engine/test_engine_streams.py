@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from engine_support import Engine, RankStreams, free_port_range, published_counts
+from engine_support import Engine, RankStreams, published_counts
 
+from kvevents.endpoints import free_port_range
 from kvevents.wire import AllBlocksCleared, BlockRemoved
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +20,7 @@ import zmq
 from openai_support import FakeEngine, RankPublishers
 from router_support import RouterProc, wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-from engine_support import free_port_range
+from kvevents.endpoints import free_port_range
 
 BS = 4
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+from kvevents.engine.chat import render_chat
 from kvevents.index import PrefixIndex
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import add_arguments, build_service
@@ -190,3 +191,37 @@ def test_scoring_options_reach_the_router(argv: list[str], weights: ScoringWeigh
     finally:
         assert service.subscriber is not None
         service.subscriber.close()
+
+
+def test_query_and_route_take_chat_messages(engine: Engine, router: RouterProc) -> None:
+    """/query and /route accept a chat as messages, rendered as /v1/chat/completions renders it."""
+    messages = [{"role": "user", "content": "route this conversation, please"}]
+    chat = router.post("/query", {"messages": messages}).json()
+    ids = router.post("/query", {"input_ids": list(render_chat(messages).encode())}).json()
+    assert chat == ids
+    plain = router.post("/query", {"messages": messages, "add_generation_prompt": False}).json()
+    assert plain["prompt_tokens"] == len(render_chat(messages, add_generation_prompt=False))
+    assert router.post("/route", {"messages": messages}).status_code == 200
+    both = router.post("/route", {"messages": messages, "text": "x"})
+    assert both.status_code == 400 and '"messages"' in both.json()["error"]
+    bad = router.post("/query", {"messages": [{"role": "user"}, "x"]})
+    assert bad.status_code == 400 and "messages[1]" in bad.json()["error"]
+    generate = router.post("/generate", {"messages": messages})  # /generate takes no chat
+    assert generate.status_code == 400 and "/v1/chat/completions" in generate.json()["error"]
+
+
+def test_a_tokenizer_that_cannot_be_reached_answers_502(engine: Engine) -> None:
+    """Text asked of a router whose --tokenize-endpoint is down gets 502 naming the endpoint."""
+    with socket.socket() as probe:  # a port nothing listens on once the probe closes
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/tokenize"
+    proc = RouterProc([engine.url], "--tokenize-endpoint", dead)
+    try:
+        wait_until(lambda: len(proc.http.get("/workers").json()["holders"]) == 2, 20, "discovery")
+        response = proc.post("/query", {"text": "hello"})
+        assert response.status_code == 502
+        assert dead in response.json()["error"]
+        chat = proc.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert chat.status_code == 502 and dead in chat.json()["error"]["message"]
+    finally:
+        proc.stop()

@@ -24,7 +24,13 @@ from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry, render
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import RequestStats, engine_usage
-from kvevents.router.tokenize import ByteTextTokenizer, EndpointTokenizer, TextTokenizer
+from kvevents.router.tokenize import (
+    ByteTextTokenizer,
+    ChatError,
+    EndpointTokenizer,
+    TextTokenizer,
+    TokenizeError,
+)
 from kvevents.signals import Holder
 from kvevents.subscriber import Subscriber
 
@@ -34,10 +40,16 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
 
 class TokensBody(msgspec.Struct):
-    """A request given as token ids or text (unknown keys are ignored)."""
+    """A request given as token ids, text or chat messages (unknown keys are ignored).
+
+    ``messages`` are rendered as ``/v1/chat/completions`` renders them (the body's
+    template fields included), so a gateway asking ``/route`` about a chat gets the rank
+    the chat endpoint would choose.
+    """
 
     input_ids: list[TokenId] | None = None
     text: str | None = None
+    messages: list[Any] | None = None
     lora: str | None = None
     cache_salt: str | None = None
 
@@ -47,6 +59,14 @@ _TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
 
 class BadRequest(Exception):
     """A request body the router cannot use; answered with 400."""
+
+
+class TokenizeFailed(Exception):
+    """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
+
+    def __init__(self, error: TokenizeError) -> None:
+        super().__init__(str(error))
+        self.status = error.status
 
 
 class RouterService:
@@ -164,17 +184,31 @@ class RouterService:
             if item is not None:
                 self.router.handle(item)
 
-    async def tokens(self, raw: bytes) -> tuple[list[int], TokensBody]:
+    async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[list[int], TokensBody]:
+        """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
+        refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
         try:
             body = _TOKENS_DECODER.decode(raw)
         except msgspec.DecodeError as exc:
             raise BadRequest(f"request body: {exc}") from None
-        if (body.input_ids is None) == (body.text is None):
-            raise BadRequest('give exactly one of "input_ids" (token ids) or "text"')
+        if body.messages is not None and not chat:
+            raise BadRequest('"messages" is for chats: send them to /v1/chat/completions')
+        given = [body.input_ids, body.text, body.messages]
+        if sum(x is not None for x in given) != 1:
+            raise BadRequest(
+                'give exactly one of "input_ids" (token ids), "text" or "messages" (a chat)'
+            )
         if body.input_ids is not None:
             return body.input_ids, body
-        assert body.text is not None
-        return await self.text_tokenizer.encode(body.text), body
+        try:
+            if body.text is not None:
+                return await self.text_tokenizer.encode(body.text), body
+            whole = msgspec.json.decode(raw)  # an object: it decoded as a TokensBody
+            return await self.text_tokenizer.encode_chat(whole), body
+        except ChatError as exc:
+            raise BadRequest(str(exc)) from None
+        except TokenizeError as exc:
+            raise TokenizeFailed(exc) from None
 
     async def forward(self, worker: str, body: dict[str, Any]) -> httpx.Response:
         return await self.client.post(f"{self.spec(worker).url}/generate", json=body)
@@ -206,6 +240,10 @@ def create_app(service: RouterService) -> FastAPI:
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(TokenizeFailed)
+    async def _untokenized(request: Request, exc: TokenizeFailed) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     def _not_ready(exc: ValueError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
@@ -255,7 +293,7 @@ def create_app(service: RouterService) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         raw = await request.body()
-        tokens, body = await service.tokens(raw)
+        tokens, body = await service.tokens(raw, chat=False)
         try:
             payload = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:  # pragma: no cover - tokens() decoded it already

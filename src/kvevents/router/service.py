@@ -14,7 +14,8 @@ engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stre
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI requests, routed to
   the rank holding their longest prefix and relayed (streaming too); a chat is rendered
   with the engine's template first. See :mod:`kvevents.router.openai`.
-* ``POST /query``: ``{"input_ids": [...]}`` or ``{"text": "..."}`` (optional ``lora``,
+* ``POST /query``: ``{"input_ids": [...]}``, ``{"text": "..."}`` or ``{"messages":
+  [...]}`` (a chat, with the chat body's template fields; optional ``lora``,
   ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
 * ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
   holder's score (see :mod:`kvevents.router.scoring`).
@@ -28,8 +29,11 @@ engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stre
 
 Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
 ``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
-default with the simulated engine's byte tokenizer. A malformed body answers 400 naming the field; a request
-before any block size is known (no discovery, no event yet) answers 503.
+default with the simulated engine's byte tokenizer. A malformed body answers 400 naming
+the field; a tokenizer that fails answers 502 (the engine's ``/tokenize`` unreachable),
+the engine's own 4xx (it refused the input) or 501 (a chat ``--tokenizer`` cannot
+render); a request before any block size is known (no discovery, no event yet) answers
+503.
 
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
