@@ -342,3 +342,6 @@ def test_unreachable_engine_answers_503_until_it_is_healthy() -> None:
         assert "no available holder" in response.json()["error"]["message"]
     finally:
         proc.stop()
+    # A vLLM engine (the default kind when described) and no tokenizer given: said at start.
+    assert f"engine http://127.0.0.1:{port} is a vllm engine" in proc.stderr
+    assert f"Give --tokenize-endpoint http://127.0.0.1:{port}/tokenize" in proc.stderr

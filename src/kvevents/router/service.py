@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from kvevents.engine_args import add_engine_arguments, engine_specs
 from kvevents.errors import ConfigError
@@ -64,6 +65,8 @@ __all__ = [
     "run",
     "serve",
 ]
+
+log = logging.getLogger("kvevents.router")
 
 READY_PREFIX = "kvevents router ready "
 
@@ -193,6 +196,18 @@ def build_service(args: argparse.Namespace) -> RouterService:
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     tokenizer = _tokenizer(args)
+    if tokenizer is None:
+        for spec in specs:
+            if spec.engine_kind != "kvevents":
+                log.warning(
+                    "engine %s is a %s engine, and text prompts and chats will be tokenized "
+                    "with the simulated engine's byte tokenizer, which is not its model's: "
+                    "they will match nothing it caches. Give --tokenize-endpoint "
+                    "%s/tokenize (or --tokenizer MODEL_DIR); token-id prompts are unaffected",
+                    spec.url,
+                    spec.engine_kind,
+                    spec.url,
+                )
     subscriber = Subscriber()
     try:
         for spec in specs:
