@@ -14,8 +14,11 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
+
+from kvevents.router.engines import vllm_rank_loads
 
 FEED_TIMEOUT_S = 30.0
 
@@ -153,3 +156,13 @@ def test_chat_turns_follow_their_conversation_and_vllm_reuses_it(vllm: RealVLLM)
         )
     finally:
         router.stop()
+
+
+def test_vllm_load_is_read_from_its_metrics(vllm: RealVLLM, router: RouterProcess) -> None:
+    """vLLM's /metrics gives every rank's running and waiting requests, and the router polls them as its load."""
+    text = httpx.get(f"{vllm.url}/metrics", timeout=30.0).text
+    ranks = vllm_rank_loads(text)
+    assert [r["dp_rank"] for r in ranks] == list(range(vllm.dp_size))
+    assert all(r["running"] >= 0 and r["waiting"] >= 0 for r in ranks)
+    engine = next(e for e in router.workers()["engines"] if e["url"] == vllm.url)
+    assert engine["load_source"] == "/metrics", engine["metrics_error"]

@@ -15,6 +15,9 @@
   token 1 unless ``add_generation_prompt`` is false; a message whose content is
   ``"refuse"`` answers 400, as vLLM does for a conversation it cannot render.
 * ``GET /health``: 200.
+* ``GET /metrics``: vLLM's scheduler gauges, ``vllm:num_requests_running`` and
+  ``vllm:num_requests_waiting`` per ``engine`` (rank), from :attr:`FakeEngine.running`
+  and :attr:`FakeEngine.waiting` (zero unless a test sets them).
 
 :class:`RankPublishers` publishes, like a data-parallel engine, one real
 :class:`~kvevents.ZmqEventPublisher` per rank on base + rank (replay on its own range).
@@ -50,6 +53,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.received: list[tuple[dict[str, str], bytes]] = []
         self.tokenized: list[dict[str, Any]] = []
+        self.running = {0: 0, 1: 0}
+        self.waiting = {0: 0, 1: 0}
         self._release = threading.Event()
         app = FastAPI()
 
@@ -103,6 +108,20 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            lines = []
+            for name, values in (
+                ("vllm:num_requests_running", self.running),
+                ("vllm:num_requests_waiting", self.waiting),
+            ):
+                lines += [f"# HELP {name} Requests.", f"# TYPE {name} gauge"]
+                lines += [
+                    f'{name}{{engine="{rank}",model_name="tiny"}} {float(n)}'
+                    for rank, n in values.items()
+                ]
+            return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))

@@ -216,6 +216,33 @@ def test_metrics_count_routed_requests_and_matched_tokens(plane: dict, router: R
     assert any(x.startswith(cached) and float(x.split()[-1]) >= 7 for x in text.splitlines())
 
 
+def test_vllm_load_comes_from_its_metrics(plane: dict, router: RouterProc) -> None:
+    """A vLLM's /metrics gauges are each rank's load: requests other clients sent weigh on
+    the route; an SGLang engine keeps only the router's own count."""
+    a = plane["a"]
+
+    def holder(worker: str, rank: int) -> dict:
+        found = router.http.get("/workers").json()["holders"]
+        return next(h for h in found if h["worker"] == worker and h["dp_rank"] == rank)
+
+    a.running[0], a.waiting[0] = 3, 2
+    try:
+        wait_until(
+            lambda: holder(a.url, 0)["load"]["engine_requests"] == 5, 10, "the gauges polled"
+        )
+        engines = {e["worker"]: e for e in router.http.get("/workers").json()["engines"]}
+        assert engines[a.url]["load_source"] == "/metrics"
+        assert engines[plane["b"].url]["load_source"] == "router"
+        assert holder(a.url, 1)["load"]["engine_requests"] == 0
+        route = router.post("/route", {"input_ids": list(range(5000, 5016))}).json()
+        scores = {(s["worker"], s["dp_rank"]): s for s in route["scores"]}
+        assert scores[(a.url, 0)]["pending_blocks"] == 5 * 8.0  # foreign_request_blocks each
+        assert (route["worker"], route["dp_rank"]) != (a.url, 0)  # the busy rank loses the tie
+    finally:
+        a.running[0], a.waiting[0] = 0, 0
+    wait_until(lambda: holder(a.url, 0)["load"]["engine_requests"] == 0, 10, "the load to clear")
+
+
 def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
     """With --tokenize-endpoint, a text prompt is tokenized by the engine's /tokenize and routed by those ids."""
     a = plane["a"]

@@ -355,6 +355,8 @@ def create_app(service: RouterService) -> FastAPI:
                         "registered": st.registered,
                         "advertised_block_size": st.advertised_block_size,
                         "load_error": st.error,
+                        "load_source": st.load_source,
+                        "metrics_error": st.metrics_error,
                         "discovery": engines.get(st.spec.url),
                     }
                     for st in service.states.values()

@@ -10,8 +10,15 @@ One :func:`watch_engine` task per engine, until the service stops:
    advertised one are both declared to the router, which checks them
    (:mod:`kvevents.block_sizes`).
 2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load at ``GET /load``;
-   ``vllm`` and ``sglang`` engines are only asked ``GET /health`` (200 = every rank
-   available). The router's own in-flight requests count as load for every kind.
+   ``vllm`` and ``sglang`` engines are asked ``GET /health`` (200 = every rank
+   available), and ``vllm`` engines also ``GET /metrics``: the gauges
+   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, labelled
+   ``engine="r"`` for data-parallel rank ``r``, are each rank's load. That load counts
+   requests other routers and clients sent, which the router's own in-flight count
+   cannot see. Metrics are best effort: a vLLM whose ``/metrics`` fails or lacks the
+   gauges is still available, with only this router's requests as its load, and
+   :attr:`EngineState.load_source` says which applies. The router's own in-flight
+   requests count as load for every kind.
 
 Errors never end the task: they mark the engine's ranks unavailable and are kept in
 :attr:`EngineState.error` for ``/workers``.
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvevents.discovery import streams_from_server_info
 from kvevents.engine_spec import EngineSpec
@@ -32,7 +40,9 @@ from kvevents.errors import DiscoveryError
 from kvevents.router.core import Router
 from kvevents.signals import Holder
 
-__all__ = ["EngineState", "watch_engine"]
+__all__ = ["EngineState", "vllm_rank_loads", "watch_engine"]
+
+_VLLM_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 
 
 @dataclass
@@ -43,6 +53,30 @@ class EngineState:
     registered: bool = False
     error: str | None = None
     advertised_block_size: int | None = None
+    load_source: str | None = None
+    """Where the ranks' load last came from: ``/load``, ``/metrics``, or ``router``
+    (this router's in-flight requests only); ``metrics_error`` says why not metrics."""
+    metrics_error: str | None = None
+
+
+def vllm_rank_loads(text: str) -> list[dict[str, int]]:
+    """Per-rank ``{"dp_rank", "running", "waiting"}`` from vLLM's Prometheus ``/metrics``.
+
+    ValueError when the text does not parse; an empty list when it has no vLLM gauges.
+    Samples of one rank (several models) are summed.
+    """
+    ranks: dict[int, dict[str, int]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = _VLLM_GAUGES.get(sample.name)
+            engine = sample.labels.get("engine")
+            if field is None or engine is None or not engine.isdigit():
+                continue
+            entry = ranks.setdefault(
+                int(engine), {"dp_rank": int(engine), "running": 0, "waiting": 0}
+            )
+            entry[field] += int(sample.value)
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def _advertised_block_size(info: Any) -> int | None:
@@ -94,11 +128,29 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
         response = await client.get(f"{spec.url}/load", timeout=5.0)
         router.update_load(spec.worker, response.json())
         router.set_worker_available(spec.worker, True)
+        state.load_source = "/load"
         return
     response = await client.get(f"{spec.url}/health", timeout=5.0)
     if response.status_code != 200:
         raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status_code}")
     router.set_worker_available(spec.worker, True)
+    state.load_source = "router"
+    if spec.engine_kind != "vllm":
+        return
+    try:
+        metrics = await client.get(f"{spec.url}/metrics", timeout=5.0)
+        metrics.raise_for_status()
+        ranks = vllm_rank_loads(metrics.text)
+    except (httpx.HTTPError, ValueError) as exc:
+        state.metrics_error = f"GET {spec.url}/metrics: {type(exc).__name__}: {exc}"
+        return
+    if not ranks:
+        state.metrics_error = f"GET {spec.url}/metrics has no vllm:num_requests_* gauges"
+        return
+    # Only the ranks this engine has: a vLLM serving some ranks of a larger deployment
+    # labels its engines by their global index.
+    router.update_load(spec.worker, {"ranks": [r for r in ranks if r["dp_rank"] < spec.ranks]})
+    state.load_source, state.metrics_error = "/metrics", None
 
 
 async def watch_engine(

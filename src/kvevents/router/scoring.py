@@ -17,7 +17,8 @@ For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefi
 from CPU still costs a quarter of its prefill by default). ``pending`` is the work
 queued on the holder now, in blocks: the uncached blocks of requests this router sent
 and has not seen finish, plus the requests the engine reports running or waiting
-(``/load``) that this router did not send, each counted as ``foreign_request_blocks``.
+(``/load``, or vLLM's ``/metrics``) that this router did not send, each counted as
+``foreign_request_blocks``.
 
 ``recent`` is the work this router gave the holder lately: the prompt blocks of each
 request sent to it, halved every ``balance_half_life`` requests routed (to any
