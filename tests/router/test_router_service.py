@@ -225,3 +225,24 @@ def test_a_tokenizer_that_cannot_be_reached_answers_502(engine: Engine) -> None:
         assert chat.status_code == 502 and dead in chat.json()["error"]["message"]
     finally:
         proc.stop()
+
+
+def test_route_changes_nothing_unless_asked_to_record(engine: Engine, router: RouterProc) -> None:
+    """/route alone leaves the router as it was; with "record" the choice counts as sent,
+    so the same uncached prompt then goes to the other rank."""
+    prompt = {"input_ids": [3000 + i for i in range(64 * PAGE)]}  # 64 blocks nobody holds
+
+    def routed() -> dict[int, int]:
+        found = router.http.get("/workers").json()["holders"]
+        return {h["dp_rank"]: h["load"]["routed"] for h in found}
+
+    before = routed()
+    first = router.post("/route", prompt).json()
+    again = router.post("/route", prompt).json()
+    assert first["dp_rank"] == again["dp_rank"] and not again["recorded"]
+    assert routed() == before
+    recorded = router.post("/route", {**prompt, "record": True}).json()
+    assert recorded["recorded"] and recorded["dp_rank"] == first["dp_rank"]
+    after = routed()
+    assert after[first["dp_rank"]] == before[first["dp_rank"]] + 1
+    assert router.post("/route", prompt).json()["dp_rank"] != first["dp_rank"]

@@ -52,6 +52,8 @@ class TokensBody(msgspec.Struct):
     messages: list[Any] | None = None
     lora: str | None = None
     cache_salt: str | None = None
+    record: bool = False
+    """``/route`` only: count the choice as sent (the caller forwards the request)."""
 
 
 _TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
@@ -280,10 +282,13 @@ def create_app(service: RouterService) -> FastAPI:
             decision = router.route(tokens, lora=body.lora, cache_salt=body.cache_salt)
         except ValueError as exc:
             return _not_ready(exc)
+        if body.record:
+            router.record(decision)
         return JSONResponse(
             {
                 "worker": decision.worker,
                 "dp_rank": decision.dp_rank,
+                "recorded": body.record,
                 "n_blocks": decision.n_blocks,
                 "block_size": decision.block_size,
                 "scores": _scores_json(decision.scores),

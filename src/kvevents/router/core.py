@@ -259,6 +259,14 @@ class Router:
         self.routes[holder] += 1
         return Ticket(holder, blocks)
 
+    def record(self, decision: RouteDecision) -> None:
+        """Count a decision someone else acts on (``/route`` with ``record``) in ``recent``
+        and ``routed``; no in-flight load, as the router never sees the request end."""
+        holder = decision.holder
+        load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
+        load.routed += 1
+        self.routes[holder] += 1
+
     def finish(self, ticket: Ticket) -> None:
         """The forwarded request ended (answered or failed): drop it from the load."""
         load = self.loads.get(ticket.holder)
