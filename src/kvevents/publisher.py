@@ -8,7 +8,7 @@ accepted wherever ``attn_dp_rank=`` is.
 A :class:`ZmqEventPublisher` is three parts, each on its own thread:
 
 * the caller's ``publish(batch)``: a lock-free append; once per 256 waiting batches a
-  wait of at most 2 ms that hands the GIL to the sender (:mod:`kvevents.send_queue`);
+  wait of at most about 2 ms that hands the GIL to the sender (:mod:`kvevents.send_queue`);
 * the sender thread: sequence number, encoding, replay buffer, then the PUB socket;
   a full queue drops the batch and leaves a sequence gap (same module);
 * the replay thread: answers DEALER requests from the replay buffer on a ROUTER

@@ -23,24 +23,24 @@ every ZMQ send) rarely gets it back while another is running. A caller publishin
 tight loop would so starve the sender until the queue overflowed; and the sender, once
 running, would keep the caller waiting for the whole backlog. So when the backlog
 reaches ``handoff_backlog`` (256 by default), ``put()`` blocks on an event until the
-sender has emptied the queue, for at most 2 ms: the GIL changes hands once per 256
+sender has emptied the queue, for at most 1.5 ms: the GIL changes hands once per 256
 batches, at a point chosen here rather than by the interpreter. ``put()`` stays a bare
 append for the other 255 calls.
 
 The sender ends every hand-off itself, not only the caller's timeout: once the queue is
-empty, or once the hand-off's 2 ms deadline has passed, it sets the event and then
-blocks until the caller is running again (at most 5 ms, which only a caller the OS
-keeps off its core for that long would take). A timeout alone would not
-bound the wait: a caller whose timeout expires must still take the GIL back, and a
-sender that drops the GIL in every ZMQ send and retakes it at once keeps it from the
-caller for as long as the backlog lasts (CPython only forces a switch when the holder
-has kept the GIL for a whole switch interval, and each retake counts as a switch). So
-a ``put()`` that hands off returns after about 2 ms at worst, plus however long the OS
-keeps the caller's core from it.
+empty, or once the hand-off's 1.5 ms deadline has passed, it sets the event and then
+blocks until the caller is running again (at most 5 ms, which only a caller the OS keeps
+off its core for that long would take). A timeout alone would not bound the wait: a
+caller whose timeout expires must still take the GIL back, and a sender that drops the
+GIL in every ZMQ send and retakes it at once keeps it from the caller for as long as the
+backlog lasts (CPython only forces a switch when the holder has kept the GIL for a whole
+switch interval, and each retake counts as a switch). So a ``put()`` that hands off
+returns after 1.5 ms and one chunk of sends at worst (about 2 ms), plus however long the
+OS keeps the caller's core from it.
 
 After a hand-off that did not empty the queue (the sender cannot keep up), the next
 one comes only after another ``handoff_backlog`` batches: a sender that cannot keep up
-costs the caller at most one 2 ms wait per 256 batches, and the queue fills and drops
+costs the caller at most one such wait per 256 batches, and the queue fills and drops
 are counted. An engine publishing once per scheduler step never reaches the mark.
 
 Outside a hand-off the sender yields the GIL after each millisecond of continuous work,
@@ -68,7 +68,10 @@ __all__ = ["SendQueue"]
 _SEQ_PACK = struct.Struct(">Q").pack
 _SLICE_S = 0.001  # the sender yields the GIL after this much continuous work
 _YIELD_S = 50e-6  # ... for this long
-_HANDOFF_TIMEOUT_S = 0.0015  # longest put() waits for the sender to empty the queue
+# Longest put() waits for the sender to empty the queue. 1.5 ms lets a sender at 5 us a
+# batch (32-block batches here) send the 256 queued in one hand-off, and keeps the
+# worst publish() well under 5 ms; at 1 ms the queue grew (256 did not fit).
+_HANDOFF_TIMEOUT_S = 0.0015
 _RESUME_WAIT_S = 0.005  # longest the sender blocks after a hand-off for the caller to run
 _CHUNK = 32  # entries sent per hold of the send lock
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums costs ~0.5 us
@@ -192,7 +195,7 @@ class SendQueue:
             yield
 
     def _hand_off(self) -> None:
-        """Let the sender run until the queue is empty, at most ~2 ms (see the module doc)."""
+        """Let the sender run until the queue is empty, at most ~1.5 ms (see the module doc)."""
         if 0 <= self._since_timeout < self._handoff_backlog:
             self._since_timeout += 1  # the last hand-off did not empty the queue: not so soon
             return
