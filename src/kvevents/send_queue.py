@@ -23,7 +23,7 @@ every ZMQ send) rarely gets it back while another is running. A caller publishin
 tight loop would so starve the sender until the queue overflowed; and the sender, once
 running, would keep the caller waiting for the whole backlog. So when the backlog
 reaches ``handoff_backlog`` (256 by default), ``put()`` blocks on an event until the
-sender has emptied the queue, for at most 1.5 ms: the GIL changes hands once per 256
+sender has emptied the queue, for about 1.5 ms at most: the GIL changes hands once per 256
 batches, at a point chosen here rather than by the interpreter. ``put()`` stays a bare
 append for the other 255 calls.
 
@@ -206,8 +206,8 @@ class SendQueue:
         self._handoff_deadline = time.monotonic() + _HANDOFF_TIMEOUT_S
         self._handoff_wanted = True
         self._wake.set()
-        # The sender sets the event by the deadline; the timeout only matters when the
-        # sender is not running at all (descheduled, or stuck).
+        # The sender sets the event at its first chunk boundary past the deadline; this
+        # timeout decides only when the sender is not running at all (descheduled, stuck).
         ended = self._drained.wait(_HANDOFF_TIMEOUT_S)
         self._handoff_wanted = False
         self._resumed.set()

@@ -17,7 +17,8 @@
 * ``GET /health``: 200.
 * ``GET /metrics``: vLLM's scheduler gauges, ``vllm:num_requests_running`` and
   ``vllm:num_requests_waiting`` per ``engine`` (rank), from :attr:`FakeEngine.running`
-  and :attr:`FakeEngine.waiting` (zero unless a test sets them).
+  and :attr:`FakeEngine.waiting` (zero unless a test sets them); a test may set
+  :attr:`FakeEngine.metrics_status` to make it fail.
 
 :class:`RankPublishers` publishes, like a data-parallel engine, one real
 :class:`~kvevents.ZmqEventPublisher` per rank on base + rank (replay on its own range).
@@ -55,6 +56,7 @@ class FakeEngine:
         self.tokenized: list[dict[str, Any]] = []
         self.running = {0: 0, 1: 0}
         self.waiting = {0: 0, 1: 0}
+        self.metrics_status = 200
         self._release = threading.Event()
         app = FastAPI()
 
@@ -111,6 +113,8 @@ class FakeEngine:
 
         @app.get("/metrics")
         async def metrics() -> Response:
+            if self.metrics_status != 200:
+                return Response("metrics are broken", status_code=self.metrics_status)
             lines = []
             for name, values in (
                 ("vllm:num_requests_running", self.running),

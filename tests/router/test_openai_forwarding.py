@@ -225,22 +225,32 @@ def test_vllm_load_comes_from_its_metrics(plane: dict, router: RouterProc) -> No
         found = router.http.get("/workers").json()["holders"]
         return next(h for h in found if h["worker"] == worker and h["dp_rank"] == rank)
 
+    def engine(worker: str) -> dict:
+        found = router.http.get("/workers").json()["engines"]
+        return next(e for e in found if e["worker"] == worker)
+
     a.running[0], a.waiting[0] = 3, 2
     try:
         wait_until(
             lambda: holder(a.url, 0)["load"]["engine_requests"] == 5, 10, "the gauges polled"
         )
-        engines = {e["worker"]: e for e in router.http.get("/workers").json()["engines"]}
-        assert engines[a.url]["load_source"] == "/metrics"
-        assert engines[plane["b"].url]["load_source"] == "router"
+        assert engine(a.url)["load_source"] == "/metrics"
+        assert engine(plane["b"].url)["load_source"] == "router"
         assert holder(a.url, 1)["load"]["engine_requests"] == 0
         route = router.post("/route", {"input_ids": list(range(5000, 5016))}).json()
         scores = {(s["worker"], s["dp_rank"]): s for s in route["scores"]}
         assert scores[(a.url, 0)]["pending_blocks"] == 5 * 8.0  # foreign_request_blocks each
         assert (route["worker"], route["dp_rank"]) != (a.url, 0)  # the busy rank loses the tie
+        a.metrics_status = 500  # metrics break while rank 0 is busy: no phantom load stays
+        wait_until(
+            lambda: holder(a.url, 0)["load"]["engine_requests"] == 0, 10, "the load to clear"
+        )
+        broken = engine(a.url)
+        assert broken["load_source"] == "router" and "500" in broken["metrics_error"]
+        assert broken["load_error"] is None  # /health still answers: the ranks stay available
     finally:
-        a.running[0], a.waiting[0] = 0, 0
-    wait_until(lambda: holder(a.url, 0)["load"]["engine_requests"] == 0, 10, "the load to clear")
+        a.running[0], a.waiting[0], a.metrics_status = 0, 0, 200
+    wait_until(lambda: engine(a.url)["load_source"] == "/metrics", 10, "metrics read again")
 
 
 def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
@@ -255,6 +265,16 @@ def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
         assert response.headers["x-kvevents-matched-tokens"] == "8"
         assert a.tokenized[-1] == {"prompt": text, "add_special_tokens": True, "model": "tiny"}
         assert json.loads(a.received[-1][1])["prompt"] == text  # the text itself is forwarded
+
+
+def test_a_wrong_tokenize_endpoint_is_the_routers_fault_not_the_clients(plane: dict) -> None:
+    """A --tokenize-endpoint answering 404 (a wrong path) makes text prompts 502, not 4xx."""
+    a = plane["a"]
+    with router_for_a(plane, "--tokenize-endpoint", f"{a.url}/no-such-path") as proc:
+        response = proc.post("/v1/completions", {"prompt": "w1 w2"})
+        assert response.status_code == 502
+        assert response.json()["error"]["type"] == "tokenizer_error"
+        assert "404" in response.json()["error"]["message"]
 
 
 def test_chat_is_rendered_by_the_engine_and_sent_to_the_rank_holding_it(plane: dict) -> None:

@@ -38,3 +38,16 @@ def test_metrics_without_the_gauges_give_no_ranks_and_garbage_is_refused() -> No
     assert vllm_rank_loads("# TYPE up gauge\nup 1.0\n") == []
     with pytest.raises(ValueError):
         vllm_rank_loads("this is {not metrics")
+
+
+def test_values_that_are_not_finite_counts_are_skipped() -> None:
+    """+Inf, NaN or a negative gauge is no request count: skipped, never an overflow."""
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} +Inf\n'
+        'vllm:num_requests_running{engine="1"} NaN\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0"} 4.0\n'
+        'vllm:num_requests_waiting{engine="1"} -1.0\n'
+    )
+    assert vllm_rank_loads(text) == [{"dp_rank": 0, "running": 0, "waiting": 4}]

@@ -159,11 +159,12 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
             body = _json_object(await request.body())
             tokens = _chat_prompt(body, tokenizer) if chat else _prompt(body, tokenizer)
             rank = _rank(request, body, dp_size)
-            max_tokens = body.get("max_completion_tokens") if chat else None
-            if max_tokens is None:
-                max_tokens = body.get("max_tokens")
+            key = "max_tokens"
+            if chat and body.get("max_completion_tokens") is not None:
+                key = "max_completion_tokens"
+            max_tokens = body.get(key)
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-            max_new = _int(max_new, "max_tokens", 0, 1_000_000)
+            max_new = _int(max_new, key, 0, 1_000_000)
         except _Invalid as exc:
             return _error(400, str(exc))
         rank, result = await generate(tokens, rank, max_new)

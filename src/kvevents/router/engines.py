@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,8 @@ def vllm_rank_loads(text: str) -> list[dict[str, int]]:
     """Per-rank ``{"dp_rank", "running", "waiting"}`` from vLLM's Prometheus ``/metrics``.
 
     ValueError when the text does not parse; an empty list when it has no vLLM gauges.
-    Samples of one rank (several models) are summed.
+    Samples of one rank (several models) are summed; a value that is not a finite
+    non-negative number is skipped.
     """
     ranks: dict[int, dict[str, int]] = {}
     for family in text_string_to_metric_families(text):
@@ -72,10 +74,13 @@ def vllm_rank_loads(text: str) -> list[dict[str, int]]:
             engine = sample.labels.get("engine")
             if field is None or engine is None or not engine.isdigit():
                 continue
+            value = sample.value
+            if not math.isfinite(value) or value < 0:
+                continue
             entry = ranks.setdefault(
                 int(engine), {"dp_rank": int(engine), "running": 0, "waiting": 0}
             )
-            entry[field] += int(sample.value)
+            entry[field] += int(value)
     return [ranks[r] for r in sorted(ranks)]
 
 
@@ -137,20 +142,29 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
     state.load_source = "router"
     if spec.engine_kind != "vllm":
         return
+    # Every rank's load comes from this scrape, zero for a rank it does not mention, and
+    # all zero when it fails: a load read earlier must not linger as phantom work.
+    loads = {r: {"dp_rank": r, "running": 0, "waiting": 0} for r in range(spec.ranks)}
     try:
         metrics = await client.get(f"{spec.url}/metrics", timeout=5.0)
         metrics.raise_for_status()
-        ranks = vllm_rank_loads(metrics.text)
+        scraped = vllm_rank_loads(metrics.text)
     except (httpx.HTTPError, ValueError) as exc:
         state.metrics_error = f"GET {spec.url}/metrics: {type(exc).__name__}: {exc}"
-        return
-    if not ranks:
-        state.metrics_error = f"GET {spec.url}/metrics has no vllm:num_requests_* gauges"
-        return
-    # Only the ranks this engine has: a vLLM serving some ranks of a larger deployment
-    # labels its engines by their global index.
-    router.update_load(spec.worker, {"ranks": [r for r in ranks if r["dp_rank"] < spec.ranks]})
-    state.load_source, state.metrics_error = "/metrics", None
+        scraped = []
+    else:
+        labels = [r["dp_rank"] for r in scraped]
+        scraped = [r for r in scraped if r["dp_rank"] in loads]
+        if not scraped:
+            state.metrics_error = (
+                f"GET {spec.url}/metrics has no vllm:num_requests_* gauges for engine "
+                f"labels 0..{spec.ranks - 1} (found {labels or 'none'})"
+            )
+    for entry in scraped:
+        loads[entry["dp_rank"]] = entry
+    router.update_load(spec.worker, {"ranks": list(loads.values())})
+    if scraped:
+        state.load_source, state.metrics_error = "/metrics", None
 
 
 async def watch_engine(

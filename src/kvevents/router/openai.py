@@ -28,10 +28,10 @@ stream with an SSE ``error`` event. Every answer carries the decision::
 
 and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`` or
 ``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
-OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (or what
-the engine's ``/tokenize`` refused), 501 for a chat the tokenizer cannot render, 503
-before any block size is known or with no rank available, 502 when the engine cannot be
-reached.
+OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (the
+engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
+the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 before any block
+size is known or with no rank available, and 502 when the engine cannot be reached.
 """
 
 from __future__ import annotations

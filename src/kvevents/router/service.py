@@ -18,10 +18,11 @@ engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stre
   [...]}`` (a chat, with the chat body's template fields; optional ``lora``,
   ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
 * ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
-  holder's score (see :mod:`kvevents.router.scoring`). Asking changes nothing unless
-  the body says ``"record": true``: a gateway that then sends the request itself has the
-  choice counted in the balance term (its in-flight load then comes from the engine's
-  ``/load`` or ``/metrics``, as the router never sees the request end).
+  holder's score (see :mod:`kvevents.router.scoring`), by the KV-aware cost whatever
+  ``--policy`` says. Asking changes nothing unless the body says ``"record": true``: a
+  gateway that then sends the request itself has the choice counted in the balance
+  term. The router never sees such a request end, so it is in-flight load only as the
+  engine reports it (``/load``, a vLLM's ``/metrics``; an SGLang engine reports none).
 * ``POST /generate``: an engine ``/generate`` body, forwarded to the chosen engine with
   ``routed_dp_rank`` set (any rank in the body is replaced); the engine's answer comes
   back with a ``router`` field saying where it went and why.

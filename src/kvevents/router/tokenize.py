@@ -53,8 +53,9 @@ __all__ = [
 class TokenizeError(Exception):
     """The text could not be tokenized (the engine's /tokenize failed or answered oddly).
 
-    ``status`` is what the router answers its client: 502 when the engine failed, the
-    engine's own 4xx when it refused the input (the client's to fix).
+    ``status`` is what the router answers its client: the engine's own 400, 413 or 422
+    when it refused the input (the client's to fix), else 502 (the engine failed, or the
+    router was pointed at the wrong URL: a 404 is the router's problem, not the client's).
     """
 
     status = 502
@@ -65,6 +66,9 @@ class ChatUnsupported(TokenizeError):
 
     status = 501
 
+
+# Statuses of the engine's /tokenize that blame the input, and so are the client's to fix.
+_CLIENT_FAULTS = frozenset({400, 413, 422})
 
 # The chat body's fields that change how vLLM renders the messages into a prompt.
 CHAT_TEMPLATE_FIELDS = (
@@ -202,7 +206,7 @@ class EndpointTokenizer:
             error = TokenizeError(
                 f"{self.url} answered HTTP {response.status_code}: {response.text[:200]}"
             )
-            if 400 <= response.status_code < 500:
+            if response.status_code in _CLIENT_FAULTS:
                 error.status = response.status_code  # the engine refused the client's input
             raise error
         try:
