@@ -144,6 +144,38 @@ def test_engine_started_after_subscribing_works_and_one_never_started_is_reporte
             eng.stop()
 
 
+def test_engine_restarted_whole_on_new_ports_is_followed_there() -> None:
+    """An engine back on the same URL but new OS-chosen event ports is found again by
+    rereading /server_info: a Reset per rank, then its new streams from seq 0."""
+    port = free_tcp_port()
+    url = f"http://127.0.0.1:{port}"
+    holders = {Holder(url, 0), Holder(url, 1)}
+    eng = EngineProcess(["--port", str(port), "--dp-size", "2"], KV_CONFIG)
+    try:
+        with Subscriber(
+            engines=[url], retry_initial=0.1, retry_max=0.5, rediscover_interval=0.3
+        ) as sub:
+            eng.generate(list(range(64)), rank=0)
+            eng.generate(list(range(100, 164)), rank=1)
+            collect(sub, until=lambda got: len(deliveries(got)) == 2)
+            before = {h: st.endpoint for h, st in sub.stats().items()}
+            eng.stop()
+            eng = EngineProcess(["--port", str(port), "--dp-size", "2"], KV_CONFIG)
+            items = collect(sub, until=lambda got: len(signals(got, "reset")) == 2)
+            resets = signals(items, "reset")
+            assert {r.holder for r in resets} == holders
+            assert all(isinstance(r, Reset) and "restarted" in r.reason for r in resets)
+            eng.generate(list(range(200, 264)), rank=0)
+            eng.generate(list(range(300, 364)), rank=1)
+            items = collect(sub, until=lambda got: len(deliveries(got)) == 2)
+            assert {(d.holder, d.seq) for d in deliveries(items)} == {(h, 0) for h in holders}
+            after = {h: st.endpoint for h, st in sub.stats().items()}
+            assert all(after[h] != before[h] for h in holders)  # the new engine's ports
+            assert sub.engines()[url].rediscoveries == 2
+    finally:
+        eng.stop()
+
+
 def test_engine_with_publishing_off_is_reported_with_how_to_enable_it() -> None:
     """An engine whose /server_info has no kv_events block is reported, saying how to turn publishing on."""
     eng = EngineProcess(["--port", "0"], {"publisher": "null"})

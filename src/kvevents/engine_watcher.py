@@ -1,11 +1,18 @@
 """Finding an engine's streams in the background: ``/server_info`` retried with backoff.
 
-An :class:`EngineWatcher` runs one thread per engine URL until discovery succeeds:
+An :class:`EngineWatcher` runs one thread per engine URL. Until discovery succeeds,
 each attempt is one HTTP request (``timeout`` seconds), failures wait ``retry_initial``
 seconds, doubling up to ``retry_max``. The first failure of the streak is reported
 through ``report`` as an :class:`~kvevents.signals.Unreachable` signal; success hands
-every rank's :class:`~kvevents.discovery.StreamSpec` to ``add_spec`` and ends the thread.
-Setting ``closing`` stops it within one request timeout.
+every rank's :class:`~kvevents.discovery.StreamSpec` to ``add_spec``.
+
+Then, every ``recheck`` seconds (None: never, and the thread ends), ``/server_info`` is
+read again: an engine restarted whole may publish on other endpoints (OS-chosen ports
+change on every start), which reconnecting to the old ones would never find. A rank
+whose endpoints, topic or block size changed goes to ``replace_spec``; a rank that is
+new goes to ``add_spec``. A failed recheck changes nothing (the engine may be
+restarting; its streams report themselves unreachable). Setting ``closing`` stops the
+thread within one request timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     last_error: str | None
     streams: int
+    rediscoveries: int = 0
+    """Ranks a later ``/server_info`` showed on new endpoints (the engine restarted whole)."""
 
 
 class EngineWatcher:
@@ -53,6 +62,8 @@ class EngineWatcher:
         closing: threading.Event,
         add_spec: Callable[[StreamSpec], None],
         report: Callable[[Signal], None],
+        replace_spec: Callable[[StreamSpec], None] | None = None,
+        recheck: float | None = None,
     ) -> None:
         self.url = url
         self.worker = worker
@@ -66,6 +77,10 @@ class EngineWatcher:
         self._closing = closing
         self._add_spec = add_spec
         self._report = report
+        self._replace_spec = replace_spec
+        self._recheck = recheck
+        self._followed: dict[int, StreamSpec] = {}  # by dp_rank
+        self.rediscoveries = 0  # ranks found on new endpoints by a recheck
         self.thread = threading.Thread(
             target=self._run, name=f"kvevents-discover {url}", daemon=True
         )
@@ -78,6 +93,7 @@ class EngineWatcher:
             attempts=self.attempts,
             last_error=self.last_error,
             streams=self.streams,
+            rediscoveries=self.rediscoveries,
         )
 
     def _run(self) -> None:
@@ -109,11 +125,34 @@ class EngineWatcher:
                 delay = min(self._retry_max, delay * 2)
                 continue
             self.last_error = None
-            for spec in specs:
-                try:
+            self._follow(specs)
+            self.state = "subscribed"
+            break
+        if self._recheck is None or self._replace_spec is None:
+            return
+        while not self._closing.wait(self._recheck):
+            try:
+                info = fetch_server_info(self.url, timeout=self._timeout)
+                specs = streams_from_server_info(info, engine_url=self.url, worker=self.worker)
+            except DiscoveryError:
+                continue  # restarting, or gone for now: the streams say so themselves
+            self._follow(specs)
+
+    def _follow(self, specs: list[StreamSpec]) -> None:
+        """Add ranks not followed yet; replace those whose stream moved."""
+        for spec in specs:
+            known = self._followed.get(spec.dp_rank)
+            if known == spec:
+                continue
+            try:
+                if known is None:
                     self._add_spec(spec)
                     self.streams += 1
-                except ValueError as exc:  # the same holder is followed already
-                    self.last_error = str(exc)
-            self.state = "subscribed"
-            return
+                else:
+                    assert self._replace_spec is not None  # only rechecks find a known rank
+                    self._replace_spec(spec)
+                    self.rediscoveries += 1
+            except ValueError as exc:  # the same holder is followed already
+                self.last_error = str(exc)
+                continue
+            self._followed[spec.dp_rank] = spec

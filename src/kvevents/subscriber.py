@@ -20,7 +20,8 @@ that is never delivered is covered by a ``Loss``; a gap is replayed (when the st
 a replay endpoint) and its batches are delivered before anything newer; a new stream
 with a replay endpoint first replays from seq 0 (slow joiner), and one that goes quiet
 is probed for batches lost at the end of a burst; a restarted publisher gives ``Reset``
-before its first batch. Malformed frames are counted and skipped. An engine that is not
+before its first batch, and so does an engine that comes back on new endpoints (its
+``/server_info`` is read again every ``rediscover_interval`` seconds). Malformed frames are counted and skipped. An engine that is not
 up yet is retried with backoff and reported (``Unreachable``, :meth:`Subscriber.engines`),
 never blocking the other streams. The limits of restart detection are in
 :mod:`kvevents.stream`.
@@ -30,7 +31,7 @@ ZMQ's high-water marks then drop live messages, which come back through replay (
 reported as ``Loss``): memory stays bounded and nothing is lost silently.
 
 Threads: one socket thread per subscriber (:mod:`kvevents.subscriber_loop`) and one
-short-lived discovery thread per engine until it answers. Consume from one thread or
+discovery thread per engine (:mod:`kvevents.engine_watcher`), mostly asleep. Consume from one thread or
 one asyncio task at a time.
 """
 
@@ -77,6 +78,9 @@ class Subscriber:
     * ``discovery_timeout``: seconds per ``/server_info`` request; ``retry_initial`` and
       ``retry_max``: the backoff between discovery attempts, ``retry_max`` also caps
       ZMQ's reconnect interval.
+    * ``rediscover_interval``: seconds between rereads of a discovered engine's
+      ``/server_info``, to follow it to new endpoints after a whole restart (None:
+      discover once).
     * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
       seconds, for tests.
     """
@@ -94,6 +98,7 @@ class Subscriber:
         discovery_timeout: float = 2.0,
         retry_initial: float = 0.25,
         retry_max: float = 5.0,
+        rediscover_interval: float | None = 5.0,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -107,6 +112,12 @@ class Subscriber:
                 raise ValueError(
                     f"Subscriber: {name}={value!r} must be a positive number of seconds"
                 )
+        if rediscover_interval is not None and not rediscover_interval > 0:
+            raise ValueError(
+                f"Subscriber: rediscover_interval={rediscover_interval!r} must be a positive "
+                "number of seconds, or None to discover each engine once"
+            )
+        self.rediscover_interval = rediscover_interval
         self.discovery_timeout = discovery_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
@@ -157,6 +168,8 @@ class Subscriber:
                 closing=self._closing,
                 add_spec=self._add_spec,
                 report=lambda signal: self._loop.submit("signal", signal),
+                replace_spec=self._replace_spec,
+                recheck=self.rediscover_interval,
             )
             self._engines[url] = watcher
         watcher.thread.start()
@@ -178,6 +191,12 @@ class Subscriber:
                 )
             self._specs[holder] = spec
         self._loop.submit("add", spec)
+
+    def _replace_spec(self, spec: StreamSpec) -> None:
+        """Follow ``spec`` instead of the holder's current stream (the engine moved)."""
+        with self._lock:
+            self._specs[Holder(spec.worker, spec.dp_rank)] = spec
+        self._loop.submit("replace", spec)
 
     # --- consuming -----------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import zmq
 from kvevents.discovery import StreamSpec
 from kvevents.errors import WireError
 from kvevents.handoff import Handoff
-from kvevents.signals import Delivery, Holder, Loss, Signal, Unreachable
+from kvevents.signals import Delivery, Holder, Loss, Reset, Signal, Unreachable
 from kvevents.stream import CancelReplay, Deliver, RequestReplay, TrackerAction
 from kvevents.stream_sockets import StreamSockets
 from kvevents.stream_stats import SAMPLE_INTERVAL, StreamStats
@@ -173,6 +173,8 @@ class SubscriberLoop:
             command, arg = self._commands.popleft()
             if command == "add":
                 self._add_stream(arg, now, out)
+            elif command == "replace":
+                self._replace_stream(arg, now, out)
             elif command == "signal":
                 out.append(arg)
             elif command == "stop":
@@ -212,6 +214,28 @@ class SubscriberLoop:
         st.counters.sample(now)
         st.activity = now
         self._apply(st, st.tracker.start(), now, out)
+
+    def _replace_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
+        """The engine now publishes this rank elsewhere: drop the old stream, say ``Reset``
+        (whatever it held is gone with the old engine), follow the new one from seq 0."""
+        holder = Holder(spec.worker, spec.dp_rank)
+        old = self.streams.pop(holder, None)
+        if old is not None:
+            for sock in (old.sub, old.monitor):
+                self._unregister(sock)
+            self._monitor_sockets.discard(old.monitor)
+            old.close()  # its replay socket unregisters itself
+            out.append(
+                Reset(
+                    worker=spec.worker,
+                    dp_rank=spec.dp_rank,
+                    last_seq=old.tracker.last,
+                    new_seq=None,
+                    reason=f"the engine now publishes this rank on {spec.endpoint} "
+                    f"(was {old.spec.endpoint}): it restarted",
+                )
+            )
+        self._add_stream(spec, now, out)
 
     def _register(
         self, sock: zmq.Socket[bytes], handler: Callable[[float, list[Item]], None]
