@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -17,6 +18,7 @@ from kvevents.discovery import (
     discover,
     fetch_server_info,
     normalize_engine_url,
+    streams_from_kv_event_sources,
     streams_from_server_info,
 )
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
@@ -222,3 +224,57 @@ def test_unreachable_engine_is_a_discovery_error() -> None:
         port = s.getsockname()[1]
     with pytest.raises(DiscoveryError, match="is the engine running"):
         discover(f"http://127.0.0.1:{port}", timeout=1.0)
+
+
+VLLM_SOURCES = json.loads(
+    (Path(__file__).parent / "data" / "vllm-0.32-kv_event_sources.json").read_text()
+)
+"""What a real vLLM 0.32 (DP 2, KV events with replay, topic "kv") answered at
+GET /kv_event_sources."""
+
+
+def test_vllm_kv_event_sources_give_each_ranks_own_endpoints() -> None:
+    """vLLM's per-rank configs (already offset) become one stream per rank on the engine's host."""
+    specs = streams_from_kv_event_sources(VLLM_SOURCES, engine_url="http://10.0.0.5:8000")
+    assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in specs] == [
+        (0, "tcp://10.0.0.5:56810", "tcp://10.0.0.5:40674", "kv"),
+        (1, "tcp://10.0.0.5:56811", "tcp://10.0.0.5:40675", "kv"),
+    ]
+    assert all(s.worker == "http://10.0.0.5:8000" and s.block_size is None for s in specs)
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [
+        ({}, "lists no publishers"),
+        (
+            {"zero": {"publisher": "zmq", "endpoint": "tcp://*:5557"}},
+            "must be a data-parallel rank",
+        ),
+        ({"0": {"publisher": "null"}}, "publishing looks off"),
+        ({"0": {"publisher": "zmq"}}, "no 'endpoint'"),
+        ({"0": "tcp://*:5557"}, "expected a publisher config object"),
+    ],
+)
+def test_bad_kv_event_sources_are_refused_naming_the_rank(sources: Any, message: str) -> None:
+    """Each malformed /kv_event_sources answer is a DiscoveryError saying what is wrong where."""
+    with pytest.raises(DiscoveryError, match=message):
+        streams_from_kv_event_sources(sources, engine_url="http://10.0.0.5:8000")
+
+
+def test_discover_falls_back_to_vllms_kv_event_sources(
+    http_server: tuple[str, dict[str, tuple[int, bytes]]],
+) -> None:
+    """An engine whose /server_info has no kv_events block (or none at all) but which answers
+    /kv_event_sources, as vLLM does, is discovered from its URL alone."""
+    url, routes = http_server
+    routes["/kv_event_sources"] = (200, json.dumps(VLLM_SOURCES).encode())
+    no_info = discover(url)  # /server_info answers 404
+    routes["/server_info"] = (200, json.dumps({"vllm_config": "model=tiny"}).encode())
+    no_block = discover(url)
+    assert no_info == no_block
+    assert [s.endpoint for s in no_block] == ["tcp://127.0.0.1:56810", "tcp://127.0.0.1:56811"]
+    routes["/kv_event_sources"] = (200, b"{}")  # vLLM with KV events off
+    with pytest.raises(DiscoveryError, match="publishing looks off") as caught:
+        discover(url)
+    assert caught.value.reached  # it answered: not unreachable

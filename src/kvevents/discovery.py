@@ -15,6 +15,16 @@ base + rank (ports chosen by the OS are not consecutive; ranks may live on other
 and the wildcard rule applies to its endpoints too. The block is absent when publishing
 is off, which is reported as a :class:`~kvevents.errors.DiscoveryError` saying how to
 turn it on.
+
+vLLM (0.32 and later) has no such block but answers ``GET /kv_event_sources`` with each
+rank's own publisher config, endpoints already offset per rank::
+
+    {"0": {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600",
+           "topic": "kv", ...},
+     "1": {"publisher": "zmq", "endpoint": "tcp://*:5558", ...}}
+
+:func:`discover` tries ``/server_info`` first and falls back to that, so a vLLM is
+discovered from its URL alone (its block size is then learned from its events).
 """
 
 from __future__ import annotations
@@ -31,9 +41,12 @@ from kvevents.errors import DiscoveryError, EndpointError
 __all__ = [
     "StreamSpec",
     "discover",
+    "fetch_kv_event_sources",
     "fetch_server_info",
     "normalize_engine_url",
+    "streams_from_kv_event_sources",
     "streams_from_server_info",
+    "streams_of_engine",
 ]
 
 _HOW_TO_ENABLE = (
@@ -119,7 +132,8 @@ def fetch_server_info(
         )
     except httpx.HTTPError as exc:
         raise DiscoveryError(
-            f"GET {target} failed ({type(exc).__name__}: {exc}): is the engine running at {url}?"
+            f"GET {target} failed ({type(exc).__name__}: {exc}): is the engine running at {url}?",
+            reached=False,
         ) from None
     if response.status_code != 200:
         raise DiscoveryError(
@@ -142,10 +156,95 @@ def discover(
     timeout: float = 2.0,
     client: httpx.Client | None = None,
 ) -> list[StreamSpec]:
-    """Every rank's stream of the engine at ``url`` (one HTTP request, ``timeout`` seconds)."""
+    """Every rank's stream of the engine at ``url``: its ``/server_info``, else (a vLLM)
+    its ``/kv_event_sources``; each request ``timeout`` seconds.
+
+    DiscoveryError when neither describes any stream; its ``reached`` says whether the
+    engine answered at all.
+    """
     url = normalize_engine_url(url)
-    info = fetch_server_info(url, timeout=timeout, client=client)
-    return streams_from_server_info(info, engine_url=url, worker=worker)
+    try:
+        info = fetch_server_info(url, timeout=timeout, client=client)
+    except DiscoveryError as exc:
+        if not exc.reached:
+            raise
+        sources = fetch_kv_event_sources(url, timeout=timeout, client=client)
+        if not sources:
+            raise
+        return streams_from_kv_event_sources(sources, engine_url=url, worker=worker)
+    return streams_of_engine(info, url, worker=worker, timeout=timeout, client=client)
+
+
+def fetch_kv_event_sources(
+    url: str, *, timeout: float = 2.0, client: httpx.Client | None = None
+) -> Any:
+    """GET ``{url}/kv_event_sources`` (vLLM's); the parsed JSON, or None when it has none."""
+    target = f"{normalize_engine_url(url)}/kv_event_sources"
+    try:
+        response = (
+            client.get(target, timeout=timeout) if client else httpx.get(target, timeout=timeout)
+        )
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def streams_of_engine(
+    info: Mapping[str, Any],
+    url: str,
+    *,
+    worker: str | None = None,
+    timeout: float = 2.0,
+    client: httpx.Client | None = None,
+) -> list[StreamSpec]:
+    """The streams ``info`` (the engine's ``/server_info``) advertises or, when it has no
+    kv_events block, those of ``/kv_event_sources`` (vLLM); the ``/server_info``
+    DiscoveryError when neither has any."""
+    try:
+        return streams_from_server_info(info, engine_url=url, worker=worker)
+    except DiscoveryError:
+        sources = fetch_kv_event_sources(url, timeout=timeout, client=client)
+        if not sources:  # not a vLLM, or one without KV events: the first error says more
+            raise
+    return streams_from_kv_event_sources(sources, engine_url=url, worker=worker)
+
+
+def streams_from_kv_event_sources(
+    sources: Any, *, engine_url: str | None = None, worker: str | None = None
+) -> list[StreamSpec]:
+    """Per-rank stream descriptions from vLLM's parsed ``/kv_event_sources``, in rank order.
+
+    ``engine_url`` supplies the host for wildcard endpoints and, unless ``worker`` is
+    given, names the worker. No block size is advertised there.
+    """
+    where = f"engine {engine_url} /kv_event_sources" if engine_url else "kv_event_sources"
+    if not isinstance(sources, Mapping) or not sources:
+        raise DiscoveryError(f"{where} lists no publishers; {_HOW_TO_ENABLE}")
+    name = worker or (normalize_engine_url(engine_url) if engine_url else "engine")
+    specs: list[StreamSpec] = []
+    for key, config in sources.items():
+        at = f"{where}[{key!r}]"
+        if not isinstance(key, str) or not key.isdigit():
+            raise DiscoveryError(f"{at}: the key must be a data-parallel rank (0, 1, ...)")
+        if not isinstance(config, Mapping):
+            raise DiscoveryError(f"{at} is {config!r}, expected a publisher config object")
+        if config.get("publisher") != "zmq":
+            raise DiscoveryError(
+                f"{at}: publisher is {config.get('publisher')!r}, not 'zmq': KV-event "
+                f"publishing looks off on that rank; {_HOW_TO_ENABLE}"
+            )
+        live = _field(config, "endpoint", str, at)
+        replay = _field(config, "replay_endpoint", str, at, required=False)
+        specs.append(
+            StreamSpec(
+                worker=name,
+                dp_rank=int(key),
+                endpoint=_resolve(live, engine_url, at),
+                replay_endpoint=None if replay is None else _resolve(replay, engine_url, at),
+                topic=_field(config, "topic", str, at, required=False) or "",
+            )
+        )
+    return sorted(specs, key=lambda s: s.dp_rank)
 
 
 def _field(

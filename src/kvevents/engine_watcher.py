@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvevents.discovery import StreamSpec, fetch_server_info, streams_from_server_info
+from kvevents.discovery import StreamSpec, discover
 from kvevents.errors import DiscoveryError
 from kvevents.signals import Signal, Unreachable
 
@@ -33,8 +33,9 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Discovery state of one engine URL.
 
     ``state``: "discovering" (first attempt running), "unreachable" (no answer),
-    "invalid" (it answers, but its /server_info has no usable kv_events block: publishing
-    is off, or the block is malformed; ``last_error`` says which) or "subscribed".
+    "invalid" (it answers, but neither its /server_info nor a vLLM's /kv_event_sources
+    describes a usable stream: publishing is off, or the document is malformed;
+    ``last_error`` says which) or "subscribed".
     Unreachable and invalid engines are retried with backoff.
     """
 
@@ -101,14 +102,11 @@ class EngineWatcher:
         reported = False
         while not self._closing.is_set():
             self.attempts += 1
-            state = "unreachable"
             try:
-                info = fetch_server_info(self.url, timeout=self._timeout)
-                state = "invalid"
-                specs = streams_from_server_info(info, engine_url=self.url, worker=self.worker)
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
             except DiscoveryError as exc:
                 self.last_error = str(exc)
-                self.state = state
+                self.state = "invalid" if exc.reached else "unreachable"
                 if not reported:
                     reported = True
                     self._report(
@@ -132,8 +130,7 @@ class EngineWatcher:
             return
         while not self._closing.wait(self._recheck):
             try:
-                info = fetch_server_info(self.url, timeout=self._timeout)
-                specs = streams_from_server_info(info, engine_url=self.url, worker=self.worker)
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
             except DiscoveryError:
                 continue  # restarting, or gone for now: the streams say so themselves
             self._follow(specs)

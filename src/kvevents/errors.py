@@ -44,7 +44,15 @@ class PublisherStateError(KVEventsError, RuntimeError):
 
 
 class DiscoveryError(KVEventsError):
-    """An engine's discovery document is missing, unreachable or invalid."""
+    """An engine's discovery document is missing, unreachable or invalid.
+
+    ``reached`` is False when the engine did not answer HTTP at all (not up, wrong
+    address), True when it answered but what it said is no usable discovery document.
+    """
+
+    def __init__(self, message: str, *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
 
 
 class SubscriberStateError(KVEventsError, RuntimeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -166,3 +167,32 @@ def test_vllm_load_is_read_from_its_metrics(vllm: RealVLLM, router: RouterProces
     assert all(r["running"] >= 0 and r["waiting"] >= 0 for r in ranks)
     engine = next(e for e in router.workers()["engines"] if e["url"] == vllm.url)
     assert engine["load_source"] == "/metrics", engine["metrics_error"]
+
+
+def test_a_router_given_only_the_vllm_url_finds_every_rank(vllm: RealVLLM) -> None:
+    """`kvevents router --engine URL --engine-kind vllm`, no endpoints: vLLM's /kv_event_sources gives every rank's stream, and routing follows the cache."""
+    prompts = Prompts("routing-url-only")
+    bs = vllm.block_size
+    router = RouterProcess(
+        vllm.url,
+        ["--engine-kind", "vllm"],
+        "--tokenizer",
+        vllm.model,
+        log=Path(vllm.state_dir) / "router-url-only.log",
+    )
+    try:
+        deadline = time.monotonic() + FEED_TIMEOUT_S
+        while len(streams := router.streams()) < vllm.dp_size:  # discovered in the background
+            assert time.monotonic() < deadline, f"ranks found: {streams}\n{router.output()}"
+            time.sleep(0.1)
+        assert [streams[r]["endpoint"] for r in sorted(streams)] == [
+            vllm.rank_endpoint(r) for r in range(vllm.dp_size)
+        ]
+        prompt = prompts.fresh(2 * bs + 3)
+        first = router.complete(prompt)
+        assert first.status == 200, first.body
+        router.wait_holds(first.dp_rank, prompt, bs, FEED_TIMEOUT_S)
+        again = router.complete(prompt)
+        assert again.dp_rank == first.dp_rank and again.cached_tokens == 2 * bs
+    finally:
+        router.stop()

@@ -15,6 +15,8 @@
   token 1 unless ``add_generation_prompt`` is false; a message whose content is
   ``"refuse"`` answers 400, as vLLM does for a conversation it cannot render.
 * ``GET /health``: 200.
+* ``GET /kv_event_sources``: :attr:`FakeEngine.kv_sources` as vLLM answers it (404
+  while None, the default).
 * ``GET /metrics``: vLLM's scheduler gauges, ``vllm:num_requests_running`` and
   ``vllm:num_requests_waiting`` per ``engine`` (rank), from :attr:`FakeEngine.running`
   and :attr:`FakeEngine.waiting` (zero unless a test sets them); a test may set
@@ -57,6 +59,7 @@ class FakeEngine:
         self.running = {0: 0, 1: 0}
         self.waiting = {0: 0, 1: 0}
         self.metrics_status = 200
+        self.kv_sources: dict[str, Any] | None = None
         self._release = threading.Event()
         app = FastAPI()
 
@@ -110,6 +113,12 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200)
+
+        @app.get("/kv_event_sources")
+        async def kv_event_sources() -> Response:
+            if self.kv_sources is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse(self.kv_sources)
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -253,6 +253,36 @@ def test_vllm_load_comes_from_its_metrics(plane: dict, router: RouterProc) -> No
     wait_until(lambda: engine(a.url)["load_source"] == "/metrics", 10, "metrics read again")
 
 
+def test_a_vllm_is_found_from_its_url_alone_through_kv_event_sources(plane: dict) -> None:
+    """--engine URL --engine-kind vllm, no endpoints given: the router reads vLLM's
+    /kv_event_sources, follows every rank, and routes to the one holding the prefix."""
+    a, pubs = plane["a"], plane["pubs_a"]
+    live, replay = (int(e.rsplit(":", 1)[1]) for e in (pubs.live, pubs.replay))
+    a.kv_sources = {
+        str(r): {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{live + r}",
+            "replay_endpoint": f"tcp://*:{replay + r}",
+            "topic": "kv",
+        }
+        for r in range(2)
+    }
+    proc = RouterProc([], "--engine", a.url, "--engine-kind", "vllm", "--block-size", str(BS))
+    try:
+        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        streams = sorted(proc.http.get("/workers").json()["streams"], key=lambda s: s["dp_rank"])
+        assert [s["endpoint"] for s in streams] == [f"tcp://127.0.0.1:{live + r}" for r in (0, 1)]
+        held(proc, pubs, a.url, 1, list(range(1100, 1108)))
+        response = proc.post("/v1/completions", {"prompt": list(range(1100, 1110))})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvevents-dp-rank"] == "1"
+        assert a.received[-1][0]["x-data-parallel-rank"] == "1"  # a vLLM: the rank header
+    finally:
+        proc.stop()
+        a.kv_sources = None
+
+
 def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
     """With --tokenize-endpoint, a text prompt is tokenized by the engine's /tokenize and routed by those ids."""
     a = plane["a"]

@@ -6,7 +6,7 @@ One :func:`watch_engine` task per engine, until the service stops:
    (:attr:`EngineSpec.described <kvevents.engine_spec.EngineSpec.described>`) has its ranks
    from the spec; its ``/server_info`` is then read once, best effort, only to cross-check
    a block size it may advertise (vLLM has none). A discovered engine is registered from
-   its ``/server_info`` (retried until it answers). A configured block size and the
+   its ``/server_info``, or a vLLM's ``/kv_event_sources`` (retried until one answers). A configured block size and the
    advertised one are both declared to the router, which checks them
    (:mod:`kvevents.block_sizes`).
 2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load at ``GET /load``;
@@ -35,7 +35,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvevents.discovery import streams_from_server_info
+from kvevents.discovery import (
+    StreamSpec,
+    streams_from_kv_event_sources,
+    streams_from_server_info,
+)
 from kvevents.engine_spec import EngineSpec
 from kvevents.errors import DiscoveryError
 from kvevents.router.core import Router
@@ -112,8 +116,7 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
         except (httpx.HTTPError, ValueError):
             advertised = None
     else:
-        response = await client.get(f"{spec.url}/server_info", timeout=5.0)
-        streams = streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
+        streams = await _discover(spec, client)
         holders = [Holder(s.worker, s.dp_rank) for s in streams]
         advertised = streams[0].block_size if streams else None
         for h in holders:
@@ -125,6 +128,18 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
             router.add_holder(
                 h, block_size=advertised, source="server_info", origin=f"/server_info of {spec.url}"
             )
+
+
+async def _discover(spec: EngineSpec, client: httpx.AsyncClient) -> list[StreamSpec]:
+    """The engine's streams from ``/server_info``, else (a vLLM) from ``/kv_event_sources``."""
+    response = await client.get(f"{spec.url}/server_info", timeout=5.0)
+    try:
+        return streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
+    except (DiscoveryError, ValueError):
+        sources = await client.get(f"{spec.url}/kv_event_sources", timeout=5.0)
+        if sources.status_code != 200:
+            raise
+    return streams_from_kv_event_sources(sources.json(), engine_url=spec.url, worker=spec.worker)
 
 
 async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
