@@ -104,14 +104,15 @@ def add_engine_arguments(
         "--engine",
         action=Action,
         metavar="URL",
-        help="engine HTTP URL; alone, its /server_info is read for its streams",
+        help="engine HTTP URL; alone, its /server_info (or a vLLM's /kv_event_sources) "
+        "is read for its streams",
     )
     group.add_argument(
         "--kv-endpoint",
         dest="kv_endpoint",
         action=Action,
         metavar="ADDR",
-        help="rank 0's event endpoint (rank r: port + r), for engines without /server_info",
+        help="rank 0's event endpoint (rank r: port + r), for engines that advertise none",
     )
     group.add_argument(
         "--replay-endpoint",

@@ -7,17 +7,18 @@
     kvevents watch --endpoint tcp://10.0.0.5:5557 --replay-endpoint tcp://10.0.0.5:5600
     kvevents watch URL --json | jq .                              # one JSON object per line
 
-Engines without ``/server_info`` (vLLM) are described with ``--engine URL`` and the
-options after it (``--kv-endpoint``, ``--replay-endpoint``, ``--dp-size``, ``--topic``,
-``--block-size``, ``--name``; see :mod:`kvevents.engine_args`) or ``--engines-file``;
-``--replay-endpoint``, ``--topic``, ``--name``, ``--block-size`` and ``--dp-rank`` after
-an ``--endpoint`` belong to that stream. Block sizes are checked
+An engine URL alone is discovered (``/server_info``, or a vLLM's ``/kv_event_sources``).
+Engines that advertise neither (an SGLang, an older vLLM) are described with ``--engine
+URL`` and the options after it (``--kv-endpoint``, ``--replay-endpoint``, ``--dp-size``,
+``--topic``, ``--block-size``, ``--name``; see :mod:`kvevents.engine_args`) or
+``--engines-file``; ``--replay-endpoint``, ``--topic``, ``--name``, ``--block-size`` and
+``--dp-rank`` after an ``--endpoint`` belong to that stream. Block sizes are checked
 (:mod:`kvevents.block_sizes`): each stored chain against the configured size, else
 against the stream's first one; a mismatch is logged, shown in the table and printed as
 a ``block_size_mismatch`` line with ``--json`` (the batches themselves are still shown).
-By default a live table shows, per stream: status, last seq,
-batches and blocks per second, lag, gaps, replayed, lost, resets, errors. ``--json``
-prints instead, one object per line::
+By default a live table shows, per stream: status, last seq, batches and blocks per
+second, lag, gaps, replayed, lost, resets, errors. ``--json`` prints instead, one object
+per line::
 
     {"worker": ..., "dp_rank": 0, "seq": 12, "ts": 1795975045.2, "events": [{"type": ...}, ...]}
     {"signal": "gap" | "loss" | "reset" | "unreachable", "worker": ..., "dp_rank": ..., ...}

@@ -5,7 +5,8 @@
         --replay-endpoint tcp://*:5600 --dp-size 2 --topic kv --tokenizer MODEL_DIR
     kvevents router --engines-file engines.toml
 
-An engine is discovered through its ``/server_info``, or described by the options after
+An engine is discovered through its ``/server_info`` (a vLLM through its
+``/kv_event_sources``), or described by the options after
 its ``--engine`` (``--kv-endpoint`` and friends, :mod:`kvevents.engine_args`) or in an
 engines file (:mod:`kvevents.engine_spec`). The router follows every rank's stream (a
 :class:`~kvevents.Subscriber`), asks each engine for its load or health
