@@ -142,3 +142,25 @@ def test_a_follow_up_stays_with_the_rank_holding_its_conversation() -> None:
         conversation += [turn] * 20
         assert _serve(router, conversation, seqs) == home
     assert router.loads[home].recent_blocks > 50
+
+
+def test_before_any_block_size_is_known_requests_are_spread_by_load() -> None:
+    """Engines registered, no block stored anywhere yet (a vLLM found by its URL alone
+    advertises no block size): requests are routed by load, not refused; with no engine
+    registered at all, routing is still refused."""
+    empty = Router()
+    with pytest.raises(ValueError, match="block_size is not known"):
+        empty.route([1, 2, 3, 4])
+    router = Router()
+    router.add_holder(H0)
+    router.add_holder(H1)
+    chosen = []
+    for _ in range(4):
+        decision = router.route([1, 2, 3, 4])
+        assert (decision.n_blocks, decision.block_size) == (0, 0)
+        router.begin(decision)
+        chosen.append(decision.dp_rank)
+    assert sorted(chosen) == [0, 0, 1, 1]  # ties go to the rank sent fewer requests
+    router.handle(Delivery(H1, 0, stored([10, 11], [1, 2, 3, 4])))  # now a size is known
+    assert router.index.block_size == 2
+    assert router.route([1, 2, 3, 4, 5, 6]).dp_rank == 1

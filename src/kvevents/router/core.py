@@ -61,6 +61,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int
     n_blocks: int
     block_size: int
+    """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
     policy: str = "kv-aware"
 
@@ -218,7 +219,13 @@ class Router:
         """
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
-        keys = self._keys(token_ids, lora, cache_salt)
+        if self.index.block_size is None and self.holders():
+            # No engine has stored a block yet (and none advertised its block size, as a
+            # vLLM found through /kv_event_sources does not): nothing is cached anywhere,
+            # so the choice is by load alone, and the request counts as no blocks.
+            keys: list[int] = []
+        else:
+            keys = self._keys(token_ids, lora, cache_salt)
         found = self.index.match_keys(keys).by_holder()
         scores = score(
             len(keys),
@@ -234,12 +241,11 @@ class Router:
             best = turn[self._next_turn % len(turn)]
             self._next_turn += 1
             scores = [best, *(s for s in scores if s is not best)]
-        assert self.index.block_size is not None  # keys_for checked it
         return RouteDecision(
             worker=best.worker,
             dp_rank=best.dp_rank,
             n_blocks=len(keys),
-            block_size=self.index.block_size,
+            block_size=self.index.block_size or 0,  # 0: not known yet
             scores=scores,
             policy=policy,
         )

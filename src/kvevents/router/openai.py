@@ -30,8 +30,8 @@ and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`
 ``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
 OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (the
 engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
-the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 before any block
-size is known or with no rank available, and 502 when the engine cannot be reached.
+the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 with no rank
+available, and 502 when the engine cannot be reached.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
 default with the simulated engine's byte tokenizer. A malformed body answers 400 naming
 the field; a tokenizer that fails answers 502 (the engine's ``/tokenize`` unreachable),
 the engine's own 4xx (it refused the input) or 501 (a chat ``--tokenizer`` cannot
-render); a request before any block size is known (no discovery, no event yet) answers
-503.
+render). Before any engine is registered, routing answers 503; with engines registered
+but no block stored anywhere yet (so no block size known), requests are routed by load
+alone, and ``/query`` answers 503 until the block size is known.
 
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
