@@ -182,8 +182,13 @@ def test_a_router_given_only_the_vllm_url_finds_every_rank(vllm: RealVLLM) -> No
     )
     try:
         deadline = time.monotonic() + FEED_TIMEOUT_S
-        while len(streams := router.streams()) < vllm.dp_size:  # discovered in the background
-            assert time.monotonic() < deadline, f"ranks found: {streams}\n{router.output()}"
+        # Discovered in the background, twice: the subscriber's streams and the router's
+        # holders (each reads /server_info, then /kv_event_sources).
+        while (
+            len(streams := router.streams()) < vllm.dp_size
+            or len(router.workers()["holders"]) < vllm.dp_size
+        ):
+            assert time.monotonic() < deadline, f"{router.workers()}\n{router.output()}"
             time.sleep(0.1)
         assert [streams[r]["endpoint"] for r in sorted(streams)] == [
             vllm.rank_endpoint(r) for r in range(vllm.dp_size)

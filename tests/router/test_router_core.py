@@ -149,7 +149,7 @@ def test_before_any_block_size_is_known_requests_are_spread_by_load() -> None:
     advertises no block size): requests are routed by load, not refused; with no engine
     registered at all, routing is still refused."""
     empty = Router()
-    with pytest.raises(ValueError, match="block_size is not known"):
+    with pytest.raises(ValueError, match="no engine rank is known yet"):
         empty.route([1, 2, 3, 4])
     router = Router()
     router.add_holder(H0)

@@ -141,7 +141,7 @@ def test_engine_not_up_yet_is_reported_not_fatal() -> None:
     proc = RouterProc([url])
     try:
         answer = proc.post("/route", {"input_ids": [1, 2, 3, 4]})
-        assert answer.status_code == 503 and "block_size" in answer.json()["error"]
+        assert answer.status_code == 503 and "no engine rank is known" in answer.json()["error"]
         wait_until(
             lambda: proc.http.get("/workers").json()["engines"][0]["load_error"] is not None,
             10,

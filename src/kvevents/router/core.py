@@ -219,7 +219,12 @@ class Router:
         """
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
-        if self.index.block_size is None and self.holders():
+        if not self.holders():
+            raise ValueError(
+                "no engine rank is known yet: the router is still discovering its engines, "
+                "or none answers; see /workers"
+            )
+        if self.index.block_size is None:
             # No engine has stored a block yet (and none advertised its block size, as a
             # vLLM found through /kv_event_sources does not): nothing is cached anywhere,
             # so the choice is by load alone, and the request counts as no blocks.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from kvevents.router.core import Router
 from kvevents.signals import Holder
 
 __all__ = ["EngineState", "vllm_rank_loads", "watch_engine"]
+
+log = logging.getLogger("kvevents.router")
 
 _VLLM_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 
@@ -164,7 +167,7 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
         metrics = await client.get(f"{spec.url}/metrics", timeout=5.0)
         metrics.raise_for_status()
         scraped = vllm_rank_loads(metrics.text)
-    except (httpx.HTTPError, ValueError) as exc:
+    except Exception as exc:  # foreign text, best effort: any failure is only a metrics_error
         state.metrics_error = f"GET {spec.url}/metrics: {type(exc).__name__}: {exc}"
         scraped = []
     else:
@@ -197,6 +200,10 @@ async def watch_engine(
             await _poll_load(router, state, client)
             state.error = None
         except (httpx.HTTPError, ValueError, DiscoveryError) as exc:
+            router.set_worker_available(state.spec.worker, False)
+            state.error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug must not end the poller: it would freeze availability
+            log.exception("polling engine %s failed unexpectedly", state.spec.url)
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(asyncio.TimeoutError):
