@@ -157,8 +157,8 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
     if response.status_code != 200:
         raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status_code}")
     router.set_worker_available(spec.worker, True)
-    state.load_source = "router"
     if spec.engine_kind != "vllm":
+        state.load_source = "router"
         return
     # Every rank's load comes from this scrape, zero for a rank it does not mention, and
     # all zero when it fails: a load read earlier must not linger as phantom work.
@@ -181,8 +181,11 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
     for entry in scraped:
         loads[entry["dp_rank"]] = entry
     router.update_load(spec.worker, {"ranks": list(loads.values())})
+    # Set once the poll is over, so /workers never shows a half-done poll.
     if scraped:
         state.load_source, state.metrics_error = "/metrics", None
+    else:
+        state.load_source = "router"
 
 
 async def watch_engine(
