@@ -38,7 +38,7 @@ import importlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -46,6 +46,9 @@ import msgspec
 from kvevents.discovery import StreamSpec, normalize_engine_url
 from kvevents.endpoints import Endpoint, PortPlan
 from kvevents.errors import ConfigError, EndpointError
+
+if TYPE_CHECKING:
+    from kvevents.subscriber import Subscriber
 
 __all__ = ["ENGINE_KINDS", "EngineSpec", "load_engines_file", "parse_engines_document"]
 
@@ -141,6 +144,14 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ranks(self) -> int:
         return self.dp_size or 1
+
+    def follow(self, subscriber: Subscriber) -> None:
+        """Have ``subscriber`` follow this engine: its described streams, else its URL."""
+        if self.described:
+            for stream in self.streams():
+                subscriber.add_stream(stream)
+        else:
+            subscriber.add_engine(self.url, worker=self.worker)
 
     def streams(self) -> list[StreamSpec]:
         """Every rank's stream, in rank order (empty for an engine to discover)."""

@@ -112,11 +112,7 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
     sub = Subscriber(replay_timeout=args.replay_timeout)
     try:
         for spec in engines:
-            if spec.described:
-                for stream in spec.streams():
-                    sub.add_stream(stream)
-            else:
-                sub.add_engine(spec.url, worker=spec.worker)
+            spec.follow(sub)
         for stream in streams:
             sub.add_stream(stream)
     except BaseException:

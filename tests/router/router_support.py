@@ -67,6 +67,11 @@ class RouterProc:
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return self.http.post(path, json=body)
 
+    def connected(self) -> int:
+        """Streams the router reports connected in ``/workers``."""
+        streams = self.http.get("/workers").json()["streams"]
+        return sum(s["status"] == "connected" for s in streams)
+
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
     """Call ``check`` until it is true; fail naming ``what`` after ``timeout`` seconds."""

@@ -62,7 +62,7 @@ def router(plane: dict) -> Iterator[RouterProc]:
     argv += described(plane["b"], plane["pubs_b"], "--engine-kind", "sglang")
     proc = RouterProc([], *argv, "--load-interval", "0.2")
     try:
-        wait_until(lambda: _connected(proc) == 4, 20, "the router to follow all four ranks")
+        wait_until(lambda: proc.connected() == 4, 20, "the router to follow all four ranks")
         yield proc
     finally:
         proc.stop()
@@ -73,15 +73,10 @@ def router_for_a(plane: dict, *options: str) -> Iterator[RouterProc]:
     """A router of its own in front of engine A alone, with ``options``, following both ranks."""
     proc = RouterProc([], *described(plane["a"], plane["pubs_a"]), *options)
     try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
         yield proc
     finally:
         proc.stop()
-
-
-def _connected(router: RouterProc) -> int:
-    workers = router.http.get("/workers").json()
-    return sum(s["status"] == "connected" for s in workers["streams"])
 
 
 def matched(router: RouterProc, worker: str, rank: int, tokens: list[int]) -> int:
@@ -270,7 +265,7 @@ def test_a_vllm_is_found_from_its_url_alone_through_kv_event_sources(plane: dict
     }
     proc = RouterProc([], "--engine", a.url, "--engine-kind", "vllm", "--block-size", str(BS))
     try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
         streams = sorted(proc.http.get("/workers").json()["streams"], key=lambda s: s["dp_rank"])
         assert [s["endpoint"] for s in streams] == [f"tcp://127.0.0.1:{live + r}" for r in (0, 1)]
         held(proc, pubs, a.url, 1, list(range(1100, 1108)))

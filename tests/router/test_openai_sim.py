@@ -52,14 +52,10 @@ def router(engine: tuple[Engine, int]) -> Iterator[RouterProc]:
         [], *described(eng, base, "--engine-kind", "kvevents"), "--load-interval", "0.2"
     )
     try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
         yield proc
     finally:
         proc.stop()
-
-
-def _connected(router: RouterProc) -> int:
-    return sum(s["status"] == "connected" for s in router.http.get("/workers").json()["streams"])
 
 
 def matched(router: RouterProc, tokens: list[int]) -> dict[int, int]:
@@ -191,7 +187,7 @@ def test_block_size_mismatch_is_loud_counted_and_skipped(engine: tuple[Engine, i
     eng, base = engine
     proc = RouterProc([], *described(eng, base, "--engine-kind", "kvevents", "--block-size", "8"))
     try:
-        wait_until(lambda: _connected(proc) == 2, 20, "the router to follow both ranks")
+        wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
         eng.generate(list(range(3000, 3016)), rank=0)
 
         def mismatched_events() -> int:

@@ -217,11 +217,7 @@ def build_service(args: argparse.Namespace) -> RouterService:
     subscriber = Subscriber()
     try:
         for spec in specs:
-            if spec.described:
-                for stream in spec.streams():
-                    subscriber.add_stream(stream)
-            else:
-                subscriber.add_engine(spec.url, worker=spec.worker)
+            spec.follow(subscriber)
     except BaseException:
         subscriber.close()
         raise
