@@ -261,14 +261,12 @@ class Router:
 
     def begin(self, decision: RouteDecision) -> Ticket:
         """Count a request forwarded to the chosen holder as in-flight and recent load."""
-        holder = decision.holder
-        load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
+        self.record(decision)
+        load = self.loads[decision.holder]
         blocks = decision.chosen.prefill_blocks
         load.inflight_requests += 1
         load.inflight_blocks += blocks
-        load.routed += 1
-        self.routes[holder] += 1
-        return Ticket(holder, blocks)
+        return Ticket(decision.holder, blocks)
 
     def record(self, decision: RouteDecision) -> None:
         """Count a decision someone else acts on (``/route`` with ``record``) in ``recent``
