@@ -4,7 +4,7 @@
                                 [--max-blocks 16384] [--trace FILE] [--json OUT]
 
 Prints a table and writes the figures as JSON (default
-benchmarks/results/engine.json). The work is :func:`kvevents.engine.bench.run_engine_bench`
+benchmarks/results/engine.json). The work is :func:`kvevents.bench.engine.run_engine_bench`
 (also behind ``kvevents bench engine``).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvevents.bench_report import write_results
-from kvevents.engine.bench import run_engine_bench
+from kvevents.bench.engine import run_engine_bench
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
 

@@ -5,7 +5,7 @@
 For each request of a Mooncake trace (default: the bundled conversation trace), match
 its hash ids as content keys, then store them on holder ``i mod W``. Prints a table and
 writes the figures as JSON (default ``benchmarks/results/index.json``). The measurement
-is :func:`kvevents.index_bench.run_index_bench`; its docstring describes each figure.
+is :func:`kvevents.bench.index.run_index_bench`; its docstring describes each figure.
 Targets: match p99 <= 15 us (W=8) and <= 20 us (W=64); ingest >= 800,000 block-ops/s;
 full path >= 300,000 block-ops/s per core; <= 100 bytes per (block, holder).
 """
@@ -18,8 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
-from kvevents.bench_report import write_results
-from kvevents.index_bench import run_index_bench
+from kvevents.bench.index import run_index_bench
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "index.json"
 TARGETS = {

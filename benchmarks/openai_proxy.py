@@ -37,9 +37,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from kvevents.bench_report import write_results
-from kvevents.demo_procs import Child
+from kvevents.demo.procs import Child
 from kvevents.endpoints import free_port_range
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "openai_proxy.json"
 PAGE = 16

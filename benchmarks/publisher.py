@@ -4,7 +4,7 @@
 
 Prints a table and writes the figures as JSON (default
 ``benchmarks/results/publisher.json``). The measurement is
-:func:`kvevents.bench_publisher.run_publisher_bench`; its docstring describes the setup.
+:func:`kvevents.bench.publisher.run_publisher_bench`; its docstring describes the setup.
 Targets (issue 2): at least 90% of the ceiling for 1- and 32-block batches with nothing
 lost, publish() p99 <= 5 us and max <= 5 ms.
 """
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvevents.bench_publisher import run_publisher_bench
-from kvevents.bench_report import write_results
+from kvevents.bench.publisher import run_publisher_bench
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "publisher.json"
 

@@ -5,7 +5,7 @@
 Starts the simulated engine (dp 4, a cache small enough to evict) and the router,
 replays the bundled conversation trace through the router (KV-aware) and straight to
 the engine (round-robin), and compares both with one pooled cache of the same total
-capacity. The measurement is :func:`kvevents.demo.run_routing_bench` (``kvevents demo``
+capacity. The measurement is :func:`kvevents.demo.main.run_routing_bench` (``kvevents demo``
 without the chart). Prints the demo's tables and writes its results document (default
 ``benchmarks/results/routing.json``). Targets (issue 6): KV-aware >= 90% of the pooled
 upper bound, above round-robin, load max/min <= 1.3, nothing lost, under 3 minutes.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvevents.bench_report import write_results
-from kvevents.demo import run_routing_bench
+from kvevents.demo.main import run_routing_bench
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "routing.json"
 

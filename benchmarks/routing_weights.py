@@ -4,7 +4,7 @@
 
 How the router's default weights were chosen (see :mod:`kvevents.router.scoring`).
 Each candidate (a policy and its :class:`~kvevents.router.scoring.ScoringWeights`) is
-replayed with :func:`kvevents.demo_offline.offline_replay` (the real router and caches,
+replayed with :func:`kvevents.demo.offline.offline_replay` (the real router and caches,
 a simulated clock) on every scenario:
 
 * ``demo``: ``kvevents demo``'s defaults: 1,000 requests of the bundled conversation
@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvevents.bench_report import write_results
-from kvevents.demo_offline import OfflineRequest, ServiceModel, offline_replay, workload_requests
-from kvevents.demo_replay import Workload
-from kvevents.demo_report import summarize
+from kvevents.demo.offline import OfflineRequest, ServiceModel, offline_replay, workload_requests
+from kvevents.demo.replay import Workload
+from kvevents.demo.report import summarize
 from kvevents.engine.cache import PrefixCache
-from kvevents.engine.trace import BLOCK_TOKENS, hash_id_tokens, load_trace
+from kvevents.results import write_results
 from kvevents.router.scoring import ScoringWeights
+from kvevents.traces import BLOCK_TOKENS, hash_id_tokens, load_trace
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "routing_weights.json"

@@ -4,7 +4,7 @@
 
 Prints a table and writes the figures as JSON (default
 ``benchmarks/results/subscriber.json``). The measurement itself is
-:func:`kvevents.subscriber_bench.run_subscriber_bench`; see its docstring for the setup.
+:func:`kvevents.bench.subscriber.run_subscriber_bench`; see its docstring for the setup.
 Target: at least 1,000,000 blocks per CPU second for 32-block batches.
 """
 
@@ -15,8 +15,8 @@ import platform
 import sys
 from pathlib import Path
 
-from kvevents.bench_report import write_results
-from kvevents.subscriber_bench import run_subscriber_bench
+from kvevents.bench.subscriber import run_subscriber_bench
+from kvevents.results import write_results
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "subscriber.json"
 

@@ -18,9 +18,11 @@ from typing import Any
 import httpx
 import zmq
 
-from kvevents.signals import Delivery, Holder, Reset, Signal
-from kvevents.subscriber import Subscriber
-from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, parse_replay_request
+from kvevents.subscribe.items import Delivery, Reset, Signal
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import Holder
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.wire.frames import parse_replay_request
 
 Item = Delivery | Signal
 
@@ -92,7 +94,7 @@ class EngineProcess:
     """`kvevents engine` as a subprocess; :meth:`stop` ends it (SIGTERM, bounded waits)."""
 
     def __init__(self, args: list[str], kv_config: dict[str, Any], timeout: float = 60.0):
-        argv = [sys.executable, "-m", "kvevents.cli", "engine", *args]
+        argv = [sys.executable, "-m", "kvevents.cli.main", "engine", *args]
         argv += ["--kv-events-config", json.dumps(kv_config)]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from kvevents.bench_report import (
+from kvevents.bench.report import (
     MARKER_END,
     MARKER_START,
     headlines,
     render_markdown,
     splice_readme,
 )
-from kvevents.cli import main
+from kvevents.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 UPDATE_SCRIPT = ROOT / "scripts" / "update-readme-performance"
@@ -42,7 +42,16 @@ def test_bench_index_quick_end_to_end(tmp_path: Path) -> None:
     """`kvevents bench index --quick --json OUT` runs the index benchmark, writes one JSON document and prints the headline table."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "bench", "index", "--quick", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "kvevents.cli.main",
+            "bench",
+            "index",
+            "--quick",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=110,
@@ -59,7 +68,7 @@ def test_bench_index_quick_end_to_end(tmp_path: Path) -> None:
     assert "ingest block-ops/s" in proc.stdout
 
     markdown = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "bench", "--markdown", "--json", str(out)],
+        [sys.executable, "-m", "kvevents.cli.main", "bench", "--markdown", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -162,7 +171,7 @@ def test_a_failing_benchmark_is_recorded_and_the_others_still_run(
     """One benchmark raising leaves its error in the document while the next one still runs."""
     from rich.console import Console
 
-    from kvevents import bench
+    from kvevents.bench import main as bench
 
     def broken(quick: bool) -> dict[str, Any]:
         raise RuntimeError("subscriber process died")

@@ -6,10 +6,11 @@ import logging
 
 import pytest
 
-from kvevents.block_sizes import BlockSizes
 from kvevents.router.core import Router
-from kvevents.signals import Delivery, Holder
-from kvevents.wire import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.subscribe.block_sizes import BlockSizes
+from kvevents.subscribe.items import Delivery
+from kvevents.types import Holder
+from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 
 A = Holder("http://a:1", 0)
 B = Holder("http://a:1", 1)
@@ -40,7 +41,7 @@ def test_first_known_size_is_expected_and_others_are_skipped(
     sizes = BlockSizes(shared=True)
     ok = batch(stored(list(range(8)), 4))
     assert sizes.check(A, ok) is ok and sizes.size == 4
-    with caplog.at_level(logging.ERROR, logger="kvevents.block_sizes"):
+    with caplog.at_level(logging.ERROR, logger="kvevents.subscribe.block_sizes"):
         bad = sizes.check(B, batch(stored(list(range(16)), 8, 10), BlockRemoved(block_hashes=[1])))
         sizes.check(B, batch(stored(list(range(16)), 8, 20)))
     assert [type(e).__name__ for e in bad.events] == ["BlockRemoved"]

@@ -18,12 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents.bench_report import finite_json
-from kvevents.cli import main
-from kvevents.demo_chart import cumulative, rolling
-from kvevents.demo_plane import _metric_sum
-from kvevents.demo_procs import Child
-from kvevents.demo_replay import (
+from kvevents.cli.main import main
+from kvevents.demo.chart import cumulative, rolling
+from kvevents.demo.plane import _metric_sum
+from kvevents.demo.procs import Child
+from kvevents.demo.replay import (
     Outcome,
     PolicyRun,
     Workload,
@@ -31,12 +30,13 @@ from kvevents.demo_replay import (
     pooled_upper_bound,
     replay,
 )
-from kvevents.demo_report import summarize
+from kvevents.demo.report import summarize
 from kvevents.engine.cache import PrefixCache
-from kvevents.engine.trace import request_tokens
 from kvevents.errors import ConfigError, KVEventsError
+from kvevents.results import finite_json
+from kvevents.traces import request_tokens
 
-DEMO = [sys.executable, "-m", "kvevents.cli", "demo"]
+DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
 
 
 def _stopped(pid: int) -> bool:

@@ -11,7 +11,7 @@ import time
 import anyio
 import pytest
 
-from kvevents.demo_signals import Interrupts
+from kvevents.demo.signals import Interrupts
 
 
 async def _signal_inside_a_task_group(sig: int, reached: list[str]) -> None:

@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.discovery import (
+from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
+from kvevents.errors import DiscoveryError, EndpointError
+from kvevents.subscribe.discovery import (
     StreamSpec,
     discover,
     fetch_server_info,
@@ -21,8 +23,6 @@ from kvevents.discovery import (
     streams_from_kv_event_sources,
     streams_from_server_info,
 )
-from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
-from kvevents.errors import DiscoveryError, EndpointError
 
 
 def info(**kv: Any) -> dict[str, Any]:

@@ -21,7 +21,8 @@ import pytest
 import zmq
 
 from kvevents.endpoints import PortPlan, free_port_range
-from kvevents.wire import decode_batch, parse_live_frames, parse_replay_reply, replay_request_frames
+from kvevents.wire.codec import decode_batch
+from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 
 DP_SIZE = 4
 COUNT = 25
@@ -31,8 +32,8 @@ CHILD = r"""
 import json, select, sys
 from kvevents.endpoints import select_kv_publisher_dp_rank
 from kvevents.errors import EndpointError
-from kvevents.publisher import ZmqEventPublisher
-from kvevents.wire import BlockStored, KVEventBatch
+from kvevents.publish.zmq_publisher import ZmqEventPublisher
+from kvevents.wire.events import BlockStored, KVEventBatch
 
 args = json.loads(sys.argv[1])
 if args["rank_by"] == "select":

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvevents.hashing import (
+from kvevents.wire.hashing import (
     SGLangPageHash,
     VLLMSha256CborHash,
     content_keys,

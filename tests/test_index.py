@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.index import PrefixIndex, namespace_key
-from kvevents.index_types import HolderMatch, Tier, TierCredits, normalize_medium
-from kvevents.signals import Holder
-from kvevents.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decode_batch,
-    parse_live_frames,
-    parse_replay_reply,
-)
+from kvevents.index.prefix_index import PrefixIndex, namespace_key
+from kvevents.index.types import HolderMatch, Tier, TierCredits, normalize_medium
+from kvevents.types import Holder
+from kvevents.wire.codec import decode_batch
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.frames import parse_live_frames, parse_replay_reply
 from wire_samples import load_wire_samples
 
 A = Holder("engine-a", 0)

@@ -9,17 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvevents.index import PrefixIndex
-from kvevents.index_types import HolderMatch, Tier
-from kvevents.signals import Holder
-from kvevents.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
-)
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.index.types import HolderMatch, Tier
+from kvevents.types import Holder
+from kvevents.wire.codec import decode_batch, encode_batch
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BLOCK = 2
 HOLDERS = [Holder("w0", 0), Holder("w0", 1), Holder("w1", 0)]

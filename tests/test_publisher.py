@@ -17,18 +17,17 @@ import zmq
 
 from kvevents.config import KVEventsConfig
 from kvevents.errors import ConfigError, EndpointError, PublisherStateError
-from kvevents.publisher import (
+from kvevents.publish.zmq_publisher import (
     EventPublisher,
     EventPublisherFactory,
     NullEventPublisher,
     PublisherState,
     ZmqEventPublisher,
 )
-from kvevents.wire import (
-    BlockStored,
-    KVEventBatch,
+from kvevents.wire.codec import decode_batch
+from kvevents.wire.events import BlockStored, KVEventBatch
+from kvevents.wire.frames import (
     LiveMessage,
-    decode_batch,
     parse_live_frames,
     parse_replay_reply,
     replay_request_frames,

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvevents.signals import Holder, Reset, Unreachable
-from kvevents.subscriber import Subscriber
+from kvevents.subscribe.items import Reset, Unreachable
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import Holder
 from subscriber_support import (
     EngineProcess,
     HeldBlocks,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvevents.handoff import Handoff, HandoffClosed
+from kvevents.subscribe.handoff import Handoff, HandoffClosed
 
 
 def test_items_come_out_in_order_across_chunks() -> None:

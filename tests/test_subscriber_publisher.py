@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvevents.discovery import StreamSpec
 from kvevents.errors import EndpointError, SubscriberStateError
-from kvevents.publisher import ZmqEventPublisher
-from kvevents.signals import Delivery, Holder, Loss, Reset, Unreachable
-from kvevents.subscriber import Subscriber
-from kvevents.wire import BlockStored, KVEventBatch
+from kvevents.publish.zmq_publisher import ZmqEventPublisher
+from kvevents.subscribe.discovery import StreamSpec
+from kvevents.subscribe.items import Delivery, Loss, Reset, Unreachable
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import Holder
+from kvevents.wire.events import BlockStored, KVEventBatch
 from subscriber_support import collect, deliveries, signals, wait_for
 
 Factory = Callable[..., ZmqEventPublisher]
@@ -249,7 +250,8 @@ def test_garbage_frames_are_counted_and_skipped(zmq_context: zmq.Context) -> Non
     xpub = zmq_context.socket(zmq.XPUB)
     xpub.bind("tcp://127.0.0.1:0")
     address = xpub.last_endpoint.decode()
-    from kvevents.wire import encode_batch, live_frames
+    from kvevents.wire.codec import encode_batch
+    from kvevents.wire.frames import live_frames
 
     try:
         with Subscriber(streams=[StreamSpec.from_endpoint(address, worker="g")]) as sub:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.signals import Gap, Loss, Reset, Signal
-from kvevents.stream import CancelReplay, Deliver, Purpose, RequestReplay, StreamTracker
+from kvevents.subscribe.items import Gap, Loss, Reset, Signal
+from kvevents.subscribe.stream import CancelReplay, Deliver, Purpose, RequestReplay, StreamTracker
 
 
 def p(seq: int, gen: int = 0) -> bytes:

@@ -8,9 +8,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvevents.discovery import StreamSpec
-from kvevents.subscriber import Subscriber
-from kvevents.wire import KVCacheEvent, KVEventBatch, decode_seq
+from kvevents.subscribe.discovery import StreamSpec
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.wire.events import KVCacheEvent, KVEventBatch
+from kvevents.wire.frames import decode_seq
 from subscriber_support import (
     bind_local,
     collect,

@@ -16,8 +16,8 @@ from subscriber_support import EngineProcess
 
 PUBLISHER = r"""
 import json, sys
-from kvevents.publisher import ZmqEventPublisher
-from kvevents.wire import BlockStored, BlockRemoved, KVEventBatch
+from kvevents.publish.zmq_publisher import ZmqEventPublisher
+from kvevents.wire.events import BlockStored, BlockRemoved, KVEventBatch
 
 n = int(sys.argv[1])
 pub = ZmqEventPublisher(3, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True, topic="kv")
@@ -35,7 +35,7 @@ pub.shutdown()
 
 def kvevents(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", *args],
+        [sys.executable, "-m", "kvevents.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

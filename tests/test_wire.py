@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvevents import wire
 from kvevents.errors import WireError
-from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from wire_samples import SAMPLE_FILES, load_wire_samples
 
 STORED = BlockStored(

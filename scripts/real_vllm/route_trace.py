@@ -13,7 +13,7 @@ end, whatever happens.
 
 Workload: the first ``--requests`` requests of the conversation trace bundled with
 kvevents, in trace order. Each trace hash id (512 tokens in the trace) becomes one vLLM
-block of 32 words ``wN`` drawn from the id (kvevents.engine.trace's generator, mapped
+block of 32 words ``wN`` drawn from the id (kvevents.traces's generator, mapped
 into the tiny model's vocabulary), so two requests sharing k leading hash ids share k
 leading blocks; a prompt keeps at most ``--max-blocks-per-request`` ids and is cut to
 its ``input_length`` scaled by 32/512. ``max_tokens=1``: the prefill is what is measured.
@@ -55,7 +55,7 @@ import vllm_server  # noqa: E402
 from real_vllm_helpers import FIRST_WORD_ID, VOCAB_SIZE, Prompts, RealVLLM, VLLMClient  # noqa: E402
 from real_vllm_router import words  # noqa: E402
 
-from kvevents.engine.trace import BLOCK_TOKENS, hash_id_tokens, load_trace  # noqa: E402
+from kvevents.traces import BLOCK_TOKENS, hash_id_tokens, load_trace  # noqa: E402
 
 BLOCK = vllm_server.BLOCK_SIZE
 POLICIES = ("kv-aware", "round-robin")

@@ -11,9 +11,7 @@ One public surface: import from ``kvevents``; submodules may move.
   command line).
 """
 
-from kvevents.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.config import KVEventsConfig
-from kvevents.discovery import StreamSpec, discover, streams_from_server_info
 from kvevents.endpoints import (
     Endpoint,
     PortPlan,
@@ -22,8 +20,6 @@ from kvevents.endpoints import (
     offset_endpoint_port,
     select_kv_publisher_dp_rank,
 )
-from kvevents.engine_spec import EngineSpec, load_engines_file
-from kvevents.engine_watcher import EngineStatus
 from kvevents.errors import (
     ConfigError,
     DiscoveryError,
@@ -33,10 +29,9 @@ from kvevents.errors import (
     SubscriberStateError,
     WireError,
 )
-from kvevents.hashing import content_keys, sglang_block_hashes, vllm_block_hashes
-from kvevents.index import PrefixIndex
-from kvevents.index_types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
-from kvevents.publisher import (
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.index.types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
+from kvevents.publish.zmq_publisher import (
     EventPublisher,
     EventPublisherFactory,
     NullEventPublisher,
@@ -45,20 +40,25 @@ from kvevents.publisher import (
     ZmqEventPublisher,
 )
 from kvevents.router import HolderLoad, HolderScore, RouteDecision, Router, ScoringWeights
-from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
-from kvevents.stream_stats import StreamStats
-from kvevents.subscriber import Subscriber, SubscriberState
-from kvevents.wire import (
+from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
+from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
+from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file
+from kvevents.subscribe.engine_watcher import EngineStatus
+from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.stats import StreamStats
+from kvevents.subscribe.subscriber import Subscriber, SubscriberState
+from kvevents.types import Holder
+from kvevents.wire.codec import decode_batch, encode_batch
+from kvevents.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
-    decode_batch,
-    encode_batch,
     event_to_dict,
     hash_to_int,
 )
+from kvevents.wire.hashing import content_keys, sglang_block_hashes, vllm_block_hashes
 
 __all__ = [
     "AllBlocksCleared",

@@ -15,16 +15,9 @@ from typing import Any
 import httpx
 import zmq
 
-from kvevents.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decode_batch,
-    parse_live_frames,
-    parse_replay_reply,
-    replay_request_frames,
-)
+from kvevents.wire.codec import decode_batch
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 
 READY = "kvevents engine ready "
 
@@ -52,7 +45,7 @@ class Engine:
     def __init__(
         self, args: Sequence[str], kv_config: dict[str, Any] | None, timeout: float = 60.0
     ):
-        argv = [sys.executable, "-m", "kvevents.cli", "engine", "--port", "0", *args]
+        argv = [sys.executable, "-m", "kvevents.cli.main", "engine", "--port", "0", *args]
         if kv_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_config)]
         self.proc = subprocess.Popen(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.engine.bench import run_engine_bench
+from kvevents.bench.engine import run_engine_bench
 
 pytestmark = pytest.mark.slow
 

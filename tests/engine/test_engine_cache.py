@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents.engine.cache import Admission, PrefixCache
-from kvevents.hashing import get_hash_scheme, sglang_block_hashes
-from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvevents.wire.hashing import get_hash_scheme, sglang_block_hashes
 
 
 def replay(events: list[KVCacheEvent], held: set[Any] | None = None) -> set[Any]:
@@ -112,7 +112,7 @@ def test_vllm_scheme_produces_vllm_hashes() -> None:
     cache.admit([1, 2, 3, 4])
     (stored,) = cache.take_events()
     assert isinstance(stored, BlockStored)
-    from kvevents.hashing import vllm_block_hashes
+    from kvevents.wire.hashing import vllm_block_hashes
 
     assert stored.block_hashes == vllm_block_hashes([1, 2, 3, 4], 2, seed="3")
 

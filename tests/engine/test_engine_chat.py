@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from engine_support import Engine, stream_events
 
-from kvevents.engine.chat import ChatError, render_chat
+from kvevents.text.chat import ChatError, render_chat
 
 KV_CONFIG = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}
 

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 
 from kvevents.config import KVEventsConfig
-from kvevents.discovery import streams_from_server_info
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
-from kvevents.engine.tokenizer import ByteTokenizer
 from kvevents.engine.topology import plan_topology
-from kvevents.engine.trace import (
+from kvevents.errors import ConfigError
+from kvevents.subscribe.discovery import streams_from_server_info
+from kvevents.text.tokenizer import ByteTokenizer
+from kvevents.traces import (
     TraceRequest,
     bundled_trace_path,
     hash_id_tokens,
     load_trace,
     request_tokens,
 )
-from kvevents.errors import ConfigError
 
 ZMQ = KVEventsConfig(publisher="zmq", endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600")
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.scheduler import QueueFullError, Scheduler
-from kvevents.wire import AllBlocksCleared, BlockStored, KVEventBatch
+from kvevents.wire.events import AllBlocksCleared, BlockStored, KVEventBatch
 
 
 class RecordingPublisher:

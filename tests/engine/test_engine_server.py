@@ -14,7 +14,7 @@ import pytest
 import zmq
 from engine_support import Engine, RankStreams, pid_alive
 
-from kvevents.wire import BlockStored
+from kvevents.wire.events import BlockStored
 
 pytestmark = pytest.mark.slow
 
@@ -200,7 +200,7 @@ def test_null_publisher_has_no_kv_events_block() -> None:
 def test_bad_plans_refuse_to_start(args: list[str], message: str) -> None:
     """An overlapping or overflowing port plan, or a bad topology or config, exits 2 naming the problem before any rank starts."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "engine", "--port", "0", *args],
+        [sys.executable, "-m", "kvevents.cli.main", "engine", "--port", "0", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -212,7 +212,7 @@ def test_bad_plans_refuse_to_start(args: list[str], message: str) -> None:
 
 def test_vllm_hash_scheme_end_to_end() -> None:
     """With --hash-scheme vllm the engine holds and reports vLLM's sha256_cbor hashes for the seed given."""
-    from kvevents.hashing import vllm_block_hashes
+    from kvevents.wire.hashing import vllm_block_hashes
 
     eng = Engine(
         ["--dp-size", "1", "--page-size", "4", "--hash-scheme", "vllm", "--hash-seed", "5"],

@@ -9,7 +9,7 @@ import zmq
 from engine_support import Engine, RankStreams, published_counts
 
 from kvevents.endpoints import free_port_range
-from kvevents.wire import AllBlocksCleared, BlockRemoved
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved
 
 pytestmark = pytest.mark.slow
 

@@ -31,12 +31,13 @@ from typing import Any
 import httpx
 from real_vllm_router import RouterProcess, vllm_engine_args
 
-from kvevents.discovery import StreamSpec
-from kvevents.hashing import content_keys
 from kvevents.router.core import Router
-from kvevents.signals import Delivery, Holder, Loss, Reset, Signal
-from kvevents.subscriber import Subscriber
-from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.subscribe.discovery import StreamSpec
+from kvevents.subscribe.items import Delivery, Loss, Reset, Signal
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import Holder
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.hashing import content_keys
 
 ENV_URL = "KVEVENTS_REAL_VLLM_URL"
 SCRIPT = "scripts/test-real-vllm"

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
-from kvevents.index import PrefixIndex
-from kvevents.signals import Holder
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.types import Holder
 
 READY = "kvevents router ready "
 START_TIMEOUT_S = 60.0
@@ -79,7 +79,7 @@ class RouterProcess:
         self.argv = [
             sys.executable,
             "-m",
-            "kvevents.cli",
+            "kvevents.cli.main",
             "router",
             "--port",
             "0",

@@ -41,8 +41,8 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvevents.publisher import ZmqEventPublisher
-from kvevents.wire import BlockStored, KVEventBatch
+from kvevents.publish.zmq_publisher import ZmqEventPublisher
+from kvevents.wire.events import BlockStored, KVEventBatch
 
 __all__ = ["FakeEngine", "RankPublishers"]
 

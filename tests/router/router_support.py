@@ -26,7 +26,7 @@ class RouterProc:
     """A `kvevents router --port 0` subprocess; stop() it (fixtures do)."""
 
     def __init__(self, engines: Sequence[str], *extra: str, timeout: float = 30.0) -> None:
-        argv = [sys.executable, "-m", "kvevents.cli", "router", "--port", "0"]
+        argv = [sys.executable, "-m", "kvevents.cli.main", "router", "--port", "0"]
         for url in engines:
             argv += ["--engine", url]
         argv += list(extra)

@@ -12,8 +12,8 @@ import random
 
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents.index import PrefixIndex
-from kvevents.signals import Holder
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.types import Holder
 
 DP = 4
 PAGE = 4

@@ -6,8 +6,9 @@ import pytest
 
 from kvevents.router import Router
 from kvevents.router.metrics import make_registry, render
-from kvevents.signals import Delivery, Gap, Holder, Loss, Reset
-from kvevents.wire import BlockStored, KVEventBatch
+from kvevents.subscribe.items import Delivery, Gap, Loss, Reset
+from kvevents.types import Holder
+from kvevents.wire.events import BlockStored, KVEventBatch
 
 H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.index_types import HolderMatch, TierCredits
+from kvevents.index.types import HolderMatch, TierCredits
 from kvevents.router.scoring import (
     HolderLoad,
     ScoringWeights,
@@ -13,7 +13,7 @@ from kvevents.router.scoring import (
     pending_blocks,
     score,
 )
-from kvevents.signals import Holder
+from kvevents.types import Holder
 
 H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
 

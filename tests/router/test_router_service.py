@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents.engine.chat import render_chat
-from kvevents.index import PrefixIndex
+from kvevents.cli.router import add_arguments, build_service
+from kvevents.index.prefix_index import PrefixIndex
 from kvevents.router.scoring import ScoringWeights
-from kvevents.router.service import add_arguments, build_service
-from kvevents.signals import Holder
+from kvevents.text.chat import render_chat
+from kvevents.types import Holder
 
 PAGE = 4
 
@@ -162,7 +162,7 @@ def test_engine_not_up_yet_is_reported_not_fatal() -> None:
 def test_bad_option_exits_2_with_a_message(option: list[str], message: str) -> None:
     """A malformed --credits, a negative weight or a zero half-life exits with code 2 and names the option."""
     done = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli", "router", "--engine", "x", *option],
+        [sys.executable, "-m", "kvevents.cli.main", "router", "--engine", "x", *option],
         capture_output=True,
         text=True,
         timeout=60,

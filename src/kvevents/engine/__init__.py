@@ -7,36 +7,24 @@ Modules, one concept each:
 * :mod:`~kvevents.engine.topology`: SGLang's scheduler ranks and which of them publish;
 * :mod:`~kvevents.engine.rank`, :mod:`~kvevents.engine.supervisor`: rank processes and
   their parent-side control;
-* :mod:`~kvevents.engine.server`, :mod:`~kvevents.engine.server_info`: the HTTP API and
-  its ``/server_info`` discovery block;
-* :mod:`~kvevents.engine.launcher`: ``kvevents engine``;
-* :mod:`~kvevents.engine.trace`, :mod:`~kvevents.engine.tokenizer`: Mooncake traces to
-  tokens, and the byte-level tokenizer;
-* :mod:`~kvevents.engine.bench`: events and blocks emitted per second per rank.
+* :mod:`~kvevents.engine.server`, :mod:`~kvevents.engine.openai_api`,
+  :mod:`~kvevents.engine.server_info`: the HTTP API and its ``/server_info`` discovery
+  block.
 
-Only the light pieces are imported here; the HTTP server (FastAPI, uvicorn) loads when
-``kvevents.engine.launcher`` or ``kvevents.engine.server`` is imported.
+``kvevents engine`` itself is :mod:`kvevents.cli.engine`; tokenizing text is
+:mod:`kvevents.text`, reading traces :mod:`kvevents.traces`. The engine imports nothing
+of the consumer side (``subscribe``, ``index``, ``router``). Only the light pieces are
+imported here; the HTTP server (FastAPI, uvicorn) loads with ``kvevents.engine.server``.
 """
 
-from kvevents.engine.bench import run_engine_bench
 from kvevents.engine.cache import Admission, CacheStats, PrefixCache
 from kvevents.engine.scheduler import Completion, QueueFullError, Scheduler, StepResult
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
-from kvevents.engine.tokenizer import ByteTokenizer
 from kvevents.engine.topology import SchedulerRole, Topology, plan_topology
-from kvevents.engine.trace import (
-    TraceRequest,
-    bundled_trace_path,
-    hash_id_tokens,
-    iter_trace,
-    load_trace,
-    request_tokens,
-)
 
 __all__ = [
     "Admission",
     "BoundPublisher",
-    "ByteTokenizer",
     "CacheStats",
     "Completion",
     "PrefixCache",
@@ -45,13 +33,6 @@ __all__ = [
     "SchedulerRole",
     "StepResult",
     "Topology",
-    "TraceRequest",
     "build_kv_events_block",
-    "bundled_trace_path",
-    "hash_id_tokens",
-    "iter_trace",
-    "load_trace",
     "plan_topology",
-    "request_tokens",
-    "run_engine_bench",
 ]

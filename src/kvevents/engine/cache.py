@@ -5,7 +5,7 @@ Structure
 The cache holds pages (blocks) of ``page_size`` tokens. Each cached page is a node of a
 radix tree whose root-to-node path is the token prefix the page completes. Because the
 engine's page hash is a chain (a page's digest depends on every page before it, see
-:mod:`kvevents.hashing`), the digest alone names the whole path, so the tree's child
+:mod:`kvevents.wire.hashing`), the digest alone names the whole path, so the tree's child
 lookup is one dict probe: ``_nodes[digest]``. Each node keeps its parent and a child
 count, which is all eviction needs.
 
@@ -52,8 +52,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvevents.hashing import HashScheme, SGLangPageHash, tokens_to_array
-from kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.wire.hashing import HashScheme, SGLangPageHash, tokens_to_array
 
 __all__ = ["Admission", "CacheEvent", "CacheStats", "PrefixCache"]
 

@@ -10,7 +10,7 @@ Enough of vLLM's surface for a router to treat the simulated engine like a real 
   (the prefix the rank reused), and a non-standard ``dp_rank``. Streaming sends one
   ``data:`` chunk per generated token, then ``data: [DONE]``.
 * ``POST /v1/chat/completions``: the same for ``messages`` rendered with the engine's
-  chat template (:mod:`kvevents.engine.chat`; ``add_generation_prompt``,
+  chat template (:mod:`kvevents.text.chat`; ``add_generation_prompt``,
   ``continue_final_message``), ``max_completion_tokens`` or ``max_tokens``. Answers
   ``chat.completion`` objects; streaming sends the role first, then one ``delta`` per
   token.
@@ -33,8 +33,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvevents.engine.chat import ChatError, render_chat
-from kvevents.engine.tokenizer import ByteTokenizer
+from kvevents.text.chat import ChatError, render_chat
+from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["MODEL_NAME", "add_openai_routes"]
 

@@ -43,7 +43,7 @@ from kvevents.endpoints import Endpoint
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.scheduler import Completion, QueueFullError, Scheduler
 from kvevents.errors import KVEventsError
-from kvevents.hashing import get_hash_scheme
+from kvevents.wire.hashing import get_hash_scheme
 
 __all__ = ["RankSpec", "main"]
 
@@ -90,7 +90,7 @@ def _base_for(exact: str | None, configured: str | None, rank: int) -> str | Non
 
 
 def _make_publisher(spec: RankSpec) -> Any:
-    from kvevents.publisher import EventPublisherFactory
+    from kvevents.publish.zmq_publisher import EventPublisherFactory
 
     config = KVEventsConfig.from_dict(spec.kv_events_config)
     if config.enabled and (spec.endpoint_override or spec.replay_override):

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvevents.engine.cache import Admission, CacheEvent, PrefixCache
-from kvevents.hashing import tokens_to_array
-from kvevents.wire import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.hashing import tokens_to_array
 
 __all__ = ["BatchPublisher", "Completion", "QueueFullError", "Scheduler", "StepResult"]
 

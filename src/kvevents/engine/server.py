@@ -37,8 +37,8 @@ from kvevents.config import KVEventsConfig
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
-from kvevents.engine.tokenizer import ByteTokenizer
 from kvevents.engine.topology import Topology
+from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "create_app"]
 

@@ -1,6 +1,6 @@
 """KV-aware routing: scoring, the in-process :class:`Router`, and the HTTP service.
 
-``kvevents router --engine URL`` runs :mod:`kvevents.router.service`; importing this
+``kvevents router --engine URL`` runs :mod:`kvevents.cli.router`; importing this
 package does not import FastAPI.
 """
 

@@ -1,219 +1,28 @@
-"""The router's HTTP application: :class:`RouterService` (what feeds the router) and its routes.
+"""The router's HTTP routes: ``/query``, ``/route``, ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
 
-The endpoints are listed in :mod:`kvevents.router.service` (the ``kvevents router``
-command); the OpenAI endpoints live in :mod:`kvevents.router.openai`, engine polling in
+The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
+command); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
+endpoints live in :mod:`kvevents.router.openai`, engine polling in
 :mod:`kvevents.router.engines`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvevents.engine_spec import EngineSpec
-from kvevents.errors import SubscriberStateError
-from kvevents.router.core import POLICIES, Router
-from kvevents.router.engines import EngineState, watch_engine
-from kvevents.router.metrics import make_registry, render
+from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
-from kvevents.router.request_stats import RequestStats, engine_usage
-from kvevents.router.tokenize import (
-    ByteTextTokenizer,
-    ChatError,
-    EndpointTokenizer,
-    TextTokenizer,
-    TokenizeError,
-)
-from kvevents.signals import Holder
-from kvevents.subscriber import Subscriber
+from kvevents.router.request_stats import engine_usage
+from kvevents.router.service import BadRequest, RouterService, TokenizeFailed
 
-__all__ = ["BadRequest", "RouterService", "TokensBody", "create_app"]
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-
-
-class TokensBody(msgspec.Struct):
-    """A request given as token ids, text or chat messages (unknown keys are ignored).
-
-    ``messages`` are rendered as ``/v1/chat/completions`` renders them (the body's
-    template fields included), so a gateway asking ``/route`` about a chat gets the rank
-    the chat endpoint would choose.
-    """
-
-    input_ids: list[TokenId] | None = None
-    text: str | None = None
-    messages: list[Any] | None = None
-    lora: str | None = None
-    cache_salt: str | None = None
-    record: bool = False
-    """``/route`` only: count the choice as sent (the caller forwards the request)."""
-
-
-_TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
-
-
-class BadRequest(Exception):
-    """A request body the router cannot use; answered with 400."""
-
-
-class TokenizeFailed(Exception):
-    """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
-
-    def __init__(self, error: TokenizeError) -> None:
-        super().__init__(str(error))
-        self.status = error.status
-
-
-class RouterService:
-    """The router plus what feeds it: the subscriber, the engine pollers, an HTTP client.
-
-    ``engines``: URLs (discovered) or :class:`~kvevents.engine_spec.EngineSpec` values.
-    The subscriber is the caller's (``build_service`` adds every spec's streams to it).
-    """
-
-    def __init__(
-        self,
-        router: Router,
-        engines: Sequence[str | EngineSpec],
-        *,
-        subscriber: Subscriber | None = None,
-        load_interval: float = 0.5,
-        forward_timeout: float = 600.0,
-        tokenizer: TextTokenizer | None = None,
-        policy: str = "kv-aware",
-    ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        self.router = router
-        specs = [e if isinstance(e, EngineSpec) else EngineSpec.create(e) for e in engines]
-        self.states = {s.worker: EngineState(s) for s in specs}
-        for spec in specs:  # before any event is handled: configured sizes come first
-            if spec.block_size is None:
-                continue
-            origin = f"--block-size of engine {spec.worker}"
-            if spec.described:
-                for stream in spec.streams():
-                    router.add_holder(
-                        Holder(stream.worker, stream.dp_rank),
-                        block_size=spec.block_size,
-                        source="configured",
-                        origin=origin,
-                    )
-            else:
-                router.declare_block_size(
-                    Holder(spec.worker, 0), spec.block_size, source="configured", origin=origin
-                )
-        self.engines = [s.url for s in specs]
-        self.subscriber = subscriber
-        self.load_interval = load_interval
-        self.forward_timeout = forward_timeout
-        self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
-        self.policy = policy
-        self.requests = RequestStats()
-        self.registry = make_registry(router, self._stream_stats, self.requests)
-        self._client: httpx.AsyncClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._stopping = asyncio.Event()
-
-    @property
-    def engine_errors(self) -> dict[str, str | None]:
-        """The last load/health error per engine URL (None: answering)."""
-        return {st.spec.url: st.error for st in self.states.values()}
-
-    def spec(self, worker: str) -> EngineSpec:
-        """The engine a holder's worker name belongs to."""
-        state = self.states.get(worker)
-        if state is not None:
-            return state.spec
-        return EngineSpec.create(worker)  # a holder learned from events of an unknown worker
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("RouterService.start() has not run: the HTTP client is not open")
-        return self._client
-
-    def _stream_stats(self) -> dict[Holder, Any]:
-        return {} if self.subscriber is None else dict(self.subscriber.stats())
-
-    async def start(self) -> None:
-        # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
-        # request never goes out on a connection the server is closing (a ReadError, 502).
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self.forward_timeout, connect=5.0),
-            limits=httpx.Limits(keepalive_expiry=2.0),
-        )
-        if (
-            isinstance(self.text_tokenizer, EndpointTokenizer)
-            and self.text_tokenizer.client is None
-        ):
-            self.text_tokenizer.client = self._client
-        if self.subscriber is not None:
-            self._tasks.append(asyncio.create_task(self._consume(self.subscriber)))
-        for state in self.states.values():
-            self._tasks.append(
-                asyncio.create_task(
-                    watch_engine(
-                        self.router, state, self._client, self.load_interval, self._stopping
-                    )
-                )
-            )
-
-    async def stop(self) -> None:
-        self._stopping.set()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        if self._client is not None:
-            await self._client.aclose()
-        if self.subscriber is not None:
-            await asyncio.to_thread(self.subscriber.close)
-
-    async def _consume(self, subscriber: Subscriber) -> None:
-        while not self._stopping.is_set():
-            try:
-                item = await subscriber.aget(timeout=0.5)
-            except SubscriberStateError:
-                return
-            if item is not None:
-                self.router.handle(item)
-
-    async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[list[int], TokensBody]:
-        """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
-        refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
-        try:
-            body = _TOKENS_DECODER.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"request body: {exc}") from None
-        if body.messages is not None and not chat:
-            raise BadRequest('"messages" is for chats: send them to /v1/chat/completions')
-        given = [body.input_ids, body.text, body.messages]
-        if sum(x is not None for x in given) != 1:
-            raise BadRequest(
-                'give exactly one of "input_ids" (token ids), "text" or "messages" (a chat)'
-            )
-        if body.input_ids is not None:
-            return body.input_ids, body
-        try:
-            if body.text is not None:
-                return await self.text_tokenizer.encode(body.text), body
-            whole = msgspec.json.decode(raw)  # an object: it decoded as a TokensBody
-            return await self.text_tokenizer.encode_chat(whole), body
-        except ChatError as exc:
-            raise BadRequest(str(exc)) from None
-        except TokenizeError as exc:
-            raise TokenizeFailed(exc) from None
-
-    async def forward(self, worker: str, body: dict[str, Any]) -> httpx.Response:
-        return await self.client.post(f"{self.spec(worker).url}/generate", json=body)
+__all__ = ["create_app"]
 
 
 def _scores_json(decision_scores: list[Any]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Router: the prefix index, holder loads and the routing decision, usable in-process.
 
-The HTTP service (:mod:`kvevents.router.service`) is a thin shell around this class;
+The HTTP service (:mod:`kvevents.cli.router`) is a thin shell around this class;
 a demo or a test may drive it directly: feed it the subscriber's items
 (:meth:`Router.handle`), engines' ``/load`` bodies (:meth:`Router.update_load`), and
 ask :meth:`Router.query` / :meth:`Router.route`. Requests it forwards are bracketed by
@@ -12,7 +12,7 @@ of the cost. :meth:`Router.route` alone changes nothing: a caller that routes wi
 Block sizes: the router keys every request with one block size (``block_size``, else
 the first one declared for a holder, else the first one seen in events). Declared
 sizes (configuration, ``/server_info``) and every stored chain are checked against it
-by :class:`~kvevents.block_sizes.BlockSizes`; a mismatch is logged and counted, and
+by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a mismatch is logged and counted, and
 mismatching ``BlockStored`` events are skipped (they could never match a request).
 
 Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.scoring`) or ``round-robin``
@@ -36,9 +36,8 @@ from typing import Any
 
 import msgspec
 
-from kvevents.block_sizes import BlockSizes
-from kvevents.index import DEFAULT_MAX_ENTRIES, PrefixIndex
-from kvevents.index_types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
+from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.scoring import (
     HolderLoad,
     HolderScore,
@@ -47,7 +46,9 @@ from kvevents.router.scoring import (
     note_routed,
     score,
 )
-from kvevents.signals import Delivery, Gap, Holder, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.block_sizes import BlockSizes
+from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
+from kvevents.types import Holder
 
 __all__ = ["POLICIES", "RouteDecision", "Router", "Ticket"]
 
@@ -88,7 +89,7 @@ class Ticket(msgspec.Struct, frozen=True):
 
 
 class Router:
-    """KV-aware routing over a :class:`~kvevents.index.PrefixIndex`; see the module docstring."""
+    """KV-aware routing over a :class:`~kvevents.index.prefix_index.PrefixIndex`; see the module docstring."""
 
     def __init__(
         self,

@@ -3,12 +3,12 @@
 One :func:`watch_engine` task per engine, until the service stops:
 
 1. Register the engine's holders with the router. A described engine
-   (:attr:`EngineSpec.described <kvevents.engine_spec.EngineSpec.described>`) has its ranks
+   (:attr:`EngineSpec.described <kvevents.subscribe.engine_spec.EngineSpec.described>`) has its ranks
    from the spec; its ``/server_info`` is then read once, best effort, only to cross-check
    a block size it may advertise (vLLM has none). A discovered engine is registered from
    its ``/server_info``, or a vLLM's ``/kv_event_sources`` (retried until one answers). A configured block size and the
    advertised one are both declared to the router, which checks them
-   (:mod:`kvevents.block_sizes`).
+   (:mod:`kvevents.subscribe.block_sizes`).
 2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load at ``GET /load``;
    ``vllm`` and ``sglang`` engines are asked ``GET /health`` (200 = every rank
    available), and ``vllm`` engines also ``GET /metrics``: the gauges
@@ -36,15 +36,15 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvevents.discovery import (
+from kvevents.errors import DiscoveryError
+from kvevents.router.core import Router
+from kvevents.subscribe.discovery import (
     StreamSpec,
     streams_from_kv_event_sources,
     streams_from_server_info,
 )
-from kvevents.engine_spec import EngineSpec
-from kvevents.errors import DiscoveryError
-from kvevents.router.core import Router
-from kvevents.signals import Holder
+from kvevents.subscribe.engine_spec import EngineSpec
+from kvevents.types import Holder
 
 __all__ = ["EngineState", "vllm_rank_loads", "watch_engine"]
 

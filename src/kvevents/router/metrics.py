@@ -18,7 +18,7 @@ Families (all prefixed ``kvevents_router_``):
   ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
 * ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
 * ``block_size_mismatches_total{worker,dp_rank,source,expected,observed}``: block size
-  disagreements (:mod:`kvevents.block_sizes`); for ``source="events"`` the BlockStored
+  disagreements (:mod:`kvevents.subscribe.block_sizes`); for ``source="events"`` the BlockStored
   events skipped.
 * with a :class:`~kvevents.router.request_stats.RequestStats`:
   ``requests_total{endpoint,worker,dp_rank,policy,status}``,
@@ -41,8 +41,8 @@ from prometheus_client.registry import Collector
 
 from kvevents.router.core import Router
 from kvevents.router.request_stats import MATCHED_TOKEN_BUCKETS, RequestStats
-from kvevents.signals import Holder
-from kvevents.stream_stats import StreamStats
+from kvevents.subscribe.stats import StreamStats
+from kvevents.types import Holder
 
 __all__ = ["RouterCollector", "make_registry", "render"]
 

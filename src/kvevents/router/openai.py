@@ -51,7 +51,7 @@ from kvevents.router.request_stats import engine_usage
 from kvevents.router.tokenize import ChatError, TokenizeError
 
 if TYPE_CHECKING:
-    from kvevents.router.app import RouterService
+    from kvevents.router.service import RouterService
 
 __all__ = ["RANK_HEADER", "add_openai_routes", "decision_headers", "prompt_of"]
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvevents.router.core import RouteDecision
-from kvevents.signals import Holder
+from kvevents.types import Holder
 
 __all__ = ["MATCHED_TOKEN_BUCKETS", "RequestStats", "engine_usage"]
 

@@ -1,7 +1,7 @@
 """Routing cost: prefill left to do, work waiting, and each holder's share of recent work.
 
 For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefix is
-``gpu`` + ``cpu`` + ``disk`` blocks (nested tiers, see :mod:`kvevents.index_types`):
+``gpu`` + ``cpu`` + ``disk`` blocks (nested tiers, see :mod:`kvevents.index.types`):
 
 .. code-block:: text
 
@@ -32,7 +32,7 @@ prefix is cached stays with its holder unless that holder's excess of recent wor
 times ``balance_weight``, outweighs the prefix.
 
 Defaults and choices, measured with ``benchmarks/routing_weights.py`` (the offline
-replay of :mod:`kvevents.demo_offline` on seven scenarios: the demo's, one request at a
+replay of :mod:`kvevents.demo.offline` on seven scenarios: the demo's, one request at a
 time, 8 ranks, Mooncake's synthetic trace, the real-vLLM workload) and ``kvevents demo``:
 
 * ``load_weight`` 0.1 (it was 1.0): ``pending`` counts a request's uncached prompt for
@@ -70,8 +70,8 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import msgspec
 
-from kvevents.index_types import DEFAULT_CREDITS, HolderMatch, TierCredits
-from kvevents.signals import Holder
+from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.types import Holder
 
 __all__ = [
     "HolderLoad",

@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import httpx
 
-from kvevents.engine.chat import ChatError, render_chat
-from kvevents.engine.tokenizer import ByteTokenizer
 from kvevents.errors import ConfigError
+from kvevents.text.chat import ChatError, render_chat
+from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTextTokenizer",

@@ -1,0 +1,172 @@
+"""``kvevents bench``: every benchmark from one entry point, results in one JSON file.
+
+::
+
+    kvevents bench [publisher|subscriber|index|engine|routing|all] [--json OUT] [--quick]
+    kvevents bench --markdown [--json FILE]     # the README section, from a results file
+
+Each benchmark is the library function its own script under ``benchmarks/`` calls
+(``run_publisher_bench``, ``run_subscriber_bench``, ``run_index_bench``,
+``run_engine_bench``, and for routing the demo itself, :func:`kvevents.demo.main.run_routing_bench`),
+with the settings the script uses by default, or much smaller ones with ``--quick``
+(a smoke run of a few seconds each; its figures are not comparable to the targets).
+
+The JSON document: ``{"command", "quick", "date", "machine", "results": {name: the
+benchmark's own JSON}, "errors": {name: message}}``; then a rich table of the headline
+figures (:mod:`kvevents.bench.report`). A benchmark that fails is recorded in
+``errors`` and the others still run; the exit code is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvevents.bench.report import render_markdown, render_table
+from kvevents.errors import ConfigError, KVEventsError
+from kvevents.results import write_results
+
+__all__ = ["BENCHMARKS", "add_arguments", "run", "run_benchmarks"]
+
+DEFAULT_JSON = Path("benchmarks") / "results" / "bench.json"
+
+
+def _publisher(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.publisher import run_publisher_bench
+
+    if quick:
+        return run_publisher_bench(messages=20_000, block_counts=(32,), repeats=1)
+    return run_publisher_bench()
+
+
+def _subscriber(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.subscriber import run_subscriber_bench
+
+    if quick:
+        return run_subscriber_bench(
+            stream_counts=(1,), block_counts=(32,), modes=("backlog",), blocks_target=200_000
+        )
+    return run_subscriber_bench()
+
+
+def _index(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.index import run_index_bench
+
+    if quick:
+        return run_index_bench(holders=(8,), limit=1000, memory=False)
+    return run_index_bench()
+
+
+def _engine(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.engine import run_engine_bench
+
+    if quick:
+        return run_engine_bench(requests=200, dp_size=2)
+    return run_engine_bench()
+
+
+def _routing(quick: bool) -> dict[str, Any]:
+    from kvevents.demo.main import run_routing_bench
+
+    return run_routing_bench(quick=quick, console=Console(stderr=True))
+
+
+BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "publisher": _publisher,
+    "subscriber": _subscriber,
+    "index": _index,
+    "engine": _engine,
+    "routing": _routing,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "which",
+        nargs="?",
+        default="all",
+        choices=[*BENCHMARKS, "all"],
+        help="the benchmark to run (default: all)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help=f"results file (default {DEFAULT_JSON}); with --markdown, the file to read",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke run")
+    parser.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the README performance section from the results file; run nothing",
+    )
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+    }
+
+
+def run_benchmarks(
+    names: list[str], *, quick: bool, command: str, console: Console
+) -> dict[str, Any]:
+    """Run the named benchmarks in order; returns the JSON document (see the module docstring)."""
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in names:
+        console.print(f"[bold]bench {name}[/bold]{' (quick)' if quick else ''} ...")
+        t0 = time.monotonic()
+        try:
+            results[name] = BENCHMARKS[name](quick)
+        except (KVEventsError, RuntimeError, OSError, ValueError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            console.print(f"[red]bench {name} failed: {errors[name]}[/red]")
+            continue
+        console.print(f"bench {name}: {time.monotonic() - t0:.0f} s")
+    return {
+        "command": command,
+        "quick": quick,
+        "date": datetime.date.today().isoformat(),
+        "machine": _machine(),
+        "results": results,
+        "errors": errors,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    path: Path = args.json if args.json is not None else DEFAULT_JSON
+    console = Console()
+    if args.markdown:
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(
+                f"--json {path}: cannot read it ({exc.strerror}); run `kvevents bench all` first"
+            ) from None
+        except ValueError as exc:
+            raise ConfigError(f"--json {path}: not a bench results file ({exc})") from None
+        print(render_markdown(doc), end="")
+        return 0
+    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    command = f"kvevents bench {args.which}" + (" --quick" if args.quick else "")
+    if args.json is not None:
+        command += f" --json {args.json}"
+    doc = run_benchmarks(names, quick=args.quick, command=command, console=console)
+    write_results(path, doc)
+    render_table(doc, console)
+    console.print(f"results: {path}")
+    return 1 if doc["errors"] else 0

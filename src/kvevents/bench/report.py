@@ -1,0 +1,290 @@
+"""Headline figures of ``kvevents bench`` results: the rich table and the README section.
+
+Each benchmark's JSON is large; :func:`headlines` picks, per benchmark, the figures
+the issues set targets for, as :class:`Figure` rows (what, measured, target, met). The
+same rows feed the terminal table (:func:`render_table`) and the README's performance
+section (:func:`render_markdown`), so the two never disagree. A benchmark missing from
+the results, or one whose JSON lacks a figure, simply yields fewer rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = [
+    "MARKER_END",
+    "MARKER_START",
+    "Figure",
+    "headlines",
+    "render_markdown",
+    "render_table",
+    "splice_readme",
+]
+
+MARKER_START = "<!-- performance:start -->"
+MARKER_END = "<!-- performance:end -->"
+
+TITLES = {
+    "routing": "Routing quality (`kvevents demo`, conversation trace, dp 4)",
+    "publisher": "Publisher (`ZmqEventPublisher` vs a bare pyzmq PUB, tcp loopback)",
+    "subscriber": "Subscriber (decode and deliver, per CPU second)",
+    "index": "Prefix index (conversation trace, lower-level API)",
+    "engine": "Simulated engine (events and blocks emitted per rank)",
+}
+
+
+class Figure(NamedTuple):
+    """One headline row: ``met`` is None when the figure has no target."""
+
+    benchmark: str
+    what: str
+    measured: str
+    target: str
+    met: bool | None
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def _routing(r: dict[str, Any]) -> Iterator[Figure]:
+    kv, rr = r["policies"]["kv_aware"], r["policies"]["round_robin"]
+    bound = r["upper_bound_hit_rate"]
+    s = r["settings"]
+    yield Figure(
+        "routing",
+        "requests per policy; cache per rank",
+        f"{s['requests']:,}; {s['max_blocks_per_rank']:,} pages x {s['page_size']} tokens",
+        "",
+        None,
+    )
+    if s.get("router_args"):
+        yield Figure("routing", "router options", f"`{' '.join(s['router_args'])}`", "", None)
+    yield Figure("routing", "hit rate, KV-aware", _pct(kv["hit_rate"]), "", None)
+    yield Figure("routing", "hit rate, round-robin", _pct(rr["hit_rate"]), "", None)
+    yield Figure("routing", "hit rate, pooled cache (upper bound)", _pct(bound), "", None)
+    ratio = kv["hit_rate"] / bound if bound else 0.0
+    yield Figure("routing", "KV-aware / upper bound", _pct(ratio), ">= 90%", ratio >= 0.9)
+    better = kv["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+    yield Figure("routing", "KV-aware / round-robin", f"{better:.2f}x", "> 1", better > 1)
+    bal = kv["load_max_over_min"]
+    yield Figure("routing", "load max/min, KV-aware", f"{bal:.2f}", "<= 1.3", bal <= 1.3)
+    yield Figure("routing", "load max/min, round-robin", f"{rr['load_max_over_min']:.2f}", "", None)
+    ev = r["events"]
+    yield Figure(
+        "routing",
+        "batches published / delivered / lost",
+        f"{ev['batches_published']:,} / {ev['batches_delivered']:,} / {ev['lost']}",
+        "0 lost",
+        ev["lost"] == 0 and ev["batches_published"] == ev["batches_delivered"],
+    )
+    secs = r["elapsed_s"]
+    yield Figure("routing", "demo wall time", f"{secs:.0f} s", "< 180 s", secs < 180)
+
+
+def _publisher(r: dict[str, Any]) -> Iterator[Figure]:
+    for c in r["cases"]:
+        b = c["blocks_per_batch"]
+        share = c["share_of_ceiling"]
+        raw = c.get("share_of_raw_ceiling")
+        yield Figure(
+            "publisher",
+            f"{b}-block batches: blocks/s delivered (share of a bare PUB"
+            + ("; of pyzmq's C-level send)" if raw is not None else ")"),
+            f"{_n(c['publisher_blocks_per_s'])} ({_pct(share)}"
+            + (f"; {_pct(raw)})" if raw is not None else ")"),
+            ">= 90%",
+            share >= 0.9,
+        )
+        p99 = c["publish_p99_us_median"]
+        yield Figure(
+            "publisher", f"{b}-block batches: publish() p99", f"{p99:.2f} us", "<= 5 us", p99 <= 5
+        )
+        worst = c["publish_max_us_worst"] / 1000.0
+        yield Figure(
+            "publisher",
+            f"{b}-block batches: publish() max",
+            f"{worst:.1f} ms",
+            "<= 5 ms",
+            worst <= 5,
+        )
+        if "raw_ceiling_calls_over_5ms" in c:
+            yield Figure(
+                "publisher",
+                f"{b}-block batches: calls over 5 ms in {c['publish_calls']:,}: publish() / "
+                "bare send_multipart / C-level sends (worst of each)",
+                f"{c['publish_calls_over_5ms']} / {c['ceiling_calls_over_5ms']} / "
+                f"{c['raw_ceiling_calls_over_5ms']} ({worst:.1f} / "
+                f"{c['ceiling_call_max_us_worst'] / 1000.0:.1f} / "
+                f"{c['raw_ceiling_call_max_us_worst'] / 1000.0:.1f} ms)",
+                "",
+                None,
+            )
+        lost = c["lost_in_all_rounds"]
+        yield Figure("publisher", f"{b}-block batches: lost", str(lost), "0", lost == 0)
+
+
+def _subscriber(r: dict[str, Any]) -> Iterator[Figure]:
+    target = r.get("target_blocks_per_cpu_s_32", 1_000_000)
+    for c in r["cases"]:
+        b = c["blocks_per_batch"]
+        per_cpu = c["blocks_per_cpu_s"]
+        yield Figure(
+            "subscriber",
+            f"{c['mode']}, {c['streams']} stream{'s' if c['streams'] != 1 else ''}, "
+            f"{b}-block batches: blocks per CPU s",
+            _n(per_cpu),
+            f">= {_n(target)}" if b == 32 else "",
+            per_cpu >= target if b == 32 else None,
+        )
+
+
+def _index(r: dict[str, Any]) -> Iterator[Figure]:
+    targets = r.get("targets", {})
+    p99_targets = targets.get("match_p99_us", {"8": 15.0, "64": 20.0})
+    for w, f in r["results"].items():
+        t = p99_targets.get(w)
+        yield Figure(
+            "index",
+            f"W={w}: match p50 / p99",
+            f"{f['match_p50_us']:.1f} / {f['match_p99_us']:.1f} us",
+            "" if t is None else f"p99 <= {t:g} us",
+            None if t is None else f["match_p99_us"] <= t,
+        )
+        ingest = f["ingest_block_ops_per_s"]
+        yield Figure(
+            "index", f"W={w}: ingest block-ops/s", _n(ingest), ">= 800,000", ingest >= 800_000
+        )
+        full = f["full_path_block_ops_per_s"]
+        yield Figure(
+            "index",
+            f"W={w}: decode + apply block-ops/s, one core",
+            _n(full),
+            ">= 300,000",
+            full >= 300_000,
+        )
+        if "bytes_per_holder_block" in f:
+            per = f["bytes_per_holder_block"]
+            yield Figure(
+                "index", f"W={w}: bytes per (block, holder)", f"{per:.0f}", "<= 100", per <= 100
+            )
+
+
+def _engine(r: dict[str, Any]) -> Iterator[Figure]:
+    t, s = r["total"], r["settings"]
+    yield Figure(
+        "engine",
+        f"{s['requests']:,} requests on {s['dp_size']} ranks: blocks per CPU s per rank",
+        _n(t["blocks_per_cpu_s_mean"]),
+        "",
+        None,
+    )
+    yield Figure(
+        "engine",
+        "events / blocks per s per rank",
+        f"{t['events_per_s_per_rank_mean']:,.0f} / {_n(t['blocks_per_s_per_rank_mean'])}",
+        "",
+        None,
+    )
+    dropped = t["publisher_dropped"]
+    yield Figure("engine", "batches dropped by the publisher", str(dropped), "0", dropped == 0)
+
+
+_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
+    "routing": _routing,
+    "publisher": _publisher,
+    "subscriber": _subscriber,
+    "index": _index,
+    "engine": _engine,
+}
+
+
+def headlines(results: dict[str, Any]) -> list[Figure]:
+    """The headline rows of every benchmark in ``results`` (``{name: its JSON}``), in order."""
+    rows: list[Figure] = []
+    for name, extract in _EXTRACTORS.items():
+        result = results.get(name)
+        if isinstance(result, dict):
+            try:
+                rows.extend(extract(result))
+            except (KeyError, TypeError, ZeroDivisionError) as exc:
+                rows.append(Figure(name, "results unreadable", f"missing {exc}", "", False))
+    return rows
+
+
+def _met(met: bool | None) -> str:
+    return "" if met is None else ("yes" if met else "no")
+
+
+def render_table(doc: dict[str, Any], console: Console) -> None:
+    """The headline rows as a rich table (plus any benchmark that failed)."""
+    table = Table(title=f"kvevents bench ({doc.get('command', '')})", title_justify="left")
+    for column, justify in (
+        ("benchmark", "left"),
+        ("figure", "left"),
+        ("measured", "right"),
+        ("target", "right"),
+        ("met", "center"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for f in headlines(doc.get("results", {})):
+        met = _met(f.met)
+        table.add_row(f.benchmark, f.what, f.measured, f.target, met if met != "no" else "[red]no")
+    for name, error in doc.get("errors", {}).items():
+        table.add_row(name, "[red]failed", error, "", "")
+    console.print(table)
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The README's performance section (without the markers), from a bench JSON document."""
+    machine = doc.get("machine", {})
+    lines = [
+        f"Measured with `{doc.get('command', 'kvevents bench all')}` on {doc.get('date', '?')}, "
+        f"on a {machine.get('cpus', '?')}-core {machine.get('machine', '')} machine, "
+        f"Python {machine.get('python', '?')}"
+        + (" (quick settings: smoke figures only)" if doc.get("quick") else "")
+        + ". Regenerate this section with `scripts/update-readme-performance`.",
+        "",
+    ]
+    rows = headlines(doc.get("results", {}))
+    for name, title in TITLES.items():
+        mine = [f for f in rows if f.benchmark == name]
+        if not mine:
+            continue
+        lines += [
+            f"**{title}**",
+            "",
+            "| figure | measured | target | met |",
+            "| --- | ---: | ---: | :---: |",
+        ]
+        lines += [f"| {f.what} | {f.measured} | {f.target} | {_met(f.met)} |" for f in mine]
+        lines.append("")
+    for name, error in doc.get("errors", {}).items():
+        lines.append(f"- `{name}` did not run: {error}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def splice_readme(readme: str, section: str) -> str:
+    """``readme`` with the text between the performance markers replaced by ``section``.
+
+    Adds a ``## Performance`` heading with the markers at the end when they are missing.
+    """
+    start, end = readme.find(MARKER_START), readme.find(MARKER_END)
+    if start == -1 or end == -1 or end < start:
+        if start != -1 or end != -1:
+            raise ValueError(
+                f"README has only one of {MARKER_START} and {MARKER_END}, or in the wrong "
+                "order: fix the markers by hand"
+            )
+        readme = readme.rstrip("\n") + f"\n\n## Performance\n\n{MARKER_START}\n{MARKER_END}\n"
+        start, end = readme.find(MARKER_START), readme.find(MARKER_END)
+    head = readme[: start + len(MARKER_START)]
+    return f"{head}\n{section.rstrip()}\n{readme[end:]}"

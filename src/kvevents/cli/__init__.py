@@ -1,0 +1,8 @@
+"""The top layer: the ``kvevents`` command, one module per subcommand.
+
+* :mod:`~kvevents.cli.main`: the entry point, the shared error format and exit codes;
+* :mod:`~kvevents.cli.engine`, :mod:`~kvevents.cli.router`, :mod:`~kvevents.cli.watch`,
+  :mod:`~kvevents.cli.demo`, :mod:`~kvevents.cli.bench`: the subcommands;
+* :mod:`~kvevents.cli.engine_args`: the options that describe an engine by hand;
+* :mod:`~kvevents.cli.http_serving`: bind, announce a ready line, stop on a signal.
+"""

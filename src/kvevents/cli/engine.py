@@ -1,0 +1,199 @@
+"""``kvevents engine``: start the simulated data-parallel engine and its HTTP server.
+
+::
+
+    kvevents engine --dp-size 4 --kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'
+
+Everything is checked before any process starts: the scheduler topology
+(:func:`~kvevents.engine.topology.plan_topology`), the KV-events config, the port plan
+(overlapping or overflowing ranges are refused, naming them) and the HTTP port. Then
+one process per rank starts (see :mod:`kvevents.engine.supervisor`), the HTTP server
+(:mod:`kvevents.engine.server`) starts on ``--host``/``--port`` (0: the OS picks), and
+one machine-readable line goes to stdout::
+
+    kvevents engine ready http://127.0.0.1:PORT
+
+Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0. A rank
+that dies on its own shows in ``/health`` (503) for ``--dead-rank-grace`` seconds, then
+the engine stops and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from dataclasses import dataclass
+
+from kvevents.cli.http_serving import bind_http, http_url, start_http, stop_on_signals
+from kvevents.config import KVEventsConfig
+from kvevents.endpoints import PortPlan
+from kvevents.engine.rank import RankSpec
+from kvevents.engine.server import EngineInfo, create_app
+from kvevents.engine.supervisor import RankSupervisor
+from kvevents.engine.topology import Topology, plan_topology
+from kvevents.errors import ConfigError
+from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
+
+__all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]
+
+READY_PREFIX = "kvevents engine ready "
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Validated settings of one simulated engine (see :meth:`from_args`)."""
+
+    topology: Topology
+    kv_events_config: KVEventsConfig
+    page_size: int = 16
+    max_blocks: int = 8192
+    host: str = "127.0.0.1"
+    port: int = 30000
+    hash_scheme: str = "sglang"
+    hash_seed: str | None = "0"
+    prefill_tokens_per_s: float = 1_000_000.0
+    decode_steps_per_s: float = 1_000.0
+    max_running: int = 64
+    startup_timeout: float = 30.0
+    dead_rank_grace: float = 1.0
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--page-size", self.page_size), ("--max-blocks", self.max_blocks)):
+            if value < 1:
+                raise ConfigError(f"{flag} {value} must be at least 1")
+        for flag, count in (("--max-running", self.max_running),):
+            if count < 1:
+                raise ConfigError(f"{flag} {count} must be at least 1")
+        for flag, seconds in (
+            ("--startup-timeout", self.startup_timeout),
+            ("--dead-rank-grace", self.dead_rank_grace),
+        ):
+            if not seconds >= 0:
+                raise ConfigError(f"{flag} {seconds} must be >= 0 seconds")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} must be in 0..65535 (0: the OS picks)")
+        for flag, speed in (
+            ("--prefill-tokens-per-s", self.prefill_tokens_per_s),
+            ("--decode-steps-per-s", self.decode_steps_per_s),
+        ):
+            if not speed > 0:
+                raise ConfigError(f"{flag} {speed} must be > 0 (inf: no simulated delay)")
+        try:
+            get_hash_scheme(self.hash_scheme, seed=self.hash_seed)
+        except (ValueError, ImportError) as exc:
+            raise ConfigError(f"--hash-scheme {self.hash_scheme}: {exc}") from None
+        config = self.kv_events_config
+        if config.enabled:  # refuse a bad port plan before anything binds
+            PortPlan.build(self.topology.dp_size, config.endpoint, config.replay_endpoint)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineSettings:
+        return cls(
+            topology=plan_topology(args.dp_size, args.tp_size, args.enable_dp_attention),
+            kv_events_config=KVEventsConfig.from_json(args.kv_events_config),
+            page_size=args.page_size,
+            max_blocks=args.max_blocks,
+            host=args.host,
+            port=args.port,
+            hash_scheme=args.hash_scheme,
+            hash_seed=args.hash_seed,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_steps_per_s=args.decode_steps_per_s,
+            max_running=args.max_running,
+            startup_timeout=args.startup_timeout,
+            dead_rank_grace=args.dead_rank_grace,
+        )
+
+    def rank_specs(self) -> list[RankSpec]:
+        return [
+            RankSpec(
+                dp_rank=role.publisher_rank or 0,
+                control="",
+                token="",
+                kv_events_config=self.kv_events_config.to_dict(),
+                page_size=self.page_size,
+                max_blocks=self.max_blocks,
+                hash_scheme=self.hash_scheme,
+                hash_seed=self.hash_seed,
+                prefill_tokens_per_s=self.prefill_tokens_per_s,
+                decode_steps_per_s=self.decode_steps_per_s,
+                max_running=self.max_running,
+            )
+            for role in self.topology.publishers
+        ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--dp-size", type=int, default=1, help="data-parallel ranks (KV caches), default 1")
+    add("--enable-dp-attention", action="store_true", help="SGLang's DP-attention mode")
+    add("--tp-size", type=int, default=None, help="tensor-parallel size (see SGLang)")
+    add("--page-size", type=int, default=16, help="tokens per KV block, default 16")
+    add("--max-blocks", type=int, default=8192, help="KV blocks per rank, default 8192")
+    add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
+    add("--host", default="127.0.0.1", help="HTTP host, default 127.0.0.1")
+    add("--port", type=int, default=30000, help="HTTP port, default 30000 (0: the OS picks)")
+    add("--hash-scheme", choices=HASH_SCHEMES, default="sglang", help="engine block hashes")
+    add("--hash-seed", default="0", help="vLLM scheme's PYTHONHASHSEED, default '0'")
+    add("--prefill-tokens-per-s", type=float, default=1_000_000.0, help="simulated prefill speed")
+    add("--decode-steps-per-s", type=float, default=1_000.0, help="simulated decode steps/s")
+    add("--max-running", type=int, default=64, help="running requests per rank, default 64")
+    add("--startup-timeout", type=float, default=30.0, help="seconds for ranks to start")
+    add("--dead-rank-grace", type=float, default=1.0, help="seconds /health shows a dead rank")
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(serve_engine(EngineSettings.from_args(args)))
+
+
+async def serve_engine(settings: EngineSettings) -> int:
+    """Run the engine until a signal (exit code 0) or a dead rank (exit code 1)."""
+    stop = asyncio.Event()
+    with stop_on_signals(stop):
+        return await _serve_until_stopped(settings, stop)
+
+
+async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) -> int:
+    sock = bind_http(settings.host, settings.port, "engine")
+    supervisor = RankSupervisor(settings.rank_specs(), startup_timeout=settings.startup_timeout)
+    stop_wait = asyncio.create_task(stop.wait())
+    try:
+        starting = asyncio.create_task(supervisor.start())
+        await asyncio.wait({starting, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 0
+        starting.result()
+        info = EngineInfo(
+            topology=settings.topology,
+            page_size=settings.page_size,
+            max_blocks=settings.max_blocks,
+            hash_scheme=settings.hash_scheme,
+            kv_events_config=settings.kv_events_config,
+        )
+        server, serving = await start_http(create_app(supervisor, info), sock, lifespan="off")
+        print(READY_PREFIX + http_url(settings.host, sock), flush=True)
+        failed = asyncio.create_task(supervisor.failed.wait())
+        await asyncio.wait({stop_wait, failed, serving}, return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if failed.done() and not stop.is_set():
+            code = 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.dead_rank_grace)
+        failed.cancel()
+        server.should_exit = True
+        await serving
+        return code
+    finally:
+        stop_wait.cancel()
+        await supervisor.stop()
+        sock.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _parser = argparse.ArgumentParser(prog="kvevents engine")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

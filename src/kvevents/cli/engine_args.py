@@ -1,0 +1,207 @@
+"""Command-line options naming engines and streams, shared by ``kvevents router`` and ``watch``.
+
+::
+
+    --engine URL [--kv-endpoint ADDR [--replay-endpoint ADDR] [--dp-size N] [--topic T]]
+                 [--block-size B] [--engine-kind vllm|sglang|kvevents] [--name NAME]
+    --engines-file FILE            (JSON, or TOML on Python 3.11+; see kvevents.subscribe.engine_spec)
+    --endpoint ADDR [--replay-endpoint ADDR] [--topic T] [--name NAME] [--dp-rank R]
+                                   (watch only: one explicit stream)
+
+Each ``--engine`` (or ``--endpoint``) opens an entry; the options after it, up to the
+next opener, amend that entry, so any number of engines can be given. An amending
+option given before any opener is an error naming the opener it needs, except where a
+command gives it a meaning of its own (the router's ``--block-size`` before any
+``--engine`` is its global block size). Entries are parsed into
+:class:`~kvevents.subscribe.engine_spec.EngineSpec` / :class:`~kvevents.subscribe.discovery.StreamSpec` by
+:func:`engine_specs` and :func:`endpoint_specs`, which raise
+:class:`~kvevents.errors.ConfigError` naming the engine and the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from kvevents.errors import ConfigError
+from kvevents.subscribe.discovery import StreamSpec
+from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineSpec, load_engines_file
+
+__all__ = ["add_engine_arguments", "endpoint_specs", "engine_specs"]
+
+_OPENERS = ("engine", "endpoint")
+# option dest -> the openers it may amend
+_AMENDS: dict[str, tuple[str, ...]] = {
+    "kv_endpoint": ("engine",),
+    "replay_endpoint": ("engine", "endpoint"),
+    "dp_size": ("engine",),
+    "topic": ("engine", "endpoint"),
+    "block_size": ("engine", "endpoint"),
+    "kind": ("engine",),
+    "name": ("engine", "endpoint"),
+    "dp_rank": ("endpoint",),
+}
+
+
+class _EntryAction(argparse.Action):
+    """``--engine``/``--endpoint`` open an entry in ``namespace.entries``; the others amend it."""
+
+    global_dest: str | None = None  # set per parser: an amender that, before any opener, is global
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        entries: list[dict[str, Any]] = list(getattr(namespace, "entries", None) or [])
+        if self.dest in _OPENERS:
+            entries.append({"opener": self.dest, self.dest: values, "flag": option_string})
+            namespace.entries = entries
+            return
+        if not entries:
+            if self.dest == self.global_dest:
+                setattr(namespace, f"global_{self.dest}", values)
+                return
+            openers = " or ".join(f"--{o}" for o in _AMENDS[self.dest] if o in self.openers)
+            parser.error(f"{option_string} belongs to an {openers}: give {openers} first")
+        last = entries[-1]
+        opener = last["opener"]
+        if opener not in _AMENDS[self.dest]:
+            parser.error(
+                f"{option_string} does not apply to {last['flag']} {last[opener]}; it belongs "
+                f"to an {' or '.join('--' + o for o in _AMENDS[self.dest])}"
+            )
+        if self.dest in last:
+            parser.error(f"{option_string} given twice for {last['flag']} {last[opener]}")
+        last[self.dest] = values
+        namespace.entries = entries
+
+    openers: tuple[str, ...] = _OPENERS
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    endpoints: bool = False,
+    global_block_size: bool = False,
+) -> None:
+    """Add the options of the module docstring; ``endpoints`` adds ``--endpoint`` streams.
+
+    ``global_block_size``: ``--block-size`` before any ``--engine`` sets ``global_block_size``.
+    """
+
+    class Action(_EntryAction):
+        global_dest = "block_size" if global_block_size else None
+        openers = _OPENERS if endpoints else ("engine",)
+
+    group = parser.add_argument_group(
+        "engines (repeatable; the options after --engine describe that engine)"
+    )
+    group.add_argument(
+        "--engine",
+        action=Action,
+        metavar="URL",
+        help="engine HTTP URL; alone, its /server_info (or a vLLM's /kv_event_sources) "
+        "is read for its streams",
+    )
+    group.add_argument(
+        "--kv-endpoint",
+        dest="kv_endpoint",
+        action=Action,
+        metavar="ADDR",
+        help="rank 0's event endpoint (rank r: port + r), for engines that advertise none",
+    )
+    group.add_argument(
+        "--replay-endpoint",
+        dest="replay_endpoint",
+        action=Action,
+        metavar="ADDR",
+        help="rank 0's replay endpoint (rank r: port + r)",
+    )
+    group.add_argument(
+        "--dp-size", dest="dp_size", action=Action, type=int, metavar="N", help="ranks (default 1)"
+    )
+    group.add_argument("--topic", action=Action, help="topic the engine publishes under")
+    group.add_argument(
+        "--block-size",
+        dest="block_size",
+        action=Action,
+        type=int,
+        metavar="B",
+        help="tokens per block, checked against the events"
+        + (" (before any --engine: the router's block size)" if global_block_size else ""),
+    )
+    group.add_argument(
+        "--engine-kind",
+        dest="kind",
+        action=Action,
+        choices=ENGINE_KINDS,
+        help="how a request names its rank: vllm (X-data-parallel-rank header; default when "
+        "--kv-endpoint is given), sglang or kvevents (routed_dp_rank in the body)",
+    )
+    group.add_argument(
+        "--name", action=Action, help="worker name (default: the engine URL or the endpoint)"
+    )
+    group.add_argument(
+        "--engines-file",
+        dest="engines_file",
+        metavar="FILE",
+        help="engines listed in a JSON or TOML file (see kvevents.subscribe.engine_spec)",
+    )
+    if endpoints:
+        group.add_argument(
+            "--endpoint",
+            action=Action,
+            metavar="ADDR",
+            help="one explicit stream, e.g. tcp://H:5557",
+        )
+        group.add_argument(
+            "--dp-rank",
+            dest="dp_rank",
+            action=Action,
+            type=int,
+            help="rank of the --endpoint before it",
+        )
+    parser.set_defaults(entries=[], engines_file=None)
+    if global_block_size:
+        parser.set_defaults(global_block_size=None)
+
+
+def engine_specs(args: argparse.Namespace, urls: Sequence[str] = ()) -> list[EngineSpec]:
+    """The engines of ``--engine`` entries, bare ``urls`` and ``--engines-file``, in that order."""
+    specs = []
+    for entry in args.entries:
+        if entry["opener"] != "engine":
+            continue
+        fields = {k: v for k, v in entry.items() if k not in ("opener", "engine", "flag")}
+        specs.append(EngineSpec.create(entry["engine"], **fields))
+    specs += [EngineSpec.create(url) for url in urls]
+    if args.engines_file is not None:
+        specs += load_engines_file(args.engines_file)
+    seen: dict[str, str] = {}
+    for spec in specs:
+        if spec.worker in seen:
+            raise ConfigError(
+                f"engine {spec.worker} is given twice; give each engine once (or distinct --name)"
+            )
+        seen[spec.worker] = spec.url
+    return specs
+
+
+def endpoint_specs(args: argparse.Namespace) -> list[StreamSpec]:
+    """The explicit streams of ``--endpoint`` entries."""
+    return [
+        StreamSpec.from_endpoint(
+            entry["endpoint"],
+            replay_endpoint=entry.get("replay_endpoint"),
+            topic=entry.get("topic") or "",
+            worker=entry.get("name"),
+            dp_rank=entry.get("dp_rank", 0),
+            block_size=entry.get("block_size"),
+        )
+        for entry in args.entries
+        if entry["opener"] == "endpoint"
+    ]

@@ -1,0 +1,247 @@
+"""``kvevents router``: the KV-aware router as an HTTP service (FastAPI + uvicorn).
+
+    kvevents router --engine http://127.0.0.1:30000 [--engine URL ...] [--port 8100]
+    kvevents router --engine http://10.0.0.5:8000 --kv-endpoint tcp://*:5557 \\
+        --replay-endpoint tcp://*:5600 --dp-size 2 --topic kv --tokenizer MODEL_DIR
+    kvevents router --engines-file engines.toml
+
+An engine is discovered through its ``/server_info`` (a vLLM through its
+``/kv_event_sources``), or described by the options after
+its ``--engine`` (``--kv-endpoint`` and friends, :mod:`kvevents.cli.engine_args`) or in an
+engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every rank's stream (a
+:class:`~kvevents.Subscriber`), asks each engine for its load or health
+(:mod:`kvevents.router.engines`), and answers (JSON in and out):
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI requests, routed to
+  the rank holding their longest prefix and relayed (streaming too); a chat is rendered
+  with the engine's template first. See :mod:`kvevents.router.openai`.
+* ``POST /query``: ``{"input_ids": [...]}``, ``{"text": "..."}`` or ``{"messages":
+  [...]}`` (a chat, with the chat body's template fields; optional ``lora``,
+  ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
+* ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
+  holder's score (see :mod:`kvevents.router.scoring`), by the KV-aware cost whatever
+  ``--policy`` says. Asking changes nothing unless the body says ``"record": true``: a
+  gateway that then sends the request itself has the choice counted in the balance
+  term. The router never sees such a request end, so it is in-flight load only as the
+  engine reports it (``/load``, a vLLM's ``/metrics``; an SGLang engine reports none).
+* ``POST /generate``: an engine ``/generate`` body, forwarded to the chosen engine with
+  ``routed_dp_rank`` set (any rank in the body is replaced); the engine's answer comes
+  back with a ``router`` field saying where it went and why.
+* ``GET /workers``: engines, streams and holders with their health, load and block sizes.
+* ``GET /metrics``: Prometheus text (:mod:`kvevents.router.metrics`).
+* ``GET /dump``: the index snapshot (``application/octet-stream``, see
+  :meth:`kvevents.PrefixIndex.to_bytes`).
+
+Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
+``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
+default with the simulated engine's byte tokenizer. A malformed body answers 400 naming
+the field; a tokenizer that fails answers 502 (the engine's ``/tokenize`` unreachable),
+the engine's own 4xx (it refused the input) or 501 (a chat ``--tokenizer`` cannot
+render). Before any engine is registered, routing answers 503; with engines registered
+but no block stored anywhere yet (so no block size known), requests are routed by load
+alone, and ``/query`` answers 503 until the block size is known.
+
+With ``--port 0`` the OS picks the port; the service prints
+``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from kvevents.cli.engine_args import add_engine_arguments, engine_specs
+from kvevents.cli.http_serving import serve_app
+from kvevents.errors import ConfigError
+from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
+from kvevents.index.types import TierCredits
+from kvevents.router.app import create_app
+from kvevents.router.core import POLICIES, Router
+from kvevents.router.scoring import ScoringWeights
+from kvevents.router.service import RouterService
+from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
+from kvevents.subscribe.subscriber import Subscriber
+
+__all__ = [
+    "READY_PREFIX",
+    "RouterService",
+    "add_arguments",
+    "build_service",
+    "create_app",
+    "run",
+    "serve",
+]
+
+log = logging.getLogger("kvevents.router")
+
+READY_PREFIX = "kvevents router ready "
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser, global_block_size=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    parser.add_argument("--port", type=int, default=8100, help="port (0: the OS picks one)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the model folder (or its tokenizer.json) to tokenize text prompts as the engine "
+        "does; needs the 'tokenizers' library (default: the simulated engine's byte tokenizer)",
+    )
+    text.add_argument(
+        "--tokenize-endpoint",
+        metavar="URL",
+        help="ask this URL to tokenize text prompts and render chats, e.g. "
+        "http://ENGINE:8000/tokenize (vLLM's /tokenize takes both)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="kv-aware",
+        help="kv-aware (default) or round-robin (for comparisons)",
+    )
+    parser.add_argument(
+        "--load-interval", type=float, default=0.5, help="seconds between /load or /health"
+    )
+    weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
+    parser.add_argument(
+        "--load-weight",
+        type=float,
+        default=weights.load_weight,
+        help="blocks of prefill one block of pending (in-flight) work is worth "
+        f"(default {weights.load_weight:g})",
+    )
+    parser.add_argument(
+        "--foreign-request-blocks",
+        type=float,
+        default=weights.foreign_request_blocks,
+        help="pending blocks assumed per engine request this router did not send "
+        f"(default {weights.foreign_request_blocks:g})",
+    )
+    parser.add_argument(
+        "--balance-weight",
+        type=float,
+        default=weights.balance_weight,
+        help="blocks of prefill one block of a rank's excess recent work is worth; 0 turns "
+        f"the balance off (default {weights.balance_weight:g})",
+    )
+    parser.add_argument(
+        "--balance-half-life",
+        type=float,
+        default=weights.balance_half_life,
+        metavar="REQUESTS",
+        help="requests routed after which a request's share of a rank's recent work halves "
+        f"(default {weights.balance_half_life:g})",
+    )
+    parser.add_argument(
+        "--credits",
+        default="1.0,0.75,0.25",
+        metavar="GPU,CPU,DISK",
+        help="worth of a cached block per tier (default 1.0,0.75,0.25)",
+    )
+    parser.add_argument(
+        "--max-entries", type=int, default=DEFAULT_MAX_ENTRIES, help="index memory bound"
+    )
+
+
+def _credits(text: str) -> TierCredits:
+    try:
+        gpu, cpu, disk = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--credits {text!r}: give three numbers GPU,CPU,DISK, e.g. 1.0,0.75,0.25"
+        ) from None
+    return TierCredits(gpu=gpu, cpu=cpu, disk=disk)
+
+
+def _weights(args: argparse.Namespace) -> ScoringWeights:
+    for flag, value in (
+        ("--load-weight", args.load_weight),
+        ("--foreign-request-blocks", args.foreign_request_blocks),
+        ("--balance-weight", args.balance_weight),
+    ):
+        if not value >= 0:
+            raise ValueError(f"{flag} {value}: must be a number >= 0")
+    if not 0 < args.balance_half_life < float("inf"):
+        raise ValueError(
+            f"--balance-half-life {args.balance_half_life}: must be a positive number of requests"
+        )
+    return ScoringWeights(
+        load_weight=args.load_weight,
+        foreign_request_blocks=args.foreign_request_blocks,
+        balance_weight=args.balance_weight,
+        balance_half_life=args.balance_half_life,
+    )
+
+
+def _tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
+    if args.tokenizer is not None:
+        return FileTokenizer(args.tokenizer)
+    if args.tokenize_endpoint is not None:
+        return EndpointTokenizer(args.tokenize_endpoint)
+    return None
+
+
+def build_service(args: argparse.Namespace) -> RouterService:
+    """The service of ``kvevents router ARGS``; ConfigError/ValueError for bad options."""
+    if args.load_interval <= 0:
+        raise ValueError(f"--load-interval {args.load_interval}: must be a positive number")
+    block_size = args.global_block_size
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"--block-size {block_size}: must be a positive integer")
+    router = Router(
+        block_size=block_size,
+        credits=_credits(args.credits),
+        weights=_weights(args),
+        max_entries=args.max_entries,
+    )
+    specs = engine_specs(args)
+    if not specs:
+        raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
+    tokenizer = _tokenizer(args)
+    if tokenizer is None:
+        for spec in specs:
+            if spec.engine_kind != "kvevents":
+                log.warning(
+                    "engine %s is a %s engine, and text prompts and chats will be tokenized "
+                    "with the simulated engine's byte tokenizer, which is not its model's: "
+                    "they will match nothing it caches. Give --tokenize-endpoint "
+                    "%s/tokenize (or --tokenizer MODEL_DIR); token-id prompts are unaffected",
+                    spec.url,
+                    spec.engine_kind,
+                    spec.url,
+                )
+    subscriber = Subscriber()
+    try:
+        for spec in specs:
+            spec.follow(subscriber)
+    except BaseException:
+        subscriber.close()
+        raise
+    return RouterService(
+        router,
+        specs,
+        subscriber=subscriber,
+        load_interval=args.load_interval,
+        tokenizer=tokenizer,
+        policy=args.policy,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        service = build_service(args)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return asyncio.run(serve(service, args.host, args.port))
+
+
+async def serve(service: RouterService, host: str, port: int) -> int:
+    """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
+    return await serve_app(create_app(service), host, port, READY_PREFIX, "router")

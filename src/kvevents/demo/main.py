@@ -1,0 +1,302 @@
+"""``kvevents demo``: the whole plane in one command, and what KV-aware routing buys.
+
+::
+
+    kvevents demo [--requests N] [--dp-size N] [--enable-dp-attention] [--trace FILE]
+                  [--json FILE] [--out DIR | --no-chart]
+
+1. Starts ``kvevents engine`` (``--dp-size`` ranks, pure DP unless
+   ``--enable-dp-attention``, a prefix cache of ``--max-blocks`` pages per rank, KV
+   events with replay on OS-chosen loopback ports) and ``kvevents router`` following
+   it, each in its own process group (:mod:`kvevents.demo.procs`).
+2. Replays the first ``--requests`` requests of the trace (default: the bundled Mooncake
+   conversation trace), ``--speedup`` times faster than recorded, at most
+   ``--concurrency`` in flight (:mod:`kvevents.demo.replay`): once through the router
+   (KV-aware), then, after flushing every cache and checking that the router's index
+   emptied with it, straight to the engine, which spreads requests round-robin.
+3. After each replay, waits until the router has received every published batch and
+   checks that its index holds as many blocks per rank as the engine's caches.
+4. Prints the results (:mod:`kvevents.demo.report`), draws the chart
+   (:mod:`kvevents.demo.chart`) and writes ``--json``.
+
+Whatever happens (success, error, Ctrl-C, SIGTERM), the router and the engine are
+stopped before the command returns. Exit codes: 0 when every request succeeded,
+nothing was lost and the index matched the engine; 1 otherwise; 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shlex
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvevents.demo.plane import EventCounts, Plane, Settled
+from kvevents.demo.procs import Child
+from kvevents.demo.replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
+from kvevents.demo.report import (
+    POLICY_LABELS,
+    render_table,
+    results_document,
+    summarize,
+)
+from kvevents.demo.signals import Interrupts
+from kvevents.errors import ConfigError
+from kvevents.results import finite_json, write_results
+
+__all__ = ["add_arguments", "run", "run_demo", "run_routing_bench"]
+
+DEFAULTS: dict[str, Any] = {
+    "requests": 1000,
+    "dp_size": 4,
+    "page_size": 16,
+    "max_blocks": 65536,
+    "speedup": 12.0,
+    "concurrency": 32,
+    "max_new_tokens": 32,
+    # Empty: the router runs with its own defaults, which were chosen on this replay and
+    # others (see kvevents.router.scoring), so the demo shows what `kvevents router` does.
+    "router_args": "",
+}
+
+
+_TUNABLES = (  # flag, type, help; defaults from DEFAULTS
+    ("--requests", int, "requests replayed per policy"),
+    ("--dp-size", int, "engine ranks"),
+    ("--page-size", int, "tokens per KV block"),
+    ("--max-blocks", int, "cache pages per rank"),
+    ("--speedup", float, "trace seconds per second of replay"),
+    ("--concurrency", int, "requests in flight at most"),
+    ("--max-new-tokens", int, "cap on each request's output tokens"),
+    ("--router-args", str, "options passed to `kvevents router`"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--trace", type=Path, default=None, help="Mooncake trace (default: the bundled one)")
+    add("--enable-dp-attention", action="store_true", help="engine in SGLang's DP-attention mode")
+    for flag, kind, text in _TUNABLES:
+        default = DEFAULTS[flag[2:].replace("-", "_")]
+        add(flag, type=kind, default=default, help=f"{text} (default: {default!r})")
+    add("--out", type=Path, default=Path("demo-out"), help="directory for the chart (demo-out)")
+    add("--no-chart", action="store_true", help="do not draw the PNG chart")
+    add("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
+    add("--startup-timeout", type=float, default=90.0, help="seconds for each process to start")
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = run_demo(args, Console())
+    return 0 if doc["ok"] else 1
+
+
+def run_routing_bench(
+    *, quick: bool = False, requests: int | None = None, console: Console | None = None
+) -> dict[str, Any]:
+    """The demo as a benchmark: default settings, no chart; ``quick`` replays 300 requests.
+
+    Returns the demo's results document (finite numbers only) with ``"benchmark": "routing"``.
+    """
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    count = requests if requests is not None else (300 if quick else DEFAULTS["requests"])
+    args = parser.parse_args(["--no-chart", "--requests", str(count)])
+    doc = run_demo(args, console if console is not None else Console(stderr=True))
+    result: dict[str, Any] = finite_json({"benchmark": "routing", **doc})
+    return result
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    kv_config = {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "bind": True,
+        "replay_endpoint": "tcp://127.0.0.1:0",
+    }
+    argv = ["--port", "0", "--dp-size", str(args.dp_size), "--page-size", str(args.page_size)]
+    argv += ["--max-blocks", str(args.max_blocks), "--kv-events-config", json.dumps(kv_config)]
+    if args.enable_dp_attention:
+        argv.append("--enable-dp-attention")
+    return argv
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--dp-size", args.dp_size),
+        ("--page-size", args.page_size),
+        ("--max-blocks", args.max_blocks),
+        ("--concurrency", args.concurrency),
+    ):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    if not args.startup_timeout > 0:
+        raise ConfigError(f"--startup-timeout {args.startup_timeout}: must be > 0 seconds")
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo stops the pool itself
+
+
+def _replay(
+    name: str,
+    workload: Workload,
+    url: str,
+    concurrency: int,
+    console: Console,
+    interrupts: Interrupts,
+) -> PolicyRun:
+    columns = (
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("hit rate {task.fields[hit]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(POLICY_LABELS.get(name, name), total=len(workload), hit="-")
+        totals = [0, 0]
+
+        def on_done(outcome: Outcome) -> None:
+            totals[0] += outcome.prompt_tokens
+            totals[1] += outcome.cached_tokens
+            hit = f"{100 * totals[1] / totals[0]:.1f}%" if totals[0] else "-"
+            progress.update(task, advance=1, hit=hit)
+
+        return interrupts.run(replay(name, workload, url, concurrency=concurrency, on_done=on_done))
+
+
+def _run_plane(
+    args: argparse.Namespace,
+    workload: Workload,
+    engine: Child,
+    router: Child,
+    console: Console,
+    interrupts: Interrupts,
+) -> tuple[dict[str, PolicyRun], dict[str, Settled], EventCounts]:
+    """Start engine and router, replay each policy, settle; the caller stops the children."""
+    mode = "DP attention" if args.enable_dp_attention else "pure DP"
+    say = console.print
+    say(
+        f"starting kvevents engine (dp {args.dp_size}, {mode}, {args.max_blocks:,} pages of "
+        f"{args.page_size} tokens per rank) and kvevents router",
+        soft_wrap=True,
+    )
+    engine_url = engine.start(args.startup_timeout)
+    say(f"engine ready: {engine_url}", soft_wrap=True)
+    router.argv += ["--engine", engine_url]
+    router_url = router.start(args.startup_timeout)
+    say(f"router ready: {router_url}", soft_wrap=True)
+    runs: dict[str, PolicyRun] = {}
+    consistency: dict[str, Settled] = {}
+    plane = Plane(engine_url, router_url)
+    try:
+        engine.adopt(plane.rank_pids())
+        plane.wait_subscribed(args.dp_size, args.startup_timeout)
+        say(
+            f"replaying {len(workload):,} requests of {workload.trace_name}, "
+            f"{args.speedup:g}x faster than recorded, at most {args.concurrency} in flight",
+            soft_wrap=True,
+        )
+        for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
+            if runs:
+                plane.flush(timeout=30.0)
+            runs[name] = _replay(
+                name, workload, f"{url}/generate", args.concurrency, console, interrupts
+            )
+            consistency[name] = plane.wait_settled(timeout=30.0)
+        return runs, consistency, plane.event_counts()
+    finally:
+        plane.close()
+
+
+def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """Run the demo as described in the module docstring; returns the results document."""
+    _check(args)
+    started = time.monotonic()
+    workload = Workload.load(
+        args.trace, args.requests, speedup=args.speedup, max_new_tokens=args.max_new_tokens
+    )
+    try:
+        router_extra = shlex.split(args.router_args)
+    except ValueError as exc:
+        raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
+    engine = Child("engine", _engine_args(args))
+    router = Child("router", ["--port", "0", *router_extra])
+    with Interrupts() as interrupts:  # Ctrl-C and SIGTERM: see kvevents.demo.signals
+        pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
+        try:
+            bound = pool.apply_async(
+                pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
+            )
+            runs, consistency, events = _run_plane(
+                args, workload, engine, router, console, interrupts
+            )
+            upper = bound.get(timeout=600.0)
+        finally:
+            with interrupts.deferred():  # a second signal must not cut the cleanup short
+                router.stop()
+                engine.stop()
+                pool.terminate()
+                pool.join()
+    processes = {"engine": engine.pid, "router": router.pid, "ranks": list(engine.adopted)}
+    policies = {name: summarize(r, args.dp_size) for name, r in runs.items()}
+    upper_rate = sum(c for _, c in upper) / max(1, sum(p for p, _ in upper))
+    chart = None
+    if not args.no_chart:
+        from kvevents.demo.chart import draw_chart
+
+        chart = draw_chart(
+            args.out / "kvevents-demo.png",
+            list(runs.values()),
+            upper,
+            POLICY_LABELS,
+            {n: p["prompt_tokens_per_rank"] for n, p in policies.items()},
+            f"kvevents demo: {len(workload):,} requests of {workload.trace_name}, dp {args.dp_size}",
+        )
+    settings = {
+        "trace": workload.trace_name,
+        "requests": len(workload),
+        "dp_size": args.dp_size,
+        "enable_dp_attention": args.enable_dp_attention,
+        "page_size": args.page_size,
+        "max_blocks_per_rank": args.max_blocks,
+        "speedup": args.speedup,
+        "concurrency": args.concurrency,
+        "max_new_tokens": args.max_new_tokens,
+        "router_args": router_extra,
+    }
+    failed = sum(p["failed"] for p in policies.values())
+    ok = failed == 0 and events.lost == 0 and all(s.consistent for s in consistency.values())
+    doc = results_document(
+        settings,
+        policies,
+        upper_rate,
+        events,
+        consistency,
+        {
+            "processes": processes,
+            "chart": None if chart is None else str(chart),
+            "elapsed_s": time.monotonic() - started,
+            "ok": ok,
+        },
+    )
+    render_table(doc, console)
+    if chart is not None:
+        console.print(f"chart: {chart}")
+    if args.json is not None:
+        write_results(args.json, doc)
+        console.print(f"results: {args.json}")
+    console.print(f"done in {doc['elapsed_s']:.0f} s; engine and router stopped")
+    if not ok:
+        console.print(
+            f"[red]problems: {failed} failed requests, {events.lost} lost sequence numbers, "
+            f"index consistent: {[s.consistent for s in consistency.values()]}[/red]"
+        )
+    return doc

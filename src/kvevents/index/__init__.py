@@ -1,0 +1,24 @@
+"""The prefix index: which holder caches which blocks, in which tier.
+
+* :mod:`~kvevents.index.prefix_index`: :class:`PrefixIndex` (apply events, match
+  requests) and :func:`namespace_key`;
+* :mod:`~kvevents.index.types`: tiers, credits, counters and match results;
+* :mod:`~kvevents.index.snapshot`: the index's state as bytes and back (``/dump``).
+
+The index knows events and holders, never sockets: it imports ``wire`` and ``types``
+only.
+"""
+
+from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex, namespace_key
+from kvevents.index.types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
+
+__all__ = [
+    "DEFAULT_MAX_ENTRIES",
+    "HolderMatch",
+    "IndexStats",
+    "PrefixIndex",
+    "PrefixMatch",
+    "Tier",
+    "TierCredits",
+    "namespace_key",
+]

@@ -1,0 +1,71 @@
+"""Snapshot of a :class:`~kvevents.index.prefix_index.PrefixIndex` to bytes and back (msgpack).
+
+The snapshot keeps everything a restored index needs to go on exactly where the old
+one stopped: holders and their slots, every block's packed tier mask in recency order
+(so pruning order survives), the engine-hash map, extra copies, counters and settings.
+Derived figures (entry counts per holder, the live-slot mask) are recomputed on load.
+
+Layout (a positional msgpack array, version 1); masks are little-endian bytes because
+they may exceed 64 bits. Restoring costs O(blocks + hashes). This module knows only the layout; the index
+builds and reads it, so the index imports this module and never the reverse.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvevents.index.types import IndexStats
+from kvevents.types import Hash
+
+__all__ = ["SNAPSHOT_VERSION", "IndexSnapshot", "decode_snapshot", "encode_snapshot", "mask_bytes"]
+
+SNAPSHOT_VERSION = 1
+
+
+class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
+    """Everything a restored index needs; built and read by :class:`PrefixIndex` itself."""
+
+    version: int
+    block_size: int | None
+    max_entries: int
+    credits: tuple[float, float, float]
+    width: int
+    holders: list[tuple[str, int] | None]
+    slot_block_size: list[int | None]
+    blocks: list[tuple[int, bytes]]
+    hashes: list[tuple[Hash, int]]
+    refs: list[tuple[int, int, int, int]]
+    stats: IndexStats
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(IndexSnapshot)
+
+
+def mask_bytes(v: int) -> bytes:
+    """A packed mask as little-endian bytes (masks may exceed 64 bits)."""
+    return v.to_bytes((v.bit_length() + 7) // 8, "little")
+
+
+def encode_snapshot(snapshot: IndexSnapshot) -> bytes:
+    """The snapshot as msgpack bytes."""
+    return _ENCODER.encode(snapshot)
+
+
+def decode_snapshot(data: bytes) -> IndexSnapshot:
+    """Read :func:`encode_snapshot` bytes; ValueError names what is wrong."""
+    try:
+        snap = _DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ValueError(
+            f"PrefixIndex.from_bytes: {len(data)} bytes are not an index snapshot: {exc}"
+        ) from None
+    if snap.version != SNAPSHOT_VERSION:
+        raise ValueError(
+            f"PrefixIndex.from_bytes: snapshot version {snap.version} is not supported "
+            f"(this kvevents reads version {SNAPSHOT_VERSION}); rebuild the index from the streams"
+        )
+    width = snap.width
+    if width < 64 or width % 64 or len(snap.holders) > width:
+        raise ValueError(f"PrefixIndex.from_bytes: slot width {width} is inconsistent")
+    return snap

@@ -1,0 +1,23 @@
+"""What an engine embeds to publish its KV events.
+
+* :mod:`~kvevents.publish.base`: the publisher interface, lifecycle, counters, and the
+  null publisher;
+* :mod:`~kvevents.publish.zmq_publisher`: :class:`ZmqEventPublisher` and
+  :class:`EventPublisherFactory`;
+* :mod:`~kvevents.publish.send_queue`: the lock-free queue and its sender thread;
+* :mod:`~kvevents.publish.replay_server`: the replay ring and its ROUTER thread.
+
+Nothing here imports the consumer side (``subscribe``, ``index``, ``router``).
+"""
+
+from kvevents.publish.base import EventPublisher, NullEventPublisher, PublisherState, PublisherStats
+from kvevents.publish.zmq_publisher import EventPublisherFactory, ZmqEventPublisher
+
+__all__ = [
+    "EventPublisher",
+    "EventPublisherFactory",
+    "NullEventPublisher",
+    "PublisherState",
+    "PublisherStats",
+    "ZmqEventPublisher",
+]

@@ -1,0 +1,240 @@
+"""Replay: the ring of recently published batches and the ROUTER that serves it.
+
+A consumer that notices a gap in the live sequence asks the publisher's replay socket
+for every batch from ``start_seq`` on (wire format in :mod:`kvevents.wire`). Two parts:
+
+* :class:`ReplayBuffer` keeps the last ``capacity`` published batches, already encoded,
+  indexed by sequence number. The publisher writes it; the replay thread reads it.
+* :class:`ReplayServer` owns the ROUTER socket and answers requests from its own thread,
+  so a slow or stalled replay client never delays live publishing: live batches go out
+  on another socket from another thread, and the answer to a client whose pipe is full
+  is cut short (and counted) rather than waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import zmq
+
+from kvevents.errors import WireError
+from kvevents.wire.frames import parse_replay_request, replay_end_frames
+
+__all__ = ["ReplayBuffer", "ReplayEntry", "ReplayServer"]
+
+
+class ReplayEntry(NamedTuple):
+    """One buffered batch: its sequence number, that number as the 8-byte frame, the payload."""
+
+    seq: int
+    seq_frame: bytes
+    payload: bytes
+
+
+class ReplayBuffer:
+    """The last ``capacity`` published batches, by sequence number.
+
+    Layout: three parallel lists of ``capacity`` slots, one per field (sequence number,
+    its 8-byte frame, payload); sequence ``s`` lives in slot ``s % capacity``. Parallel
+    lists rather than one tuple per batch, because ints and bytes are not tracked by the
+    cyclic garbage collector and tuples are: a tuple per batch would count towards the
+    collector's thresholds and so, at a few hundred thousand batches a second, set off
+    collections of the host engine's whole heap from inside the publisher's hot path.
+    Storing a batch allocates nothing the collector tracks.
+
+    Invariants:
+
+    * sequence numbers are stored in increasing order by a single writer (the publisher,
+      under its send lock); ``next_seq`` is one past the highest stored;
+    * the buffer answers for the window ``[next_seq - capacity, next_seq)``; a slot holds
+      the newest entry written to it, or sequence -1. A sequence number that was never
+      stored (a batch dropped before it was published) leaves its slot with an older
+      entry, which readers recognise by its sequence number and ignore, as they ignore
+      anything below the window;
+    * readers in other threads never see a mix of two entries. The writer marks the slot
+      -1, stores frame and payload, then the new sequence number; a reader reads the
+      sequence number, frame and payload, then the sequence number again, and keeps the
+      entry only if both readings are the one it wants. A write in between changes the
+      second reading, because no sequence number is written twice (a seqlock, with the
+      GIL making each list store atomic).
+
+    Complexity: ``put`` and ``get`` are O(1) (a few list stores or loads); ``since(start)``
+    is O(1) per entry it yields (it visits at most ``capacity`` slots).
+
+    A deque scanned for ``start`` (upstream's choice) is O(n) per request; a dict needs
+    an eviction per insert; a ring indexed by ``seq % capacity`` needs neither.
+    """
+
+    __slots__ = ("_capacity", "_frames", "_next", "_payloads", "_seqs")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"ReplayBuffer capacity={capacity} must be at least 1")
+        self._capacity = capacity
+        self._seqs: list[int] = [-1] * capacity
+        self._frames: list[bytes] = [b""] * capacity
+        self._payloads: list[bytes] = [b""] * capacity
+        self._next = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def next_seq(self) -> int:
+        """One past the highest sequence number stored (0 when empty)."""
+        return self._next
+
+    @property
+    def oldest_seq(self) -> int:
+        """The lowest sequence number that can still be in the buffer."""
+        return max(0, self._next - self._capacity)
+
+    def put(self, seq: int, seq_frame: bytes, payload: bytes) -> None:
+        """Store a batch; ``seq`` must be above every stored one."""
+        slot = seq % self._capacity
+        seqs = self._seqs
+        seqs[slot] = -1  # readers of this slot from here on see no entry, or the new one
+        self._frames[slot] = seq_frame
+        self._payloads[slot] = payload
+        seqs[slot] = seq
+        self._next = seq + 1
+
+    def get(self, seq: int) -> ReplayEntry | None:
+        """The entry of ``seq``, or None when it was dropped or is older than the last ``capacity``."""
+        if seq < 0 or seq < self._next - self._capacity:
+            return None  # older than the window, even if its slot was never reused
+        return self._read(seq)
+
+    def since(self, start: int) -> Iterator[ReplayEntry]:
+        """Every stored entry with ``seq >= start`` and below ``next_seq`` at the call, in order.
+
+        A start older than the buffer begins at the oldest entry kept, so the caller sees
+        the missing range as a gap. Entries are read lazily: one the writer overwrites
+        before it is reached has left the buffer and is skipped, like any older one.
+        """
+        end = self._next
+        read = self._read
+        for seq in range(max(start, end - self._capacity, 0), end):
+            entry = read(seq)
+            if entry is not None:
+                yield entry
+
+    def _read(self, seq: int) -> ReplayEntry | None:
+        slot = seq % self._capacity
+        seqs = self._seqs
+        if seqs[slot] != seq:
+            return None
+        entry = ReplayEntry(seq, self._frames[slot], self._payloads[slot])
+        return entry if seqs[slot] == seq else None  # overwritten while it was read
+
+
+class ReplayServer:
+    """Answers replay requests on a bound ROUTER socket from a thread of its own.
+
+    The socket must have ``ROUTER_MANDATORY`` set so that a full pipe raises instead of
+    silently discarding; every send is non-blocking. For a request ``[id, b"", start]``
+    the answer is every buffered entry with ``seq >= start`` as ``[b"", topic, seq,
+    payload]`` followed by the end marker. A malformed request gets the end marker alone.
+    When a client's pipe is full (it stopped reading: the publisher sizes the pipe for two
+    whole answers) or it is gone, the rest of its answer, end marker included, is dropped
+    and ``truncated`` counts it.
+
+    Counters (read from any thread): ``requests``, ``replayed`` (batches sent),
+    ``truncated``, ``malformed``.
+    """
+
+    def __init__(
+        self,
+        router: zmq.Socket[bytes],
+        buffer: ReplayBuffer,
+        topic: bytes,
+        context: zmq.Context[zmq.Socket[bytes]],
+        *,
+        name: str = "kvevents-replay",
+    ) -> None:
+        self._router = router
+        self._buffer = buffer
+        self._topic = topic
+        self.requests = 0
+        self.replayed = 0
+        self.truncated = 0
+        self.malformed = 0
+        # A PAIR over inproc wakes the poller for shutdown without a polling timeout.
+        address = f"inproc://{name}-stop-{id(self):x}"
+        self._stop_rx = context.socket(zmq.PAIR)
+        self._stop_rx.bind(address)
+        self._stop_tx = context.socket(zmq.PAIR)
+        self._stop_tx.connect(address)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the thread (which closes the ROUTER) and wait up to ``timeout`` seconds."""
+        if self._thread.is_alive():
+            self._stop_tx.send(b"", zmq.NOBLOCK)
+            self._thread.join(timeout)
+        else:
+            self._router.close(linger=0)
+            self._stop_rx.close(linger=0)
+        self._stop_tx.close(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._stop_rx, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._stop_rx in ready:
+                    return
+                if self._router in ready:
+                    self._serve_waiting()
+        except zmq.ContextTerminated:
+            return  # the application terminated the context: nothing left to serve
+        finally:
+            self._router.close(linger=0)
+            self._stop_rx.close(linger=0)
+
+    def _serve_waiting(self) -> None:
+        """Answer every request already queued on the ROUTER."""
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.serve(frames)
+
+    def serve(self, frames: list[bytes]) -> None:
+        """Answer one request as received by the ROUTER (identity first)."""
+        try:
+            identity, start = parse_replay_request(frames)
+        except WireError as exc:
+            self.malformed += 1
+            sender: bytes | None = getattr(exc, "identity", None)
+            if sender is not None:
+                self._send(sender, replay_end_frames())
+            return
+        self.requests += 1
+        topic = self._topic
+        for entry in self._buffer.since(start):
+            if not self._send(identity, [b"", topic, entry.seq_frame, entry.payload]):
+                self.truncated += 1
+                return
+            self.replayed += 1
+        if not self._send(identity, replay_end_frames()):
+            self.truncated += 1
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> bool:
+        """Send one reply without blocking; False when the client cannot take it."""
+        try:
+            self._router.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EAGAIN, zmq.EHOSTUNREACH):
+                return False
+            raise
+        return True

@@ -1,0 +1,356 @@
+"""The publisher an engine embeds: SGLang's and vLLM's publisher API, without their stalls.
+
+``EventPublisher`` (publish, shutdown), ``NullEventPublisher``, ``ZmqEventPublisher`` and
+``EventPublisherFactory.create(config, attn_dp_rank=0)`` keep SGLang's names, keywords
+and bytes on the wire, so switching is one import; vLLM's ``data_parallel_rank=`` is
+accepted wherever ``attn_dp_rank=`` is.
+
+A :class:`ZmqEventPublisher` is three parts, each on its own thread:
+
+* the caller's ``publish(batch)``: a lock-free append; once per 256 waiting batches a
+  wait of at most about 2 ms that hands the GIL to the sender (:mod:`kvevents.publish.send_queue`);
+* the sender thread: sequence number, encoding, replay buffer, then the PUB socket;
+  a full queue drops the batch and leaves a sequence gap (same module);
+* the replay thread: answers DEALER requests from the replay buffer on a ROUTER
+  (:mod:`kvevents.publish.replay_server`) and never touches the PUB socket.
+
+Lifecycle: RUNNING from construction (sockets bound, threads started), DRAINING while
+``shutdown()`` sends what was accepted, CLOSED after. ``shutdown()`` is idempotent and
+bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import msgspec
+import zmq
+
+from kvevents.config import KVEventsConfig
+from kvevents.endpoints import Endpoint, offset_endpoint_port
+from kvevents.errors import ConfigError, EndpointError, PublisherStateError
+from kvevents.publish.base import (
+    EventPublisher,
+    NullEventPublisher,
+    PublisherState,
+    PublisherStats,
+    resolve_publisher_rank,
+)
+from kvevents.publish.replay_server import ReplayBuffer, ReplayServer
+from kvevents.publish.send_queue import SendQueue
+from kvevents.wire.codec import encode_batch
+from kvevents.wire.events import KVEventBatch
+from kvevents.wire.frames import END_SEQ
+
+__all__ = [
+    "EventPublisher",
+    "EventPublisherFactory",
+    "NullEventPublisher",
+    "PublisherState",
+    "PublisherStats",
+    "ZmqEventPublisher",
+]
+
+
+def _open_socket(
+    sock: zmq.Socket[bytes], endpoint: Endpoint, bind: bool, rank: int, role: str
+) -> str:
+    """Bind or connect; return the address with an OS-picked port filled in."""
+    address = str(endpoint)
+    if not bind and endpoint.is_tcp and endpoint.port == 0:
+        raise EndpointError(
+            f"cannot connect the {role} endpoint {address} of publisher rank {rank}: port 0 "
+            "means 'the OS picks', which only works when binding; use tcp://*:0 (or set "
+            "bind=true) to bind an OS-chosen port, or name the port to connect to"
+        )
+    if endpoint.is_ipv6:
+        sock.ipv6 = True
+    if bind and endpoint.scheme == "ipc" and _ipc_listening(str(endpoint.path)):
+        # libzmq would silently take the path over, orphaning the publisher bound there.
+        clash = zmq.ZMQError(zmq.EADDRINUSE)
+        raise EndpointError(_open_error(address, endpoint, bind, rank, role, clash))
+    try:
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError as exc:
+        raise EndpointError(_open_error(address, endpoint, bind, rank, role, exc)) from None
+    if bind and endpoint.is_tcp and endpoint.port == 0:
+        bound = Endpoint.parse(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        assert bound.port is not None
+        return str(endpoint.with_port(bound.port))
+    return address
+
+
+def _ipc_listening(path: str) -> bool:
+    """True when a process accepts connections on the unix socket ``path``."""
+    if path.startswith("@") or not os.path.exists(path):  # abstract namespace, or free
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused: a stale file left by a process that is gone
+            return False
+    return True
+
+
+def _open_error(
+    address: str, endpoint: Endpoint, bind: bool, rank: int, role: str, exc: zmq.ZMQError
+) -> str:
+    verb = "bind" if bind else "connect"
+    head = f"cannot {verb} the {role} endpoint {address} of publisher rank {rank}"
+    if exc.errno == zmq.EADDRINUSE:
+        where = f"port {endpoint.port}" if endpoint.is_tcp else address
+        return (
+            f"{head}: {where} is already in use by another rank or process. Each rank needs "
+            "its own port: rank r binds base + r. Under pure DP every scheduler has "
+            "attn_dp_rank 0, so choose the rank with select_kv_publisher_dp_rank(attn_dp_size, "
+            "attn_dp_rank, dp_rank); otherwise stop the other process or pick another base port"
+        )
+    if not bind and endpoint.is_wildcard:
+        return f"{head}: a wildcard host can only be bound; set bind=true or name a host"
+    return f"{head}: {exc.strerror}"
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Publishes batches on a ZMQ PUB socket; serves replay on a ROUTER (see the module doc).
+
+    ``endpoint`` and ``replay_endpoint`` are deployment bases, offset by ``rank``
+    (:meth:`offset_endpoint_port`). ``bind=None`` binds wildcard hosts, ipc and inproc and
+    connects otherwise. Port 0 lets the OS pick; :attr:`endpoint` and
+    :attr:`replay_endpoint` hold the real addresses once constructed. A batch must not be
+    modified after it is published.
+    """
+
+    END_SEQ: ClassVar[int] = END_SEQ
+    SHUTDOWN_TIMEOUT: ClassVar[float] = 1.0
+
+    def __init__(
+        self,
+        attn_dp_rank: int | None = None,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        bind: bool | None = None,
+        *,
+        data_parallel_rank: int | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        shutdown_timeout: float | None = None,
+        handoff_backlog: int = 256,
+        encoding: Literal["map", "array"] = "map",
+    ) -> None:
+        self._rank = resolve_publisher_rank(attn_dp_rank, data_parallel_rank)
+        for name, value, low in (
+            ("buffer_steps", buffer_steps, 1),
+            ("hwm", hwm, 0),
+            ("max_queue_size", max_queue_size, 1),
+            ("handoff_backlog", handoff_backlog, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"ZmqEventPublisher {name}={value!r} must be an int >= {low}")
+        if encoding not in ("map", "array"):
+            raise ConfigError(f"ZmqEventPublisher encoding={encoding!r} must be 'map' or 'array'")
+        live = Endpoint.parse(endpoint).for_rank(self._rank)
+        replay = (
+            None
+            if replay_endpoint is None
+            else Endpoint.parse(replay_endpoint).for_rank(self._rank)
+        )
+        self._topic = topic.encode()
+        self._shutdown_timeout = (
+            self.SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout
+        )
+        encoder: Callable[[KVEventBatch], bytes] = (
+            msgspec.msgpack.Encoder().encode if encoding == "map" else _encode_array
+        )
+        context = context if context is not None else zmq.Context.instance()
+
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, hwm)
+        router = None
+        buffer: ReplayBuffer | None = None
+        self._replay: ReplayServer | None = None
+        try:
+            self._endpoint = _open_socket(
+                pub, live, live.should_bind if bind is None else bind, self._rank, "live"
+            )
+            self._replay_endpoint: str | None = None
+            if replay is not None:
+                router = context.socket(zmq.ROUTER)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                # Room for two whole answers per client: ZMQ acknowledges reads lazily, so a
+                # pipe sized for one answer can refuse a client that is reading fine.
+                router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay_endpoint = _open_socket(router, replay, True, self._rank, "replay")
+                buffer = ReplayBuffer(buffer_steps)
+                self._replay = ReplayServer(
+                    router, buffer, self._topic, context, name=f"kvevents-replay-{self._rank}"
+                )
+        except BaseException:
+            pub.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
+            raise
+        self._send_queue = SendQueue(
+            pub,
+            topic=self._topic,
+            encode=encoder,
+            buffer=buffer,
+            max_size=max_queue_size,
+            handoff_backlog=handoff_backlog,
+            name=f"kvevents-publisher-{self._rank}",
+        )
+        self._lifecycle_lock = threading.Lock()
+        self._state = PublisherState.RUNNING
+        self._accepting = True  # publish()'s one-attribute view of the state
+        self._put = self._send_queue.put
+        self._unsent = 0
+        if self._replay is not None:
+            self._replay.start()
+
+    # --- public surface ---------------------------------------------------------------
+
+    offset_endpoint_port = staticmethod(offset_endpoint_port)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def endpoint(self) -> str:
+        """The live address, with the real port when the OS picked it."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay address (real port), or None when replay is off."""
+        return self._replay_endpoint
+
+    @property
+    def topic(self) -> str:
+        return self._topic.decode()
+
+    @property
+    def state(self) -> PublisherState:
+        return self._state
+
+    @property
+    def stats(self) -> PublisherStats:
+        replay, sending = self._replay, self._send_queue
+        return PublisherStats(
+            published=sending.published,
+            dropped=sending.dropped,
+            send_errors=sending.send_errors,
+            encode_errors=sending.encode_errors,
+            replay_requests=replay.requests if replay else 0,
+            replayed=replay.replayed if replay else 0,
+            replay_truncated=replay.truncated if replay else 0,
+            malformed_requests=replay.malformed if replay else 0,
+            handoffs=sending.handoffs,
+            queued=sending.queued(),
+            unsent=self._unsent,
+        )
+
+    def publish(self, events: KVEventBatch) -> None:
+        """Queue one batch (filling its rank when unset); drop and count it when the queue is full."""
+        if not self._accepting:
+            raise PublisherStateError(
+                f"publisher rank {self._rank} is {self._state.value}: publish() before shutdown()"
+            )
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._rank
+        self._put(events)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every batch accepted before this call is sent; False if ``timeout`` passed first."""
+        return self._send_queue.flush(timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Send what was accepted (up to ``timeout`` seconds, default ``shutdown_timeout``), then close."""
+        with self._lifecycle_lock:
+            if self._state is not PublisherState.RUNNING:
+                return
+            self._state = PublisherState.DRAINING
+            self._accepting = False
+        deadline = time.monotonic() + (self._shutdown_timeout if timeout is None else timeout)
+        self._unsent = self._send_queue.close(deadline)
+        if self._replay is not None:
+            self._replay.stop(timeout=1.0)
+        self._state = PublisherState.CLOSED
+
+
+def _encode_array(batch: KVEventBatch) -> bytes:
+    return encode_batch(batch, "array")
+
+
+PublisherConstructor = Callable[..., EventPublisher]
+
+
+class EventPublisherFactory:
+    """Builds the publisher a ``--kv-events-config`` asks for, by name from a registry."""
+
+    _registry: ClassVar[dict[str, PublisherConstructor]] = {
+        "null": NullEventPublisher,
+        "zmq": ZmqEventPublisher,
+    }
+
+    @classmethod
+    def register_publisher(cls, name: str, ctor: PublisherConstructor) -> None:
+        """Make ``{"publisher": name}`` construct ``ctor(attn_dp_rank=..., **settings)``."""
+        if name in cls._registry:
+            raise ConfigError(f"publisher {name!r} is already registered; choose another name")
+        cls._registry[name] = ctor
+
+    @classmethod
+    def registered(cls) -> tuple[str, ...]:
+        return tuple(sorted(cls._registry))
+
+    @classmethod
+    def create(
+        cls,
+        config: str | dict[str, Any] | KVEventsConfig | None,
+        attn_dp_rank: int | None = None,
+        *,
+        data_parallel_rank: int | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> EventPublisher:
+        """The publisher for ``config`` (JSON text, a dict, a KVEventsConfig or None) at a rank.
+
+        None, ``""``, ``{}``, ``{"publisher": "null"}`` and ``enable_kv_cache_events: false``
+        give a :class:`NullEventPublisher`. ``context`` is passed to the ZMQ publisher only.
+        """
+        rank = resolve_publisher_rank(attn_dp_rank, data_parallel_rank)
+        if isinstance(config, KVEventsConfig):
+            cfg = config
+        elif isinstance(config, dict):
+            cfg = KVEventsConfig.from_dict(config)
+        elif config is None or isinstance(config, str):
+            cfg = KVEventsConfig.from_json(config)
+        else:
+            raise ConfigError(
+                f"kv-events config {config!r} must be JSON text, a dict, a KVEventsConfig or None"
+            )
+        if not cfg.enabled:
+            return NullEventPublisher(attn_dp_rank=rank)
+        ctor = cls._registry.get(cfg.publisher)
+        if ctor is None:
+            raise ConfigError(
+                f"kv-events config key 'publisher' is {cfg.publisher!r}, which is not registered; "
+                f"registered publishers: {', '.join(cls.registered())}"
+            )
+        settings = cfg.to_dict()
+        for key in ("publisher", "enable_kv_cache_events"):
+            settings.pop(key, None)
+        if context is not None and ctor is ZmqEventPublisher:
+            settings["context"] = context
+        return ctor(attn_dp_rank=rank, **settings)

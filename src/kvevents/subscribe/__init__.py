@@ -1,0 +1,47 @@
+"""The consumer side's front door: every rank's stream, complete and in order.
+
+* :mod:`~kvevents.subscribe.subscriber`: :class:`Subscriber`;
+* :mod:`~kvevents.subscribe.items`: what it yields (:class:`Delivery` and the signals);
+* :mod:`~kvevents.subscribe.discovery`: ``/server_info`` (or vLLM's
+  ``/kv_event_sources``) to one :class:`StreamSpec` per rank;
+* :mod:`~kvevents.subscribe.engine_spec`: engines described by hand, or in a file;
+* :mod:`~kvevents.subscribe.block_sizes`: block sizes configured against observed;
+* :mod:`~kvevents.subscribe.stream`: per-stream sequence tracking, a pure state machine;
+* :mod:`~kvevents.subscribe.loop`, :mod:`~kvevents.subscribe.stream_sockets`,
+  :mod:`~kvevents.subscribe.replay_client`: the socket thread, one stream's sockets,
+  and the DEALER side of replay;
+* :mod:`~kvevents.subscribe.engine_watcher`: finding an engine's streams, with backoff;
+* :mod:`~kvevents.subscribe.handoff`: socket thread to consumer, sync or asyncio;
+* :mod:`~kvevents.subscribe.stats`: per-stream counters and rates.
+
+Nothing here imports the engine side (``publish``, ``engine``) or the index.
+"""
+
+from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
+from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
+from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file
+from kvevents.subscribe.engine_watcher import EngineStatus
+from kvevents.subscribe.items import Delivery, Gap, Item, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.stats import StreamStats
+from kvevents.subscribe.subscriber import Subscriber, SubscriberState
+
+__all__ = [
+    "BlockSizeMismatch",
+    "BlockSizes",
+    "Delivery",
+    "EngineSpec",
+    "EngineStatus",
+    "Gap",
+    "Item",
+    "Loss",
+    "Reset",
+    "Signal",
+    "StreamSpec",
+    "StreamStats",
+    "Subscriber",
+    "SubscriberState",
+    "Unreachable",
+    "discover",
+    "load_engines_file",
+    "streams_from_server_info",
+]

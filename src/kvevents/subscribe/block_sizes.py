@@ -1,0 +1,190 @@
+"""Block sizes: what each holder's configuration says, what its events say, and mismatches.
+
+A consumer keys blocks by content over ``block_size`` tokens, so a stream whose blocks
+have another size than expected cannot be matched against requests: a wrong
+``--block-size``, a misread ``/server_info`` or two engines with different page sizes
+would otherwise go unnoticed (every lookup a silent miss). :class:`BlockSizes` holds:
+
+* the *expected* size, with where it came from ("router --block-size",
+  "configured for engine X", "/server_info of X", "first events of X"). ``shared=True``
+  (the router: one size keys every request) keeps one expected size for all holders;
+  ``shared=False`` (``kvevents watch``) one per holder. The first size known wins.
+* *declarations*: sizes a configuration or ``/server_info`` states for a holder
+  (:meth:`declare`);
+* *observations*: ``BlockStored.block_size`` of every stored chain (:meth:`check`).
+
+Each disagreement is logged as an error naming the holder, both sizes and both sources,
+once per (holder, source, size), and counted in :attr:`mismatches` (for metrics and
+``/workers``). :meth:`check` returns the batch without the mismatching ``BlockStored``
+events: the router skips them, because blocks keyed at another size are reachable by
+no request and would only fill the index. Offload copies (no tokens) carry no size and
+always pass.
+
+Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
+event mismatches. Not thread-safe: one consumer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from kvevents.types import Holder
+from kvevents.wire.events import BlockStored, KVEventBatch
+
+__all__ = ["BlockSizeMismatch", "BlockSizes"]
+
+log = logging.getLogger("kvevents.subscribe.block_sizes")
+
+
+class BlockSizeMismatch(msgspec.Struct, kw_only=True):
+    """One kind of disagreement for one holder, and how often it was seen.
+
+    ``source`` is "events" (``count`` = BlockStored events skipped), or the declaring
+    source ("configured", "server_info"; ``count`` = declarations).
+    """
+
+    worker: str
+    dp_rank: int
+    source: str
+    expected: int
+    expected_from: str
+    observed: int
+    count: int = 0
+
+
+class BlockSizes:
+    """Expected, declared and observed block sizes; see the module docstring."""
+
+    def __init__(
+        self, *, shared: bool, size: int | None = None, source: str = "configured"
+    ) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"BlockSizes: size={size} must be a positive int")
+        self.shared = shared
+        self._shared: tuple[int, str] | None = None if size is None else (size, source)
+        self._per_holder: dict[Holder, tuple[int, str]] = {}
+        self.observed: dict[Holder, int] = {}
+        self.mismatches: dict[tuple[Holder, str, int], BlockSizeMismatch] = {}
+
+    # --- the expected size ------------------------------------------------------------
+
+    def expected(self, holder: Holder | None = None) -> tuple[int, str] | None:
+        """The expected size and its source (the shared one, or ``holder``'s)."""
+        if self.shared or holder is None:
+            return self._shared
+        return self._per_holder.get(holder)
+
+    @property
+    def size(self) -> int | None:
+        """The shared expected size (None until known)."""
+        return None if self._shared is None else self._shared[0]
+
+    def _set_expected(self, holder: Holder, size: int, source: str) -> None:
+        if self.shared:
+            self._shared = (size, source)
+        else:
+            self._per_holder[holder] = (size, source)
+
+    # --- declarations and observations ------------------------------------------------
+
+    def declare(self, holder: Holder, size: int, source: str, origin: str) -> bool:
+        """A configuration or ``/server_info`` states ``holder``'s size; False on a mismatch.
+
+        ``source`` is the short kind ("configured", "server_info"); ``origin`` says it in
+        words ("configured for engine X").
+        """
+        holder = Holder(*holder)
+        expected = self.expected(holder)
+        if expected is None:
+            self._set_expected(holder, size, origin)
+            return True
+        if size == expected[0]:
+            return True
+        self._record(holder, source, size, expected, 1)
+        return False
+
+    def check(self, holder: Holder, batch: KVEventBatch) -> KVEventBatch:
+        """``batch`` without its BlockStored events of an unexpected block size.
+
+        The first stored chain sets the expected size when none is known yet.
+        """
+        expected = self.expected(holder)
+        bad: list[int] = []
+        for i, event in enumerate(batch.events):
+            if type(event) is not BlockStored or not event.token_ids:
+                continue
+            size = event.block_size
+            if size <= 0:
+                continue  # malformed: the index counts it
+            self.observed[holder] = size
+            if expected is None:
+                expected = (size, f"first events of {holder.worker} rank {holder.dp_rank}")
+                self._set_expected(holder, *expected)
+            elif size != expected[0]:
+                bad.append(i)
+                self._record(holder, "events", size, expected, 1)
+        if not bad:
+            return batch
+        skip = set(bad)
+        kept = [e for i, e in enumerate(batch.events) if i not in skip]
+        return KVEventBatch(ts=batch.ts, events=kept, data_parallel_rank=batch.data_parallel_rank)
+
+    def _record(
+        self, holder: Holder, source: str, size: int, expected: tuple[int, str], n: int
+    ) -> None:
+        key = (holder, source, size)
+        record = self.mismatches.get(key)
+        if record is None:
+            record = BlockSizeMismatch(
+                worker=holder.worker,
+                dp_rank=holder.dp_rank,
+                source=source,
+                expected=expected[0],
+                expected_from=expected[1],
+                observed=size,
+            )
+            self.mismatches[key] = record
+            what = (
+                "sends BlockStored events with block_size"
+                if source == "events"
+                else f"is declared ({source}) with block_size"
+            )
+            consequence = (
+                "; those events are skipped (their blocks could never match a request) — fix "
+                "the configured block size or the engine's"
+                if source == "events"
+                else "; check the engine's page/block size and the configuration"
+            )
+            log.error(
+                "block size mismatch: engine %s rank %d %s %d, but %d is expected (%s)%s",
+                holder.worker,
+                holder.dp_rank,
+                what,
+                size,
+                expected[0],
+                expected[1],
+                consequence,
+            )
+        record.count += n
+
+    # --- reading ----------------------------------------------------------------------
+
+    def for_holder(self, holder: Holder) -> dict[str, object]:
+        """Expected and last observed size, and this holder's mismatches (for /workers)."""
+        expected = self.expected(holder)
+        return {
+            "expected": None if expected is None else expected[0],
+            "expected_from": None if expected is None else expected[1],
+            "observed": self.observed.get(holder),
+            "mismatches": [
+                msgspec.structs.asdict(m) for (h, _, _), m in self.mismatches.items() if h == holder
+            ],
+        }
+
+    def mismatch_events(self, holder: Holder) -> int:
+        """BlockStored events of ``holder`` skipped for their block size."""
+        return sum(
+            m.count for (h, src, _), m in self.mismatches.items() if h == holder and src == "events"
+        )

@@ -1,0 +1,256 @@
+"""Engines described by hand: URL, event endpoints, dp size — for engines without ``/server_info``.
+
+An engine that advertises its streams (our simulated engine, SGLang with the kv_events
+block) is found by discovery (:mod:`kvevents.subscribe.discovery`). Others, vLLM first, need the
+user to say where the streams are. An :class:`EngineSpec` is that description::
+
+    EngineSpec(url="http://10.0.0.5:8000", kv_endpoint="tcp://*:5557",
+               replay_endpoint="tcp://*:5600", dp_size=2, topic="kv", kind="vllm")
+
+Rank ``r`` publishes on the endpoint offset for ``r`` (:meth:`Endpoint.for_rank`: tcp port
++ r, ipc/inproc ``_dp{r}``), the replay endpoint likewise; a wildcard host (``*``,
+``0.0.0.0``, ``::``) means the host of the engine URL, as in discovery. Without
+``kv_endpoint`` the spec names an engine to discover; ``block_size`` and ``kind`` then
+still apply (a configured block size is cross-checked against what the engine
+advertises and sends).
+
+``kind`` says how a request is sent to one rank: ``vllm`` with the HTTP header
+``X-data-parallel-rank``, ``sglang`` and ``kvevents`` (our simulated engine) with
+``routed_dp_rank`` in the JSON body; ``kvevents`` engines also report their load at
+``/load``. When not given: ``vllm`` for a described engine (the engine that needs
+describing), ``kvevents`` for a discovered one.
+
+Specs come from the command line (:mod:`kvevents.cli.engine_args`) or from a file
+(:func:`load_engines_file`, JSON, or TOML on Python 3.11+)::
+
+    {"engines": [{"url": "http://127.0.0.1:8000", "kv_endpoint": "tcp://*:5557",
+                  "dp_size": 2, "topic": "kv", "block_size": 32, "kind": "vllm"}]}
+
+    [[engines]]
+    url = "http://127.0.0.1:8000"
+    kv_endpoint = "tcp://*:5557"
+    dp_size = 2
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+
+from kvevents.endpoints import Endpoint, PortPlan
+from kvevents.errors import ConfigError, EndpointError
+from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
+
+if TYPE_CHECKING:
+    from kvevents.subscribe.subscriber import Subscriber
+
+__all__ = ["ENGINE_KINDS", "EngineSpec", "load_engines_file", "parse_engines_document"]
+
+ENGINE_KINDS = ("vllm", "sglang", "kvevents")
+"""How a request reaches one rank: vLLM's header, or SGLang's (and ours) body field."""
+
+FIELDS = (
+    "url",
+    "kv_endpoint",
+    "replay_endpoint",
+    "dp_size",
+    "topic",
+    "block_size",
+    "kind",
+    "name",
+)
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine: its HTTP URL and, when it cannot be discovered, where its streams are.
+
+    Build with :meth:`create` (validates and normalizes; raises
+    :class:`~kvevents.errors.ConfigError` naming the engine and the field).
+    """
+
+    url: str
+    kv_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    dp_size: int | None = None
+    topic: str | None = None
+    block_size: int | None = None
+    kind: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def create(cls, url: str, **fields: Any) -> EngineSpec:
+        """A validated spec; ``fields`` are the other attributes (None: not given)."""
+        unknown = sorted(set(fields) - set(FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"engine {url}: unknown field(s) {', '.join(unknown)}; known fields: "
+                f"{', '.join(FIELDS)}"
+            )
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError(f"engine url {url!r} must be an HTTP URL like http://127.0.0.1:8000")
+        try:
+            spec = msgspec.convert({"url": normalize_engine_url(url), **fields}, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"engine {url}: {exc}") from None
+        spec._validate()
+        return spec
+
+    def _validate(self) -> None:
+        where = f"engine {self.url}"
+        if not httpx.URL(self.url).host:
+            raise ConfigError(f"{where}: cannot read a host from the URL; write http://HOST:PORT")
+        if self.kind is not None and self.kind not in ENGINE_KINDS:
+            raise ConfigError(
+                f"{where}: kind {self.kind!r} is not one of {', '.join(ENGINE_KINDS)}"
+            )
+        for field in ("dp_size", "block_size"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}: {field}={value} must be a positive integer")
+        if self.kv_endpoint is None:
+            given = [f for f in ("replay_endpoint", "dp_size", "topic") if getattr(self, f)]
+            if given:
+                raise ConfigError(
+                    f"{where}: {', '.join(given)} given without kv_endpoint; describe the "
+                    "engine's streams with kv_endpoint (e.g. tcp://*:5557), or drop them to "
+                    "discover the engine through its /server_info"
+                )
+            return
+        self.streams()  # every rank's endpoints resolve, within port range, no overlap
+
+    @property
+    def worker(self) -> str:
+        """The engine's name in holders, metrics and /workers: ``name``, else the URL."""
+        return self.name or self.url
+
+    @property
+    def described(self) -> bool:
+        """True when the streams are given here; False when they are discovered."""
+        return self.kv_endpoint is not None
+
+    @property
+    def engine_kind(self) -> str:
+        """``kind``, or its default: ``vllm`` when described, ``kvevents`` when discovered."""
+        if self.kind is not None:
+            return self.kind
+        return "vllm" if self.described else "kvevents"
+
+    @property
+    def ranks(self) -> int:
+        return self.dp_size or 1
+
+    def follow(self, subscriber: Subscriber) -> None:
+        """Have ``subscriber`` follow this engine: its described streams, else its URL."""
+        if self.described:
+            for stream in self.streams():
+                subscriber.add_stream(stream)
+        else:
+            subscriber.add_engine(self.url, worker=self.worker)
+
+    def streams(self) -> list[StreamSpec]:
+        """Every rank's stream, in rank order (empty for an engine to discover)."""
+        if self.kv_endpoint is None:
+            return []
+        where = f"engine {self.url}"
+        try:
+            live = self._connectable(Endpoint.parse(self.kv_endpoint), "kv_endpoint")
+            replay = (
+                None
+                if self.replay_endpoint is None
+                else self._connectable(Endpoint.parse(self.replay_endpoint), "replay_endpoint")
+            )
+            plan = PortPlan.build(self.ranks, live, replay)
+        except EndpointError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return [
+            StreamSpec(
+                worker=self.worker,
+                dp_rank=r.rank,
+                endpoint=str(r.endpoint),
+                replay_endpoint=None if r.replay_endpoint is None else str(r.replay_endpoint),
+                topic=self.topic or "",
+                block_size=self.block_size,
+            )
+            for r in plan.ranks
+        ]
+
+    def _connectable(self, endpoint: Endpoint, field: str) -> Endpoint:
+        """A consumer's view of a publisher endpoint: wildcard host -> the URL's host."""
+        if endpoint.is_tcp and endpoint.port == 0:
+            raise EndpointError(
+                f"{field} {endpoint} has port 0: give the base port rank 0 publishes on"
+            )
+        if endpoint.is_wildcard:
+            host = httpx.URL(self.url).host
+            return Endpoint(scheme="tcp", host=host, port=endpoint.port)
+        return endpoint
+
+    def to_dict(self) -> dict[str, Any]:
+        """The given fields (None left out), as the engines file would hold them."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+def parse_engines_document(document: Any, where: str) -> list[EngineSpec]:
+    """Specs from a parsed engines file: ``{"engines": [...]}`` or a bare list of objects."""
+    entries = document.get("engines") if isinstance(document, Mapping) else document
+    if isinstance(document, Mapping):
+        extra = sorted(set(document) - {"engines"})
+        if extra:
+            raise ConfigError(
+                f"{where}: unknown top-level key(s) {', '.join(extra)}; expected 'engines'"
+            )
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(
+            f"{where}: expected a non-empty list of engines under 'engines', e.g. "
+            '{"engines": [{"url": "http://127.0.0.1:8000", "kv_endpoint": "tcp://*:5557"}]}'
+        )
+    specs = []
+    for i, entry in enumerate(entries):
+        at = f"{where}: engines[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{at} is {entry!r}; expected an object with at least 'url'")
+        fields = dict(entry)
+        url = fields.pop("url", None)
+        if not isinstance(url, str):
+            raise ConfigError(f"{at} has no 'url' string (the engine's HTTP URL)")
+        try:
+            specs.append(EngineSpec.create(url, **fields))
+        except ConfigError as exc:
+            raise ConfigError(f"{at}: {exc}") from None
+    return specs
+
+
+def load_engines_file(path: str | Path) -> list[EngineSpec]:
+    """Read an engines file: TOML when it ends in ``.toml`` (Python 3.11+), JSON otherwise."""
+    path = Path(path)
+    where = f"engines file {path}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{where} cannot be read: {exc.strerror}") from None
+    if path.suffix.lower() == ".toml":
+        try:
+            tomllib: Any = importlib.import_module("tomllib")
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"{where}: reading TOML needs Python 3.11 or later (tomllib); write the file "
+                "as JSON instead"
+            ) from None
+        try:
+            document = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where} is not valid TOML: {exc}") from None
+    else:
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{where} is not valid JSON ({exc}); name it *.toml to write TOML"
+            ) from None
+    return parse_engines_document(document, where)

@@ -1,0 +1,155 @@
+"""Finding an engine's streams in the background: ``/server_info`` retried with backoff.
+
+An :class:`EngineWatcher` runs one thread per engine URL. Until discovery succeeds,
+each attempt is one HTTP request (``timeout`` seconds), failures wait ``retry_initial``
+seconds, doubling up to ``retry_max``. The first failure of the streak is reported
+through ``report`` as an :class:`~kvevents.subscribe.items.Unreachable` signal; success hands
+every rank's :class:`~kvevents.subscribe.discovery.StreamSpec` to ``add_spec``.
+
+Then, every ``recheck`` seconds (None: never, and the thread ends), ``/server_info`` is
+read again: an engine restarted whole may publish on other endpoints (OS-chosen ports
+change on every start), which reconnecting to the old ones would never find. A rank
+whose endpoints, topic or block size changed goes to ``replace_spec``; a rank that is
+new goes to ``add_spec``. A failed recheck changes nothing (the engine may be
+restarting; its streams report themselves unreachable). Setting ``closing`` stops the
+thread within one request timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import msgspec
+
+from kvevents.errors import DiscoveryError
+from kvevents.subscribe.discovery import StreamSpec, discover
+from kvevents.subscribe.items import Signal, Unreachable
+
+__all__ = ["EngineStatus", "EngineWatcher"]
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Discovery state of one engine URL.
+
+    ``state``: "discovering" (first attempt running), "unreachable" (no answer),
+    "invalid" (it answers, but neither its /server_info nor a vLLM's /kv_event_sources
+    describes a usable stream: publishing is off, or the document is malformed;
+    ``last_error`` says which) or "subscribed".
+    Unreachable and invalid engines are retried with backoff.
+    """
+
+    url: str
+    worker: str
+    state: str
+    attempts: int
+    last_error: str | None
+    streams: int
+    rediscoveries: int = 0
+    """Ranks a later ``/server_info`` showed on new endpoints (the engine restarted whole)."""
+
+
+class EngineWatcher:
+    """See the module docstring. Counters and state are read from any thread."""
+
+    def __init__(
+        self,
+        url: str,
+        worker: str,
+        *,
+        timeout: float,
+        retry_initial: float,
+        retry_max: float,
+        closing: threading.Event,
+        add_spec: Callable[[StreamSpec], None],
+        report: Callable[[Signal], None],
+        replace_spec: Callable[[StreamSpec], None] | None = None,
+        recheck: float | None = None,
+    ) -> None:
+        self.url = url
+        self.worker = worker
+        self.state = "discovering"
+        self.attempts = 0
+        self.last_error: str | None = None
+        self.streams = 0
+        self._timeout = timeout
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self._closing = closing
+        self._add_spec = add_spec
+        self._report = report
+        self._replace_spec = replace_spec
+        self._recheck = recheck
+        self._followed: dict[int, StreamSpec] = {}  # by dp_rank
+        self.rediscoveries = 0  # ranks found on new endpoints by a recheck
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvevents-discover {url}", daemon=True
+        )
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            url=self.url,
+            worker=self.worker,
+            state=self.state,
+            attempts=self.attempts,
+            last_error=self.last_error,
+            streams=self.streams,
+            rediscoveries=self.rediscoveries,
+        )
+
+    def _run(self) -> None:
+        delay = self._retry_initial
+        reported = False
+        while not self._closing.is_set():
+            self.attempts += 1
+            try:
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
+            except DiscoveryError as exc:
+                self.last_error = str(exc)
+                self.state = "invalid" if exc.reached else "unreachable"
+                if not reported:
+                    reported = True
+                    self._report(
+                        Unreachable(
+                            worker=self.worker,
+                            dp_rank=None,
+                            address=self.url,
+                            reason=f"{exc}; retrying with backoff up to every "
+                            f"{self._retry_max:g} s",
+                        )
+                    )
+                if self._closing.wait(delay):
+                    return
+                delay = min(self._retry_max, delay * 2)
+                continue
+            self.last_error = None
+            self._follow(specs)
+            self.state = "subscribed"
+            break
+        if self._recheck is None or self._replace_spec is None:
+            return
+        while not self._closing.wait(self._recheck):
+            try:
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
+            except DiscoveryError:
+                continue  # restarting, or gone for now: the streams say so themselves
+            self._follow(specs)
+
+    def _follow(self, specs: list[StreamSpec]) -> None:
+        """Add ranks not followed yet; replace those whose stream moved."""
+        for spec in specs:
+            known = self._followed.get(spec.dp_rank)
+            if known == spec:
+                continue
+            try:
+                if known is None:
+                    self._add_spec(spec)
+                    self.streams += 1
+                else:
+                    assert self._replace_spec is not None  # only rechecks find a known rank
+                    self._replace_spec(spec)
+                    self.rediscoveries += 1
+            except ValueError as exc:  # the same holder is followed already
+                self.last_error = str(exc)
+                continue
+            self._followed[spec.dp_rank] = spec

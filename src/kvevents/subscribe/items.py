@@ -1,0 +1,108 @@
+"""What a :class:`~kvevents.subscribe.subscriber.Subscriber` yields: batches and signals.
+
+Every item is either a :class:`Delivery` ``(holder, seq, batch)`` or a :class:`Signal`.
+A holder is one independent KV cache: ``Holder(worker, dp_rank)``, where ``worker`` is
+the engine URL (or a name given to an explicit endpoint) and ``dp_rank`` the rank whose
+stream it is.
+
+Signals, per stream, in the order they happened relative to that stream's batches:
+
+* :class:`Gap` -- sequence numbers ``first_seq..last_seq`` did not arrive live; a replay
+  was requested. Informational: the missing batches follow (as ordinary deliveries),
+  and whatever replay cannot supply is reported as a :class:`Loss`.
+* :class:`Loss` -- ``first_seq..last_seq`` will never be delivered (no replay endpoint,
+  the publisher's buffer no longer holds them, the publisher dropped them, replay timed
+  out, or a payload could not be decoded). The consumer's view of that holder may now be
+  incomplete; it decides whether to keep or drop it.
+* :class:`Reset` -- the stream restarted (its engine restarted: the sequence went back,
+  or the publisher's replay buffer proved it forgot what we saw). The consumer must drop
+  everything it holds for that holder; the new stream follows from its seq 0.
+* :class:`Unreachable` -- an engine's ``/server_info`` or a stream's endpoint cannot be
+  reached yet; retries continue with backoff. Sent once per failure streak.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
+
+import msgspec
+
+from kvevents.types import Holder
+from kvevents.wire.events import KVEventBatch
+
+__all__ = ["Delivery", "Gap", "Item", "Loss", "Reset", "Signal", "Unreachable"]
+
+
+class Delivery(NamedTuple):
+    """One batch, delivered in sequence order for its holder (live or replayed)."""
+
+    holder: Holder
+    seq: int
+    batch: KVEventBatch
+
+
+class Signal(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every signal; ``kind`` names it ("gap", "loss", "reset", "unreachable").
+
+    ``dp_rank`` is None only for an :class:`Unreachable` engine whose ranks are not
+    known yet.
+    """
+
+    kind: ClassVar[str] = "signal"
+    worker: str
+    dp_rank: int | None
+
+    @property
+    def holder(self) -> Holder | None:
+        """The holder this signal is about, or None for a whole engine."""
+        return None if self.dp_rank is None else Holder(self.worker, self.dp_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"signal": kind, "worker", "dp_rank", ...fields}``."""
+        out: dict[str, Any] = {"signal": self.kind}
+        out.update(msgspec.structs.asdict(self))
+        return out
+
+
+class Gap(Signal, frozen=True, kw_only=True):
+    """``first_seq..last_seq`` (inclusive) were missed live; a replay from ``first_seq`` was asked."""
+
+    kind: ClassVar[str] = "gap"
+    first_seq: int
+    last_seq: int
+
+
+class Loss(Signal, frozen=True, kw_only=True):
+    """``first_seq..last_seq`` (inclusive) will never be delivered; ``reason`` says why."""
+
+    kind: ClassVar[str] = "loss"
+    first_seq: int
+    last_seq: int
+    reason: str
+
+    @property
+    def count(self) -> int:
+        return self.last_seq - self.first_seq + 1
+
+
+class Reset(Signal, frozen=True, kw_only=True):
+    """The stream restarted: drop the holder's state. ``last_seq`` was the last seq seen
+    from the old stream, ``new_seq`` the first seen from the new one (None if only the
+    replay buffer showed it)."""
+
+    kind: ClassVar[str] = "reset"
+    last_seq: int
+    new_seq: int | None
+    reason: str
+
+
+class Unreachable(Signal, frozen=True, kw_only=True):
+    """``address`` (an engine URL or a stream endpoint) cannot be reached; retrying."""
+
+    kind: ClassVar[str] = "unreachable"
+    address: str
+    reason: str
+
+
+Item = Delivery | Signal
+"""What :meth:`~kvevents.Subscriber.get` returns: a batch or a signal."""

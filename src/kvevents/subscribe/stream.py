@@ -1,0 +1,401 @@
+"""Sequence tracking for one stream: a pure state machine, no sockets, no clock.
+
+A :class:`StreamTracker` is fed what arrived (live messages, replay replies, the replay
+end marker, a replay timeout, connection events) and answers with actions for the
+socket loop: deliver this payload, send this signal, ask for a replay from this seq.
+
+Invariants
+----------
+* ``last`` is the seq of the last payload handed out (delivered, or reported lost);
+  ``-1`` before the first. Deliveries are strictly increasing in seq and never skip a
+  seq silently: every seq between two deliveries is covered by a :class:`Loss`.
+* While a replay is outstanding (``replaying``), live messages are buffered in arrival
+  order and handed out only after the replay ends, so nothing newer overtakes the
+  missed batches. The buffer is bounded (``max_pending``); overflowing it abandons the
+  replay and reports what it would have filled as lost.
+* Every replay makes progress or ends the gap: when the same replay twice delivered
+  nothing, a remaining gap is reported lost instead of replayed again, so there is no
+  loop. A replay that times out after delivering something (the publisher dropped the
+  rest of its answer) is asked again from where it stopped, at most twice in a row; one
+  that timed out with nothing while live messages wait is asked again once.
+* A gap at the very end of a burst shows no symptom until the next message. With a
+  replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
+  a while: a replay from ``last + 1`` that returns only the end marker when nothing
+  was missed. A live message arriving meanwhile cancels the probe (it reveals any gap
+  itself), so probing never holds live messages back.
+
+Restart detection
+-----------------
+* Live seqs from one publisher only grow. A live seq at or below the highest one seen
+  live (``live_high``) means the publisher started again: :class:`Reset`. A live seq
+  above ``live_high`` but at or below ``last`` is the late live copy of a batch a
+  replay already delivered, and is skipped.
+* After the connection dropped and came back (``on_disconnected``/``on_connected``), a
+  restarted engine may already have published past ``last`` (seq then looks like it
+  moved forward). With a replay endpoint, the tracker asks for a replay from the last
+  batch it delivered (the anchor) and compares that payload byte for byte: different,
+  or an empty buffer, is a reset; equal means the same publisher continues. The
+  limits: a publisher that no longer buffers the anchor cannot be checked (what was
+  skipped is reported as :class:`Loss`); without a replay endpoint a forward jump after
+  a reconnect is reported as :class:`Loss`, and a reconnect that continues exactly at
+  ``last + 1`` is taken as the same publisher. A restarted publisher whose payload at
+  the anchor's seq is byte-identical to the old one is not told apart (its batches
+  carry wall-clock timestamps, so this does not happen in practice).
+
+Cost: the in-order live case is one comparison (:meth:`accept_in_order`); everything
+else is O(1) per message plus O(n) over the buffered messages when a replay ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from kvevents.subscribe.items import Gap, Loss, Reset, Signal
+
+__all__ = [
+    "CancelReplay",
+    "Deliver",
+    "Purpose",
+    "RequestReplay",
+    "StreamTracker",
+    "TrackerAction",
+]
+
+
+class Deliver(NamedTuple):
+    """Hand out ``payload`` as seq ``seq``; ``replayed`` when it came from a replay.
+
+    ``payload`` is None for a replayed seq whose topic is not subscribed: it advances
+    the sequence but carries nothing for this consumer.
+    """
+
+    seq: int
+    payload: bytes | None
+    replayed: bool
+
+
+class RequestReplay(NamedTuple):
+    """Ask the publisher for every buffered batch with seq >= ``start`` (cancels any
+    replay still in flight)."""
+
+    start: int
+
+
+class CancelReplay(NamedTuple):
+    """Forget the replay in flight (its late replies must not be read)."""
+
+
+TrackerAction = Deliver | RequestReplay | CancelReplay | Signal
+
+
+class Purpose(enum.Enum):
+    """Why a replay is outstanding."""
+
+    JOIN = "join"  # a new or restarted stream: everything from seq 0
+    GAP = "gap"  # fill last+1 .. the first buffered live seq
+    VERIFY = "verify"  # after a reconnect: is seq `last` still the payload we delivered?
+    PROBE = "probe"  # a quiet stream: was anything after `last` published and dropped?
+
+
+class StreamTracker:
+    """Per-stream sequence state machine (see the module docstring for its invariants)."""
+
+    def __init__(
+        self, worker: str, dp_rank: int, *, has_replay: bool, max_pending: int = 50_000
+    ) -> None:
+        self.worker = worker
+        self.dp_rank = dp_rank
+        self.has_replay = has_replay
+        self.max_pending = max_pending
+        self.last = -1
+        # the last batch delivered with its payload: what a verifying replay compares
+        self.anchor_seq = -1
+        self.anchor_payload: bytes | None = None
+        self.live_high = -1  # highest seq received live from this publisher
+        self.replaying = False
+        self.purpose = Purpose.JOIN
+        self.replay_start = 0
+        self.pending: list[tuple[int, bytes]] = []
+        self.suspect = False  # the connection dropped since `last` was delivered
+        self._verified = False
+        self._progress = False
+        self._fruitless_start: int | None = None  # start of the last replay that gave nothing
+        self._timeout_retries = 0  # timed-out replays re-asked in a row
+        # counters, read by the stats
+        self.gaps = 0
+        self.replayed = 0
+        self.lost = 0
+        self.resets = 0
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether a replay can prove that the publisher is the same one (a batch was
+        delivered whose payload can be compared)."""
+        return self.has_replay and self.anchor_payload is not None
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def start(self) -> list[TrackerAction]:
+        """A new stream: with a replay endpoint, first replay from 0 (slow joiner)."""
+        out: list[TrackerAction] = []
+        if self.has_replay:
+            self._begin_replay(Purpose.JOIN, 0, out)
+        return out
+
+    def accept_in_order(self, seq: int, payload: bytes) -> bool:
+        """Fast path: take ``seq`` if it is exactly the next one and nothing is pending.
+
+        True means the tracker advanced and the caller delivers ``payload``; False means
+        the caller must call :meth:`on_live` instead.
+        """
+        if seq == self.last + 1 and not self.replaying and not self.suspect:
+            self.last = self.live_high = self.anchor_seq = seq
+            self.anchor_payload = payload
+            return True
+        return False
+
+    def on_live(self, seq: int, payload: bytes) -> list[TrackerAction]:
+        """A live message arrived."""
+        out: list[TrackerAction] = []
+        if self.live_high < seq <= self.last:
+            # The live copy of a batch a replay delivered already: live seqs only grow,
+            # so this is not a restart (that would go back to ``live_high`` or below).
+            self.live_high = seq
+            return out
+        self.live_high = seq
+        if self.replaying and self.purpose is Purpose.PROBE:
+            self.replaying = False  # this message shows any gap by itself
+            out.append(CancelReplay())
+        if self.replaying:
+            self.pending.append((seq, payload))
+            if len(self.pending) > self.max_pending:
+                self._abandon_replay(
+                    f"more than {self.max_pending} live messages arrived during the replay", out
+                )
+            return out
+        self._follow(seq, payload, out, self.has_replay, "no replay endpoint for this stream")
+        return out
+
+    def on_replay_reply(
+        self, seq: int, payload: bytes, subscribed: bool = True
+    ) -> list[TrackerAction]:
+        """One replay reply (``subscribed`` is False when its topic is filtered out)."""
+        out: list[TrackerAction] = []
+        if not self.replaying:
+            return out
+        if self.purpose is Purpose.VERIFY and not self._verified:
+            if seq < self.anchor_seq:
+                return out  # older than asked for: keep looking
+            self._verified = True  # (a buffer that no longer holds the anchor cannot tell)
+            if seq == self.anchor_seq and payload != self.anchor_payload:
+                self._reset(None, "replay shows another batch at a seq already delivered", out)
+                return out
+        if seq <= self.last:
+            return out
+        if seq > self.last + 1:
+            self._lose(
+                self.last + 1,
+                seq - 1,
+                "not in the publisher's replay buffer (overrun, or dropped by the publisher)",
+                out,
+            )
+        self._progress = True
+        self.last = seq
+        if subscribed:
+            self.anchor_seq, self.anchor_payload = seq, payload
+            self.replayed += 1
+            out.append(Deliver(seq, payload, True))
+        else:
+            out.append(Deliver(seq, None, True))
+        return out
+
+    def on_replay_end(self) -> list[TrackerAction]:
+        """The replay end marker arrived: hand out what was buffered meanwhile."""
+        out: list[TrackerAction] = []
+        if not self.replaying:
+            return out
+        if self.purpose is Purpose.VERIFY and not self._verified:
+            self._reset(None, "the publisher's replay buffer is empty: it restarted", out)
+            return out
+        self.replaying = False
+        self._timeout_retries = 0
+        retry = True
+        if self._progress:
+            self._fruitless_start = None
+        elif self.purpose is Purpose.PROBE:
+            pass  # a probe that finds nothing says nothing about gaps
+        elif self._fruitless_start == self.replay_start:
+            retry = False  # the same request gave nothing twice: the gap cannot be filled
+        else:
+            self._fruitless_start = self.replay_start
+        pending, self.pending = self.pending, []
+        self._flush(pending, out, self.has_replay and retry, "replay did not return it")
+        return out
+
+    def on_replay_timeout(self) -> list[TrackerAction]:
+        """No replay reply for too long (the caller discards that replay socket)."""
+        out: list[TrackerAction] = []
+        if not self.replaying:
+            return out
+        unverified = self.purpose is Purpose.VERIFY and not self._verified
+        if not unverified and (
+            (self._progress and self._timeout_retries < 2)
+            or (self.pending and self._timeout_retries < 1)
+        ):
+            # The answer stopped midway (the publisher dropped the rest), or the request
+            # went to a publisher that was not up yet while live messages now arrive:
+            # ask again, on a fresh socket.
+            self._timeout_retries += 1
+            purpose = Purpose.PROBE if self.purpose is Purpose.PROBE else Purpose.GAP
+            self._begin_replay(purpose, self.last + 1, out)
+            return out
+        self._timeout_retries = 0
+        if self.purpose is Purpose.PROBE and not self.pending:
+            self.replaying = False
+            return out
+        self._abandon_replay(f"replay from seq {self.replay_start} timed out", out)
+        return out
+
+    def probe(self) -> list[TrackerAction]:
+        """The stream has been quiet: ask the publisher for anything after ``last``."""
+        out: list[TrackerAction] = []
+        if self.has_replay and not self.replaying and not self.suspect:
+            self._begin_replay(Purpose.PROBE, self.last + 1, out)
+        return out
+
+    def on_disconnected(self) -> None:
+        """The live connection dropped: what comes next may be another publisher."""
+        if self.last >= 0:
+            self.suspect = True
+
+    def on_connected(self) -> list[TrackerAction]:
+        """The live connection is up; after a drop, verify the publisher with a replay.
+
+        The verifying replay starts at the anchor (the last batch delivered with its
+        payload) and also fills anything after ``last``; a replay still in flight went to
+        the old connection, and this one replaces it.
+        """
+        out: list[TrackerAction] = []
+        if self.suspect and self.can_verify:
+            self.suspect = False
+            self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
+        return out
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _follow(
+        self,
+        seq: int,
+        payload: bytes,
+        out: list[TrackerAction],
+        replay_allowed: bool,
+        reason: str,
+    ) -> None:
+        """Handle one message outside a replay (live, or buffered during one).
+
+        ``reason`` explains a loss when a gap cannot be replayed.
+        """
+        if self.suspect:
+            self.suspect = False
+            if seq > self.last and replay_allowed and self.can_verify:
+                self.pending.append((seq, payload))
+                self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
+                return
+            if seq > self.last + 1:
+                reason = f"missed across a reconnect ({reason})"
+        if seq == self.last + 1:
+            self._deliver(seq, payload, out)
+        elif seq > self.last + 1:
+            if replay_allowed:
+                self.gaps += 1
+                out.append(
+                    Gap(
+                        worker=self.worker,
+                        dp_rank=self.dp_rank,
+                        first_seq=self.last + 1,
+                        last_seq=seq - 1,
+                    )
+                )
+                self.pending.append((seq, payload))
+                self._begin_replay(Purpose.GAP, self.last + 1, out)
+            else:
+                self._lose(self.last + 1, seq - 1, reason, out)
+                self._deliver(seq, payload, out)
+        else:
+            self._reset(seq, f"sequence went back from {self.last} to {seq}", out)
+            if self.replaying:
+                self.pending.append((seq, payload))
+            else:
+                self._follow(seq, payload, out, False, reason)
+
+    def _flush(
+        self,
+        pending: list[tuple[int, bytes]],
+        out: list[TrackerAction],
+        replay_allowed: bool,
+        reason: str,
+    ) -> None:
+        """Hand out messages buffered during a replay, in arrival order."""
+        for i, (seq, payload) in enumerate(pending):
+            if seq <= self.last and not self.suspect:
+                continue  # the replay delivered it already
+            self._follow(seq, payload, out, replay_allowed, reason)
+            if self.replaying:  # a further gap or a reset started another replay
+                self.pending.extend(pending[i + 1 :])
+                return
+
+    def _abandon_replay(self, reason: str, out: list[TrackerAction]) -> None:
+        """Give up the outstanding replay: what it would have filled is lost."""
+        if self.purpose is Purpose.VERIFY and not self._verified:
+            self.suspect = True  # unverified: the next message is judged by its seq alone
+        self.replaying = False
+        pending, self.pending = self.pending, []
+        self._flush(pending, out, False, reason)
+
+    def _begin_replay(self, purpose: Purpose, start: int, out: list[TrackerAction]) -> None:
+        self.replaying = True
+        self.purpose = purpose
+        self.replay_start = start
+        self._verified = False
+        self._progress = False
+        out.append(RequestReplay(start))
+
+    def _reset(self, new_seq: int | None, reason: str, out: list[TrackerAction]) -> None:
+        out.append(
+            Reset(
+                worker=self.worker,
+                dp_rank=self.dp_rank,
+                last_seq=self.last,
+                new_seq=new_seq,
+                reason=reason,
+            )
+        )
+        self.resets += 1
+        self.last = -1
+        self.live_high = -1 if new_seq is None else new_seq
+        self.anchor_seq, self.anchor_payload = -1, None
+        self.suspect = False
+        self._fruitless_start = None
+        if self.has_replay:
+            self._begin_replay(Purpose.JOIN, 0, out)
+        else:
+            self.replaying = False
+
+    def _lose(self, first: int, last: int, reason: str, out: list[TrackerAction]) -> None:
+        out.append(
+            Loss(
+                worker=self.worker,
+                dp_rank=self.dp_rank,
+                first_seq=first,
+                last_seq=last,
+                reason=reason,
+            )
+        )
+        self.lost += last - first + 1
+        self.last = last
+
+    def _deliver(self, seq: int, payload: bytes, out: list[TrackerAction]) -> None:
+        self.last = self.anchor_seq = seq
+        self.anchor_payload = payload
+        out.append(Deliver(seq, payload, False))

@@ -1,0 +1,159 @@
+"""One stream's sockets, tracker and counters, as the subscriber's socket thread holds them.
+
+A :class:`StreamSockets` owns a SUB socket (live messages), a monitor socket on it
+(connected, disconnected, connect retried) and, when the stream has a replay endpoint, a
+:class:`~kvevents.subscribe.replay_client.ReplayClient`. Everything here runs on the socket
+thread, except :meth:`StreamSockets.stats`, which only reads.
+
+Monitor events become tracker inputs (a drop and a reconnect may mean another
+publisher: see :mod:`kvevents.subscribe.stream`) and the connection status shown in the stats; the
+first failed connection attempt of a streak is reported as an
+:class:`~kvevents.subscribe.items.Unreachable` signal (ZMQ itself keeps retrying with backoff
+up to ``reconnect_max_ms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvevents.subscribe.discovery import StreamSpec
+from kvevents.subscribe.items import Signal, Unreachable
+from kvevents.subscribe.replay_client import ReplayClient
+from kvevents.subscribe.stats import StreamCounters, StreamStats
+from kvevents.subscribe.stream import StreamTracker, TrackerAction
+from kvevents.types import Holder
+
+__all__ = ["StreamSockets"]
+
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+SocketHook = Callable[["zmq.Socket[bytes]"], None]
+
+
+class StreamSockets:
+    """See the module docstring. ``on_replay_open``/``on_replay_close`` let the owner
+    (un)register the replay socket, which is replaced whenever a replay is abandoned."""
+
+    def __init__(
+        self,
+        spec: StreamSpec,
+        context: zmq.Context[zmq.Socket[bytes]],
+        *,
+        rcvhwm: int,
+        reconnect_max_ms: int,
+        replay_timeout: float,
+        max_pending: int,
+        on_replay_open: SocketHook,
+        on_replay_close: SocketHook,
+    ) -> None:
+        self.spec = spec
+        self.holder = Holder(spec.worker, spec.dp_rank)
+        self.topic = spec.topic.encode()
+        self.tracker = StreamTracker(
+            spec.worker,
+            spec.dp_rank,
+            has_replay=spec.replay_endpoint is not None,
+            max_pending=max_pending,
+        )
+        self.counters = StreamCounters()
+        self.activity = 0.0  # when anything last arrived (or the stream was added)
+        self.probed = False  # a tail probe was sent since then
+        self._reconnect_max_ms = reconnect_max_ms
+        self._unreachable_reported = False
+        self.replay: ReplayClient | None = None
+        sub = context.socket(zmq.SUB)
+        self.sub: zmq.Socket[bytes] = sub
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, rcvhwm)
+            sub.setsockopt(zmq.RECONNECT_IVL, 100)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            self.monitor: zmq.Socket[bytes] = sub.get_monitor_socket(_MONITORED)
+            sub.connect(spec.endpoint)
+            if spec.replay_endpoint is not None:
+                self.replay = ReplayClient(
+                    context,
+                    spec.replay_endpoint,
+                    timeout=replay_timeout,
+                    on_open=on_replay_open,
+                    on_close=on_replay_close,
+                    reconnect_max_ms=reconnect_max_ms,
+                )
+                self.replay.open()  # a bad address fails here, not mid-replay
+        except BaseException:
+            self.close()
+            raise
+
+    def read_monitor(self) -> tuple[list[TrackerAction], list[Signal]]:
+        """Every waiting monitor event, as tracker actions and signals to pass on."""
+        actions: list[TrackerAction] = []
+        signals: list[Signal] = []
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return actions, signals
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.counters.status = "connected"
+                self._unreachable_reported = False
+                actions += self.tracker.on_connected()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.counters.status = "disconnected"
+                self.tracker.on_disconnected()
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self.counters.status = "unreachable"
+                if not self._unreachable_reported:
+                    self._unreachable_reported = True
+                    signals.append(
+                        Unreachable(
+                            worker=self.spec.worker,
+                            dp_rank=self.spec.dp_rank,
+                            address=self.spec.endpoint,
+                            reason="connection attempts fail; retrying with backoff "
+                            f"up to every {self._reconnect_max_ms / 1000:g} s",
+                        )
+                    )
+
+    def stats(self, now: float) -> StreamStats:
+        """A snapshot (any thread)."""
+        c, t, spec = self.counters, self.tracker, self.spec
+        bps, kps = c.rates(now)
+        return StreamStats(
+            worker=spec.worker,
+            dp_rank=spec.dp_rank,
+            endpoint=spec.endpoint,
+            replay_endpoint=spec.replay_endpoint,
+            status=c.status,
+            last_seq=None if t.last < 0 else t.last,
+            batches=c.batches,
+            blocks=c.blocks,
+            batches_per_s=bps,
+            blocks_per_s=kps,
+            gaps=t.gaps,
+            replayed=t.replayed,
+            lost=t.lost,
+            resets=t.resets,
+            decode_errors=c.decode_errors,
+            malformed=c.malformed,
+            replay_requests=0 if self.replay is None else self.replay.requests,
+            replay_timeouts=0 if self.replay is None else self.replay.timeouts,
+            age_s=None if c.last_arrival is None else now - c.last_arrival,
+            lag_s=c.last_lag,
+        )
+
+    def close(self) -> None:
+        """Close every socket of the stream (linger 0). Idempotent."""
+        if self.replay is not None:
+            self.replay.close()
+        with contextlib.suppress(zmq.ZMQError):
+            self.sub.disable_monitor()
+        self.sub.close(linger=0)
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.close(linger=0)

@@ -1,0 +1,312 @@
+"""Subscriber: every rank's stream of every engine, in order, nothing missed silently.
+
+::
+
+    with Subscriber(engines=["http://127.0.0.1:30000"]) as sub:
+        for item in sub:
+            if isinstance(item, Delivery):
+                index.apply(item.holder, item.batch)
+            elif isinstance(item, Reset):
+                index.drop(item.holder)
+
+Streams come from engines (their ``/server_info`` is read, retried with backoff until
+the engine answers) and from explicit :class:`~kvevents.subscribe.discovery.StreamSpec` values. One
+stream per holder ``(worker, dp_rank)``. Items are :class:`~kvevents.subscribe.items.Delivery`
+``(holder, seq, batch)``, in sequence order per holder, or signals
+(:mod:`kvevents.subscribe.items`: ``Gap``, ``Loss``, ``Reset``, ``Unreachable``).
+
+Guarantees, per stream: each seq is delivered at most once, in increasing order; a seq
+that is never delivered is covered by a ``Loss``; a gap is replayed (when the stream has
+a replay endpoint) and its batches are delivered before anything newer; a new stream
+with a replay endpoint first replays from seq 0 (slow joiner), and one that goes quiet
+is probed for batches lost at the end of a burst; a restarted publisher gives ``Reset``
+before its first batch, and so does an engine that comes back on new endpoints (its
+``/server_info`` is read again every ``rediscover_interval`` seconds). Malformed frames are counted and skipped. An engine that is not
+up yet is retried with backoff and reported (``Unreachable``, :meth:`Subscriber.engines`),
+never blocking the other streams. The limits of restart detection are in
+:mod:`kvevents.subscribe.stream`.
+
+When the consumer falls behind by ``max_buffered`` items, the socket thread pauses;
+ZMQ's high-water marks then drop live messages, which come back through replay (or are
+reported as ``Loss``): memory stays bounded and nothing is lost silently.
+
+Threads: one socket thread per subscriber (:mod:`kvevents.subscribe.loop`) and one
+discovery thread per engine (:mod:`kvevents.subscribe.engine_watcher`), mostly asleep. Consume from one thread or
+one asyncio task at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from types import TracebackType
+
+import zmq
+
+from kvevents.errors import SubscriberStateError
+from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
+from kvevents.subscribe.engine_watcher import EngineStatus, EngineWatcher
+from kvevents.subscribe.handoff import Handoff, HandoffClosed
+from kvevents.subscribe.items import Item
+from kvevents.subscribe.loop import SubscriberLoop
+from kvevents.subscribe.stats import StreamStats
+from kvevents.types import Holder
+
+__all__ = ["EngineStatus", "Subscriber", "SubscriberState"]
+
+
+class SubscriberState(enum.Enum):
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+class Subscriber:
+    """Follow streams of engines and explicit endpoints; see the module docstring.
+
+    Parameters:
+
+    * ``engines``: engine URLs (each one's worker name is its URL); ``streams``: specs or
+      endpoint strings (a bare string means no replay, rank 0).
+    * ``replay_timeout``: seconds without a replay reply before the rest of that replay
+      counts as lost (asked again, at most twice, when it stopped midway).
+    * ``tail_probe``: seconds of quiet after which a stream with a replay endpoint asks
+      for anything it may have missed at the end of a burst (None: never).
+    * ``rcvhwm``: live receive high-water mark per stream (0: unlimited).
+    * ``max_buffered``: items waiting for the consumer before the socket thread pauses.
+    * ``max_pending``: live messages buffered per stream while a replay runs.
+    * ``discovery_timeout``: seconds per ``/server_info`` request; ``retry_initial`` and
+      ``retry_max``: the backoff between discovery attempts, ``retry_max`` also caps
+      ZMQ's reconnect interval.
+    * ``rediscover_interval``: seconds between rereads of a discovered engine's
+      ``/server_info``, to follow it to new endpoints after a whole restart (None:
+      discover once).
+    * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
+      seconds, for tests.
+    """
+
+    def __init__(
+        self,
+        engines: Iterable[str] = (),
+        streams: Iterable[StreamSpec | str] = (),
+        *,
+        replay_timeout: float = 2.0,
+        tail_probe: float | None = 1.0,
+        rcvhwm: int = 100_000,
+        max_buffered: int = 100_000,
+        max_pending: int = 50_000,
+        discovery_timeout: float = 2.0,
+        retry_initial: float = 0.25,
+        retry_max: float = 5.0,
+        rediscover_interval: float | None = 5.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("replay_timeout", replay_timeout),
+            ("discovery_timeout", discovery_timeout),
+            ("retry_initial", retry_initial),
+            ("retry_max", retry_max),
+        ):
+            if not value > 0:
+                raise ValueError(
+                    f"Subscriber: {name}={value!r} must be a positive number of seconds"
+                )
+        if rediscover_interval is not None and not rediscover_interval > 0:
+            raise ValueError(
+                f"Subscriber: rediscover_interval={rediscover_interval!r} must be a positive "
+                "number of seconds, or None to discover each engine once"
+            )
+        self.rediscover_interval = rediscover_interval
+        self.discovery_timeout = discovery_timeout
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self._clock = clock
+        self._own_context = context is None
+        self._context = zmq.Context() if context is None else context
+        self._handoff: Handoff[Item] = Handoff(max_buffered)
+        self._loop = SubscriberLoop(
+            self._handoff,
+            context=self._context,
+            replay_timeout=replay_timeout,
+            rcvhwm=rcvhwm,
+            max_pending=max_pending,
+            reconnect_max_ms=int(retry_max * 1000),
+            tail_probe=tail_probe,
+            clock=clock,
+        )
+        self._lock = threading.Lock()
+        self._specs: dict[Holder, StreamSpec] = {}
+        self._engines: dict[str, EngineWatcher] = {}
+        self._closing = threading.Event()
+        self.state = SubscriberState.RUNNING
+        self._loop.thread.start()
+        try:
+            for url in engines:
+                self.add_engine(url)
+            for spec in streams:
+                self.add_stream(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- adding streams ------------------------------------------------------------------
+
+    def add_engine(self, url: str, *, worker: str | None = None) -> None:
+        """Follow every rank the engine at ``url`` advertises (discovered in the background)."""
+        self._check_open("add_engine")
+        url = normalize_engine_url(url)
+        with self._lock:
+            if url in self._engines:
+                raise ValueError(f"Subscriber.add_engine: {url} is already followed")
+            watcher = EngineWatcher(
+                url,
+                worker or url,
+                timeout=self.discovery_timeout,
+                retry_initial=self.retry_initial,
+                retry_max=self.retry_max,
+                closing=self._closing,
+                add_spec=self._add_spec,
+                report=lambda signal: self._loop.submit("signal", signal),
+                replace_spec=self._replace_spec,
+                recheck=self.rediscover_interval,
+            )
+            self._engines[url] = watcher
+        watcher.thread.start()
+
+    def add_stream(self, spec: StreamSpec | str) -> None:
+        """Follow one explicit stream (an endpoint string means no replay, rank 0)."""
+        self._check_open("add_stream")
+        if isinstance(spec, str):
+            spec = StreamSpec.from_endpoint(spec)
+        self._add_spec(spec)
+
+    def _add_spec(self, spec: StreamSpec) -> None:
+        holder = Holder(spec.worker, spec.dp_rank)
+        with self._lock:
+            if holder in self._specs:
+                raise ValueError(
+                    f"Subscriber: stream {holder} is already followed; give distinct workers "
+                    "or dp_ranks to distinct endpoints"
+                )
+            self._specs[holder] = spec
+        self._loop.submit("add", spec)
+
+    def _replace_spec(self, spec: StreamSpec) -> None:
+        """Follow ``spec`` instead of the holder's current stream (the engine moved)."""
+        with self._lock:
+            self._specs[Holder(spec.worker, spec.dp_rank)] = spec
+        self._loop.submit("replace", spec)
+
+    # --- consuming -----------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None) -> Item | None:
+        """The next item, or None after ``timeout`` seconds; raises once closed."""
+        try:
+            return self._handoff.get(timeout)
+        except HandoffClosed as exc:
+            raise self._closed_error(exc) from exc.error
+
+    async def aget(self, timeout: float | None = None) -> Item | None:
+        """Like :meth:`get`, for asyncio."""
+        try:
+            return await self._handoff.aget(timeout)
+        except HandoffClosed as exc:
+            raise self._closed_error(exc) from exc.error
+
+    def __iter__(self) -> Iterator[Item]:
+        """Every item until :meth:`close` (called from another thread) ends the iteration."""
+        self._check_open("iterate")
+        while True:
+            try:
+                item = self._handoff.get()
+            except HandoffClosed as exc:
+                if exc.error is not None:
+                    raise self._closed_error(exc) from exc.error
+                return
+            if item is not None:
+                yield item
+
+    def __aiter__(self) -> AsyncIterator[Item]:
+        self._check_open("iterate")
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Item]:
+        while True:
+            try:
+                item = await self._handoff.aget()
+            except HandoffClosed as exc:
+                if exc.error is not None:
+                    raise self._closed_error(exc) from exc.error
+                return
+            if item is not None:
+                yield item
+
+    # --- state ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[Holder, StreamStats]:
+        """A snapshot of every stream's statistics (streams just added show "connecting")."""
+        out = {Holder(s.worker, s.dp_rank): s for s in self._loop.snapshot(self._clock())}
+        with self._lock:
+            waiting = [(h, spec) for h, spec in self._specs.items() if h not in out]
+        for holder, spec in waiting:
+            out[holder] = StreamStats.empty(
+                spec.worker, spec.dp_rank, spec.endpoint, spec.replay_endpoint
+            )
+        return out
+
+    def engines(self) -> dict[str, EngineStatus]:
+        """Discovery state of every engine URL followed."""
+        with self._lock:
+            watchers = list(self._engines.values())
+        return {w.url: w.status() for w in watchers}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads and close every socket. Idempotent."""
+        with self._lock:
+            if self.state is SubscriberState.CLOSED:
+                return
+            self.state = SubscriberState.CLOSED
+            watchers = list(self._engines.values())
+        self._closing.set()
+        self._loop.submit("stop")
+        self._handoff.close()
+        self._loop.thread.join(timeout)
+        for w in watchers:
+            w.thread.join(timeout)
+        if self._own_context and not self._loop.thread.is_alive():
+            self._context.term()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Subscriber:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.state is SubscriberState.CLOSED:
+            raise SubscriberStateError(
+                f"Subscriber.{what}: the subscriber is closed; create a new one"
+            )
+
+    def _closed_error(self, exc: HandoffClosed) -> SubscriberStateError:
+        if exc.error is not None:
+            return SubscriberStateError(f"the subscriber's socket thread failed: {exc.error!r}")
+        return SubscriberStateError("the subscriber is closed")

@@ -1,0 +1,62 @@
+"""The KV-event wire format, shared by SGLang, vLLM and kvevents.
+
+* :mod:`~kvevents.wire.events`: the event structs and the batch of one scheduler step;
+* :mod:`~kvevents.wire.codec`: a batch as msgpack bytes and back, in both encodings;
+* :mod:`~kvevents.wire.frames`: the ZMQ frames of live and replay messages;
+* :mod:`~kvevents.wire.hashing`: the engines' block hash schemes and our content key;
+* :mod:`~kvevents.wire.server_info`: the ``kv_events`` block of ``/server_info``.
+
+Everything here is pure (bytes in, values out); sockets live in ``publish`` and
+``subscribe``.
+"""
+
+from kvevents.wire.codec import decode_batch, encode_batch
+from kvevents.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KVCacheEvent,
+    KVEventBatch,
+    event_to_dict,
+    hash_to_int,
+)
+from kvevents.wire.frames import (
+    END_SEQ,
+    LiveMessage,
+    ReplayReply,
+    decode_seq,
+    encode_seq,
+    live_frames,
+    parse_live_frames,
+    parse_replay_reply,
+    parse_replay_request,
+    replay_end_frames,
+    replay_reply_frames,
+    replay_request_frames,
+)
+
+__all__ = [
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "LiveMessage",
+    "ReplayReply",
+    "decode_batch",
+    "decode_seq",
+    "encode_batch",
+    "encode_seq",
+    "event_to_dict",
+    "hash_to_int",
+    "live_frames",
+    "parse_live_frames",
+    "parse_replay_reply",
+    "parse_replay_request",
+    "replay_end_frames",
+    "replay_reply_frames",
+    "replay_request_frames",
+]

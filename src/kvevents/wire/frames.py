@@ -1,0 +1,136 @@
+"""ZMQ frame layouts of live and replay messages, built and checked as pure functions.
+
+Live message (PUB -> SUB): ``[topic, seq(8 bytes big-endian), payload]``.
+Replay request (DEALER -> ROUTER): ``[b"", start_seq(8 bytes BE)]``; the ROUTER sees the
+peer identity in front of it.
+Replay reply (ROUTER -> DEALER): ``[b"", topic, seq, payload]`` per buffered batch (older
+publishers omit the topic: ``[b"", seq, payload]``), ending with ``seq == 2**64 - 1`` and
+an empty payload.
+
+Every parser checks the frame count and lengths before unpacking: a bad frame is a
+:class:`~kvevents.WireError` naming what was wrong, never a mis-decode.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from kvevents.errors import WireError
+
+__all__ = [
+    "END_SEQ",
+    "LiveMessage",
+    "ReplayReply",
+    "decode_seq",
+    "encode_seq",
+    "live_frames",
+    "parse_live_frames",
+    "parse_replay_reply",
+    "parse_replay_request",
+    "replay_end_frames",
+    "replay_reply_frames",
+    "replay_request_frames",
+]
+
+END_SEQ = 0xFFFFFFFFFFFFFFFF
+"""Sequence number of the replay end marker."""
+
+_SEQ = struct.Struct(">Q")
+
+
+def encode_seq(seq: int) -> bytes:
+    """8-byte big-endian sequence number."""
+    return _SEQ.pack(seq)
+
+
+def decode_seq(frame: bytes | memoryview) -> int:
+    """Read an 8-byte big-endian sequence number; a frame of another length is a WireError."""
+    if len(frame) != 8:
+        raise WireError(f"sequence frame has {len(frame)} bytes, expected 8 (big-endian u64)")
+    return int(_SEQ.unpack(frame)[0])
+
+
+class LiveMessage(msgspec.Struct, frozen=True, gc=False):
+    """One live message: ``[topic, seq, payload]``."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+class ReplayReply(msgspec.Struct, frozen=True, gc=False):
+    """One replay reply; ``is_end`` marks the end marker. ``topic`` is None in the 3-frame form."""
+
+    topic: bytes | None
+    seq: int
+    payload: bytes
+
+    @property
+    def is_end(self) -> bool:
+        return self.seq == END_SEQ
+
+
+def live_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """Frames of a live message."""
+    return [topic, _SEQ.pack(seq), payload]
+
+
+def parse_live_frames(frames: list[bytes]) -> LiveMessage:
+    """Check and unpack ``[topic, seq, payload]``; anything else is a WireError."""
+    if len(frames) != 3:
+        raise WireError(f"live message has {len(frames)} frames, expected 3 [topic, seq, payload]")
+    topic, seq, payload = frames
+    return LiveMessage(bytes(topic), decode_seq(seq), bytes(payload))
+
+
+def replay_request_frames(start_seq: int) -> list[bytes]:
+    """What a DEALER sends to ask for every buffered batch with ``seq >= start_seq``."""
+    return [b"", _SEQ.pack(start_seq)]
+
+
+def parse_replay_request(frames: list[bytes]) -> tuple[bytes, int]:
+    """Unpack ``[identity, b"", start_seq]`` as a ROUTER receives it.
+
+    Returns ``(identity, start_seq)``. A request with the wrong shape raises WireError;
+    when the identity is present it is still returned via ``WireError.identity`` so the
+    publisher can answer with the end marker.
+    """
+    if not frames:
+        raise WireError("replay request has no frames")
+    identity = bytes(frames[0])
+    if len(frames) != 3 or len(frames[1]) != 0:
+        err = WireError(
+            f"replay request has {len(frames) - 1} frames after the identity, "
+            "expected 2 [b'', start_seq]"
+        )
+        err.identity = identity  # type: ignore[attr-defined]
+        raise err
+    try:
+        return identity, decode_seq(frames[2])
+    except WireError as exc:
+        exc.identity = identity  # type: ignore[attr-defined]
+        raise
+
+
+def replay_reply_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """One 4-frame replay reply (without the ROUTER identity in front)."""
+    return [b"", topic, _SEQ.pack(seq), payload]
+
+
+def replay_end_frames() -> list[bytes]:
+    """The end marker that closes every replay answer."""
+    return [b"", b"", _SEQ.pack(END_SEQ), b""]
+
+
+def parse_replay_reply(frames: list[bytes]) -> ReplayReply:
+    """Unpack a reply as a DEALER receives it: ``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``."""
+    if len(frames) == 4 and len(frames[0]) == 0:
+        return ReplayReply(bytes(frames[1]), decode_seq(frames[2]), bytes(frames[3]))
+    if len(frames) == 3 and len(frames[0]) == 0:
+        return ReplayReply(None, decode_seq(frames[1]), bytes(frames[2]))
+    raise WireError(
+        f"replay reply has {len(frames)} frames, expected [b'', topic, seq, payload] "
+        "or [b'', seq, payload]"
+    )
