@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     engine = Child("engine", ["--port", "0", "--dp-size", "2", "--page-size", str(PAGE),
                               "--kv-events-config", json.dumps(config)])  # fmt: skip
-    router = Child("router", ["--port", "0"])
+    router = Child("router", ["--port", "0", "--workers", "1"])
     try:
         engine_url = engine.start(60)
         router.argv += [

@@ -83,6 +83,8 @@ class RouterProcess:
             "router",
             "--port",
             "0",
+            "--workers",
+            "1",
             "--engine",
             self.engine,
             *engine_args,

@@ -30,6 +30,8 @@ class RouterProc:
         for url in engines:
             argv += ["--engine", url]
         argv += list(extra)
+        if "--workers" not in extra:  # one process, so every request sees the same state
+            argv += ["--workers", "1"]
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )

@@ -3,6 +3,8 @@
 * :mod:`~kvevents.cli.main`: the entry point, the shared error format and exit codes;
 * :mod:`~kvevents.cli.engine`, :mod:`~kvevents.cli.router`, :mod:`~kvevents.cli.watch`,
   :mod:`~kvevents.cli.demo`, :mod:`~kvevents.cli.bench`: the subcommands;
-* :mod:`~kvevents.cli.engine_args`: the options that describe an engine by hand;
-* :mod:`~kvevents.cli.http_serving`: bind, announce a ready line, stop on a signal.
+* :mod:`~kvevents.cli.engine_args`: the options that describe an engine by hand.
+
+Serving HTTP (bind, announce a ready line, stop on a signal) is :mod:`kvevents.http_serving`,
+a layer below, because the benchmarks' bare server serves the same way.
 """

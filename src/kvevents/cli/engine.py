@@ -26,7 +26,6 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-from kvevents.cli.http_serving import bind_http, http_url, start_http, stop_on_signals
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
@@ -34,6 +33,7 @@ from kvevents.engine.server import EngineInfo, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
+from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
 __all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]

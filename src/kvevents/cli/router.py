@@ -48,16 +48,18 @@ With ``--port 0`` the OS picks the port; the service prints
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
-from kvevents.cli.http_serving import serve_app
+from kvevents.cli.router_workers import serve_workers
 from kvevents.errors import ConfigError
+from kvevents.http_serving import run_event_loop, serve_app
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
 from kvevents.router.app import create_app
 from kvevents.router.core import POLICIES, Router
+from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
@@ -146,6 +148,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-entries", type=int, default=DEFAULT_MAX_ENTRIES, help="index memory bound"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="router processes serving the port (SO_REUSEPORT), each following every engine "
+        "and sharing its in-flight requests with the others (default: one per core, "
+        f"here {os.cpu_count() or 1})",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="largest /route or /query body; larger ones answer 413 "
+        f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
+    )
 
 
 def _credits(text: str) -> TierCredits:
@@ -233,15 +252,25 @@ def build_service(args: argparse.Namespace) -> RouterService:
 
 
 def run(args: argparse.Namespace) -> int:
+    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be at least 1 process")
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes {args.max_body_bytes}: must be a positive number")
+    if workers > 1:
+        return serve_workers(build_service, args, workers, READY_PREFIX)
     try:
         service = build_service(args)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return asyncio.run(serve(service, args.host, args.port))
+    return run_event_loop(serve(service, args.host, args.port, args.max_body_bytes))
 
 
-async def serve(service: RouterService, host: str, port: int) -> int:
+async def serve(
+    service: RouterService, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
-    return await serve_app(create_app(service), host, port, READY_PREFIX, "router")
+    app = create_app(service, max_body_bytes=max_body_bytes)
+    return await serve_app(app, host, port, READY_PREFIX, "router")

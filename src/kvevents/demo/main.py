@@ -228,7 +228,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
     engine = Child("engine", _engine_args(args))
-    router = Child("router", ["--port", "0", *router_extra])
+    router = Child("router", ["--port", "0", "--workers", "1", *router_extra])
     with Interrupts() as interrupts:  # Ctrl-C and SIGTERM: see kvevents.demo.signals
         pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
         try:

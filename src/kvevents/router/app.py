@@ -1,4 +1,4 @@
-"""The router's HTTP routes: ``/query``, ``/route``, ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
+"""The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
 
 The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
 command); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
@@ -25,17 +25,18 @@ from kvevents.router.service import BadRequest, RouterService, TokenizeFailed
 __all__ = ["create_app"]
 
 
-def _scores_json(decision_scores: list[Any]) -> list[dict[str, Any]]:
-    out = []
-    for s in decision_scores:
-        d = msgspec.structs.asdict(s)
-        d["matched"] = s.matched._asdict()
-        out.append(d)
-    return out
+def create_app(service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HotPath:
+    """The router's HTTP API as one ASGI app; starting and stopping ``service`` is its lifespan.
+
+    ``/route`` and ``/query`` are answered by :class:`~kvevents.router.hot_path.HotPath`;
+    everything else by the FastAPI app behind it (:func:`create_fastapi_app`).
+    """
+    return HotPath(service, create_fastapi_app(service), max_body_bytes=max_body_bytes)
 
 
-def create_app(service: RouterService) -> FastAPI:
-    """The router's HTTP API; starting and stopping ``service`` is the app's lifespan."""
+def create_fastapi_app(service: RouterService) -> FastAPI:
+    """The FastAPI part of the router: lifespan, ``/generate``, ``/workers``, ``/metrics``,
+    ``/dump`` and the OpenAI routes."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,51 +59,6 @@ def create_app(service: RouterService) -> FastAPI:
 
     def _not_ready(exc: ValueError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
-
-    @app.post("/query")
-    async def query(request: Request) -> JSONResponse:
-        tokens, body = await service.tokens(await request.body())
-        try:
-            matches = router.query(tokens, lora=body.lora, cache_salt=body.cache_salt)
-        except ValueError as exc:
-            return _not_ready(exc)
-        bs = router.index.block_size or 0
-        return JSONResponse(
-            {
-                "prompt_tokens": len(tokens),
-                "block_size": bs,
-                "matches": [
-                    {
-                        "worker": h.worker,
-                        "dp_rank": h.dp_rank,
-                        "matched_blocks": m.blocks,
-                        "matched_tokens": m.blocks * bs,
-                        "tiers": {"gpu": m.gpu * bs, "cpu": m.cpu * bs, "disk": m.disk * bs},
-                    }
-                    for h, m in matches.items()
-                ],
-            }
-        )
-
-    @app.post("/route")
-    async def route(request: Request) -> JSONResponse:
-        tokens, body = await service.tokens(await request.body())
-        try:
-            decision = router.route(tokens, lora=body.lora, cache_salt=body.cache_salt)
-        except ValueError as exc:
-            return _not_ready(exc)
-        if body.record:
-            router.record(decision)
-        return JSONResponse(
-            {
-                "worker": decision.worker,
-                "dp_rank": decision.dp_rank,
-                "recorded": body.record,
-                "n_blocks": decision.n_blocks,
-                "block_size": decision.block_size,
-                "scores": _scores_json(decision.scores),
-            }
-        )
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -186,6 +142,7 @@ def create_app(service: RouterService) -> FastAPI:
                 "block_size_mismatches": [
                     msgspec.to_builtins(m) for m in router.block_sizes.mismatches.values()
                 ],
+                "process": service._process(),
                 "policy": service.policy,
                 "tokenizer": service.text_tokenizer.name,
             }

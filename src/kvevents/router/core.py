@@ -30,9 +30,10 @@ Not thread-safe: call it from one thread (the service uses its event loop).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import msgspec
 
@@ -86,6 +87,14 @@ class Ticket(msgspec.Struct, frozen=True):
 
     holder: Holder
     blocks: float
+    id: int = 0
+    """Unique within this router: names the request in load notes to peer routers."""
+
+
+NoteKind = Literal["routed", "begin", "finish"]
+NoteListener = Callable[[NoteKind, Holder, int, "Ticket | None"], None]
+"""Called with ``(kind, holder, prompt_blocks, ticket)`` for every ``routed``/``begin``/
+``finish`` of this router (see :mod:`kvevents.router.peers`)."""
 
 
 class Router:
@@ -107,6 +116,8 @@ class Router:
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
         self.batches_applied = 0
         self.routes: Counter[Holder] = Counter()
+        self.note_listeners: list[NoteListener] = []
+        self._tickets = itertools.count(1)
 
     # --- feeding ----------------------------------------------------------------------
 
@@ -262,16 +273,24 @@ class Router:
 
     def begin(self, decision: RouteDecision) -> Ticket:
         """Count a request forwarded to the chosen holder as in-flight and recent load."""
-        self.record(decision)
+        self._record(decision)
         load = self.loads[decision.holder]
         blocks = decision.chosen.prefill_blocks
         load.inflight_requests += 1
         load.inflight_blocks += blocks
-        return Ticket(decision.holder, blocks)
+        ticket = Ticket(decision.holder, blocks, next(self._tickets))
+        for listener in self.note_listeners:
+            listener("begin", decision.holder, decision.n_blocks, ticket)
+        return ticket
 
     def record(self, decision: RouteDecision) -> None:
         """Count a decision someone else acts on (``/route`` with ``record``) in ``recent``
         and ``routed``; no in-flight load, as the router never sees the request end."""
+        self._record(decision)
+        for listener in self.note_listeners:
+            listener("routed", decision.holder, decision.n_blocks, None)
+
+    def _record(self, decision: RouteDecision) -> None:
         holder = decision.holder
         load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
         load.routed += 1
@@ -279,11 +298,25 @@ class Router:
 
     def finish(self, ticket: Ticket) -> None:
         """The forwarded request ended (answered or failed): drop it from the load."""
-        load = self.loads.get(ticket.holder)
+        for listener in self.note_listeners:
+            listener("finish", ticket.holder, 0, ticket)
+        self.remote_inflight(ticket.holder, -1, -ticket.blocks)
+
+    # --- peers' requests (kvevents.router.peers) --------------------------------------
+
+    def remote_routed(self, holder: Holder, n_blocks: int) -> None:
+        """A peer router sent a request of ``n_blocks`` prompt blocks to ``holder``."""
+        note_routed(self.loads, Holder(*holder), n_blocks, self.weights)
+
+    def remote_inflight(self, holder: Holder, requests: int, blocks: float) -> None:
+        """Add (or, negative, remove) in-flight requests and their uncached blocks."""
+        load = self.loads.get(holder)
         if load is None:
-            return
-        load.inflight_requests = max(0, load.inflight_requests - 1)
-        load.inflight_blocks = max(0.0, load.inflight_blocks - ticket.blocks)
+            if requests <= 0:
+                return
+            load = self.loads[Holder(*holder)] = HolderLoad()
+        load.inflight_requests = max(0, load.inflight_requests + requests)
+        load.inflight_blocks = max(0.0, load.inflight_blocks + blocks)
 
     # --- inspecting -------------------------------------------------------------------
 

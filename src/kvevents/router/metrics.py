@@ -29,6 +29,7 @@ Families (all prefixed ``kvevents_router_``):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -211,14 +212,47 @@ class RouterCollector(Collector):
             yield family
 
 
+class ProcessCollector(Collector):
+    """Which router process answered the scrape (``--workers N``) and its load notes."""
+
+    def __init__(self, process: Callable[[], dict[str, Any]]) -> None:
+        self.process = process
+
+    def collect(self) -> Iterable[Metric]:
+        info = self.process()
+        labels = ["index", "workers", "pid"]
+        values = [str(info["index"]), str(info["workers"]), str(info["pid"])]
+        family = GaugeMetricFamily(
+            _P + "process_info", "the router process that answered this scrape", labels=labels
+        )
+        family.add_metric(values, 1)
+        yield family
+        notes = info.get("notes")
+        if notes:
+            sent = CounterMetricFamily(
+                _P + "peer_notes", "load notes to and from peer routers", labels=["direction"]
+            )
+            for direction in ("sent", "received", "malformed", "expired"):
+                sent.add_metric([direction], notes[direction])
+            yield sent
+            inflight = GaugeMetricFamily(
+                _P + "peer_inflight_requests", "peers' requests counted in flight here"
+            )
+            inflight.add_metric([], notes["peer_inflight"])
+            yield inflight
+
+
 def make_registry(
     router: Router,
     streams: StreamStatsSource | None = None,
     requests: RequestStats | None = None,
+    process: Callable[[], dict[str, Any]] | None = None,
 ) -> CollectorRegistry:
-    """A fresh registry holding only this router's collector."""
+    """A fresh registry holding only this router's collectors."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RouterCollector(router, streams, requests))
+    if process is not None:
+        registry.register(ProcessCollector(process))
     return registry
 
 

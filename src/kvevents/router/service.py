@@ -10,6 +10,7 @@ and it imports neither.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from kvevents.errors import SubscriberStateError
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry
+from kvevents.router.peers import PeerNotes
 from kvevents.router.request_stats import RequestStats
 from kvevents.router.tokenize import (
     ByteTextTokenizer,
@@ -32,9 +34,12 @@ from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
 
-__all__ = ["BadRequest", "RouterService", "TokenizeFailed", "TokensBody"]
+__all__ = ["DEFAULT_TOP", "BadRequest", "RouterService", "TokenizeFailed", "TokensBody"]
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+
+DEFAULT_TOP = 4
+"""Scores in a ``/route`` answer unless the body asks otherwise: the choice and 3 more."""
 
 
 class TokensBody(msgspec.Struct):
@@ -52,6 +57,10 @@ class TokensBody(msgspec.Struct):
     cache_salt: str | None = None
     record: bool = False
     """``/route`` only: count the choice as sent (the caller forwards the request)."""
+    top: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_TOP
+    """``/route`` only: how many scores to answer, the chosen holder's first."""
+    all_scores: bool = False
+    """``/route`` only: answer every holder's score (``top`` is then ignored)."""
 
 
 _TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
@@ -115,7 +124,12 @@ class RouterService:
         self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
         self.policy = policy
         self.requests = RequestStats()
-        self.registry = make_registry(router, self._stream_stats, self.requests)
+        self.registry = make_registry(router, self._stream_stats, self.requests, self._process)
+        self.process_index = 0
+        """Which of ``process_count`` router processes this is (``--workers``)."""
+        self.process_count = 1
+        self.peers: PeerNotes | None = None
+        """Load notes to and from the other processes, when there are any."""
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -137,6 +151,24 @@ class RouterService:
         if self._client is None:
             raise RuntimeError("RouterService.start() has not run: the HTTP client is not open")
         return self._client
+
+    def _process(self) -> dict[str, Any]:
+        """Which process answers, and its load notes (``/workers``, ``/metrics``)."""
+        peers = self.peers
+        return {
+            "index": self.process_index,
+            "workers": self.process_count,
+            "pid": os.getpid(),
+            "notes": None
+            if peers is None
+            else {
+                "sent": peers.sent,
+                "received": peers.received,
+                "malformed": peers.malformed,
+                "expired": peers.expired,
+                "peer_inflight": peers.remote_inflight,
+            },
+        }
 
     def _stream_stats(self) -> dict[Holder, Any]:
         return {} if self.subscriber is None else dict(self.subscriber.stats())

@@ -1,0 +1,245 @@
+"""Router under load: routing requests per second against the bare-stack ceiling, one run.
+
+Setup, as a new user would have it: ``kvevents engine --dp-size 4`` and ``kvevents
+router --engine URL [--workers N]`` as real processes, and ``prompts`` distinct prompts
+of 2,048 (and 8,192) tokens stored on the engine, spread over its ranks, until the
+router's index holds every block. Then `wrk <https://github.com/wg/wrk>`_ (Debian's
+``wrk`` package; ``apt-get install wrk``) posts ``{"input_ids": [...]}`` bodies, cycling
+through the stored prompts, at ``connections`` connections for ``duration`` seconds to:
+
+* ``/route`` and ``/query`` of the router, with one process and with ``--workers 2``;
+* the bare server (:mod:`kvevents.bench.bare_server`): the same HTTP stack that only
+  parses the body, the ceiling for any router on it;
+* ``/v1/completions`` through the router, against the same requests sent to the engine
+  directly (the relay's added latency).
+
+Every figure is from the same run on the same machine; wrk runs with one thread, which
+competes with the servers for the cores, as it would for Dynamo's indexer too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
+from kvevents.demo.procs import Child
+from kvevents.errors import KVEventsError
+
+__all__ = ["run_router_bench"]
+
+_DP_SIZE = 4
+_BLOCK = 16
+# Replay on, so that each router started after the prompts were stored replays them all.
+_EVENTS_CONFIG = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+        "bind": True,
+    }
+)
+
+
+def _wrk() -> str:
+    path = shutil.which("wrk")
+    if path is None:
+        raise KVEventsError(
+            "the router benchmark needs the load generator wrk: install it "
+            "(Debian/Ubuntu: apt-get install wrk) and run the benchmark again"
+        )
+    return path
+
+
+def _lua_script() -> str:
+    return str(resources.files("kvevents.bench") / "data" / "post_bodies.lua")
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 50_000) for _ in range(length)] for _ in range(count)]
+
+
+def _store(engine: str, prompts: Sequence[list[int]]) -> None:
+    """Prefill every prompt on the engine, rank by rank in turn, 8 at a time."""
+    with httpx.Client(timeout=120.0) as client:
+
+        def one(i: int) -> None:
+            body = {"input_ids": prompts[i], "max_new_tokens": 1, "routed_dp_rank": i % _DP_SIZE}
+            client.post(f"{engine}/generate", json=body).raise_for_status()
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(len(prompts))))
+
+
+def _wait_indexed(router: str, blocks: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    seen = -1
+    with httpx.Client(timeout=10.0) as client:
+        while time.monotonic() < deadline:
+            seen = client.get(f"{router}/workers").json()["index"]["blocks"]
+            if seen >= blocks:
+                return
+            time.sleep(0.2)
+    raise KVEventsError(f"the router indexed {seen} of {blocks} blocks within {timeout:g} s")
+
+
+def _load(
+    url: str, bodies: Path, *, duration: float, connections: int, timeout: float = 5.0
+) -> dict[str, Any]:
+    """One wrk run: requests/s and latency percentiles (ms) of POSTs of ``bodies``."""
+    argv = [
+        _wrk(),
+        "-t1",
+        f"-c{connections}",
+        f"-d{duration:g}s",
+        f"--timeout={timeout:g}s",
+        "-s",
+        _lua_script(),
+        url,
+        "--",
+        str(bodies),
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 60, check=True)
+    line = next(ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{"))
+    raw = json.loads(line)
+    seconds = raw["duration_us"] / 1e6
+    return {
+        "url": url,
+        "requests": raw["requests"],
+        "requests_per_s": raw["requests"] / seconds,
+        "p50_ms": raw["p50_us"] / 1000,
+        "p90_ms": raw["p90_us"] / 1000,
+        "p99_ms": raw["p99_us"] / 1000,
+        "max_ms": raw["max_us"] / 1000,
+        "errors": raw["socket_errors"] + raw["non_2xx"],
+        "connections": connections,
+        "duration_s": seconds,
+    }
+
+
+def _write_bodies(folder: Path, name: str, docs: Sequence[dict[str, Any]]) -> Path:
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(d, separators=(",", ":")) + "\n" for d in docs))
+    return path
+
+
+def _start_router(engine: str, workers: int) -> tuple[Child, str]:
+    args = ["--engine", engine, "--port", "0", "--workers", str(workers)]
+    router = Child("router", args)
+    return router, router.start(timeout=60.0)
+
+
+def run_router_bench(
+    *,
+    prompts: int = 256,
+    long_prompts: int = 64,
+    duration: float = 10.0,
+    connections: int = 32,
+    workers: Sequence[int] = (1, 2),
+    completions: bool = True,
+) -> dict[str, Any]:
+    """Run every load above once; results as a JSON-ready dict (see the module docstring)."""
+    _wrk()
+    short = _prompts(prompts, 2048, seed=1)
+    long = _prompts(long_prompts, 8192, seed=2)
+    blocks = (len(short) * 2048 + len(long) * 8192) // _BLOCK
+    results: dict[str, Any] = {
+        "setup": {
+            "dp_size": _DP_SIZE,
+            "block_size": _BLOCK,
+            "prompts_2048": len(short),
+            "prompts_8192": len(long),
+            "blocks_indexed": blocks,
+            "connections": connections,
+            "duration_s": duration,
+            "load_generator": "wrk -t1",
+        },
+        "runs": {},
+    }
+    runs: dict[str, Any] = results["runs"]
+    engine = Child(
+        "engine",
+        [
+            *("--dp-size", str(_DP_SIZE), "--port", "0", "--max-blocks", "65536"),
+            *("--kv-events-config", _EVENTS_CONFIG),
+        ],
+    )
+    bare = Child("bare", [])
+    bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
+    bare.ready_prefix = BARE_READY
+    with tempfile.TemporaryDirectory(prefix="kvevents-bench-router-") as tmp:
+        folder = Path(tmp)
+        short_ids = _write_bodies(folder, "ids-2048", [{"input_ids": p} for p in short])
+        long_ids = _write_bodies(folder, "ids-8192", [{"input_ids": p} for p in long])
+        completion_bodies = _write_bodies(
+            folder,
+            "completions",
+            [{"model": "sim", "prompt": p, "max_tokens": 1} for p in short],
+        )
+        try:
+            engine_url = engine.start(timeout=60.0)
+            _store(engine_url, short + long)
+            bare_url = bare.start(timeout=30.0)
+            runs["bare_2048"] = _load(
+                f"{bare_url}/route", short_ids, duration=duration, connections=connections
+            )
+            runs["bare_8192"] = _load(
+                f"{bare_url}/route", long_ids, duration=duration, connections=connections
+            )
+            bare.stop()
+            for n in workers:
+                router, url = _start_router(engine_url, n)
+                try:
+                    _wait_indexed(url, blocks)
+                    for path in ("route", "query"):
+                        for name, bodies in (("2048", short_ids), ("8192", long_ids)):
+                            runs[f"{path}_{name}_workers{n}"] = _load(
+                                f"{url}/{path}", bodies, duration=duration, connections=connections
+                            )
+                    if completions and n == 1:
+                        runs["completions_direct"] = _load(
+                            f"{engine_url}/v1/completions",
+                            completion_bodies,
+                            duration=duration,
+                            connections=connections,
+                        )
+                        runs["completions_via_router"] = _load(
+                            f"{url}/v1/completions",
+                            completion_bodies,
+                            duration=duration,
+                            connections=connections,
+                        )
+                finally:
+                    router.stop()
+        finally:
+            bare.stop()
+            engine.stop()
+    _summarise(results)
+    return results
+
+
+def _summarise(results: dict[str, Any]) -> None:
+    runs = results["runs"]
+    summary: dict[str, Any] = {}
+    for name in ("2048", "8192"):
+        ceiling = runs.get(f"bare_{name}", {}).get("requests_per_s")
+        for key, run in runs.items():
+            if key.startswith(("route_", "query_")) and f"_{name}_" in key and ceiling:
+                summary[f"{key}_share_of_bare"] = run["requests_per_s"] / ceiling
+    direct = runs.get("completions_direct")
+    via = runs.get("completions_via_router")
+    if direct and via:
+        summary["completions_added_p50_ms"] = via["p50_ms"] - direct["p50_ms"]
+    results["summary"] = summary

@@ -1,0 +1,205 @@
+"""``kvevents router --workers N``: N router processes serving one port.
+
+Each worker process is a whole router: it follows every engine's streams itself (ZMQ
+fans each stream out to every subscriber), keeps its own index, polls the engines, and
+listens on the same port with ``SO_REUSEPORT``, so the kernel spreads connections over
+the processes. The processes tell each other every request they route and every one
+that ends (:mod:`kvevents.router.peers`, over ``ipc://`` sockets in a private folder), so
+the balance and in-flight terms of each one's cost see all N processes' traffic.
+
+The parent process only supervises: it reserves the port (bound, never listening, so
+it receives no connection; with ``--port 0`` this is where the OS picks it), starts the
+workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL`` once every
+worker accepts requests, restarts a worker that dies (at most once per second), and on
+SIGINT or SIGTERM stops them all (SIGTERM, then SIGKILL after 10 s). A worker that dies
+comes back with an empty index that its subscriber refills by replay where the engines
+keep a replay buffer, and its peers' view of its in-flight requests ages out
+(:data:`~kvevents.router.peers.DEFAULT_NOTE_TTL`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from kvevents.errors import EndpointError, KVEventsError
+from kvevents.http_serving import run_event_loop, serve_app
+from kvevents.router.app import create_app
+from kvevents.router.peers import PeerNotes
+from kvevents.router.service import RouterService
+
+__all__ = ["serve_workers"]
+
+log = logging.getLogger("kvevents.router")
+
+_READY_TIMEOUT = 120.0
+_STOP_TIMEOUT = 10.0
+
+
+def _endpoint(folder: str, index: int) -> str:
+    return f"ipc://{folder}/worker-{index}"
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise EndpointError(
+            f"router HTTP address {host}:{port} cannot be bound ({exc.strerror}): "
+            "choose another --port (0 lets the OS pick)"
+        ) from None
+    return sock
+
+
+def _worker_main(
+    build_service: Callable[[argparse.Namespace], RouterService],
+    args: argparse.Namespace,
+    index: int,
+    workers: int,
+    port: int,
+    folder: str,
+    ready: Any,
+) -> None:
+    """One worker process: build the router from the same options, serve the shared port."""
+
+    logging.basicConfig(level=str(getattr(args, "log_level", "WARNING")).upper())
+    try:
+        service = build_service(args)
+    except (KVEventsError, ValueError) as exc:
+        print(f"kvevents router: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    service.process_index = index
+    service.process_count = workers
+
+    async def main() -> int:
+        peers = PeerNotes(
+            service.router,
+            sender=f"{os.getpid()}-{index}-{time.time_ns()}",
+            own=_endpoint(folder, index),
+            peers=[_endpoint(folder, j) for j in range(workers) if j != index],
+        )
+        peers.start()
+        service.peers = peers
+        try:
+            app = create_app(service, max_body_bytes=args.max_body_bytes)
+            return await serve_app(
+                app, args.host, port, "", "router", reuse_port=True, announce=ready.send
+            )
+        finally:
+            await peers.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_event_loop(main())
+
+
+def serve_workers(
+    build_service: Callable[[argparse.Namespace], RouterService],
+    args: argparse.Namespace,
+    workers: int,
+    ready_prefix: str,
+) -> int:
+    """Run ``workers`` router processes on one port until SIGINT/SIGTERM (module docstring).
+
+    ``build_service(args)`` builds each worker's service (in the worker process).
+    """
+    reserve = _reserve(args.host, args.port)
+    port = reserve.getsockname()[1]
+    folder = tempfile.mkdtemp(prefix="kvevents-router-")
+    ctx = multiprocessing.get_context("spawn")
+    procs: dict[int, BaseProcess] = {}
+    stopping = False
+
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    def start(index: int) -> tuple[BaseProcess, Any]:
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(build_service, args, index, workers, port, folder, child_end),
+            name=f"kvevents-router-{index}",
+        )
+        proc.start()
+        child_end.close()
+        procs[index] = proc
+        return proc, parent_end
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = [start(i) for i in range(workers)]
+        url = ""
+        deadline = time.monotonic() + _READY_TIMEOUT
+        for index, (proc, conn) in enumerate(started):
+            while not conn.poll(0.1):
+                if stopping:
+                    return 0
+                if not proc.is_alive():
+                    raise KVEventsError(
+                        f"router worker {index} exited with code {proc.exitcode} before it "
+                        "was ready (its error is above)"
+                    )
+                if time.monotonic() > deadline:
+                    raise KVEventsError(
+                        f"router worker {index} was not ready within {_READY_TIMEOUT:g} s"
+                    )
+            url = conn.recv()
+            conn.close()
+        reserve.close()
+        print(ready_prefix + url, flush=True)
+        last_restart = 0.0
+        while not stopping:
+            sentinels = [p.sentinel for p in procs.values()]
+            multiprocessing.connection.wait(sentinels, timeout=0.5)
+            for index, proc in list(procs.items()):
+                if proc.is_alive() or stopping:
+                    continue
+                wait = last_restart + 1.0 - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                log.error(
+                    "router worker %d (pid %s) exited with code %s; starting it again",
+                    index,
+                    proc.pid,
+                    proc.exitcode,
+                )
+                last_restart = time.monotonic()
+                start(index)
+        return 0
+    finally:
+        reserve.close()
+        _stop_all(list(procs.values()))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop_all(procs: list[BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_TIMEOUT
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
