@@ -80,12 +80,23 @@ def _routing(quick: bool) -> dict[str, Any]:
     return run_routing_bench(quick=quick, console=Console(stderr=True))
 
 
+def _router(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.router import run_router_bench
+
+    if quick:
+        return run_router_bench(
+            prompts=32, long_prompts=8, duration=2.0, workers=(1,), completions=False
+        )
+    return run_router_bench()
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "publisher": _publisher,
     "subscriber": _subscriber,
     "index": _index,
     "engine": _engine,
     "routing": _routing,
+    "router": _router,
 }
 
 

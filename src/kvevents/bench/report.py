@@ -34,6 +34,7 @@ TITLES = {
     "subscriber": "Subscriber (decode and deliver, per CPU second)",
     "index": "Prefix index (conversation trace, lower-level API)",
     "engine": "Simulated engine (events and blocks emitted per rank)",
+    "router": "Router under load (wrk, 32 connections, dp 4, prompts stored on the engine)",
 }
 
 
@@ -198,12 +199,63 @@ def _engine(r: dict[str, Any]) -> Iterator[Figure]:
     yield Figure("engine", "batches dropped by the publisher", str(dropped), "0", dropped == 0)
 
 
+def _router(r: dict[str, Any]) -> Iterator[Figure]:
+    runs = r["runs"]
+
+    def rate(key: str) -> str:
+        run = runs[key]
+        return f"{_n(run['requests_per_s'])} req/s, p50 {run['p50_ms']:.1f} / p99 {run['p99_ms']:.1f} ms"
+
+    for tokens in ("2048", "8192"):
+        bare = runs.get(f"bare_{tokens}")
+        if bare is not None:
+            yield Figure(
+                "router",
+                f"bare server (parse only), {tokens}-token prompts",
+                rate(f"bare_{tokens}"),
+                "",
+                None,
+            )
+        for path in ("route", "query"):
+            for key in sorted(k for k in runs if k.startswith(f"{path}_{tokens}_workers")):
+                workers = key.rsplit("workers", 1)[1]
+                run = runs[key]
+                target, met = "", None
+                if path == "route" and tokens == "2048":
+                    need = 4000 if workers == "1" else 7000
+                    target = f">= {need:,} req/s, p99 <= 10 ms"
+                    met = run["requests_per_s"] >= need and run["p99_ms"] <= 10
+                elif path == "route" and tokens == "8192" and workers == "1":
+                    target, met = ">= 2,000 req/s", run["requests_per_s"] >= 2000
+                share = ""
+                if bare is not None:
+                    share = f" ({run['requests_per_s'] / bare['requests_per_s']:.0%} of bare)"
+                yield Figure(
+                    "router",
+                    f"/{path}, {tokens}-token prompts, --workers {workers}",
+                    rate(key) + share,
+                    target,
+                    met,
+                )
+    direct, via = runs.get("completions_direct"), runs.get("completions_via_router")
+    if direct and via:
+        added = via["p50_ms"] - direct["p50_ms"]
+        yield Figure(
+            "router",
+            "/v1/completions p50: engine direct / through the router",
+            f"{direct['p50_ms']:.1f} / {via['p50_ms']:.1f} ms (+{added:.1f} ms)",
+            "<= +2 ms",
+            added <= 2.0,
+        )
+
+
 _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "routing": _routing,
     "publisher": _publisher,
     "subscriber": _subscriber,
     "index": _index,
     "engine": _engine,
+    "router": _router,
 }
 
 

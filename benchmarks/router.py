@@ -1,0 +1,59 @@
+"""Router benchmark: /route and /query under wrk load against the bare-stack ceiling.
+
+    python benchmarks/router.py [--prompts 256] [--long-prompts 64] [--duration 10]
+                                [--connections 32] [--workers 1 2] [--no-completions]
+                                [--json OUT]
+
+Needs the load generator ``wrk`` (Debian: ``apt-get install wrk``). Prints the figures
+and writes them as JSON (default benchmarks/results/router.json). The work is
+:func:`kvevents.bench.router.run_router_bench` (also behind ``kvevents bench router``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvevents.bench.router import run_router_bench
+from kvevents.results import write_results
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "router.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=256, help="2,048-token prompts stored")
+    parser.add_argument("--long-prompts", type=int, default=64, help="8,192-token prompts stored")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-completions", action="store_true", help="skip /v1/completions")
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"output (default {DEFAULT_JSON})"
+    )
+    args = parser.parse_args(argv)
+    result = run_router_bench(
+        prompts=args.prompts,
+        long_prompts=args.long_prompts,
+        duration=args.duration,
+        connections=args.connections,
+        workers=args.workers,
+        completions=not args.no_completions,
+    )
+    for name, run in result["runs"].items():
+        print(
+            f"{name:28s} {run['requests_per_s']:9,.0f} req/s   p50 {run['p50_ms']:7.2f} ms   "
+            f"p99 {run['p99_ms']:7.2f} ms   errors {run['errors']}"
+        )
+    for name, value in result["summary"].items():
+        print(f"{name:40s} {value:.3f}")
+    write_results(args.json, result)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

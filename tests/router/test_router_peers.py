@@ -1,0 +1,115 @@
+"""Load notes between router processes: applied once, ignored when own, aged out when lost."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import zmq.asyncio
+
+from kvevents.router.core import Router
+from kvevents.router.peers import LoadNote, PeerNotes
+from kvevents.types import Holder
+
+H = Holder("http://engine", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _peer(tmp_path: Path, clock: Clock, ctx: zmq.asyncio.Context) -> tuple[Router, PeerNotes]:
+    router = Router(block_size=16)
+    router.add_holder(H)
+    notes = PeerNotes(router, "me", f"ipc://{tmp_path}/me", [], ttl=30.0, context=ctx, clock=clock)
+    return router, notes
+
+
+def _note(kind: str, ticket: int = 1, sender: str = "other") -> LoadNote:
+    return LoadNote(sender, kind, H.worker, H.dp_rank, ticket, 8, 5.0, 30.0)  # type: ignore[arg-type]
+
+
+def test_begin_and_finish_notes_add_and_remove_in_flight_load_once(tmp_path: Path) -> None:
+    """A peer's begin counts in flight once (duplicates ignored); its finish removes it once."""
+    ctx = zmq.asyncio.Context()
+    clock = Clock()
+    router, notes = _peer(tmp_path, clock, ctx)
+    try:
+        notes.apply(_note("begin"))
+        notes.apply(_note("begin"))  # the same note twice
+        load = router.loads[H]
+        assert (load.inflight_requests, load.inflight_blocks) == (1, 5.0)
+        assert load.recent_blocks == 8.0
+        notes.apply(_note("finish"))
+        notes.apply(_note("finish"))  # late duplicate: nothing left to remove
+        assert (load.inflight_requests, load.inflight_blocks) == (0, 0.0)
+        notes.apply(_note("finish", ticket=7))  # a finish whose begin never came
+        assert (load.inflight_requests, load.inflight_blocks) == (0, 0.0)
+    finally:
+        asyncio.run(notes.close())
+        ctx.term()
+
+
+def test_own_notes_are_ignored_and_lost_finishes_age_out(tmp_path: Path) -> None:
+    """Notes from this process change nothing; a begin without finish expires after its ttl."""
+    ctx = zmq.asyncio.Context()
+    clock = Clock()
+    router, notes = _peer(tmp_path, clock, ctx)
+    try:
+        notes.apply(_note("begin", sender="me"))
+        assert router.loads[H].inflight_requests == 0
+        notes.apply(_note("begin", ticket=2))
+        clock.now += 29.0
+        notes.expire()
+        assert router.loads[H].inflight_requests == 1
+        clock.now += 2.0
+        notes.expire()
+        assert (router.loads[H].inflight_requests, notes.expired) == (0, 1)
+    finally:
+        asyncio.run(notes.close())
+        ctx.term()
+
+
+def test_local_decisions_are_sent_as_notes_a_peer_applies(tmp_path: Path) -> None:
+    """begin/finish on one router reach another over real sockets and move its load."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        a_router, b_router = Router(block_size=16), Router(block_size=16)
+        for r in (a_router, b_router):
+            r.add_holder(H)
+        a = PeerNotes(a_router, "a", f"ipc://{tmp_path}/a", [f"ipc://{tmp_path}/b"], context=ctx)
+        b = PeerNotes(b_router, "b", f"ipc://{tmp_path}/b", [f"ipc://{tmp_path}/a"], context=ctx)
+        a.start()
+        b.start()
+        try:
+            decision = a_router.route(list(range(64)))
+            deadline = asyncio.get_running_loop().time() + 10.0
+            ticket = None
+            while b.received == 0:  # PUB/SUB joins take a moment: resend until one lands
+                assert asyncio.get_running_loop().time() < deadline, "no note arrived in 10 s"
+                if ticket is not None:
+                    a_router.finish(ticket)
+                    await asyncio.sleep(0.05)
+                    b._remote.clear()
+                    b_router.loads[H].inflight_requests = 0
+                    b_router.loads[H].inflight_blocks = 0.0
+                    b.received = 0
+                ticket = a_router.begin(decision)
+                await asyncio.sleep(0.05)
+            assert b_router.loads[H].inflight_requests == 1
+            assert ticket is not None
+            a_router.finish(ticket)
+            while b_router.loads[H].inflight_requests:
+                assert asyncio.get_running_loop().time() < deadline, "finish did not arrive"
+                await asyncio.sleep(0.01)
+        finally:
+            await a.close()
+            await b.close()
+            ctx.term()
+
+    asyncio.run(main())
