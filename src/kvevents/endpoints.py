@@ -18,6 +18,10 @@ Per-rank offsets follow SGLang: rank ``r`` of a deployment whose base endpoint i
 Which rank a publisher uses is :func:`select_kv_publisher_dp_rank` (DESIGN §1): the
 attention-DP rank in DP-attention mode, else the DP rank, so both modes span
 ``0..dp_size-1``.
+
+Over 300 lines on purpose: parsing, per-rank offsets and the port plan are one concept
+(where rank ``r`` publishes) at the bottom layer of the import contract; the plan is the
+only consumer of the parsing rules it would otherwise have to re-derive.
 """
 
 from __future__ import annotations
