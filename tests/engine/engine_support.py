@@ -132,7 +132,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def connectable(endpoint: str, engine_url: str) -> str:
-    """The wildcard rule of DESIGN §3: a wildcard host means the engine URL's host."""
+    """The wildcard rule of docs/architecture.md §4: a wildcard host means the engine URL's host."""
     host = httpx.URL(engine_url).host
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
         if endpoint.startswith(wildcard):
