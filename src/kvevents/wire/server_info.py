@@ -20,7 +20,8 @@ struct. The block (docs/architecture.md, "Discovery")::
 Field order is the JSON's key order. Upstream SGLang sends the same block without
 ``ports_consecutive`` and ``publishers``, and may leave out ``topic``, ``block_size`` and
 ``dp_size`` (``/server_info`` then has top-level ``page_size`` and ``dp_size``); every
-field but ``publisher`` therefore decodes when absent, and ``null`` reads as absent.
+field therefore decodes when absent (``publisher`` as ``"zmq"``, as discovery always
+read it), and ``null`` reads as absent.
 ``replay_endpoint_port_base`` is :data:`msgspec.UNSET` when the key is absent, so that a
 block without replay encodes without the key, while a replay range that is not
 consecutive still encodes as ``null``.
