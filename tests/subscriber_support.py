@@ -6,16 +6,12 @@ Every wait here has a deadline; every socket is closed by its owner.
 from __future__ import annotations
 
 import json
-import selectors
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import zmq
 
 from kvevents.subscribe.items import Delivery, Reset, Signal
@@ -23,6 +19,7 @@ from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.wire.frames import parse_replay_request
+from process_support import KVEventsProcess
 
 Item = Delivery | Signal
 
@@ -87,35 +84,12 @@ def bind_local(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> tuple[zmq.Sock
     return sock, sock.last_endpoint.decode()
 
 
-READY = "kvevents engine ready "
-
-
-class EngineProcess:
-    """`kvevents engine` as a subprocess; :meth:`stop` ends it (SIGTERM, bounded waits)."""
+class EngineProcess(KVEventsProcess):
+    """`kvevents engine` as a subprocess, stderr discarded; :meth:`stop` ends it."""
 
     def __init__(self, args: list[str], kv_config: dict[str, Any], timeout: float = 60.0):
-        argv = [sys.executable, "-m", "kvevents.cli.main", "engine", *args]
-        argv += ["--kv-events-config", json.dumps(kv_config)]
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        self.url = ""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline and not self.url:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-                line = self.proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(READY):
-                    self.url = line[len(READY) :].strip()
-        if not self.url:
-            self.stop()
-            raise AssertionError(f"kvevents engine {args} did not become ready in {timeout} s")
-        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+        argv = [*args, "--kv-events-config", json.dumps(kv_config)]
+        super().__init__("engine", argv, timeout=timeout, capture_stderr=False)
 
     def generate(self, tokens: list[int], rank: int) -> None:
         body = {"input_ids": tokens, "max_new_tokens": 2, "routed_dp_rank": rank}
@@ -132,18 +106,9 @@ class EngineProcess:
         assert response.status_code == 200, response.text
         return set(response.json()["block_hashes"])
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        if hasattr(self, "http"):
-            self.http.close()
+    def stop(self, sig: int = signal.SIGTERM, expect: int | None = None) -> int:
+        """Stop it (SIGTERM, then kill); the exit code is not checked unless ``expect``."""
+        return super().stop(sig, expect)
 
 
 def free_tcp_port() -> int:

@@ -26,7 +26,7 @@ tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=64)
 
 
 def test_sglang_vector_from_design() -> None:
-    """SGLang's page hash of tokens 1..6 with page 2 equals the vector in DESIGN §3."""
+    """SGLang's page hash of tokens 1..6 with page 2 equals the vector in docs/architecture.md §3."""
     assert sglang_block_hashes([1, 2, 3, 4, 5, 6], 2) == [
         3817746824117602890,
         -4216701448867210342,

@@ -49,3 +49,36 @@ def test_library_example_runs() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "HolderMatch(gpu=2, cpu=0, disk=0)" in done.stdout
+
+
+def _layout_modules() -> set[str]:
+    """Module paths the README's Layout map names: `name.py` at the top, `pkg/` then its
+    indented `module.py` lines (several may share a line, comma-separated)."""
+    text = README.read_text()
+    block = re.search(r"## Layout\n.*?```\n(.*?)```", text, flags=re.S)
+    assert block is not None
+    named: set[str] = set()
+    package = ""
+    for line in block.group(1).splitlines():
+        if not line.startswith("  ") or line.startswith("src/"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        head = line.strip().split("  ")[0]
+        if indent == 2:
+            package = head[:-1] if head.endswith("/") else ""
+            if head.endswith(".py"):
+                named.add(head)
+        elif indent == 4 and package:
+            named.update(f"{package}/{n.strip()}" for n in head.split(",") if n.strip())
+    return named
+
+
+def test_layout_map_names_every_module() -> None:
+    """The README's Layout map and the tree agree: every module is named, nothing else is."""
+    src = Path(__file__).resolve().parent.parent / "src" / "kvevents"
+    modules = {
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == src
+    }
+    assert _layout_modules() == modules

@@ -15,9 +15,13 @@ Per-rank offsets follow SGLang: rank ``r`` of a deployment whose base endpoint i
   :func:`free_port_range` finds a base whose whole range is free (for tests and
   single-machine deployments that want fixed ``base + rank`` ports without choosing).
 
-Which rank a publisher uses is :func:`select_kv_publisher_dp_rank` (DESIGN §1): the
-attention-DP rank in DP-attention mode, else the DP rank, so both modes span
-``0..dp_size-1``.
+Which rank a publisher uses is :func:`select_kv_publisher_dp_rank`
+(docs/architecture.md, "The problem"): the attention-DP rank in DP-attention mode,
+else the DP rank, so both modes span ``0..dp_size-1``.
+
+Over 300 lines on purpose: parsing, per-rank offsets and the port plan are one concept
+(where rank ``r`` publishes) at the bottom layer of the import contract; the plan is the
+only consumer of the parsing rules it would otherwise have to re-derive.
 """
 
 from __future__ import annotations

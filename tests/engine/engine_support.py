@@ -4,87 +4,33 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import zmq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from kvevents.wire.codec import decode_batch
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
-
-READY = "kvevents engine ready "
-
-
-def await_ready_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
-    """The rest of the first stdout line starting with ``prefix``, or None (exit or timeout)."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=deadline - time.monotonic()):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith(prefix):
-                return line[len(prefix) :].strip()
-    return None
+from process_support import KVEventsProcess
 
 
-class Engine:
+class Engine(KVEventsProcess):
     """A `kvevents engine` subprocess on OS-chosen ports; stop() it (the fixture does)."""
 
     def __init__(
         self, args: Sequence[str], kv_config: dict[str, Any] | None, timeout: float = 60.0
     ):
-        argv = [sys.executable, "-m", "kvevents.cli.main", "engine", "--port", "0", *args]
+        argv = ["--port", "0", *args]
         if kv_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_config)]
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.url = self._await_ready(timeout)
-        self.http = httpx.Client(base_url=self.url, timeout=30.0)
-
-    def _await_ready(self, timeout: float) -> str:
-        url = await_ready_line(self.proc, READY, timeout)
-        if url is None:
-            self.stop(expect=None)
-            raise AssertionError(f"engine did not become ready: {self.stderr}")
-        return url
-
-    def wait_exit(self, timeout: float = 20.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            raise AssertionError("engine did not exit in time") from None
-
-    def stop(self, sig: int = signal.SIGTERM, expect: int | None = 0) -> int:
-        """Signal the engine, wait for it, close pipes; check the exit code when ``expect`` is set."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        code = self.wait_exit()
-        self.stderr = self.proc.stderr.read() if self.proc.stderr else ""
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        if hasattr(self, "http"):
-            self.http.close()
-        if expect is not None:
-            assert code == expect, f"engine exited {code}: {self.stderr}"
-        return code
-
-    stderr = ""
+        super().__init__("engine", argv, timeout=timeout)
 
     def server_info(self) -> dict[str, Any]:
         response = self.http.get("/server_info")
@@ -132,7 +78,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def connectable(endpoint: str, engine_url: str) -> str:
-    """The wildcard rule of DESIGN §3: a wildcard host means the engine URL's host."""
+    """The wildcard rule of docs/architecture.md §4: a wildcard host means the engine URL's host."""
     host = httpx.URL(engine_url).host
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
         if endpoint.startswith(wildcard):

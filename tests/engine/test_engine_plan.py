@@ -34,7 +34,7 @@ def pubs(live: list[int], replay: list[int] | None = None) -> list[BoundPublishe
 
 
 def test_block_for_consecutive_ports() -> None:
-    """Consecutive bound ports give the DESIGN §3 block with both port bases and an exact publishers list."""
+    """Consecutive bound ports give the docs/architecture.md §4 block with both port bases and an exact publishers list."""
     block = build_kv_events_block(ZMQ, pubs([5557, 5558], [5600, 5601]), dp_size=2, page_size=16)
     assert block == {
         "publisher": "zmq",

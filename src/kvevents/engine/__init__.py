@@ -9,7 +9,7 @@ Modules, one concept each:
   their parent-side control;
 * :mod:`~kvevents.engine.server`, :mod:`~kvevents.engine.openai_api`,
   :mod:`~kvevents.engine.server_info`: the HTTP API and its ``/server_info`` discovery
-  block.
+  block (a :class:`~kvevents.wire.server_info.KVEventsBlock`).
 
 ``kvevents engine`` itself is :mod:`kvevents.cli.engine`; tokenizing text is
 :mod:`kvevents.text`, reading traces :mod:`kvevents.traces`. The engine imports nothing
@@ -19,7 +19,7 @@ imported here; the HTTP server (FastAPI, uvicorn) loads with ``kvevents.engine.s
 
 from kvevents.engine.cache import Admission, CacheStats, PrefixCache
 from kvevents.engine.scheduler import Completion, QueueFullError, Scheduler, StepResult
-from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
+from kvevents.engine.server_info import BoundPublisher, build_kv_events_block, kv_events_block
 from kvevents.engine.topology import SchedulerRole, Topology, plan_topology
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "StepResult",
     "Topology",
     "build_kv_events_block",
+    "kv_events_block",
     "plan_topology",
 ]

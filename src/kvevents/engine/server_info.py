@@ -1,18 +1,8 @@
 """Building the ``kv_events`` block of ``/server_info`` from what the ranks really bound.
 
-The block (DESIGN §3) tells a consumer where every rank's stream is::
-
-    {
-      "publisher": "zmq",
-      "endpoint_host": "*",                 # as configured; a wildcard means "the engine's host"
-      "endpoint_port_base": 5557,           # rank r publishes on base + r
-      "replay_endpoint_port_base": 5600,    # only when replay is on
-      "topic": "",
-      "block_size": 16,
-      "dp_size": 4,
-      "ports_consecutive": true,
-      "publishers": [{"dp_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}, ...]
-    }
+The block is a :class:`~kvevents.wire.server_info.KVEventsBlock` (its schema and JSON
+are documented there and in docs/architecture.md, "Discovery"); it tells a consumer
+where every rank's stream is.
 
 Ports are the ones the publishers actually bound, so a configured port 0 ("the OS
 picks") is advertised as real ports. OS-picked ports are usually not consecutive; then
@@ -31,10 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from msgspec import UNSET, UnsetType
+
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import Endpoint
+from kvevents.wire.server_info import (
+    AdvertisedPublisher,
+    KVEventsBlock,
+    kv_events_block_to_builtins,
+)
 
-__all__ = ["BoundPublisher", "build_kv_events_block"]
+__all__ = ["BoundPublisher", "build_kv_events_block", "kv_events_block"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +56,12 @@ def _advertised(host: str | None, port: int) -> str:
     return str(Endpoint(scheme="tcp", host=host, port=port))
 
 
-def build_kv_events_block(
+def kv_events_block(
     config: KVEventsConfig,
     bound_publishers: Sequence[BoundPublisher],
     dp_size: int,
     page_size: int,
-) -> dict[str, Any] | None:
+) -> KVEventsBlock | None:
     """The ``kv_events`` block, or None when publishing is off or the endpoint is not TCP.
 
     ``bound_publishers`` must hold exactly ranks ``0..dp_size-1`` (any order), with the
@@ -82,14 +79,11 @@ def build_kv_events_block(
             f"build_kv_events_block: bound publishers have ranks {ranks}, expected 0..{dp_size - 1}"
         )
     live_ports = _ports([p.endpoint for p in pubs])
-    consecutive = live_ports == list(range(live_ports[0], live_ports[0] + dp_size))
-    block: dict[str, Any] = {
-        "publisher": config.publisher,
-        "endpoint_host": live.host,
-        "endpoint_port_base": live_ports[0] if consecutive else None,
-    }
+    live_consecutive = live_ports == list(range(live_ports[0], live_ports[0] + dp_size))
+    consecutive = live_consecutive
     replay = Endpoint.parse(config.replay_endpoint) if config.replay_endpoint else None
     replay_ports: list[int] | None = None
+    replay_base: int | UnsetType | None = UNSET
     if replay is not None and replay.is_tcp:
         missing = [p.dp_rank for p in pubs if p.replay_endpoint is None]
         if missing:
@@ -98,24 +92,38 @@ def build_kv_events_block(
             )
         replay_ports = _ports([p.replay_endpoint for p in pubs if p.replay_endpoint])
         replay_consecutive = replay_ports == list(range(replay_ports[0], replay_ports[0] + dp_size))
-        block["replay_endpoint_port_base"] = replay_ports[0] if replay_consecutive else None
+        replay_base = replay_ports[0] if replay_consecutive else None
         consecutive = consecutive and replay_consecutive
-    block.update(
+    return KVEventsBlock(
+        publisher=config.publisher,
+        endpoint_host=live.host,
+        endpoint_port_base=live_ports[0] if live_consecutive else None,
+        replay_endpoint_port_base=replay_base,
         topic=config.topic,
         block_size=page_size,
         dp_size=dp_size,
         ports_consecutive=consecutive,
         publishers=[
-            {
-                "dp_rank": p.dp_rank,
-                "endpoint": _advertised(live.host, live_ports[i]),
-                "replay_endpoint": (
+            AdvertisedPublisher(
+                dp_rank=p.dp_rank,
+                endpoint=_advertised(live.host, live_ports[i]),
+                replay_endpoint=(
                     None
                     if replay_ports is None or replay is None
                     else _advertised(replay.host, replay_ports[i])
                 ),
-            }
+            )
             for i, p in enumerate(pubs)
         ],
     )
-    return block
+
+
+def build_kv_events_block(
+    config: KVEventsConfig,
+    bound_publishers: Sequence[BoundPublisher],
+    dp_size: int,
+    page_size: int,
+) -> dict[str, Any] | None:
+    """:func:`kv_events_block` in its JSON form, as ``/server_info`` serves it."""
+    block = kv_events_block(config, bound_publishers, dp_size, page_size)
+    return None if block is None else kv_events_block_to_builtins(block)

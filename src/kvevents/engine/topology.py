@@ -13,7 +13,7 @@ SGLang runs one scheduler per GPU. Their ranks depend on the mode:
 Either way there are ``dp_size`` KV caches. Only attention-TP rank 0 of each publishes
 (the others hold identical copies), and its publisher rank is
 :func:`~kvevents.endpoints.select_kv_publisher_dp_rank` of its ranks, which spans
-``0..dp_size-1`` in both modes (DESIGN §1).
+``0..dp_size-1`` in both modes (docs/architecture.md, The problem).
 
 The simulated engine runs one process per KV cache, i.e. per publishing scheduler;
 the non-publishing TP schedulers are part of the plan (shown in ``/server_info``) but
@@ -94,7 +94,7 @@ def plan_topology(dp_size: int, tp_size: int | None, enable_dp_attention: bool) 
         ]
     topology = Topology(dp_size, tp, enable_dp_attention, tuple(schedulers))
     ranks = [s.publisher_rank for s in topology.publishers]
-    if ranks != list(range(dp_size)):  # the property DESIGN §1 is about
+    if ranks != list(range(dp_size)):  # the property docs/architecture.md §1 is about
         raise AssertionError(f"publisher ranks {ranks} do not span 0..{dp_size - 1}")
     return topology
 

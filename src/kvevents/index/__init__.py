@@ -2,6 +2,8 @@
 
 * :mod:`~kvevents.index.prefix_index`: :class:`PrefixIndex` (apply events, match
   requests) and :func:`namespace_key`;
+* :mod:`~kvevents.index.mask_table`: its storage, a flat dict of per-block holder
+  bitmasks, and the hot loops over it;
 * :mod:`~kvevents.index.types`: tiers, credits, counters and match results;
 * :mod:`~kvevents.index.snapshot`: the index's state as bytes and back (``/dump``).
 

@@ -9,7 +9,7 @@ in ``BlockStored`` / ``BlockRemoved``; :func:`normalize_medium` maps their names
 ==================================  ======  ===========================================
 medium as sent                      tier    why
 ==================================  ======  ===========================================
-nil, ``GPU``, ``CUDA``, ``DEVICE``   gpu     nil means GPU on the wire (DESIGN §3)
+nil, ``GPU``, ``CUDA``, ``DEVICE``   gpu     nil means GPU on the wire (architecture.md §3)
 ``CPU``, ``CPU_PINNED``, ``HOST``   cpu     vLLM says CPU, SGLang CPU_PINNED
 ``DISK``, ``STORAGE``, ``SSD``      disk    local storage tiers
 ``EXTERNAL``                        disk    an external KV store (LMCache, Mooncake

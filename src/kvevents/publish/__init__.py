@@ -4,6 +4,8 @@
   null publisher;
 * :mod:`~kvevents.publish.zmq_publisher`: :class:`ZmqEventPublisher` and
   :class:`EventPublisherFactory`;
+* :mod:`~kvevents.publish.sockets`: binding a rank's sockets, with errors that say how
+  to fix them;
 * :mod:`~kvevents.publish.send_queue`: the lock-free queue and its sender thread;
 * :mod:`~kvevents.publish.replay_server`: the replay ring and its ROUTER thread.
 

@@ -87,11 +87,6 @@ class ReplayBuffer:
         """One past the highest sequence number stored (0 when empty)."""
         return self._next
 
-    @property
-    def oldest_seq(self) -> int:
-        """The lowest sequence number that can still be in the buffer."""
-        return max(0, self._next - self._capacity)
-
     def put(self, seq: int, seq_frame: bytes, payload: bytes) -> None:
         """Store a batch; ``seq`` must be above every stored one."""
         slot = seq % self._capacity

@@ -45,6 +45,10 @@ are counted. An engine publishing once per scheduler step never reaches the mark
 
 Outside a hand-off the sender yields the GIL after each millisecond of continuous work,
 so a long backlog never holds the engine's own threads back for long.
+
+Over 300 lines on purpose: the queue, the drop markers, the sender loop and the GIL
+hand-off are one mechanism whose timing constants tune each other; they are measured
+together (``benchmarks/publisher.py``) and read best together.
 """
 
 from __future__ import annotations

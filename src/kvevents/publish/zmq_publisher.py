@@ -21,8 +21,6 @@ bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger)
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ import zmq
 
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import Endpoint, offset_endpoint_port
-from kvevents.errors import ConfigError, EndpointError, PublisherStateError
+from kvevents.errors import ConfigError, PublisherStateError
 from kvevents.publish.base import (
     EventPublisher,
     NullEventPublisher,
@@ -43,6 +41,7 @@ from kvevents.publish.base import (
 )
 from kvevents.publish.replay_server import ReplayBuffer, ReplayServer
 from kvevents.publish.send_queue import SendQueue
+from kvevents.publish.sockets import open_socket
 from kvevents.wire.codec import encode_batch
 from kvevents.wire.events import KVEventBatch
 from kvevents.wire.frames import END_SEQ
@@ -55,68 +54,6 @@ __all__ = [
     "PublisherStats",
     "ZmqEventPublisher",
 ]
-
-
-def _open_socket(
-    sock: zmq.Socket[bytes], endpoint: Endpoint, bind: bool, rank: int, role: str
-) -> str:
-    """Bind or connect; return the address with an OS-picked port filled in."""
-    address = str(endpoint)
-    if not bind and endpoint.is_tcp and endpoint.port == 0:
-        raise EndpointError(
-            f"cannot connect the {role} endpoint {address} of publisher rank {rank}: port 0 "
-            "means 'the OS picks', which only works when binding; use tcp://*:0 (or set "
-            "bind=true) to bind an OS-chosen port, or name the port to connect to"
-        )
-    if endpoint.is_ipv6:
-        sock.ipv6 = True
-    if bind and endpoint.scheme == "ipc" and _ipc_listening(str(endpoint.path)):
-        # libzmq would silently take the path over, orphaning the publisher bound there.
-        clash = zmq.ZMQError(zmq.EADDRINUSE)
-        raise EndpointError(_open_error(address, endpoint, bind, rank, role, clash))
-    try:
-        if bind:
-            sock.bind(address)
-        else:
-            sock.connect(address)
-    except zmq.ZMQError as exc:
-        raise EndpointError(_open_error(address, endpoint, bind, rank, role, exc)) from None
-    if bind and endpoint.is_tcp and endpoint.port == 0:
-        bound = Endpoint.parse(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        assert bound.port is not None
-        return str(endpoint.with_port(bound.port))
-    return address
-
-
-def _ipc_listening(path: str) -> bool:
-    """True when a process accepts connections on the unix socket ``path``."""
-    if path.startswith("@") or not os.path.exists(path):  # abstract namespace, or free
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:  # refused: a stale file left by a process that is gone
-            return False
-    return True
-
-
-def _open_error(
-    address: str, endpoint: Endpoint, bind: bool, rank: int, role: str, exc: zmq.ZMQError
-) -> str:
-    verb = "bind" if bind else "connect"
-    head = f"cannot {verb} the {role} endpoint {address} of publisher rank {rank}"
-    if exc.errno == zmq.EADDRINUSE:
-        where = f"port {endpoint.port}" if endpoint.is_tcp else address
-        return (
-            f"{head}: {where} is already in use by another rank or process. Each rank needs "
-            "its own port: rank r binds base + r. Under pure DP every scheduler has "
-            "attn_dp_rank 0, so choose the rank with select_kv_publisher_dp_rank(attn_dp_size, "
-            "attn_dp_rank, dp_rank); otherwise stop the other process or pick another base port"
-        )
-    if not bind and endpoint.is_wildcard:
-        return f"{head}: a wildcard host can only be bound; set bind=true or name a host"
-    return f"{head}: {exc.strerror}"
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -181,7 +118,7 @@ class ZmqEventPublisher(EventPublisher):
         buffer: ReplayBuffer | None = None
         self._replay: ReplayServer | None = None
         try:
-            self._endpoint = _open_socket(
+            self._endpoint = open_socket(
                 pub, live, live.should_bind if bind is None else bind, self._rank, "live"
             )
             self._replay_endpoint: str | None = None
@@ -191,7 +128,7 @@ class ZmqEventPublisher(EventPublisher):
                 # Room for two whole answers per client: ZMQ acknowledges reads lazily, so a
                 # pipe sized for one answer can refuse a client that is reading fine.
                 router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._replay_endpoint = _open_socket(router, replay, True, self._rank, "replay")
+                self._replay_endpoint = open_socket(router, replay, True, self._rank, "replay")
                 buffer = ReplayBuffer(buffer_steps)
                 self._replay = ReplayServer(
                     router, buffer, self._topic, context, name=f"kvevents-replay-{self._rank}"

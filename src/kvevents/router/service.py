@@ -134,11 +134,6 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
-    @property
-    def engine_errors(self) -> dict[str, str | None]:
-        """The last load/health error per engine URL (None: answering)."""
-        return {st.spec.url: st.error for st in self.states.values()}
-
     def spec(self, worker: str) -> EngineSpec:
         """The engine a holder's worker name belongs to."""
         state = self.states.get(worker)

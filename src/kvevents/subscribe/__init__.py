@@ -2,8 +2,10 @@
 
 * :mod:`~kvevents.subscribe.subscriber`: :class:`Subscriber`;
 * :mod:`~kvevents.subscribe.items`: what it yields (:class:`Delivery` and the signals);
-* :mod:`~kvevents.subscribe.discovery`: ``/server_info`` (or vLLM's
-  ``/kv_event_sources``) to one :class:`StreamSpec` per rank;
+* :mod:`~kvevents.subscribe.discovery`: an engine URL to one :class:`StreamSpec` per
+  rank, from :mod:`~kvevents.subscribe.server_info` (the ``kv_events`` block) or vLLM's
+  :mod:`~kvevents.subscribe.kv_event_sources`; :mod:`~kvevents.subscribe.stream_spec`
+  holds :class:`StreamSpec` and the endpoint resolution both share;
 * :mod:`~kvevents.subscribe.engine_spec`: engines described by hand, or in a file;
 * :mod:`~kvevents.subscribe.block_sizes`: block sizes configured against observed;
 * :mod:`~kvevents.subscribe.stream`: per-stream sequence tracking, a pure state machine;

@@ -1,6 +1,6 @@
 """The replay side of one stream: a DEALER socket to the publisher's replay ROUTER.
 
-Protocol (DESIGN §3): send ``[b"", start_seq]``; receive ``[b"", topic, seq, payload]``
+Protocol (docs/architecture.md, The wire): send ``[b"", start_seq]``; receive ``[b"", topic, seq, payload]``
 (or the older ``[b"", seq, payload]``) for every buffered batch with ``seq >= start``,
 then the end marker (``seq == 2**64 - 1``). A REQ socket would only ever get the first
 reply, hence DEALER.

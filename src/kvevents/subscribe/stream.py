@@ -44,6 +44,11 @@ Restart detection
 
 Cost: the in-order live case is one comparison (:meth:`accept_in_order`); everything
 else is O(1) per message plus O(n) over the buffered messages when a replay ends.
+
+Over 300 lines on purpose: :class:`StreamTracker` is one state machine whose invariants
+(above) hold across all its transitions; split into modules, each transition would be
+checked against invariants written elsewhere. Its action types are the few lines above
+it.
 """
 
 from __future__ import annotations

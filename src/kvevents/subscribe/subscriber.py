@@ -1,13 +1,28 @@
 """Subscriber: every rank's stream of every engine, in order, nothing missed silently.
 
-::
+A router's loop, against a publisher on ports the OS picked (with engines, give their
+URLs instead: ``Subscriber(engines=["http://127.0.0.1:30000"])``):
 
-    with Subscriber(engines=["http://127.0.0.1:30000"]) as sub:
-        for item in sub:
-            if isinstance(item, Delivery):
-                index.apply(item.holder, item.batch)
-            elif isinstance(item, Reset):
-                index.drop(item.holder)
+>>> import time
+>>> from kvevents import (BlockStored, Delivery, Holder, KVEventBatch, PrefixIndex, Reset,
+...                       StreamSpec, Subscriber, ZmqEventPublisher)
+>>> pub = ZmqEventPublisher(
+...     endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", bind=True)
+>>> pub.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+...     block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(32)),
+...     block_size=16, lora_id=None, medium=None)]))
+>>> index = PrefixIndex()
+>>> spec = StreamSpec.from_endpoint(pub.endpoint, replay_endpoint=pub.replay_endpoint, worker="a")
+>>> with Subscriber(streams=[spec]) as sub:
+...     while (item := sub.get(timeout=5)) is not None:  # None: nothing for 5 s
+...         if isinstance(item, Delivery):
+...             index.apply(item.holder, item.batch)
+...             break
+...         elif isinstance(item, Reset):  # the engine restarted: forget what it held
+...             index.clear_holder(item.holder)
+>>> index.match(list(range(40))).by_holder()[Holder("a", 0)].gpu
+2
+>>> pub.shutdown()
 
 Streams come from engines (their ``/server_info`` is read, retried with backoff until
 the engine answers) and from explicit :class:`~kvevents.subscribe.discovery.StreamSpec` values. One
@@ -32,11 +47,17 @@ reported as ``Loss``): memory stays bounded and nothing is lost silently.
 
 Threads: one socket thread per subscriber (:mod:`kvevents.subscribe.loop`) and one
 discovery thread per engine (:mod:`kvevents.subscribe.engine_watcher`), mostly asleep. Consume from one thread or
-one asyncio task at a time.
+one asyncio task at a time. From asyncio, close with ``await sub.aclose()`` (or leave
+``async with``): the threads are joined off the event loop.
+
+Over 300 lines on purpose: this is the one public class of the consumer side, with its
+runnable example; what it delegates to (the socket loop, discovery threads, hand-off)
+already lives in the modules named above.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import threading
 import time
@@ -278,6 +299,13 @@ class Subscriber:
         if self._own_context and not self._loop.thread.is_alive():
             self._context.term()
 
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """:meth:`close` for asyncio: the threads are joined in a worker thread, so the
+        event loop keeps running other tasks meanwhile. Idempotent."""
+        if self.state is SubscriberState.CLOSED:
+            return
+        await asyncio.to_thread(self.close, timeout)
+
     def __enter__(self) -> Subscriber:
         return self
 
@@ -298,7 +326,7 @@ class Subscriber:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        await self.aclose()
 
     def _check_open(self, what: str) -> None:
         if self.state is SubscriberState.CLOSED:

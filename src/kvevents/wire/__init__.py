@@ -35,20 +35,30 @@ from kvevents.wire.frames import (
     replay_reply_frames,
     replay_request_frames,
 )
+from kvevents.wire.server_info import (
+    AdvertisedPublisher,
+    KVEventsBlock,
+    decode_kv_events_block,
+    encode_kv_events_block,
+)
 
 __all__ = [
     "END_SEQ",
+    "AdvertisedPublisher",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "Event",
     "KVCacheEvent",
     "KVEventBatch",
+    "KVEventsBlock",
     "LiveMessage",
     "ReplayReply",
     "decode_batch",
+    "decode_kv_events_block",
     "decode_seq",
     "encode_batch",
+    "encode_kv_events_block",
     "encode_seq",
     "event_to_dict",
     "hash_to_int",

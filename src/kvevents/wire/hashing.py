@@ -12,7 +12,7 @@ block after a single conversion of the whole token list to bytes.
 Engine hashes
 -------------
 A simulated engine must put the hashes a real engine would send on the wire, so both
-schemes are reproduced exactly (DESIGN §3):
+schemes are reproduced exactly (docs/architecture.md, The wire):
 
 * **SGLang** (:class:`SGLangPageHash`): per page, SHA-256 over the previous page's
   32-byte digest (absent for the first page) followed by the page's tokens as

@@ -1,0 +1,307 @@
+"""The mask table: the flat dict of per-block holder bitmasks behind :class:`PrefixIndex`.
+
+:class:`MaskTable` is the storage and its mechanics, addressed by content key and
+holder *slot* (a small int); :class:`~kvevents.index.prefix_index.PrefixIndex` derives
+from it and adds what names things: holders, events, tokens, snapshots. It is a base
+class rather than a member so that the hot paths (``match_keys``, ``_store``) run with
+no extra call or attribute hop: their loops below are the index's inner loops, kept as
+they were measured (method-local aliases, one dict lookup and one AND per block).
+
+This module is a little over 300 lines on purpose: every method here reads or writes
+the packed masks, and keeping them side by side is what lets a reader check the
+invariants below in one place.
+
+Structure and invariants
+------------------------
+* ``_blocks: dict[content_key, int]``: a packed bitmask per block. Holder slot ``s``
+  holds the block in tier ``t`` iff bit ``s + t * W`` is set, ``W`` being the slot
+  width (a multiple of 64). No value is ever 0: a block nobody holds is deleted.
+* The dict's insertion order is the recency order (oldest first): a store or a match
+  moves a block to the end (pop and re-insert). Chains are touched leaf first, so a
+  parent is never older than its children, and pruning the oldest blocks removes
+  leaves before the prefixes they hang from. Matches defer the move to ``_touch_log``
+  (at most ``_TOUCH_LOG_LIMIT`` entries), applied before the next write.
+* Equal masks share one int object (``_canon``, at most 65,536 values, reset when
+  full): a block costs no mask object of its own, and the few masks a match reads
+  stay in cache. Values compare by value, so sharing is an optimisation only.
+* ``_entries`` = number of set bits over all values = (block, holder, tier) entries;
+  it stays ``<= max_entries`` after every call (pruning the oldest blocks otherwise).
+* ``_refs[(key, slot, tier)] = n``: a holder holds ``n`` extra copies of a block in a
+  tier (vLLM keeps duplicate physical blocks with one hash, storing and removing each
+  separately). Absent means one copy. Sparse: empty in practice.
+* ``_hashes: dict[engine_hash, content_key]``: engine hashes as sent (signed, unsigned
+  or bytes). Entries whose block died are dropped when seen, and all at once when the
+  map outgrows twice the number of live blocks (amortised O(1)).
+* ``_holders[slot]`` (None for a free slot), ``_held[slot]`` (the slot's entries) and
+  ``_live`` (a mask of the registered slots) are per-slot arrays.
+
+Why a flat dict of masks, not a radix tree
+------------------------------------------
+A tree of nodes (Dynamo, SGLang's radix cache) costs a Python object per block and
+pointer chasing per lookup; a per-holder set of keys makes a match O(blocks x holders).
+Chained content keys make the tree implicit: block i's key already names the whole
+prefix 0..i, so one flat dict answers for every holder at once. A prefix-closed mask
+with binary search would need parent or child links (about 40% more memory) to stay
+exact when a block is removed from the middle of a chain, which vLLM can do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
+from kvevents.types import Hash, Holder
+
+__all__ = ["MaskTable"]
+
+_TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_TOUCH_LOG_LIMIT = 1024
+_CANON_LIMIT = 1 << 16
+
+
+class MaskTable:
+    """Per-block holder bitmasks by content key and slot; see the module docstring."""
+
+    def __init__(self, *, block_size: int | None, max_entries: int) -> None:
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self.stats = IndexStats()
+        self._blocks: dict[int, int] = {}
+        self._hashes: dict[Hash, int] = {}
+        self._refs: dict[tuple[int, int, int], int] = {}
+        self._holders: list[Holder | None] = []
+        self._slot_block_size: list[int | None] = []
+        self._held: list[int] = []
+        self._free: list[int] = []
+        self._width = 64
+        self._live = 0
+        self._entries = 0
+        self._offloaded = 0
+        self._touch_log: list[tuple[Sequence[int], int]] = []
+        self._canon: dict[int, int] = {}
+
+    # --- writing ----------------------------------------------------------------------
+
+    def _store(
+        self, slot: int, keys: Sequence[int], tier: Tier, hashes: Sequence[Hash] | None
+    ) -> None:
+        if self._touch_log:
+            self._flush_touches()
+        blocks = self._blocks
+        pop = blocks.pop
+        canon = self._canon.setdefault
+        bit = 1 << (slot + tier * self._width)
+        added = 0
+        for i in range(len(keys) - 1, -1, -1):  # leaf first: parents end up more recent
+            k = keys[i]
+            v = pop(k, 0)
+            if v & bit:
+                rk = (k, slot, int(tier))
+                self._refs[rk] = self._refs.get(rk, 0) + 1
+            else:
+                v |= bit
+                added += 1
+            blocks[k] = canon(v, v)
+        if len(self._canon) > _CANON_LIMIT:
+            self._canon.clear()
+        if hashes is not None:
+            self._hashes.update(zip(hashes, keys, strict=True))
+            if len(self._hashes) > 2 * len(blocks) + 4096:
+                self._maybe_gc_hashes()
+        self.stats.stored_blocks += len(keys)
+        self._entries += added
+        self._held[slot] += added
+        if tier:
+            self._offloaded += added
+        if self._entries > self.max_entries:
+            self._prune()
+
+    def _remove(self, slot: int, key: int, tier: Tier | None) -> bool:
+        """Drop one copy of ``key`` from a holder's tier (or each tier); True if it held one."""
+        v = self._blocks.get(key)
+        if v is None:
+            return False
+        w = self._width
+        found = False
+        for t in _TIERS if tier is None else (tier,):
+            bit = 1 << (slot + t * w)
+            if not v & bit:
+                continue
+            found = True
+            rk = (key, slot, int(t))
+            extra = self._refs.get(rk)
+            if extra:
+                if extra == 1:
+                    del self._refs[rk]
+                else:
+                    self._refs[rk] = extra - 1
+                continue
+            v &= ~bit
+            self._entries -= 1
+            self._held[slot] -= 1
+            if t:
+                self._offloaded -= 1
+        if not found:
+            return False
+        self.stats.removed_blocks += 1
+        if v:
+            self._blocks[key] = self._canon.get(v, v)
+        else:
+            del self._blocks[key]
+        return True
+
+    def _held_any(self, key: int, slot: int) -> bool:
+        v = self._blocks.get(key, 0)
+        w = self._width
+        return bool((v | v >> w | v >> 2 * w) >> slot & 1)
+
+    def _clear_slot(self, slot: int) -> int:
+        """Drop every block of a slot, every tier; returns the entries dropped. O(distinct blocks)."""
+        self._flush_touches()
+        w = self._width
+        mask = (1 << slot) | (1 << (slot + w)) | (1 << (slot + 2 * w))
+        upper = mask >> w << w
+        hit = [k for k, v in self._blocks.items() if v & mask]
+        blocks = self._blocks
+        for k in hit:
+            v = blocks[k]
+            self._offloaded -= (v & upper).bit_count()
+            nv = v & ~mask
+            if nv:
+                blocks[k] = self._canon.get(nv, nv)
+            else:
+                del blocks[k]
+        if self._refs:
+            for rk in [rk for rk in self._refs if rk[1] == slot]:
+                del self._refs[rk]
+        dropped = self._held[slot]
+        self._entries -= dropped
+        self._held[slot] = 0
+        return dropped
+
+    # --- matching ---------------------------------------------------------------------
+
+    def match_keys(self, keys: Sequence[int]) -> PrefixMatch:
+        """Every holder's longest cached prefix of a request given as content keys.
+
+        O(blocks matched): stops at the first block no holder has.
+        """
+        self.stats.lookups += 1
+        if self._offloaded:
+            return self._match_tiered(keys)
+        get = self._blocks.get
+        m = self._live
+        segs: list[tuple[int, int]] = []
+        i = 0
+        for i, k in enumerate(keys):  # i is the matched length after a break
+            nm = m & get(k, 0)
+            if nm != m:
+                if i:
+                    segs.append((m ^ nm, i))
+                if not nm:
+                    break
+                m = nm
+        else:
+            i = len(keys)
+            if i:
+                segs.append((m, i))
+        if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
+            self._touch_log.append((keys, i))
+        return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
+
+    def _match_tiered(self, keys: Sequence[int]) -> PrefixMatch:
+        get = self._blocks.get
+        w = self._width
+        low = (1 << w) - 1
+        g = c = a = self._live
+        sg: list[tuple[int, int]] = []
+        sc: list[tuple[int, int]] = []
+        sa: list[tuple[int, int]] = []
+        i = 0
+        for k in keys:
+            v = get(k, 0)
+            vg = v & low
+            vc = vg | (v >> w & low)
+            va = vc | (v >> 2 * w)
+            ng, nc, na = g & vg, c & vc, a & va
+            if i:
+                if ng != g:
+                    sg.append((g ^ ng, i))
+                if nc != c:
+                    sc.append((c ^ nc, i))
+                if na != a:
+                    sa.append((a ^ na, i))
+            g, c, a = ng, nc, na
+            if not a:
+                break
+            i += 1
+        else:
+            if i:
+                for seg, mask in ((sg, g), (sc, c), (sa, a)):
+                    if mask:
+                        seg.append((mask, i))
+        if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
+            self._touch_log.append((keys, i))
+        return PrefixMatch(self._holders, (sg, sc, sa), len(keys), self.block_size)
+
+    def _tier_mask(self, slot: int, tier: Tier | None) -> int:
+        w = self._width
+        if tier is None:
+            return (1 << slot) | (1 << (slot + w)) | (1 << (slot + 2 * w))
+        return 1 << (slot + int(tier) * w)
+
+    # --- maintenance -----------------------------------------------------------------
+
+    def _flush_touches(self) -> None:
+        """Apply deferred recency updates of matches (leaf first, so parents end newest)."""
+        blocks = self._blocks
+        pop = blocks.pop
+        for keys, n in self._touch_log:
+            for i in range(n - 1, -1, -1):
+                k = keys[i]
+                v = pop(k, None)
+                if v is not None:
+                    blocks[k] = v
+        self._touch_log.clear()
+
+    def _prune(self) -> None:
+        """Drop the least recently used blocks until the bound holds, with 1% slack."""
+        self._flush_touches()
+        target = self.max_entries - max(1, self.max_entries // 100)
+        excess = self._entries - target
+        victims = []
+        for k, v in self._blocks.items():
+            victims.append(k)
+            excess -= v.bit_count()
+            if excess <= 0:
+                break
+        w = self._width
+        held = self._held
+        dropped = 0
+        for k in victims:
+            v = self._blocks.pop(k)
+            dropped += v.bit_count()
+            self._offloaded -= (v >> w).bit_count()
+            for bitpos in iter_bits(v):
+                held[bitpos % w] -= 1
+        if self._refs:
+            dead = set(victims)
+            for rk in [rk for rk in self._refs if rk[0] in dead]:
+                del self._refs[rk]
+        self._entries -= dropped
+        self.stats.pruned_entries += dropped
+
+    def _maybe_gc_hashes(self) -> None:
+        if len(self._hashes) > 2 * len(self._blocks) + 4096 or not self._blocks:
+            blocks = self._blocks
+            self._hashes = {h: k for h, k in self._hashes.items() if k in blocks}
+
+    def _set_width(self, width: int) -> None:
+        """Re-pack every value for a new slot width (more than ``width`` holders). O(blocks)."""
+        old = self._width
+        low = (1 << old) - 1
+        for k, v in self._blocks.items():
+            self._blocks[k] = (
+                (v & low) | ((v >> old & low) << width) | ((v >> 2 * old) << 2 * width)
+            )
+        self._width = width
