@@ -48,6 +48,7 @@ With ``--port 0`` the OS picks the port; the service prints
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 
@@ -63,6 +64,7 @@ from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
+from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 
 __all__ = [
@@ -205,35 +207,13 @@ def _tokenizer(args: argparse.Namespace) -> TextTokenizer | None:
     return None
 
 
-def build_service(args: argparse.Namespace) -> RouterService:
-    """The service of ``kvevents router ARGS``; ConfigError/ValueError for bad options."""
-    if args.load_interval <= 0:
-        raise ValueError(f"--load-interval {args.load_interval}: must be a positive number")
-    block_size = args.global_block_size
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"--block-size {block_size}: must be a positive integer")
-    router = Router(
-        block_size=block_size,
-        credits=_credits(args.credits),
-        weights=_weights(args),
-        max_entries=args.max_entries,
-    )
-    specs = engine_specs(args)
-    if not specs:
-        raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
-    tokenizer = _tokenizer(args)
-    if tokenizer is None:
-        for spec in specs:
-            if spec.engine_kind != "kvevents":
-                log.warning(
-                    "engine %s is a %s engine, and text prompts and chats will be tokenized "
-                    "with the simulated engine's byte tokenizer, which is not its model's: "
-                    "they will match nothing it caches. Give --tokenize-endpoint "
-                    "%s/tokenize (or --tokenizer MODEL_DIR); token-id prompts are unaffected",
-                    spec.url,
-                    spec.engine_kind,
-                    spec.url,
-                )
+def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterService:
+    """The service of ``kvevents router ARGS``; ConfigError/ValueError for bad options.
+
+    ``warn``: log the warnings about the options (the worker processes of ``--workers``
+    leave that to the parent, which checks the options once before starting them).
+    """
+    router, specs, tokenizer = _check(args, warn=warn)
     subscriber = Subscriber()
     try:
         for spec in specs:
@@ -251,20 +231,59 @@ def build_service(args: argparse.Namespace) -> RouterService:
     )
 
 
+def _check(
+    args: argparse.Namespace, *, warn: bool
+) -> tuple[Router, list[EngineSpec], TextTokenizer | None]:
+    """Every option checked, and what they build short of following the engines."""
+    if args.load_interval <= 0:
+        raise ValueError(f"--load-interval {args.load_interval}: must be a positive number")
+    block_size = args.global_block_size
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"--block-size {block_size}: must be a positive integer")
+    router = Router(
+        block_size=block_size,
+        credits=_credits(args.credits),
+        weights=_weights(args),
+        max_entries=args.max_entries,
+    )
+    specs = engine_specs(args)
+    if not specs:
+        raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
+    tokenizer = _tokenizer(args)
+    if tokenizer is None and warn:
+        for spec in specs:
+            if spec.engine_kind != "kvevents":
+                log.warning(
+                    "engine %s is a %s engine, and text prompts and chats will be tokenized "
+                    "with the simulated engine's byte tokenizer, which is not its model's: "
+                    "they will match nothing it caches. Give --tokenize-endpoint "
+                    "%s/tokenize (or --tokenizer MODEL_DIR); token-id prompts are unaffected",
+                    spec.url,
+                    spec.engine_kind,
+                    spec.url,
+                )
+    return router, specs, tokenizer
+
+
 def run(args: argparse.Namespace) -> int:
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
     if workers < 1:
         raise ConfigError(f"--workers {workers}: must be at least 1 process")
     if args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes {args.max_body_bytes}: must be a positive number")
-    if workers > 1:
-        return serve_workers(build_service, args, workers, READY_PREFIX)
     try:
-        service = build_service(args)
+        if workers > 1:
+            _check(args, warn=True)  # refuse bad options once, before any process starts
+        else:
+            service = build_service(args)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if workers > 1:
+        return serve_workers(
+            functools.partial(build_service, warn=False), args, workers, READY_PREFIX
+        )
     return run_event_loop(serve(service, args.host, args.port, args.max_body_bytes))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,7 +19,7 @@ from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
-from kvevents.router.service import BadRequest, RouterService, TokenizeFailed
+from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
 
 __all__ = ["create_app"]
 
@@ -80,8 +79,8 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
         payload["routed_dp_rank"] = decision.dp_rank
         ticket = router.begin(decision)
         try:
-            response = await service.forward(decision.worker, payload)
-        except httpx.HTTPError as exc:
+            status, content = await service.forward(decision.worker, payload)
+        except FORWARD_ERRORS as exc:
             service.requests.record("generate", decision, len(tokens), 502)
             return JSONResponse(
                 {"error": f"forwarding to {decision.worker} failed: {type(exc).__name__}: {exc}"},
@@ -89,7 +88,7 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
             )
         finally:
             router.finish(ticket)
-        service.requests.record("generate", decision, len(tokens), response.status_code)
+        service.requests.record("generate", decision, len(tokens), status)
         chosen = decision.chosen
         info = {
             "worker": decision.worker,
@@ -100,14 +99,14 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
             "pending_blocks": chosen.pending_blocks,
         }
         try:
-            answer = response.json()
-        except ValueError:
-            return Response(response.content, status_code=response.status_code)
-        if response.status_code == 200:
+            answer = msgspec.json.decode(content)
+        except msgspec.DecodeError:
+            return Response(content, status_code=status)
+        if status == 200:
             service.requests.record_usage(decision.holder, engine_usage(answer))
         if isinstance(answer, dict):
             answer["router"] = info
-        return JSONResponse(answer, status_code=response.status_code)
+        return JSONResponse(answer, status_code=status)
 
     @app.get("/workers")
     async def workers() -> JSONResponse:

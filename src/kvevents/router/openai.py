@@ -42,13 +42,13 @@ from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvevents.router.core import RouteDecision
 from kvevents.router.request_stats import engine_usage
+from kvevents.router.service import FORWARD_ERRORS
 from kvevents.router.tokenize import ChatError, TokenizeError
 
 if TYPE_CHECKING:
@@ -221,60 +221,61 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
             body["routed_dp_rank"] = decision.dp_rank
             content = msgspec.json.encode(body)
         shown = decision_headers(decision, len(tokens))
-        client = service.client
-        upstream_request = client.build_request(
-            "POST", f"{spec.url}{path}", content=content, headers=headers
-        )
+        url = f"{spec.url}{path}"
         ticket = router.begin(decision)
         try:
-            upstream = await client.send(upstream_request, stream=True)
-        except httpx.HTTPError as exc:
+            upstream = await service.session.post(url, data=content, headers=headers)
+        except FORWARD_ERRORS as exc:
             router.finish(ticket)
             service.requests.record(endpoint, decision, len(tokens), 502)
             error = OpenAIError(
                 502,
-                f"forwarding to {spec.url} failed: {type(exc).__name__}: {exc}",
+                f"forwarding to {spec.url} failed: {_describe(exc)}",
                 "bad_gateway",
             )
             response = error.response()
             response.headers.update(shown)
             return response
-        service.requests.record(endpoint, decision, len(tokens), upstream.status_code)
+        status = upstream.status
+        service.requests.record(endpoint, decision, len(tokens), status)
         media = upstream.headers.get("content-type", "application/json")
-        if body.get("stream") is not True or upstream.status_code != 200:
+        if body.get("stream") is not True or status != 200:
             try:
-                payload = await upstream.aread()
+                payload = await upstream.read()
+            except FORWARD_ERRORS as exc:
+                error = OpenAIError(
+                    502, f"the engine {spec.url} failed midway: {_describe(exc)}", "bad_gateway"
+                )
+                response = error.response()
+                response.headers.update(shown)
+                return response
             finally:
-                await upstream.aclose()
+                upstream.release()
                 router.finish(ticket)
-            if upstream.status_code == 200:
+            if status == 200:
                 try:
-                    usage = engine_usage(json.loads(payload))
-                except ValueError:
+                    usage = engine_usage(msgspec.json.decode(payload))
+                except msgspec.DecodeError:
                     usage = None
                 service.requests.record_usage(decision.holder, usage)
-            return Response(
-                payload, status_code=upstream.status_code, media_type=media, headers=shown
-            )
+            return Response(payload, status_code=status, media_type=media, headers=shown)
 
         async def relay() -> AsyncIterator[bytes]:
             tracker = _UsageTracker()
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.content.iter_any():
                     tracker.feed(chunk)
                     yield chunk
-            except httpx.HTTPError as exc:
-                message = f"the engine {spec.url} failed midway: {type(exc).__name__}: {exc}"
+            except FORWARD_ERRORS as exc:
+                message = f"the engine {spec.url} failed midway: {_describe(exc)}"
                 error = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
                 yield b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"
             finally:
-                await upstream.aclose()
+                upstream.release()
                 router.finish(ticket)
                 service.requests.record_usage(decision.holder, tracker.usage())
 
-        return StreamingResponse(
-            relay(), status_code=upstream.status_code, media_type=media, headers=shown
-        )
+        return StreamingResponse(relay(), status_code=status, media_type=media, headers=shown)
 
 
 async def _json_body(request: Request, what: str) -> tuple[bytes, dict[str, Any]]:
@@ -286,6 +287,12 @@ async def _json_body(request: Request, what: str) -> tuple[bytes, dict[str, Any]
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the body must be a JSON object (an OpenAI {what} request)")
     return raw, body
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of a forwarding failure (a timeout has no message of its own)."""
+    text = str(exc) or "no answer within the forward timeout"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _tokenize_error(exc: TokenizeError) -> OpenAIError:
