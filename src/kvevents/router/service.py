@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -47,8 +48,6 @@ __all__ = [
     "TokensBody",
 ]
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-
 DEFAULT_TOP = 4
 """Scores in a ``/route`` answer unless the body asks otherwise: the choice and 3 more."""
 
@@ -61,7 +60,10 @@ class TokensBody(msgspec.Struct):
     the chat endpoint would choose.
     """
 
-    input_ids: list[TokenId] | None = None
+    input_ids: list[int] | None = None
+    """Token ids, each in 0..2**32-1: checked by the conversion to ``array("I")`` in
+    :meth:`RouterService.tokens`, which the keys need anyway (a Meta bound per id would
+    check each twice)."""
     text: str | None = None
     messages: list[Any] | None = None
     lora: str | None = None
@@ -241,7 +243,7 @@ class RouterService:
             if item is not None:
                 self.router.handle(item)
 
-    async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[list[int], TokensBody]:
+    async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[Sequence[int], TokensBody]:
         """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
         refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
         try:
@@ -256,7 +258,12 @@ class RouterService:
                 'give exactly one of "input_ids" (token ids), "text" or "messages" (a chat)'
             )
         if body.input_ids is not None:
-            return body.input_ids, body
+            try:
+                return array("I", body.input_ids), body
+            except OverflowError:
+                raise BadRequest(
+                    f"input_ids: every token id must be an int in 0..{2**32 - 1}"
+                ) from None
         try:
             if body.text is not None:
                 return await self.text_tokenizer.encode(body.text), body
