@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import httpx
 import msgspec
 
 from kvevents.errors import DiscoveryError
@@ -98,12 +99,18 @@ class EngineWatcher:
         )
 
     def _run(self) -> None:
+        # One client for the watcher's life: a fresh one per attempt built a new connection
+        # pool and SSL context every recheck, holding the GIL for milliseconds each time.
+        with httpx.Client(timeout=self._timeout) as client:
+            self._watch(client)
+
+    def _watch(self, client: httpx.Client) -> None:
         delay = self._retry_initial
         reported = False
         while not self._closing.is_set():
             self.attempts += 1
             try:
-                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
             except DiscoveryError as exc:
                 self.last_error = str(exc)
                 self.state = "invalid" if exc.reached else "unreachable"
@@ -130,7 +137,7 @@ class EngineWatcher:
             return
         while not self._closing.wait(self._recheck):
             try:
-                specs = discover(self.url, worker=self.worker, timeout=self._timeout)
+                specs = discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
             except DiscoveryError:
                 continue  # restarting, or gone for now: the streams say so themselves
             self._follow(specs)
