@@ -90,6 +90,14 @@ def _router(quick: bool) -> dict[str, Any]:
     return run_router_bench()
 
 
+def _ingest(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.ingest import run_ingest_bench
+
+    if quick:
+        return run_ingest_bench(engine_counts=(2,), seconds=2.0, workers=(1,))
+    return run_ingest_bench()
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "publisher": _publisher,
     "subscriber": _subscriber,
@@ -97,6 +105,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "routing": _routing,
     "router": _router,
+    "ingest": _ingest,
 }
 
 

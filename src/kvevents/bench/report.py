@@ -34,6 +34,7 @@ TITLES = {
     "subscriber": "Subscriber (decode and deliver, per CPU second)",
     "index": "Prefix index (conversation trace, lower-level API)",
     "engine": "Simulated engine (events and blocks emitted per rank)",
+    "ingest": "Ingest capacity (M engines at 3,000 block ops/s each, /route at 200 req/s)",
     "router": "Router under load (wrk, 32 connections, dp 4, prompts stored on the engine)",
 }
 
@@ -249,6 +250,20 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
         )
 
 
+def _ingest(r: dict[str, Any]) -> Iterator[Figure]:
+    for run in r["rounds"]:
+        yield Figure(
+            "ingest",
+            f"{run['engines']} engines, --workers {run['router_processes']}: "
+            "backlog / /route p50 / p99",
+            f"{run['backlog_s']:.2f} s / {run['route_p50_ms']:.1f} / {run['route_p99_ms']:.1f} ms",
+            "< 1 s, p99 <= 10 ms",
+            bool(run["keeps_up"]),
+        )
+    for workers, m in r["engines_kept_up"].items():
+        yield Figure("ingest", f"engines followed, --workers {workers}", str(m), "", None)
+
+
 _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "routing": _routing,
     "publisher": _publisher,
@@ -256,6 +271,7 @@ _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "index": _index,
     "engine": _engine,
     "router": _router,
+    "ingest": _ingest,
 }
 
 
