@@ -125,8 +125,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
-    """Serve the endpoints of the module docstring on ``app``."""
+def add_openai_routes(
+    app: FastAPI, dp_size: int, generate: Generate, *, max_new_tokens: int = 1_000_000
+) -> None:
+    """Serve the endpoints of the module docstring on ``app``; ``max_new_tokens`` caps
+    ``max_tokens`` / ``max_completion_tokens`` (more is a 400)."""
     tokenizer = ByteTokenizer()
     ids = itertools.count()
 
@@ -164,7 +167,7 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
                 key = "max_completion_tokens"
             max_tokens = body.get(key)
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-            max_new = _int(max_new, key, 0, 1_000_000)
+            max_new = _int(max_new, key, 0, max_new_tokens)
         except _Invalid as exc:
             return _error(400, str(exc))
         rank, result = await generate(tokens, rank, max_new)
