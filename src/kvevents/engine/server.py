@@ -17,8 +17,10 @@ Endpoints (JSON in and out):
 * ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
-A malformed body or query answers 400 with ``{"error": ...}`` naming the field; an
-unavailable rank answers 503.
+A malformed body or query answers 400 with ``{"error": ...}`` naming the field (JSON
+nested too deeply or holding an unpaired surrogate included: :mod:`kvevents.engine.bodies`),
+a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
+not answer within ``--request-timeout`` 504.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvevents.config import KVEventsConfig
+from kvevents.engine.bodies import BodyError, diagnose, read_body
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
@@ -132,8 +135,8 @@ def _parse_generate(
         req = _GENERATE_DECODER.decode(body)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid /generate body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"/generate body is not a JSON object: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise diagnose(body, f"/generate body is not a JSON object: {exc}") from None
     if (req.input_ids is None) == (req.text is None):
         raise BadRequest("give exactly one of input_ids (a list of token ids) or text (a string)")
     tokens = req.input_ids if req.input_ids is not None else tokenizer.encode(req.text or "")
@@ -174,6 +177,10 @@ def create_app(
     @app.exception_handler(BadRequest)
     async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
+
+    @app.exception_handler(BodyError)
+    async def _body_error(request: Request, exc: BodyError) -> JSONResponse:
+        return _error(exc.status, str(exc))
 
     @app.exception_handler(EngineRankError)
     async def _rank_error(request: Request, exc: EngineRankError) -> JSONResponse:
@@ -217,12 +224,21 @@ def create_app(
         )
         return rank, result
 
-    add_openai_routes(app, dp_size, run_generate, max_new_tokens=limits.max_new_tokens)
+    add_openai_routes(
+        app,
+        dp_size,
+        run_generate,
+        max_new_tokens=limits.max_new_tokens,
+        max_body_bytes=limits.max_body_bytes,
+    )
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
         tokens, rank, max_new = _parse_generate(
-            await request.body(), dp_size, tokenizer, limits.max_new_tokens
+            await read_body(request, limits.max_body_bytes),
+            dp_size,
+            tokenizer,
+            limits.max_new_tokens,
         )
         rank, result = await run_generate(tokens, rank, max_new)
         output_ids = result["output_ids"]
