@@ -8,8 +8,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq
 
 from kvevents.endpoints import free_port_range
 from subscriber_support import EngineProcess
@@ -246,3 +248,41 @@ def test_watch_refuses_a_bad_engine_description() -> None:
     result = kvevents("watch", "--engine", "http://h:1", "--kv-endpoint", "tcp://h:0")
     assert result.returncode == 2
     assert "ConfigError: engine http://h:1: kv_endpoint tcp://h:0 has port 0" in result.stderr
+
+
+def test_malformed_frames_and_impossible_seqs_are_json_signal_lines(zmq_context: Any) -> None:
+    """--json prints a "malformed" line for frames it skips (bad layout, seq 2**64-1) and no
+    loss of 1.8e19 batches; the batches around them are printed as usual."""
+    from kvevents.wire.codec import encode_batch
+    from kvevents.wire.events import KVEventBatch
+    from kvevents.wire.frames import live_frames
+    from subscriber_support import bind_local, wait_subscribed
+
+    xpub, address = bind_local(zmq_context, zmq.XPUB)
+    argv = ["watch", "--endpoint", address, "--json", "--count", "2", "--duration", "30"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvevents.cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_subscribed(xpub, timeout=30)
+        payload = encode_batch(KVEventBatch(ts=1.0, events=[]))
+        xpub.send_multipart(live_frames(b"", 0, payload))
+        xpub.send_multipart([b"", b"\x00\x01", payload])  # 2-byte seq
+        xpub.send_multipart(live_frames(b"", 2**64 - 1, payload))
+        xpub.send_multipart(live_frames(b"", 1, payload))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        xpub.close(linger=0)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [x.get("seq") for x in lines if "seq" in x] == [0, 1]
+    bad = [x for x in lines if x.get("signal") == "malformed"]
+    assert sum(x["count"] for x in bad) == 2 and bad[0]["source"] == "live"
+    assert bad[0]["worker"] == address and bad[0]["dp_rank"] == 0 and bad[0]["reason"]
+    assert not [x for x in lines if x.get("signal") == "loss"]

@@ -5,7 +5,7 @@ One public surface: import from ``kvevents``; submodules may move.
 * Publishing (engine side): :class:`ZmqEventPublisher`, :class:`EventPublisherFactory`,
   :class:`KVEventsConfig`, :func:`select_kv_publisher_dp_rank`, the wire structs.
 * Consuming (router side): :class:`Subscriber` and its items (:class:`Delivery`,
-  :class:`Gap`, :class:`Loss`, :class:`Reset`, :class:`Unreachable`),
+  :class:`Gap`, :class:`Loss`, :class:`Reset`, :class:`Unreachable`, :class:`Malformed`),
   :class:`PrefixIndex`, :class:`Router`.
 * The simulated engine lives in :mod:`kvevents.engine` (``kvevents engine`` on the
   command line).
@@ -44,7 +44,7 @@ from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
 from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file
 from kvevents.subscribe.engine_watcher import EngineStatus
-from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.items import Delivery, Gap, Loss, Malformed, Reset, Signal, Unreachable
 from kvevents.subscribe.stats import StreamStats
 from kvevents.subscribe.subscriber import Subscriber, SubscriberState
 from kvevents.types import Holder
@@ -86,6 +86,7 @@ __all__ = [
     "KVEventsConfig",
     "KVEventsError",
     "Loss",
+    "Malformed",
     "NullEventPublisher",
     "PortPlan",
     "PrefixIndex",

@@ -93,11 +93,16 @@ class _QuietServer(uvicorn.Server):
 
 
 async def start_http(
-    app: Any, sock: socket.socket, *, lifespan: Literal["auto", "on", "off"] = "auto"
+    app: Any,
+    sock: socket.socket,
+    *,
+    lifespan: Literal["auto", "on", "off"] = "auto",
+    graceful_timeout: float | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     """Start serving ``app`` on ``sock``; returns once it accepts requests.
 
-    Stop it with ``server.should_exit = True`` and ``await task``. Raises
+    Stop it with ``server.should_exit = True`` and ``await task``; requests in flight
+    then get ``graceful_timeout`` seconds (None: no limit) before they are cancelled. Raises
     :class:`EndpointError` if the server ends before it started.
     """
     config = uvicorn.Config(
@@ -108,6 +113,8 @@ async def start_http(
         http=HTTP_PARSER,
         server_header=False,
         date_header=False,
+        # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float
+        timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
     )
     server = _QuietServer(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -13,7 +13,9 @@ one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
-Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0. A rank
+Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
+still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
+cancelled and their connections closed. A rank
 that dies on its own shows in ``/health`` (503) for ``--dead-rank-grace`` seconds, then
 the engine stops and exits 1.
 """
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
-from kvevents.engine.server import EngineInfo, create_app
+from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
@@ -58,20 +60,31 @@ class EngineSettings:
     max_running: int = 64
     startup_timeout: float = 30.0
     dead_rank_grace: float = 1.0
+    max_new_tokens_limit: int = 32_768
+    request_timeout: float = 60.0
+    shutdown_timeout: float = 10.0
+    max_body_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for flag, value in (("--page-size", self.page_size), ("--max-blocks", self.max_blocks)):
             if value < 1:
                 raise ConfigError(f"{flag} {value} must be at least 1")
-        for flag, count in (("--max-running", self.max_running),):
+        for flag, count in (
+            ("--max-running", self.max_running),
+            ("--max-new-tokens-limit", self.max_new_tokens_limit),
+            ("--max-body-bytes", self.max_body_bytes),
+        ):
             if count < 1:
                 raise ConfigError(f"{flag} {count} must be at least 1")
         for flag, seconds in (
             ("--startup-timeout", self.startup_timeout),
             ("--dead-rank-grace", self.dead_rank_grace),
+            ("--shutdown-timeout", self.shutdown_timeout),
         ):
             if not seconds >= 0:
                 raise ConfigError(f"{flag} {seconds} must be >= 0 seconds")
+        if not self.request_timeout > 0:
+            raise ConfigError(f"--request-timeout {self.request_timeout} must be > 0 seconds")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} must be in 0..65535 (0: the OS picks)")
         for flag, speed in (
@@ -104,6 +117,10 @@ class EngineSettings:
             max_running=args.max_running,
             startup_timeout=args.startup_timeout,
             dead_rank_grace=args.dead_rank_grace,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+            request_timeout=args.request_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            max_body_bytes=args.max_body_bytes,
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -142,6 +159,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-running", type=int, default=64, help="running requests per rank, default 64")
     add("--startup-timeout", type=float, default=30.0, help="seconds for ranks to start")
     add("--dead-rank-grace", type=float, default=1.0, help="seconds /health shows a dead rank")
+    add(
+        "--max-new-tokens-limit",
+        type=int,
+        default=32_768,
+        help="largest max_new_tokens (400 past it)",
+    )
+    add(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request waits for its rank (504)",
+    )
+    add("--shutdown-timeout", type=float, default=10.0, help="seconds SIGTERM waits for requests")
+    add("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413), 8 MiB")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +205,17 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             hash_scheme=settings.hash_scheme,
             kv_events_config=settings.kv_events_config,
         )
-        server, serving = await start_http(create_app(supervisor, info), sock, lifespan="off")
+        limits = EngineLimits(
+            max_new_tokens=settings.max_new_tokens_limit,
+            request_timeout=settings.request_timeout,
+            max_body_bytes=settings.max_body_bytes,
+        )
+        server, serving = await start_http(
+            create_app(supervisor, info, limits),
+            sock,
+            lifespan="off",
+            graceful_timeout=settings.shutdown_timeout,
+        )
         print(READY_PREFIX + http_url(settings.host, sock), flush=True)
         failed = asyncio.create_task(supervisor.failed.wait())
         await asyncio.wait({stop_wait, failed, serving}, return_when=asyncio.FIRST_COMPLETED)

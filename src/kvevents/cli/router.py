@@ -111,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-interval", type=float, default=0.5, help="seconds between /load or /health"
     )
+    parser.add_argument(
+        "--forward-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a forwarded request may take in all, streaming included (default 600)",
+    )
     weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
     parser.add_argument(
         "--load-weight",
@@ -226,6 +232,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         specs,
         subscriber=subscriber,
         load_interval=args.load_interval,
+        forward_timeout=args.forward_timeout,
         tokenizer=tokenizer,
         policy=args.policy,
     )
@@ -237,6 +244,8 @@ def _check(
     """Every option checked, and what they build short of following the engines."""
     if args.load_interval <= 0:
         raise ValueError(f"--load-interval {args.load_interval}: must be a positive number")
+    if not args.forward_timeout > 0:
+        raise ValueError(f"--forward-timeout {args.forward_timeout}: must be a positive number")
     block_size = args.global_block_size
     if block_size is not None and block_size < 1:
         raise ValueError(f"--block-size {block_size}: must be a positive integer")

@@ -22,6 +22,8 @@ per line::
 
     {"worker": ..., "dp_rank": 0, "seq": 12, "ts": 1795975045.2, "events": [{"type": ...}, ...]}
     {"signal": "gap" | "loss" | "reset" | "unreachable", "worker": ..., "dp_rank": ..., ...}
+    {"signal": "malformed", "worker": ..., "dp_rank": ..., "source": "live", "count": 2,
+     "reason": ...}
     {"signal": "block_size_mismatch", "worker": ..., "dp_rank": ..., "expected": 16,
      "expected_from": ..., "observed": 32, "source": "events", "count": 1}
 

@@ -33,6 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvevents.engine.bodies import BodyError, parse_json, read_body
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 
@@ -48,6 +49,14 @@ Generate = Callable[[list[int], int | None, int], Awaitable[tuple[int, dict[str,
 
 class _Invalid(Exception):
     pass
+
+
+class _Refused(Exception):
+    """A body refused with ``status`` (e.g. 413), not 400."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -117,23 +126,40 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[int]:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise _Invalid(f"the body is not JSON: {exc}") from None
+        body = parse_json(raw)
+    except BodyError as exc:
+        raise _Invalid(str(exc)) from None
     if not isinstance(body, dict):
         raise _Invalid("the body must be a JSON object")
     return body
 
 
-def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
-    """Serve the endpoints of the module docstring on ``app``."""
+def add_openai_routes(
+    app: FastAPI,
+    dp_size: int,
+    generate: Generate,
+    *,
+    max_new_tokens: int = 1_000_000,
+    max_body_bytes: int = 8 << 20,
+) -> None:
+    """Serve the endpoints of the module docstring on ``app``; ``max_new_tokens`` caps
+    ``max_tokens`` / ``max_completion_tokens`` (more is a 400), ``max_body_bytes`` the
+    body (more is a 413)."""
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            raw = await read_body(request, max_body_bytes)
+        except BodyError as exc:
+            raise _Refused(exc.status, str(exc)) from None
+        return _json_object(raw)
+
     tokenizer = ByteTokenizer()
     ids = itertools.count()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         try:
-            body = _json_object(await request.body())
+            body = await body_of(request)
             if "messages" in body:
                 tokens = _chat_prompt(body, tokenizer)
             elif isinstance(body.get("prompt"), str):
@@ -142,6 +168,8 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
                 raise _Invalid('give {"prompt": "text"} or {"messages": [...]}')
         except _Invalid as exc:
             return _error(400, str(exc))
+        except _Refused as exc:
+            return _error(exc.status, str(exc))
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN}
         )
@@ -156,7 +184,7 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
 
     async def _serve(request: Request, *, chat: bool) -> Response:
         try:
-            body = _json_object(await request.body())
+            body = await body_of(request)
             tokens = _chat_prompt(body, tokenizer) if chat else _prompt(body, tokenizer)
             rank = _rank(request, body, dp_size)
             key = "max_tokens"
@@ -164,9 +192,11 @@ def add_openai_routes(app: FastAPI, dp_size: int, generate: Generate) -> None:
                 key = "max_completion_tokens"
             max_tokens = body.get(key)
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-            max_new = _int(max_new, key, 0, 1_000_000)
+            max_new = _int(max_new, key, 0, max_new_tokens)
         except _Invalid as exc:
             return _error(400, str(exc))
+        except _Refused as exc:
+            return _error(exc.status, str(exc))
         rank, result = await generate(tokens, rank, max_new)
         output: list[int] = result["output_ids"]
         usage = {

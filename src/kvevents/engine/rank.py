@@ -1,6 +1,6 @@
 """One data-parallel rank of the simulated engine, run as its own process.
 
-``python -m kvevents.engine.rank SPEC_JSON`` (started by
+``python -m kvevents.engine.rank`` with the spec as JSON on stdin (started by
 :class:`~kvevents.engine.supervisor.RankSupervisor`, never by hand) builds the rank's
 prefix cache, scheduler and KV-event publisher, then serves the parent over a control
 channel while stepping the scheduler at its simulated speed.
@@ -51,7 +51,8 @@ _IDLE_POLL_S = 0.25
 
 
 class RankSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """Everything a rank process needs, passed as JSON on its command line."""
+    """Everything a rank process needs, passed as JSON on its stdin (it holds the
+    control token, which must not show in ``ps``)."""
 
     dp_rank: int
     control: str
@@ -209,14 +210,18 @@ def _endpoint_of(publisher: Any, name: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one rank; ``argv`` is ``[SPEC_JSON]``. Returns the process exit code."""
+    """Run one rank; the spec is read from stdin (``argv`` must be empty). Returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m kvevents.engine.rank SPEC_JSON", file=sys.stderr)
+    if args:
+        print("usage: python -m kvevents.engine.rank < SPEC_JSON", file=sys.stderr)
         return 2
-    spec = msgspec.json.decode(args[0], type=RankSpec)
+    try:
+        spec = msgspec.json.decode(sys.stdin.buffer.read(), type=RankSpec)
+    except msgspec.DecodeError as exc:
+        print(f"kvevents.engine.rank: the spec on stdin is not valid: {exc}", file=sys.stderr)
+        return 2
     parent_pid = os.getppid()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)

@@ -17,8 +17,10 @@ Endpoints (JSON in and out):
 * ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
-A malformed body or query answers 400 with ``{"error": ...}`` naming the field; an
-unavailable rank answers 503.
+A malformed body or query answers 400 with ``{"error": ...}`` naming the field (JSON
+nested too deeply or holding an unpaired surrogate included: :mod:`kvevents.engine.bodies`),
+a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
+not answer within ``--request-timeout`` 504.
 """
 
 from __future__ import annotations
@@ -34,18 +36,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvevents.config import KVEventsConfig
+from kvevents.engine.bodies import BodyError, diagnose, read_body
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.topology import Topology
 from kvevents.text.tokenizer import ByteTokenizer
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "create_app"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "EngineLimits", "create_app"]
 
 DEFAULT_MAX_NEW_TOKENS = 16
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-NewTokens = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
+NewTokens = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _SamplingParams(msgspec.Struct):
@@ -77,6 +80,29 @@ class EngineInfo:
     kv_events_config: KVEventsConfig
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """Bounds on the work one request may cause (``kvevents engine`` flags in brackets).
+
+    * ``max_new_tokens`` [``--max-new-tokens-limit``]: a request asking for more is
+      answered 400 (``/generate``, ``/v1/completions``, ``/v1/chat/completions``).
+    * ``request_timeout`` [``--request-timeout``]: seconds a generate call may wait for
+      its rank; past it the request answers 504, so a stalled rank does not hold
+      connections open.
+    * ``rank_load_timeout``: seconds ``GET /load`` waits for each rank; a rank that does
+      not answer in time is reported ``available: false`` while the others are reported
+      as usual (well under the router's 5 s poll timeout).
+    * ``max_body_bytes`` [``--max-body-bytes``]: a larger request body answers 413,
+      refused from its ``Content-Length`` or, when chunked, as soon as the count passes
+      it, before it is buffered whole. 8 MiB holds a 128k-token prompt as JSON ids.
+    """
+
+    max_new_tokens: int = 32_768
+    request_timeout: float = 60.0
+    rank_load_timeout: float = 1.0
+    max_body_bytes: int = 8 << 20
+
+
 class BadRequest(Exception):
     """A request the engine answers with 400 and this message."""
 
@@ -103,14 +129,14 @@ def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
 
 
 def _parse_generate(
-    body: bytes, dp_size: int, tokenizer: ByteTokenizer
+    body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int
 ) -> tuple[list[int], int | None, int]:
     try:
         req = _GENERATE_DECODER.decode(body)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid /generate body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"/generate body is not a JSON object: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise diagnose(body, f"/generate body is not a JSON object: {exc}") from None
     if (req.input_ids is None) == (req.text is None):
         raise BadRequest("give exactly one of input_ids (a list of token ids) or text (a string)")
     tokens = req.input_ids if req.input_ids is not None else tokenizer.encode(req.text or "")
@@ -130,11 +156,19 @@ def _parse_generate(
     max_new = req.max_new_tokens
     if max_new is None and req.sampling_params is not None:
         max_new = req.sampling_params.max_new_tokens
+    if max_new is not None and max_new > limit:
+        raise BadRequest(
+            f"max_new_tokens={max_new} is above this engine's limit of {limit} "
+            "(kvevents engine --max-new-tokens-limit): ask for fewer tokens"
+        )
     return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
 
 
-def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
+def create_app(
+    supervisor: RankSupervisor, info: EngineInfo, limits: EngineLimits | None = None
+) -> FastAPI:
     """The FastAPI application serving the endpoints in the module docstring."""
+    limits = limits or EngineLimits()
     app = FastAPI(title="kvevents simulated engine", docs_url=None, redoc_url=None)
     tokenizer = ByteTokenizer()
     dp_size = info.topology.dp_size
@@ -143,6 +177,10 @@ def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
     @app.exception_handler(BadRequest)
     async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
+
+    @app.exception_handler(BodyError)
+    async def _body_error(request: Request, exc: BodyError) -> JSONResponse:
+        return _error(exc.status, str(exc))
 
     @app.exception_handler(EngineRankError)
     async def _rank_error(request: Request, exc: EngineRankError) -> JSONResponse:
@@ -178,15 +216,30 @@ def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
                 raise EngineRankError("no rank is running")
             rank = live[next(round_robin) % len(live)]
         result: dict[str, Any] = await supervisor.call(
-            rank, "generate", timeout=600.0, input_ids=tokens, max_new_tokens=max_new
+            rank,
+            "generate",
+            timeout=limits.request_timeout,
+            input_ids=tokens,
+            max_new_tokens=max_new,
         )
         return rank, result
 
-    add_openai_routes(app, dp_size, run_generate)
+    add_openai_routes(
+        app,
+        dp_size,
+        run_generate,
+        max_new_tokens=limits.max_new_tokens,
+        max_body_bytes=limits.max_body_bytes,
+    )
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        tokens, rank, max_new = _parse_generate(await request.body(), dp_size, tokenizer)
+        tokens, rank, max_new = _parse_generate(
+            await read_body(request, limits.max_body_bytes),
+            dp_size,
+            tokenizer,
+            limits.max_new_tokens,
+        )
         rank, result = await run_generate(tokens, rank, max_new)
         output_ids = result["output_ids"]
         meta = {
@@ -217,7 +270,9 @@ def create_app(supervisor: RankSupervisor, info: EngineInfo) -> FastAPI:
     async def load() -> JSONResponse:
         async def one(r: int) -> dict[str, Any]:
             try:
-                figures: dict[str, Any] = await supervisor.call(r, "load", timeout=10.0)
+                figures: dict[str, Any] = await supervisor.call(
+                    r, "load", timeout=limits.rank_load_timeout
+                )
             except EngineRankError as exc:
                 return {"dp_rank": r, "available": False, "error": str(exc)}
             return figures | {"available": True}

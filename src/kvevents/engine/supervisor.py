@@ -17,6 +17,18 @@ endpoints. The message layout is in :mod:`kvevents.engine.rank`.
 * :meth:`stop` asks every rank to shut down, then terminates and finally kills any that
   do not exit within the deadline. No rank outlives the supervisor; a rank whose parent
   vanishes exits on its own.
+
+The control socket is on loopback, but any local process may connect to it, so nothing
+a peer sends is trusted:
+
+* A rank proves itself with a per-engine secret token in its hello. The token travels
+  in the rank's spec over its stdin pipe, never on the command line (``ps`` shows argv).
+* A peer cannot take over a connected rank's identity: ROUTER_HANDOVER is off, so a
+  second connection claiming ``rank-N`` is refused while rank N is connected.
+* A reply is taken only from the rank the call was sent to; any frame that is not a
+  well-formed message (wrong frame count, not msgpack, an ``id`` that is no int, a
+  ``status`` that is no HTTP error code) is counted in :attr:`RankSupervisor.malformed`
+  and skipped, the first one logged. The receive loop never dies of a peer's input.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import secrets
 import signal
@@ -43,6 +56,8 @@ from kvevents.errors import KVEventsError
 
 __all__ = ["EngineRankError", "RankSupervisor"]
 
+log = logging.getLogger("kvevents.engine")
+
 
 class EngineRankError(KVEventsError, RuntimeError):
     """A rank process failed to start, died, or did not answer in time.
@@ -53,6 +68,10 @@ class EngineRankError(KVEventsError, RuntimeError):
     def __init__(self, message: str, status: int = 503) -> None:
         super().__init__(message)
         self.status = status
+
+
+class _Malformed(Exception):
+    """A control message that is skipped and counted; the text says why."""
 
 
 @dataclass
@@ -88,10 +107,14 @@ class RankSupervisor:
         self._own_context = context is None
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a second peer claiming a connected rank's identity is refused,
+        # instead of taking over that rank's calls.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind("tcp://127.0.0.1:0")
         control = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.control_endpoint = control
+        """The control ROUTER's address (loopback, port chosen by the OS)."""
         self._token = secrets.token_hex(16)
         self._ranks = [
             _Rank(msgspec.structs.replace(s, control=control, token=self._token)) for s in specs
@@ -103,6 +126,7 @@ class RankSupervisor:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(dict[str, Any]).decode
         self.malformed = 0
+        """Control frames that were not a well-formed message from a known peer."""
         self.failed = asyncio.Event()
         self._closed = False
 
@@ -227,14 +251,13 @@ class RankSupervisor:
         rank.state = "starting" if rank.restarts == 0 else "restarting"
         rank.exit_code = None
         rank.hello = asyncio.get_running_loop().create_future()
-        argv = [
-            sys.executable,
-            "-m",
-            "kvevents.engine.rank",
-            msgspec.json.encode(rank.spec).decode(),
-        ]
-        rank.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        argv = [sys.executable, "-m", "kvevents.engine.rank"]
+        # The spec (with the token) goes through the stdin pipe, not argv, which ps shows.
+        rank.process = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
         rank.pid = rank.process.pid
+        assert rank.process.stdin is not None
+        with rank.process.stdin as pipe, contextlib.suppress(BrokenPipeError):
+            pipe.write(msgspec.json.encode(rank.spec))
 
     async def _await_hello(self, rank: _Rank) -> None:
         assert rank.hello is not None
@@ -265,33 +288,70 @@ class RankSupervisor:
         while True:
             frames = await self._router.recv_multipart()
             try:
-                message = self._decode(frames[-1])
-            except msgspec.DecodeError:
+                self._on_frames(frames)
+            except _Malformed as exc:
                 self.malformed += 1
-                continue
-            if message.get("op") in ("hello", "failed"):
-                self._on_hello(frames[0], message)
-                continue
-            future = self._calls.get(message.get("id", -1))
-            if future is None or future.done():
-                continue  # answer to a call that timed out or was failed
-            if message.get("ok"):
-                future.set_result(message.get("result"))
-            else:
-                error = EngineRankError(str(message.get("error")), int(message.get("status", 500)))
-                future.set_exception(error)
+                if self.malformed == 1:
+                    log.warning(
+                        "rank control socket: skipped a malformed message (%s); "
+                        "further ones are only counted",
+                        exc,
+                    )
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """Handle one message ``[identity, payload]``; raises _Malformed for anything else."""
+        if len(frames) != 2:
+            raise _Malformed(f"{len(frames)} frames, expected [identity, payload]")
+        identity, payload = frames
+        try:
+            message = self._decode(payload)
+        except msgspec.DecodeError as exc:
+            raise _Malformed(f"payload is not a msgpack map: {exc}") from None
+        if message.get("op") in ("hello", "failed"):
+            self._on_hello(identity, message)
+            return
+        call_id = message.get("id")
+        if not isinstance(call_id, int) or isinstance(call_id, bool):
+            raise _Malformed(f"reply id {call_id!r} is not an integer")
+        rank = self._rank_of(identity)
+        if rank is None:
+            raise _Malformed(f"reply from unknown peer {identity[:40]!r}")
+        future = self._calls.get(call_id) if call_id in rank.pending else None
+        if future is None or future.done():
+            return  # answer to a call that timed out or was failed, or not sent to this rank
+        if message.get("ok") is True:
+            future.set_result(message.get("result"))
+            return
+        status = message.get("status", 500)
+        if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
+            status = 500
+        future.set_exception(EngineRankError(str(message.get("error"))[:2000], status))
+
+    def _rank_of(self, identity: bytes) -> _Rank | None:
+        """The rank whose DEALER identity ``identity`` is, else None."""
+        prefix = b"rank-"
+        number = identity[len(prefix) :]
+        if not identity.startswith(prefix) or not number.isdigit() or len(number) > 6:
+            return None
+        dp_rank = int(number)
+        if not 0 <= dp_rank < len(self._ranks) or identity != f"rank-{dp_rank}".encode():
+            return None
+        return self._ranks[dp_rank]
 
     def _on_hello(self, identity: bytes, message: dict[str, Any]) -> None:
-        if message.get("token") != self._token:
-            self.malformed += 1
-            return
+        token = message.get("token")
+        if not isinstance(token, str) or not secrets.compare_digest(token, self._token):
+            raise _Malformed(f"hello from {identity[:40]!r} without the engine's token")
         dp_rank = message.get("dp_rank")
         if not isinstance(dp_rank, int) or not 0 <= dp_rank < len(self._ranks):
-            self.malformed += 1
-            return
+            raise _Malformed(f"hello with dp_rank {dp_rank!r} out of range")
         rank = self._ranks[dp_rank]
         if identity != f"rank-{dp_rank}".encode() or rank.hello is None or rank.hello.done():
             return
+        if not all(
+            isinstance(message.get(k), (str, type(None))) for k in ("endpoint", "replay_endpoint")
+        ):
+            raise _Malformed("hello whose endpoints are not strings")
         if message["op"] == "failed":
             rank.hello.set_exception(EngineRankError(str(message.get("error"))))
         else:

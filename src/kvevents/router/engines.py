@@ -9,7 +9,8 @@ One :func:`watch_engine` task per engine, until the service stops:
    its ``/server_info``, or a vLLM's ``/kv_event_sources`` (retried until one answers). A configured block size and the
    advertised one are both declared to the router, which checks them
    (:mod:`kvevents.subscribe.block_sizes`).
-2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load at ``GET /load``;
+2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load and
+   availability at ``GET /load`` (a rank is routable exactly when that says so);
    ``vllm`` and ``sglang`` engines are asked ``GET /health`` (200 = every rank
    available), and ``vllm`` engines also ``GET /metrics``: the gauges
    ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, labelled
@@ -149,8 +150,9 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
     spec = state.spec
     if spec.engine_kind == "kvevents":
         response = await client.get(f"{spec.url}/load", timeout=5.0)
+        # Each rank's availability is the engine's word for it (a dead, restarting or
+        # stalled rank says available: false), so nothing here marks the worker available.
         router.update_load(spec.worker, response.json())
-        router.set_worker_available(spec.worker, True)
         state.load_source = "/load"
         return
     response = await client.get(f"{spec.url}/health", timeout=5.0)

@@ -19,6 +19,9 @@ Signals, per stream, in the order they happened relative to that stream's batche
   everything it holds for that holder; the new stream follows from its seq 0.
 * :class:`Unreachable` -- an engine's ``/server_info`` or a stream's endpoint cannot be
   reached yet; retries continue with backoff. Sent once per failure streak.
+* :class:`Malformed` -- frames of a stream were skipped: a wrong frame layout, or a seq
+  that cannot be real (see :mod:`kvevents.subscribe.stream`). Informational: the stream
+  goes on; at most one per stream per read of its socket, with the count skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import msgspec
 from kvevents.types import Holder
 from kvevents.wire.events import KVEventBatch
 
-__all__ = ["Delivery", "Gap", "Item", "Loss", "Reset", "Signal", "Unreachable"]
+__all__ = ["Delivery", "Gap", "Item", "Loss", "Malformed", "Reset", "Signal", "Unreachable"]
 
 
 class Delivery(NamedTuple):
@@ -101,6 +104,16 @@ class Unreachable(Signal, frozen=True, kw_only=True):
 
     kind: ClassVar[str] = "unreachable"
     address: str
+    reason: str
+
+
+class Malformed(Signal, frozen=True, kw_only=True):
+    """``count`` frames from the ``source`` socket ("live" or "replay") were skipped;
+    ``reason`` describes the first of them."""
+
+    kind: ClassVar[str] = "malformed"
+    source: str
+    count: int
     reason: str
 
 

@@ -33,9 +33,23 @@ import zmq
 from kvevents.errors import WireError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.handoff import Handoff
-from kvevents.subscribe.items import Delivery, Item, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.items import (
+    Delivery,
+    Item,
+    Loss,
+    Malformed,
+    Reset,
+    Signal,
+    Unreachable,
+)
 from kvevents.subscribe.stats import SAMPLE_INTERVAL, StreamStats
-from kvevents.subscribe.stream import CancelReplay, Deliver, RequestReplay, TrackerAction
+from kvevents.subscribe.stream import (
+    MAX_SEQ_JUMP,
+    CancelReplay,
+    Deliver,
+    RequestReplay,
+    TrackerAction,
+)
 from kvevents.subscribe.stream_sockets import StreamSockets
 from kvevents.types import Holder
 from kvevents.wire.codec import decode_batch
@@ -45,6 +59,13 @@ __all__ = ["SubscriberLoop"]
 _SEQ = struct.Struct(">Q")
 _NOBLOCK = int(zmq.NOBLOCK)
 _DRAIN = 256  # messages read from one socket per poll, for fairness between streams
+
+
+def _implausible(seq: int, last: int) -> str:
+    return (
+        f"seq {seq} cannot follow seq {last}: more than {MAX_SEQ_JUMP} ahead, or the "
+        "end marker (a corrupt frame, not a gap)"
+    )
 
 
 class SubscriberLoop:
@@ -60,9 +81,11 @@ class SubscriberLoop:
         max_pending: int,
         reconnect_max_ms: int,
         tail_probe: float | None,
+        max_message_size: int = -1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.handoff = handoff
+        self.max_message_size = max_message_size
         self.context = context
         self.replay_timeout = replay_timeout
         self.rcvhwm = rcvhwm
@@ -191,6 +214,7 @@ class SubscriberLoop:
                 spec,
                 self.context,
                 rcvhwm=self.rcvhwm,
+                max_message_size=self.max_message_size,
                 reconnect_max_ms=self.reconnect_max_ms,
                 replay_timeout=self.replay_timeout,
                 max_pending=self.max_pending,
@@ -248,51 +272,90 @@ class SubscriberLoop:
         self._handlers.pop(sock, None)
 
     def _on_live(self, st: StreamSockets, now: float, out: list[Item]) -> None:
-        sock, tracker, counters = st.sub, st.tracker, st.counters
+        sock, tracker = st.sub, st.tracker
         recv, unpack = sock.recv, _SEQ.unpack
         st.activity, st.probed = now, False
+        skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
             # Frame by frame without copying: about 3x cheaper than recv_multipart, whose
             # per-frame RCVMORE getsockopt dominates for small messages.
             try:
                 frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                break
             frames = [frame]
             while frame.more:
                 frame = recv(_NOBLOCK, copy=False)
                 frames.append(frame)
             if len(frames) != 3 or len(frames[1]) != 8:
-                counters.malformed += 1
+                skipped += 1
+                first_reason = first_reason or (
+                    f"{len(frames)} frames of {[len(f) for f in frames[:4]]} bytes, "
+                    "expected [topic, 8-byte seq, payload]"
+                )
                 continue
             seq = unpack(frames[1].buffer)[0]
             payload = frames[2].bytes
+            if skipped and tracker.plausible(seq):
+                # the signal goes before the next batch, in stream order
+                self._malformed(st, "live", skipped, first_reason, out)
+                skipped, first_reason = 0, ""
             if tracker.accept_in_order(seq, payload):
                 self._emit(st, seq, payload, now, out)
+            elif not tracker.plausible(seq):
+                skipped += 1
+                first_reason = first_reason or _implausible(seq, tracker.last)
             else:
                 self._apply(st, tracker.on_live(seq, payload), now, out)
+        if skipped:
+            self._malformed(st, "live", skipped, first_reason, out)
+
+    def _malformed(
+        self, st: StreamSockets, source: str, count: int, reason: str, out: list[Item]
+    ) -> None:
+        st.counters.malformed += count
+        out.append(
+            Malformed(
+                worker=st.spec.worker,
+                dp_rank=st.spec.dp_rank,
+                source=source,
+                count=count,
+                reason=reason,
+            )
+        )
 
     def _on_replay(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         client = st.replay
         assert client is not None
         sock = client.socket
         st.activity, st.probed = now, False
+        skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
             if client.socket is not sock:  # the tracker asked for a new replay meanwhile
-                return
+                break
             try:
                 reply = client.read(now)
-            except WireError:
-                st.counters.malformed += 1
+            except WireError as exc:
+                skipped += 1
+                first_reason = first_reason or str(exc)
                 continue
             if reply is None:
-                return
+                break
+            if not reply.is_end and not st.tracker.plausible(reply.seq):
+                skipped += 1
+                first_reason = first_reason or _implausible(reply.seq, st.tracker.last)
+                continue
+            if skipped:  # the signal goes before what follows it, in stream order
+                self._malformed(st, "replay", skipped, first_reason, out)
+                skipped, first_reason = 0, ""
             if reply.is_end:
                 actions = st.tracker.on_replay_end()
             else:
                 subscribed = reply.topic is None or reply.topic.startswith(st.topic)
                 actions = st.tracker.on_replay_reply(reply.seq, reply.payload, subscribed)
             self._apply(st, actions, now, out)
+        if skipped:
+            self._malformed(st, "replay", skipped, first_reason, out)
 
     def _on_monitor(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         actions, signals = st.read_monitor()

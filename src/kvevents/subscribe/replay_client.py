@@ -44,7 +44,9 @@ class ReplayClient:
         on_open: SocketHook,
         on_close: SocketHook,
         reconnect_max_ms: int = 2000,
+        max_message_size: int = -1,
     ) -> None:
+        self._max_message_size = max_message_size
         self.endpoint = endpoint
         self.timeout = timeout
         self.deadline: float | None = None  # set while a request is in flight
@@ -117,6 +119,7 @@ class ReplayClient:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
             sock.connect(self.endpoint)

@@ -42,6 +42,16 @@ Restart detection
   the anchor's seq is byte-identical to the old one is not told apart (its batches
   carry wall-clock timestamps, so this does not happen in practice).
 
+Implausible seqs
+----------------
+A seq is a count of batches published, so it cannot leap: a live seq more than
+:data:`MAX_SEQ_JUMP` (2**40) past the highest one seen, or the replay end marker's value
+``2**64 - 1`` on the live stream, is not taken as a gap or as 1.8e19 lost batches. The
+socket loop asks :meth:`StreamTracker.plausible` before feeding a message that is not
+the next in order, and skips and counts (as a ``Malformed`` signal) a frame that fails
+it; the stream's position is unchanged, so the next real batch follows as usual. 2**40
+batches take 35 years at 1,000 steps per second, so no real gap or late join is refused.
+
 Cost: the in-order live case is one comparison (:meth:`accept_in_order`); everything
 else is O(1) per message plus O(n) over the buffered messages when a replay ends.
 
@@ -59,6 +69,7 @@ from typing import NamedTuple
 from kvevents.subscribe.items import Gap, Loss, Reset, Signal
 
 __all__ = [
+    "MAX_SEQ_JUMP",
     "CancelReplay",
     "Deliver",
     "Purpose",
@@ -66,6 +77,12 @@ __all__ = [
     "StreamTracker",
     "TrackerAction",
 ]
+
+
+MAX_SEQ_JUMP = 1 << 40
+"""How far past the highest seq seen a seq may lie and still be believed."""
+
+_END_SEQ = (1 << 64) - 1
 
 
 class Deliver(NamedTuple):
@@ -159,6 +176,10 @@ class StreamTracker:
             self.anchor_payload = payload
             return True
         return False
+
+    def plausible(self, seq: int) -> bool:
+        """Whether ``seq`` can be a real seq of this stream (see "Implausible seqs")."""
+        return seq != _END_SEQ and seq - max(self.last, self.live_high, 0) <= MAX_SEQ_JUMP
 
     def on_live(self, seq: int, payload: bytes) -> list[TrackerAction]:
         """A live message arrived."""

@@ -45,6 +45,7 @@ class StreamSockets:
         *,
         rcvhwm: int,
         reconnect_max_ms: int,
+        max_message_size: int = -1,
         replay_timeout: float,
         max_pending: int,
         on_replay_open: SocketHook,
@@ -70,6 +71,7 @@ class StreamSockets:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, max_message_size)
             sub.setsockopt(zmq.RECONNECT_IVL, 100)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -83,6 +85,7 @@ class StreamSockets:
                     on_open=on_replay_open,
                     on_close=on_replay_close,
                     reconnect_max_ms=reconnect_max_ms,
+                    max_message_size=max_message_size,
                 )
                 self.replay.open()  # a bad address fails here, not mid-replay
         except BaseException:
@@ -106,6 +109,7 @@ class StreamSockets:
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.counters.status = "disconnected"
                 self.tracker.on_disconnected()
+                self._reconnect()
             elif kind == zmq.EVENT_CONNECT_RETRIED:
                 self.counters.status = "unreachable"
                 if not self._unreachable_reported:
@@ -119,6 +123,17 @@ class StreamSockets:
                             f"up to every {self._reconnect_max_ms / 1000:g} s",
                         )
                     )
+
+    def _reconnect(self) -> None:
+        """Connect the SUB socket again after a drop.
+
+        ZMQ reconnects by itself after a network error, but not after a protocol error,
+        such as a frame above ``max_message_size``: it ends that connection for good.
+        Connecting again here covers both (a pending automatic reconnect is replaced).
+        """
+        with contextlib.suppress(zmq.ZMQError):  # already gone with the failed session
+            self.sub.disconnect(self.spec.endpoint)
+        self.sub.connect(self.spec.endpoint)
 
     def stats(self, now: float) -> StreamStats:
         """A snapshot (any thread)."""

@@ -75,7 +75,11 @@ from kvevents.subscribe.loop import SubscriberLoop
 from kvevents.subscribe.stats import StreamStats
 from kvevents.types import Holder
 
-__all__ = ["EngineStatus", "Subscriber", "SubscriberState"]
+__all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "EngineStatus", "Subscriber", "SubscriberState"]
+
+
+DEFAULT_MAX_MESSAGE_SIZE = 64 << 20
+"""The default largest live or replay frame a :class:`Subscriber` accepts: 64 MiB."""
 
 
 class SubscriberState(enum.Enum):
@@ -97,6 +101,11 @@ class Subscriber:
     * ``rcvhwm``: live receive high-water mark per stream (0: unlimited).
     * ``max_buffered``: items waiting for the consumer before the socket thread pauses.
     * ``max_pending``: live messages buffered per stream while a replay runs.
+    * ``max_message_size``: the largest frame, in bytes, a live or replay socket accepts
+      (ZMQ's ``MAXMSGSIZE``; default 64 MiB, -1: no limit). A larger frame makes ZMQ drop
+      that connection before the frame is buffered; the subscriber reconnects, and the
+      frame's seq is reported as a :class:`~kvevents.subscribe.items.Loss` once replay
+      fails to bring it (replay sockets have the same limit).
     * ``discovery_timeout``: seconds per ``/server_info`` request; ``retry_initial`` and
       ``retry_max``: the backoff between discovery attempts, ``retry_max`` also caps
       ZMQ's reconnect interval.
@@ -117,6 +126,7 @@ class Subscriber:
         rcvhwm: int = 100_000,
         max_buffered: int = 100_000,
         max_pending: int = 50_000,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         discovery_timeout: float = 2.0,
         retry_initial: float = 0.25,
         retry_max: float = 5.0,
@@ -134,6 +144,11 @@ class Subscriber:
                 raise ValueError(
                     f"Subscriber: {name}={value!r} must be a positive number of seconds"
                 )
+        if max_message_size != -1 and not max_message_size > 0:
+            raise ValueError(
+                f"Subscriber: max_message_size={max_message_size!r} must be a positive number "
+                "of bytes, or -1 for no limit"
+            )
         if rediscover_interval is not None and not rediscover_interval > 0:
             raise ValueError(
                 f"Subscriber: rediscover_interval={rediscover_interval!r} must be a positive "
@@ -153,6 +168,7 @@ class Subscriber:
             replay_timeout=replay_timeout,
             rcvhwm=rcvhwm,
             max_pending=max_pending,
+            max_message_size=max_message_size,
             reconnect_max_ms=int(retry_max * 1000),
             tail_probe=tail_probe,
             clock=clock,
