@@ -26,6 +26,7 @@ from kvevents.errors import (
     EndpointError,
     KVEventsError,
     PublisherStateError,
+    RouterNotReadyError,
     SubscriberStateError,
     WireError,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "Reset",
     "RouteDecision",
     "Router",
+    "RouterNotReadyError",
     "ScoringWeights",
     "Signal",
     "StreamSpec",

@@ -38,6 +38,7 @@ from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.topology import Topology
+from kvevents.errors import RequestError
 from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "create_app"]
@@ -77,7 +78,7 @@ class EngineInfo:
     kv_events_config: KVEventsConfig
 
 
-class BadRequest(Exception):
+class BadRequest(RequestError):
     """A request the engine answers with 400 and this message."""
 
 

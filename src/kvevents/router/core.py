@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvevents.errors import RouterNotReadyError
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.scoring import (
@@ -212,7 +213,16 @@ class Router:
         lora: str | int | None = None,
         cache_salt: str | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every known holder's longest cached prefix of the request, per tier, in blocks."""
+        """Every known holder's longest cached prefix of the request, per tier, in blocks.
+
+        :class:`~kvevents.errors.RouterNotReadyError` while no block size is known (no
+        engine advertised one or stored a block yet): the request cannot be keyed.
+        """
+        if self.index.block_size is None:
+            raise RouterNotReadyError(
+                "the block size is not known yet: no engine has advertised one or stored a "
+                "block; give the router --block-size, or retry once an engine has; see /workers"
+            )
         result = self.index.match_keys(self._keys(token_ids, lora, cache_salt))
         found = result.by_holder()
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}
@@ -228,11 +238,12 @@ class Router:
         """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
 
         ``policy`` is one of :data:`POLICIES` (see the module docstring).
+        :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         if not self.holders():
-            raise ValueError(
+            raise RouterNotReadyError(
                 "no engine rank is known yet: the router is still discovering its engines, "
                 "or none answers; see /workers"
             )

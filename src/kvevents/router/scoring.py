@@ -70,6 +70,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import msgspec
 
+from kvevents.errors import RouterNotReadyError
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.types import Holder
 
@@ -230,9 +231,9 @@ def score(
 
 
 def choose(scores: Sequence[HolderScore]) -> HolderScore:
-    """The winner of :func:`score`'s ranking; ValueError when no holder is available."""
+    """The winner of :func:`score`'s ranking; RouterNotReadyError when no holder is available."""
     if not scores or not scores[0].available:
-        raise ValueError(
+        raise RouterNotReadyError(
             "no available holder to route to: every engine rank is down or unknown; "
             "check the engines' /health and the router's /workers"
         )

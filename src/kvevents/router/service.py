@@ -19,7 +19,7 @@ import aiohttp
 import httpx
 import msgspec
 
-from kvevents.errors import SubscriberStateError
+from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry
@@ -79,11 +79,11 @@ class TokensBody(msgspec.Struct):
 _TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
 
 
-class BadRequest(Exception):
+class BadRequest(RequestError):
     """A request body the router cannot use; answered with 400."""
 
 
-class TokenizeFailed(Exception):
+class TokenizeFailed(KVEventsError):
     """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
 
     def __init__(self, error: TokenizeError) -> None:
