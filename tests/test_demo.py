@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvevents import ConfigError, KVEventsError
 from kvevents.cli.main import main
 from kvevents.demo.chart import cumulative, rolling
 from kvevents.demo.plane import _metric_sum
@@ -32,7 +33,6 @@ from kvevents.demo.replay import (
 )
 from kvevents.demo.report import summarize
 from kvevents.engine.cache import PrefixCache
-from kvevents.errors import ConfigError, KVEventsError
 from kvevents.results import finite_json
 from kvevents.traces import request_tokens
 

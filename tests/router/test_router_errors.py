@@ -9,10 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvevents import KVEventsError, Router, RouterNotReadyError
+from kvevents import Holder, KVEventsError, Router, RouterNotReadyError
 from kvevents.router.app import create_app
 from kvevents.router.service import RouterService
-from kvevents.types import Holder
 
 
 class _BuggyRouter(Router):

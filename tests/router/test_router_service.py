@@ -11,11 +11,9 @@ from collections.abc import Iterator
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+from kvevents import Holder, PrefixIndex, ScoringWeights
 from kvevents.cli.router import add_arguments, build_service
-from kvevents.index.prefix_index import PrefixIndex
-from kvevents.router.scoring import ScoringWeights
 from kvevents.text.chat import render_chat
-from kvevents.types import Holder
 
 PAGE = 4
 
