@@ -14,6 +14,7 @@ wording of the error message ("must be <description>").
 from __future__ import annotations
 
 import argparse
+import enum
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, NamedTuple, TypeVar, get_args
@@ -29,12 +30,26 @@ __all__ = [
     "PositiveFiniteFloat",
     "PositiveFloat",
     "PositiveInt",
+    "StrEnum",
     "bound_description",
     "bounded",
     "check_bound",
 ]
 
 T = TypeVar("T")
+
+
+class StrEnum(str, enum.Enum):
+    """An enum whose members are their string values: they compare equal to, print as,
+    and encode to JSON (msgspec, ``json``) as the plain string, so a state can become an
+    enum without changing any output. (:class:`enum.StrEnum` needs Python 3.11.)"""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, description="an integer >= 1")]
 """A count or size that cannot be zero: block size, ranks, blocks, requests."""

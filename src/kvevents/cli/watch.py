@@ -46,6 +46,7 @@ from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engin
 from kvevents.cli.options import add_log_level
 from kvevents.errors import ConfigError
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
+from kvevents.subscribe.engine_watcher import DiscoveryState
 from kvevents.subscribe.items import Delivery, Signal
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder, PositiveFloat, PositiveInt, bounded
@@ -277,7 +278,7 @@ def _render(sub: Subscriber, checker: _Checker, recent: deque[Signal]) -> Any:
             str(s.decode_errors + s.malformed),
         )
     for engine in sub.engines().values():
-        if engine.state != "subscribed":
+        if engine.state is not DiscoveryState.SUBSCRIBED:
             table.add_row(engine.url, "-", engine.state, *["-"] * 11)
     lines = [
         Text(f"{s.kind}: {_describe(s)}", style="red" if s.kind in ("loss", "reset") else "yellow")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -52,9 +52,11 @@ from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
 from kvevents.types import Holder
 
-__all__ = ["POLICIES", "RouteDecision", "Router", "Ticket"]
+__all__ = ["POLICIES", "Policy", "RouteDecision", "Router", "Ticket"]
 
-POLICIES = ("kv-aware", "round-robin")
+Policy = Literal["kv-aware", "round-robin"]
+"""How :meth:`Router.route` chooses (see the module docstring)."""
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,7 +68,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
-    policy: str = "kv-aware"
+    policy: Policy = "kv-aware"
 
     @property
     def holder(self) -> Holder:
@@ -233,7 +235,7 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
-        policy: str = "kv-aware",
+        policy: Policy = "kv-aware",
     ) -> RouteDecision:
         """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
 

@@ -20,7 +20,7 @@ import httpx
 import msgspec
 
 from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
-from kvevents.router.core import POLICIES, Router
+from kvevents.router.core import POLICIES, Policy, Router
 from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry
 from kvevents.router.peers import PeerNotes
@@ -107,7 +107,7 @@ class RouterService:
         load_interval: float = 0.5,
         forward_timeout: float = 600.0,
         tokenizer: TextTokenizer | None = None,
-        policy: str = "kv-aware",
+        policy: Policy = "kv-aware",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
