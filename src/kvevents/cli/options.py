@@ -23,11 +23,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds ``(default: X)`` to an option's help, unless it has no default worth showing
-    (None, a flag's False) or its help already says what the default is."""
+    (None, a flag's False, an empty string) or its help already says what the default is."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text:
             return text
         if not action.option_strings and action.nargs not in ("?", "*"):
             return text

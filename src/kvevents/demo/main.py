@@ -77,7 +77,12 @@ _TUNABLES: tuple[tuple[str, str, Any, str], ...] = (  # flag, DEFAULTS key, type
     ("--max-blocks", "max_blocks", bounded(PositiveInt), "cache pages per rank"),
     ("--speedup", "speedup", bounded(PositiveFloat), "trace seconds per second of replay"),
     ("--concurrency", "concurrency", bounded(PositiveInt), "requests in flight at most"),
-    ("--max-new-tokens", "max_new_tokens", bounded(NonNegativeInt), "cap on output tokens"),
+    (
+        "--max-new-tokens",
+        "max_new_tokens",
+        bounded(NonNegativeInt),
+        "cap on each request's output tokens",
+    ),
     ("--router-args", "router_args", str, "options passed to `kvevents router`"),
 )
 
@@ -87,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", type=Path, default=None, help="Mooncake trace (default: the bundled one)")
     add("--enable-dp-attention", action="store_true", help="engine in SGLang's DP-attention mode")
     for flag, key, kind, text in _TUNABLES:
-        add(flag, dest=key, type=kind, default=DEFAULTS[key], help=text)
+        metavar = "B" if key == "page_size" else None  # not the dest's old name
+        add(flag, dest=key, type=kind, default=DEFAULTS[key], metavar=metavar, help=text)
     # the engine's own alias: SGLang calls a KV block a page
     add(
         "--page-size",
