@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from kvevents.errors import RouterNotReadyError
+from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
@@ -122,7 +122,7 @@ class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(KVEventsError):
     """The request body passed the limit; answered with 413."""
 
 
