@@ -9,16 +9,10 @@ from typing import get_args
 import msgspec
 import pytest
 
+from kvevents import EngineSpec
 from kvevents.engine.supervisor import RankState
 from kvevents.router.core import POLICIES, Policy
-from kvevents.subscribe import (
-    ENGINE_KINDS,
-    DiscoveryState,
-    EngineKind,
-    EngineSpec,
-    StreamStats,
-    StreamStatus,
-)
+from kvevents.subscribe import ENGINE_KINDS, DiscoveryState, EngineKind, StreamStats, StreamStatus
 from kvevents.subscribe.engine_watcher import EngineWatcher
 from kvevents.subscribe.loop import Command
 from kvevents.types import StrEnum
