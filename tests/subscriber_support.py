@@ -14,10 +14,16 @@ from typing import Any
 
 import zmq
 
-from kvevents.subscribe.items import Delivery, Reset, Signal
-from kvevents.subscribe.subscriber import Subscriber
-from kvevents.types import Holder
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Delivery,
+    Holder,
+    Reset,
+    Signal,
+    Subscriber,
+)
 from kvevents.wire.frames import parse_replay_request
 from process_support import KVEventsProcess
 

@@ -86,7 +86,7 @@ def test_markdown_of_a_missing_results_file_is_a_clear_error(
     missing = tmp_path / "none.json"
     assert main(["bench", "--markdown", "--json", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert f"ConfigError: --json {missing}: cannot read it" in err
+    assert f"kvevents bench: error: --json {missing}: cannot read it" in err
     assert "run `kvevents bench all` first" in err
 
 

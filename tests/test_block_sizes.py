@@ -6,11 +6,8 @@ import logging
 
 import pytest
 
-from kvevents.router.core import Router
+from kvevents import BlockRemoved, BlockStored, Delivery, Holder, KVEventBatch, Router
 from kvevents.subscribe.block_sizes import BlockSizes
-from kvevents.subscribe.items import Delivery
-from kvevents.types import Holder
-from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 
 A = Holder("http://a:1", 0)
 B = Holder("http://a:1", 1)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.config import KVEventsConfig
-from kvevents.errors import ConfigError
+from kvevents import ConfigError, KVEventsConfig
 
 
 @pytest.mark.parametrize("text", [None, "", "{}", '{"publisher": "null"}'])

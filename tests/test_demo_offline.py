@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvevents import ScoringWeights
 from kvevents.demo.offline import OfflineRequest, ServiceModel, offline_replay, workload_requests
 from kvevents.demo.replay import Workload, hit_rate, pooled_upper_bound
 from kvevents.demo.report import summarize
-from kvevents.router.scoring import ScoringWeights
 
 DEMO = {"dp_size": 4, "page_size": 16, "max_blocks": 65536}
 

@@ -12,16 +12,19 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvevents.config import KVEventsConfig
-from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
-from kvevents.errors import DiscoveryError, EndpointError
-from kvevents.subscribe.discovery import (
+from kvevents import (
+    DiscoveryError,
+    EndpointError,
+    KVEventsConfig,
     StreamSpec,
     discover,
+    streams_from_server_info,
+)
+from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
+from kvevents.subscribe.discovery import (
     fetch_server_info,
     normalize_engine_url,
     streams_from_kv_event_sources,
-    streams_from_server_info,
 )
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvevents import decode_batch
 from kvevents.endpoints import PortPlan, free_port_range
-from kvevents.wire.codec import decode_batch
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 
 DP_SIZE = 4

@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvevents import free_port_range
-from kvevents.endpoints import Endpoint, PortPlan, offset_endpoint_port, select_kv_publisher_dp_rank
-from kvevents.errors import EndpointError, KVEventsError
+from kvevents import EndpointError, KVEventsError, offset_endpoint_port, select_kv_publisher_dp_rank
+from kvevents.endpoints import Endpoint, PortPlan, free_port_range
 
 
 @pytest.mark.parametrize(

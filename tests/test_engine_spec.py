@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvevents import ConfigError, EngineSpec, StreamSpec, load_engines_file
 from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
-from kvevents.errors import ConfigError
-from kvevents.subscribe.discovery import StreamSpec
-from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file, parse_engines_document
+from kvevents.subscribe.engine_spec import parse_engines_document
 
 
 def test_tcp_endpoints_are_offset_per_rank_and_wildcards_take_the_url_host() -> None:

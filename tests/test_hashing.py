@@ -11,14 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvevents import content_keys, sglang_block_hashes, vllm_block_hashes
 from kvevents.wire.hashing import (
     SGLangPageHash,
     VLLMSha256CborHash,
-    content_keys,
     get_hash_scheme,
-    sglang_block_hashes,
     tokens_to_array,
-    vllm_block_hashes,
     vllm_none_hash,
 )
 

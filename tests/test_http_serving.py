@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvevents.errors import EndpointError
+from kvevents import EndpointError
 from kvevents.http_serving import bind_http, http_url
 
 

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.index.prefix_index import PrefixIndex, namespace_key
-from kvevents.index.types import HolderMatch, Tier, TierCredits, normalize_medium
-from kvevents.types import Holder
-from kvevents.wire.codec import decode_batch
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Holder,
+    HolderMatch,
+    KVEventBatch,
+    PrefixIndex,
+    Tier,
+    TierCredits,
+    decode_batch,
+    namespace_key,
+)
+from kvevents.index.types import normalize_medium
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply
 from wire_samples import load_wire_samples
 

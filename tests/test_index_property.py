@@ -9,11 +9,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvevents.index.prefix_index import PrefixIndex
-from kvevents.index.types import HolderMatch, Tier
-from kvevents.types import Holder
-from kvevents.wire.codec import decode_batch, encode_batch
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Holder,
+    HolderMatch,
+    KVEventBatch,
+    PrefixIndex,
+    Tier,
+    decode_batch,
+    encode_batch,
+)
 
 BLOCK = 2
 HOLDERS = [Holder("w0", 0), Holder("w0", 1), Holder("w1", 0)]

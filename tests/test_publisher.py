@@ -15,17 +15,20 @@ import msgspec
 import pytest
 import zmq
 
-from kvevents.config import KVEventsConfig
-from kvevents.errors import ConfigError, EndpointError, PublisherStateError
-from kvevents.publish.zmq_publisher import (
+from kvevents import (
+    BlockStored,
+    ConfigError,
+    EndpointError,
     EventPublisher,
     EventPublisherFactory,
+    KVEventBatch,
+    KVEventsConfig,
     NullEventPublisher,
     PublisherState,
+    PublisherStateError,
     ZmqEventPublisher,
+    decode_batch,
 )
-from kvevents.wire.codec import decode_batch
-from kvevents.wire.events import BlockStored, KVEventBatch
 from kvevents.wire.frames import (
     LiveMessage,
     parse_live_frames,

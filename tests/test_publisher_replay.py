@@ -13,9 +13,8 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvevents import ZmqEventPublisher, decode_batch
 from kvevents.publish.replay_server import ReplayBuffer
-from kvevents.publish.zmq_publisher import ZmqEventPublisher
-from kvevents.wire.codec import decode_batch
 from kvevents.wire.frames import END_SEQ, parse_live_frames, parse_replay_reply
 from test_publisher import (  # noqa: F401  (fixtures are shared by importing them)
     TIMEOUT_MS,

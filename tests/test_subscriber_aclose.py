@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvevents.errors import SubscriberStateError
-from kvevents.subscribe.subscriber import Subscriber, SubscriberState
+from kvevents import Subscriber, SubscriberState, SubscriberStateError
 
 
 class StallingServer:

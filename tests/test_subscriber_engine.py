@@ -9,9 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvevents.subscribe.items import Reset, Unreachable
-from kvevents.subscribe.subscriber import Subscriber
-from kvevents.types import Holder
+from kvevents import Holder, Reset, Subscriber, Unreachable
 from subscriber_support import (
     EngineProcess,
     HeldBlocks,

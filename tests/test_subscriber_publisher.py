@@ -11,13 +11,20 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvevents.errors import EndpointError, SubscriberStateError
-from kvevents.publish.zmq_publisher import ZmqEventPublisher
-from kvevents.subscribe.discovery import StreamSpec
-from kvevents.subscribe.items import Delivery, Loss, Reset, Unreachable
-from kvevents.subscribe.subscriber import Subscriber
-from kvevents.types import Holder
-from kvevents.wire.events import BlockStored, KVEventBatch
+from kvevents import (
+    BlockStored,
+    Delivery,
+    EndpointError,
+    Holder,
+    KVEventBatch,
+    Loss,
+    Reset,
+    StreamSpec,
+    Subscriber,
+    SubscriberStateError,
+    Unreachable,
+    ZmqEventPublisher,
+)
 from subscriber_support import collect, deliveries, signals, wait_for
 
 Factory = Callable[..., ZmqEventPublisher]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.subscribe.items import Gap, Loss, Reset, Signal
+from kvevents import Gap, Loss, Reset, Signal
 from kvevents.subscribe.stream import CancelReplay, Deliver, Purpose, RequestReplay, StreamTracker
 
 

@@ -8,9 +8,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvevents.subscribe.discovery import StreamSpec
-from kvevents.subscribe.subscriber import Subscriber
-from kvevents.wire.events import KVCacheEvent, KVEventBatch
+from kvevents import KVCacheEvent, KVEventBatch, StreamSpec, Subscriber
 from kvevents.wire.frames import decode_seq
 from subscriber_support import (
     bind_local,

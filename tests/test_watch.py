@@ -109,7 +109,7 @@ def test_unreachable_endpoint_is_a_json_signal() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    result = kvevents("watch", "--endpoint", address, "--json", "--duration", "1.5")
+    result = kvevents("watch", "--endpoint", address, "--jsonl", "--duration", "1.5")
     assert result.returncode == 0, result.stderr
     lines = [json.loads(x) for x in result.stdout.splitlines()]
     assert lines and lines[0]["signal"] == "unreachable"
@@ -146,10 +146,13 @@ def test_table_shows_each_stream(publisher: dict[str, str]) -> None:
         (("--replay-endpoint", "tcp://127.0.0.1:1"), "give --engine or --endpoint first"),
         (
             ("--endpoint", "tcp://*:5557"),
-            "EndpointError: endpoint 'tcp://*:5557' has a wildcard host",
+            "kvevents watch: error: endpoint 'tcp://*:5557' has a wildcard host",
         ),
-        (("--endpoint", "tcp://127.0.0.1:x"), "EndpointError"),
-        (("--endpoint", "tcp://127.0.0.1:1", "--count", "0"), "--count must be positive"),
+        (("--endpoint", "tcp://127.0.0.1:x"), "kvevents watch: error: endpoint"),
+        (
+            ("--endpoint", "tcp://127.0.0.1:1", "--count", "0"),
+            "argument --count: 0: must be an integer >= 1",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args: tuple[str, ...], message: str) -> None:
@@ -247,7 +250,10 @@ def test_watch_refuses_a_bad_engine_description() -> None:
     """A described engine with an invalid endpoint exits 2 naming the engine."""
     result = kvevents("watch", "--engine", "http://h:1", "--kv-endpoint", "tcp://h:0")
     assert result.returncode == 2
-    assert "ConfigError: engine http://h:1: kv_endpoint tcp://h:0 has port 0" in result.stderr
+    assert (
+        "kvevents watch: error: engine http://h:1: kv_endpoint tcp://h:0 has port 0"
+        in result.stderr
+    )
 
 
 def test_malformed_frames_and_impossible_seqs_are_json_signal_lines(zmq_context: Any) -> None:

@@ -7,9 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvevents import wire
-from kvevents.errors import WireError
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireError, wire
 from wire_samples import SAMPLE_FILES, load_wire_samples
 
 STORED = BlockStored(

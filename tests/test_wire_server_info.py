@@ -6,10 +6,8 @@ import json
 
 import pytest
 
-from kvevents.config import KVEventsConfig
+from kvevents import DiscoveryError, KVEventsConfig, streams_from_server_info
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block, kv_events_block
-from kvevents.errors import DiscoveryError
-from kvevents.subscribe.discovery import streams_from_server_info
 from kvevents.wire import KVEventsBlock, decode_kv_events_block, encode_kv_events_block
 
 

@@ -1,35 +1,41 @@
 """kvevents: the KV-cache event plane for data-parallel LLM serving.
 
-One public surface: import from ``kvevents``; submodules may move.
+One public surface: import what a user of the library needs from ``kvevents``; the
+modules behind it may move.
 
 * Publishing (engine side): :class:`ZmqEventPublisher`, :class:`EventPublisherFactory`,
-  :class:`KVEventsConfig`, :func:`select_kv_publisher_dp_rank`, the wire structs.
-* Consuming (router side): :class:`Subscriber` and its items (:class:`Delivery`,
-  :class:`Gap`, :class:`Loss`, :class:`Reset`, :class:`Unreachable`, :class:`Malformed`),
-  :class:`PrefixIndex`, :class:`Router`.
-* The simulated engine lives in :mod:`kvevents.engine` (``kvevents engine`` on the
-  command line).
+  :class:`KVEventsConfig`, :func:`select_kv_publisher_dp_rank`, the wire structs and
+  their codec (:func:`encode_batch`, :func:`decode_batch`).
+* Consuming (router side): :class:`Subscriber` and its items (:data:`Item`: a
+  :class:`Delivery` or a :class:`Signal` such as :class:`Gap`, :class:`Loss`,
+  :class:`Reset`, :class:`Unreachable`, :class:`Malformed`), :class:`PrefixIndex` and its match types,
+  :class:`Router` with its :class:`RouteDecision` and :class:`Ticket`.
+* Errors: :class:`KVEventsError` and the classes below it (see :mod:`kvevents.errors`).
+
+Deployment helpers and internals stay in their subpackage and are imported from there:
+port planning (:mod:`kvevents.endpoints`: ``Endpoint``, ``PortPlan``, ``RankEndpoints``,
+``free_port_range``), the subscriber's bookkeeping (:mod:`kvevents.subscribe`:
+``BlockSizes``, ``BlockSizeMismatch``, ``EngineStatus``, ``StreamStats``), the HTTP
+services (:mod:`kvevents.router`, :mod:`kvevents.engine`; ``kvevents router`` and
+``kvevents engine`` on the command line).
 """
 
+from importlib.metadata import version as _version
+
 from kvevents.config import KVEventsConfig
-from kvevents.endpoints import (
-    Endpoint,
-    PortPlan,
-    RankEndpoints,
-    free_port_range,
-    offset_endpoint_port,
-    select_kv_publisher_dp_rank,
-)
+from kvevents.endpoints import offset_endpoint_port, select_kv_publisher_dp_rank
 from kvevents.errors import (
     ConfigError,
     DiscoveryError,
     EndpointError,
     KVEventsError,
     PublisherStateError,
+    RequestError,
+    RouterNotReadyError,
     SubscriberStateError,
     WireError,
 )
-from kvevents.index.prefix_index import PrefixIndex
+from kvevents.index.prefix_index import PrefixIndex, namespace_key
 from kvevents.index.types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
 from kvevents.publish.zmq_publisher import (
     EventPublisher,
@@ -39,15 +45,28 @@ from kvevents.publish.zmq_publisher import (
     PublisherStats,
     ZmqEventPublisher,
 )
-from kvevents.router import HolderLoad, HolderScore, RouteDecision, Router, ScoringWeights
-from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
+from kvevents.router import (
+    HolderLoad,
+    HolderScore,
+    RouteDecision,
+    Router,
+    ScoringWeights,
+    Ticket,
+)
 from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
 from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file
-from kvevents.subscribe.engine_watcher import EngineStatus
-from kvevents.subscribe.items import Delivery, Gap, Loss, Malformed, Reset, Signal, Unreachable
-from kvevents.subscribe.stats import StreamStats
+from kvevents.subscribe.items import (
+    Delivery,
+    Gap,
+    Item,
+    Loss,
+    Malformed,
+    Reset,
+    Signal,
+    Unreachable,
+)
 from kvevents.subscribe.subscriber import Subscriber, SubscriberState
-from kvevents.types import Holder
+from kvevents.types import Hash, Holder
 from kvevents.wire.codec import decode_batch, encode_batch
 from kvevents.wire.events import (
     AllBlocksCleared,
@@ -63,24 +82,22 @@ from kvevents.wire.hashing import content_keys, sglang_block_hashes, vllm_block_
 __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
-    "BlockSizeMismatch",
-    "BlockSizes",
     "BlockStored",
     "ConfigError",
     "Delivery",
     "DiscoveryError",
-    "Endpoint",
     "EndpointError",
     "EngineSpec",
-    "EngineStatus",
     "EventPublisher",
     "EventPublisherFactory",
     "Gap",
+    "Hash",
     "Holder",
     "HolderLoad",
     "HolderMatch",
     "HolderScore",
     "IndexStats",
+    "Item",
     "KVCacheEvent",
     "KVEventBatch",
     "KVEventsConfig",
@@ -88,23 +105,23 @@ __all__ = [
     "Loss",
     "Malformed",
     "NullEventPublisher",
-    "PortPlan",
     "PrefixIndex",
     "PrefixMatch",
     "PublisherState",
     "PublisherStateError",
     "PublisherStats",
-    "RankEndpoints",
+    "RequestError",
     "Reset",
     "RouteDecision",
     "Router",
+    "RouterNotReadyError",
     "ScoringWeights",
     "Signal",
     "StreamSpec",
-    "StreamStats",
     "Subscriber",
     "SubscriberState",
     "SubscriberStateError",
+    "Ticket",
     "Tier",
     "TierCredits",
     "Unreachable",
@@ -115,9 +132,9 @@ __all__ = [
     "discover",
     "encode_batch",
     "event_to_dict",
-    "free_port_range",
     "hash_to_int",
     "load_engines_file",
+    "namespace_key",
     "offset_endpoint_port",
     "select_kv_publisher_dp_rank",
     "sglang_block_hashes",
@@ -125,4 +142,5 @@ __all__ = [
     "vllm_block_hashes",
 ]
 
-__version__ = "0.1.0"
+__version__: str = _version("kvevents")
+"""The installed distribution's version (from the package metadata, i.e. pyproject.toml)."""

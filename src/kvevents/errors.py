@@ -1,21 +1,42 @@
-"""Exceptions raised by kvevents.
+"""Exceptions raised by kvevents: one tree, rooted at :class:`KVEventsError`.
 
 Every error the library raises on purpose derives from :class:`KVEventsError`, so a
 caller can catch the library's failures with one clause. Errors about bad input also
 derive from :class:`ValueError`, so code written against SGLang or vLLM (which raise
-plain ``ValueError``) keeps working.
+plain ``ValueError``) keeps working. The classes defined here are the shared roots;
+the leaves marked with a module live next to the code that raises them (they carry
+what that code needs, such as an HTTP status), and derive from a class here.
 
-Hierarchy::
+Hierarchy (HTTP status where a service answers with it)::
 
     KVEventsError
     ├── EndpointError (ValueError)     an endpoint string or a port plan is invalid
-    ├── ConfigError (ValueError)       a --kv-events-config value is invalid
+    ├── ConfigError (ValueError)       a --kv-events-config value or an option is invalid
     ├── WireError (ValueError)         bytes that are not a valid frame or payload
     ├── PublisherStateError (RuntimeError)
     │                                  a publisher used before start or after shutdown
     ├── DiscoveryError                 an engine's /server_info cannot be used
-    └── SubscriberStateError (RuntimeError)
-                                       a subscriber used after close
+    ├── SubscriberStateError (RuntimeError)
+    │                                  a subscriber used after close
+    ├── HandoffClosed                  subscribe.handoff: the item queue was closed
+    ├── ChatError (ValueError)         text.chat: messages the chat template cannot render
+    ├── RouterNotReadyError (ValueError)
+    │                                  no engine rank to route to yet, or none available: 503
+    ├── TokenizeError                  router.tokenize: the engine's /tokenize failed: 502,
+    │   │                              or the engine's own 400/413/422
+    │   └── ChatUnsupported            router.tokenize: this tokenizer has no template: 501
+    ├── TokenizeFailed                 router.service: a TokenizeError, as the routes answer it
+    ├── OpenAIError                    router.openai: any error in OpenAI's shape, own status
+    ├── BodyTooLarge                   router.hot_path: a body over --max-body-bytes: 413
+    ├── RequestError                   a request body or parameter a service refuses: 400
+    │   ├── BadRequest                 router.service: the router's
+    │   └── BadRequest                 engine.server: the simulated engine's
+    ├── QueueFullError (RuntimeError)  engine.scheduler: a rank's waiting queue is full: 503
+    └── EngineRankError (RuntimeError) engine.supervisor: a rank failed or is busy: own status
+
+Argument checks of constructors and functions (a negative size, an unknown scheme
+name) raise plain :class:`ValueError` or :class:`TypeError`, as Python's own do.
+Private control-flow exceptions that never leave their module are not part of the tree.
 
 Messages name the failing input and say how to fix it.
 """
@@ -57,3 +78,12 @@ class DiscoveryError(KVEventsError):
 
 class SubscriberStateError(KVEventsError, RuntimeError):
     """A subscriber was used after it was closed."""
+
+
+class RouterNotReadyError(KVEventsError, ValueError):
+    """The router cannot route yet: no engine rank is known, none is available, or (for a
+    prefix query) no block size is known. The HTTP service answers 503; retry later."""
+
+
+class RequestError(KVEventsError):
+    """A request a service refuses because of its body or parameters (answered with 400)."""

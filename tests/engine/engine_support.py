@@ -15,8 +15,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvevents.wire.codec import decode_batch
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 from process_support import KVEventsProcess
 

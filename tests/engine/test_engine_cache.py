@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, sglang_block_hashes
 from kvevents.engine.cache import Admission, PrefixCache
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvevents.wire.hashing import get_hash_scheme, sglang_block_hashes
+from kvevents.wire.hashing import get_hash_scheme
 
 
 def replay(events: list[KVCacheEvent], held: set[Any] | None = None) -> set[Any]:

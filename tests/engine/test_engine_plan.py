@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvevents.config import KVEventsConfig
+from kvevents import ConfigError, KVEventsConfig, streams_from_server_info
 from kvevents.engine.server_info import BoundPublisher, build_kv_events_block
 from kvevents.engine.topology import plan_topology
-from kvevents.errors import ConfigError
-from kvevents.subscribe.discovery import streams_from_server_info
 from kvevents.text.tokenizer import ByteTokenizer
 from kvevents.traces import (
     TraceRequest,

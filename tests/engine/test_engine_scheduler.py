@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from kvevents import AllBlocksCleared, BlockStored, KVEventBatch
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.scheduler import QueueFullError, Scheduler
-from kvevents.wire.events import AllBlocksCleared, BlockStored, KVEventBatch
 
 
 class RecordingPublisher:

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from engine_support import Engine, RankStreams, pid_alive
 
-from kvevents.wire.events import BlockStored
+from kvevents import BlockStored
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import pytest
 import zmq
 from engine_support import Engine, RankStreams, published_counts
 
+from kvevents import AllBlocksCleared, BlockRemoved
 from kvevents.endpoints import free_port_range
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved
 
 pytestmark = pytest.mark.slow
 

@@ -31,13 +31,21 @@ from typing import Any
 import httpx
 from real_vllm_router import RouterProcess, vllm_engine_args
 
-from kvevents.router.core import Router
-from kvevents.subscribe.discovery import StreamSpec
-from kvevents.subscribe.items import Delivery, Loss, Reset, Signal
-from kvevents.subscribe.subscriber import Subscriber
-from kvevents.types import Holder
-from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.wire.hashing import content_keys
+from kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Delivery,
+    Holder,
+    KVEventBatch,
+    Loss,
+    Reset,
+    Router,
+    Signal,
+    StreamSpec,
+    Subscriber,
+    content_keys,
+)
 
 ENV_URL = "KVEVENTS_REAL_VLLM_URL"
 SCRIPT = "scripts/test-real-vllm"

@@ -26,8 +26,7 @@ from typing import Any
 
 import httpx
 
-from kvevents.index.prefix_index import PrefixIndex
-from kvevents.types import Holder
+from kvevents import Holder, PrefixIndex
 
 READY = "kvevents router ready "
 START_TIMEOUT_S = 60.0

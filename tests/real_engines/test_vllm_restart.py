@@ -15,7 +15,7 @@ import pytest
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
 
-from kvevents.subscribe.items import Reset
+from kvevents import Reset
 
 FEED_TIMEOUT_S = 60.0
 

@@ -13,8 +13,7 @@ import pytest
 import zmq
 from real_vllm_helpers import Prompts, RealVLLM, VLLMClient
 
-from kvevents.wire.codec import decode_batch
-from kvevents.wire.events import BlockStored, KVEventBatch, hash_to_int
+from kvevents import BlockStored, KVEventBatch, decode_batch, hash_to_int
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 
 RECV_TIMEOUT_S = 15.0

@@ -41,8 +41,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvevents.publish.zmq_publisher import ZmqEventPublisher
-from kvevents.wire.events import BlockStored, KVEventBatch
+from kvevents import BlockStored, KVEventBatch, ZmqEventPublisher
 
 __all__ = ["FakeEngine", "RankPublishers"]
 

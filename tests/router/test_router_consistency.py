@@ -12,8 +12,7 @@ import random
 
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents.index.prefix_index import PrefixIndex
-from kvevents.types import Holder
+from kvevents import Holder, PrefixIndex
 
 DP = 4
 PAGE = 4

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.router import Router
+from kvevents import BlockStored, Delivery, Gap, Holder, KVEventBatch, Loss, Reset, Router
 from kvevents.router.metrics import make_registry, render
-from kvevents.subscribe.items import Delivery, Gap, Loss, Reset
-from kvevents.types import Holder
-from kvevents.wire.events import BlockStored, KVEventBatch
 
 H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from kvevents.router.core import Router
+from kvevents import Holder, Router
 from kvevents.router.peers import LoadNote, PeerNotes
-from kvevents.types import Holder
 
 H = Holder("http://engine", 0)
 

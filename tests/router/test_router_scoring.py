@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvevents.index.types import HolderMatch, TierCredits
-from kvevents.router.scoring import (
-    HolderLoad,
-    ScoringWeights,
-    choose,
-    note_routed,
-    pending_blocks,
-    score,
-)
-from kvevents.types import Holder
+from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
+from kvevents.router.scoring import choose, note_routed, pending_blocks, score
 
 H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
 

@@ -11,11 +11,9 @@ from collections.abc import Iterator
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+from kvevents import Holder, PrefixIndex, ScoringWeights
 from kvevents.cli.router import add_arguments, build_service
-from kvevents.index.prefix_index import PrefixIndex
-from kvevents.router.scoring import ScoringWeights
 from kvevents.text.chat import render_chat
-from kvevents.types import Holder
 
 PAGE = 4
 
@@ -154,9 +152,9 @@ def test_engine_not_up_yet_is_reported_not_fatal() -> None:
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        (["--credits", "1,2"], "ConfigError: --credits '1,2'"),
-        (["--balance-weight", "-1"], "ConfigError: --balance-weight -1.0: must be a number >= 0"),
-        (["--balance-half-life", "0"], "ConfigError: --balance-half-life 0.0: must be a positive"),
+        (["--credits", "1,2"], "kvevents router: error: --credits '1,2'"),
+        (["--balance-weight", "-1"], "error: argument --balance-weight: -1: must be a number >= 0"),
+        (["--balance-half-life", "0"], "error: argument --balance-half-life: 0: must be a finite"),
     ],
 )
 def test_bad_option_exits_2_with_a_message(option: list[str], message: str) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
+from kvevents.cli.options import add_log_level
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
@@ -36,6 +37,14 @@ from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
 from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
+from kvevents.types import (
+    NonNegativeFloat,
+    Port,
+    PositiveFloat,
+    PositiveInt,
+    bounded,
+    check_bound,
+)
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
 __all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]
@@ -66,33 +75,25 @@ class EngineSettings:
     max_body_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
-        for flag, value in (("--page-size", self.page_size), ("--max-blocks", self.max_blocks)):
-            if value < 1:
-                raise ConfigError(f"{flag} {value} must be at least 1")
-        for flag, count in (
-            ("--max-running", self.max_running),
-            ("--max-new-tokens-limit", self.max_new_tokens_limit),
-            ("--max-body-bytes", self.max_body_bytes),
+        # the bounds are the ones the command line parses these options with
+        for flag, value, bound in (
+            ("--block-size", self.page_size, PositiveInt),
+            ("--max-blocks", self.max_blocks, PositiveInt),
+            ("--max-running", self.max_running, PositiveInt),
+            ("--startup-timeout", self.startup_timeout, NonNegativeFloat),
+            ("--dead-rank-grace", self.dead_rank_grace, NonNegativeFloat),
+            ("--port", self.port, Port),
+            ("--prefill-tokens-per-s", self.prefill_tokens_per_s, PositiveFloat),
+            ("--decode-steps-per-s", self.decode_steps_per_s, PositiveFloat),
+            ("--max-new-tokens-limit", self.max_new_tokens_limit, PositiveInt),
+            ("--max-body-bytes", self.max_body_bytes, PositiveInt),
+            ("--request-timeout", self.request_timeout, PositiveFloat),
+            ("--shutdown-timeout", self.shutdown_timeout, NonNegativeFloat),
         ):
-            if count < 1:
-                raise ConfigError(f"{flag} {count} must be at least 1")
-        for flag, seconds in (
-            ("--startup-timeout", self.startup_timeout),
-            ("--dead-rank-grace", self.dead_rank_grace),
-            ("--shutdown-timeout", self.shutdown_timeout),
-        ):
-            if not seconds >= 0:
-                raise ConfigError(f"{flag} {seconds} must be >= 0 seconds")
-        if not self.request_timeout > 0:
-            raise ConfigError(f"--request-timeout {self.request_timeout} must be > 0 seconds")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port} must be in 0..65535 (0: the OS picks)")
-        for flag, speed in (
-            ("--prefill-tokens-per-s", self.prefill_tokens_per_s),
-            ("--decode-steps-per-s", self.decode_steps_per_s),
-        ):
-            if not speed > 0:
-                raise ConfigError(f"{flag} {speed} must be > 0 (inf: no simulated delay)")
+            try:
+                check_bound(value, bound, flag)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
             get_hash_scheme(self.hash_scheme, seed=self.hash_seed)
         except (ValueError, ImportError) as exc:
@@ -144,35 +145,75 @@ class EngineSettings:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--dp-size", type=int, default=1, help="data-parallel ranks (KV caches), default 1")
+    # the topology's sizes are checked together by plan_topology, which explains the mix
+    add("--dp-size", type=int, default=1, help="data-parallel ranks (KV caches)")
     add("--enable-dp-attention", action="store_true", help="SGLang's DP-attention mode")
     add("--tp-size", type=int, default=None, help="tensor-parallel size (see SGLang)")
-    add("--page-size", type=int, default=16, help="tokens per KV block, default 16")
-    add("--max-blocks", type=int, default=8192, help="KV blocks per rank, default 8192")
+    add(
+        "--block-size",
+        "--page-size",
+        dest="page_size",
+        type=bounded(PositiveInt),
+        default=16,
+        metavar="B",
+        help="tokens per KV block (--page-size: SGLang's name for it)",
+    )
+    add("--max-blocks", type=bounded(PositiveInt), default=8192, help="KV blocks per rank")
     add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
-    add("--host", default="127.0.0.1", help="HTTP host, default 127.0.0.1")
-    add("--port", type=int, default=30000, help="HTTP port, default 30000 (0: the OS picks)")
+    add("--host", default="127.0.0.1", help="HTTP host")
+    add("--port", type=bounded(Port), default=30000, help="HTTP port (0: the OS picks)")
     add("--hash-scheme", choices=HASH_SCHEMES, default="sglang", help="engine block hashes")
-    add("--hash-seed", default="0", help="vLLM scheme's PYTHONHASHSEED, default '0'")
-    add("--prefill-tokens-per-s", type=float, default=1_000_000.0, help="simulated prefill speed")
-    add("--decode-steps-per-s", type=float, default=1_000.0, help="simulated decode steps/s")
-    add("--max-running", type=int, default=64, help="running requests per rank, default 64")
-    add("--startup-timeout", type=float, default=30.0, help="seconds for ranks to start")
-    add("--dead-rank-grace", type=float, default=1.0, help="seconds /health shows a dead rank")
+    add("--hash-seed", default="0", help="vLLM scheme's PYTHONHASHSEED")
+    add(
+        "--prefill-tokens-per-s",
+        type=bounded(PositiveFloat),
+        default=1_000_000.0,
+        help="simulated prefill speed (inf: no delay)",
+    )
+    add(
+        "--decode-steps-per-s",
+        type=bounded(PositiveFloat),
+        default=1_000.0,
+        help="simulated decode steps/s (inf: no delay)",
+    )
+    add("--max-running", type=bounded(PositiveInt), default=64, help="running requests per rank")
+    add(
+        "--startup-timeout",
+        type=bounded(NonNegativeFloat),
+        default=30.0,
+        help="seconds for ranks to start",
+    )
+    add(
+        "--dead-rank-grace",
+        type=bounded(NonNegativeFloat),
+        default=1.0,
+        help="seconds /health shows a dead rank",
+    )
     add(
         "--max-new-tokens-limit",
-        type=int,
+        type=bounded(PositiveInt),
         default=32_768,
         help="largest max_new_tokens (400 past it)",
     )
     add(
         "--request-timeout",
-        type=float,
+        type=bounded(PositiveFloat),
         default=60.0,
         help="seconds a request waits for its rank (504)",
     )
-    add("--shutdown-timeout", type=float, default=10.0, help="seconds SIGTERM waits for requests")
-    add("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413), 8 MiB")
+    add(
+        "--shutdown-timeout",
+        type=bounded(NonNegativeFloat),
+        default=10.0,
+        help="seconds SIGTERM waits for requests",
+    )
+    add(
+        "--max-body-bytes",
+        type=bounded(PositiveInt),
+        default=8 << 20,
+        help="largest request body (413), 8 MiB",
+    )
+    add_log_level(parser)
 
 
 def run(args: argparse.Namespace) -> int:

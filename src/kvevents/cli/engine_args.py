@@ -27,6 +27,7 @@ from typing import Any
 from kvevents.errors import ConfigError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineSpec, load_engines_file
+from kvevents.types import NonNegativeInt, PositiveInt, bounded
 
 __all__ = ["add_engine_arguments", "endpoint_specs", "engine_specs"]
 
@@ -122,17 +123,24 @@ def add_engine_arguments(
         help="rank 0's replay endpoint (rank r: port + r)",
     )
     group.add_argument(
-        "--dp-size", dest="dp_size", action=Action, type=int, metavar="N", help="ranks (default 1)"
+        "--dp-size",
+        dest="dp_size",
+        action=Action,
+        type=bounded(PositiveInt),
+        metavar="N",
+        help="ranks (default 1)",
     )
     group.add_argument("--topic", action=Action, help="topic the engine publishes under")
     group.add_argument(
         "--block-size",
+        "--page-size",
         dest="block_size",
         action=Action,
-        type=int,
+        type=bounded(PositiveInt),
         metavar="B",
         help="tokens per block, checked against the events"
-        + (" (before any --engine: the router's block size)" if global_block_size else ""),
+        + (" (before any --engine: the router's block size)" if global_block_size else "")
+        + "; --page-size is the same option under SGLang's name",
     )
     group.add_argument(
         "--engine-kind",
@@ -162,7 +170,7 @@ def add_engine_arguments(
             "--dp-rank",
             dest="dp_rank",
             action=Action,
-            type=int,
+            type=bounded(NonNegativeInt),
             help="rank of the --endpoint before it",
         )
     parser.set_defaults(entries=[], engines_file=None)

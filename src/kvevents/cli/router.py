@@ -53,6 +53,7 @@ import logging
 import os
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
+from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
 from kvevents.errors import ConfigError
 from kvevents.http_serving import run_event_loop, serve_app
@@ -66,6 +67,14 @@ from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import (
+    NonNegativeFloat,
+    Port,
+    PositiveFiniteFloat,
+    PositiveFloat,
+    PositiveInt,
+    bounded,
+)
 
 __all__ = [
     "READY_PREFIX",
@@ -88,7 +97,9 @@ READY_PREFIX = "kvevents router ready "
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, global_block_size=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    parser.add_argument("--port", type=int, default=8100, help="port (0: the OS picks one)")
+    parser.add_argument(
+        "--port", type=bounded(Port), default=8100, help="port (0: the OS picks one)"
+    )
     text = parser.add_mutually_exclusive_group()
     text.add_argument(
         "--tokenizer",
@@ -106,59 +117,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICIES,
         default="kv-aware",
-        help="kv-aware (default) or round-robin (for comparisons)",
+        help="kv-aware, or round-robin (for comparisons)",
     )
     parser.add_argument(
-        "--load-interval", type=float, default=0.5, help="seconds between /load or /health"
+        "--load-interval",
+        type=bounded(PositiveFloat),
+        default=0.5,
+        help="seconds between /load or /health",
     )
     parser.add_argument(
         "--forward-timeout",
-        type=float,
+        type=bounded(PositiveFloat),
         default=600.0,
         help="seconds a forwarded request may take in all, streaming included (default 600)",
     )
     weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
     parser.add_argument(
         "--load-weight",
-        type=float,
+        type=bounded(NonNegativeFloat),
         default=weights.load_weight,
-        help="blocks of prefill one block of pending (in-flight) work is worth "
-        f"(default {weights.load_weight:g})",
+        help="blocks of prefill one block of pending (in-flight) work is worth",
     )
     parser.add_argument(
         "--foreign-request-blocks",
-        type=float,
+        type=bounded(NonNegativeFloat),
         default=weights.foreign_request_blocks,
-        help="pending blocks assumed per engine request this router did not send "
-        f"(default {weights.foreign_request_blocks:g})",
+        help="pending blocks assumed per engine request this router did not send",
     )
     parser.add_argument(
         "--balance-weight",
-        type=float,
+        type=bounded(NonNegativeFloat),
         default=weights.balance_weight,
         help="blocks of prefill one block of a rank's excess recent work is worth; 0 turns "
-        f"the balance off (default {weights.balance_weight:g})",
+        "the balance off",
     )
     parser.add_argument(
         "--balance-half-life",
-        type=float,
+        type=bounded(PositiveFiniteFloat),
         default=weights.balance_half_life,
         metavar="REQUESTS",
-        help="requests routed after which a request's share of a rank's recent work halves "
-        f"(default {weights.balance_half_life:g})",
+        help="requests routed after which a request's share of a rank's recent work halves",
     )
     parser.add_argument(
         "--credits",
         default="1.0,0.75,0.25",
         metavar="GPU,CPU,DISK",
-        help="worth of a cached block per tier (default 1.0,0.75,0.25)",
+        help="worth of a cached block per tier",
     )
     parser.add_argument(
-        "--max-entries", type=int, default=DEFAULT_MAX_ENTRIES, help="index memory bound"
+        "--max-entries",
+        type=bounded(PositiveInt),
+        default=DEFAULT_MAX_ENTRIES,
+        help="index memory bound",
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=bounded(PositiveInt),
         default=None,
         metavar="N",
         help="router processes serving the port (SO_REUSEPORT), each following every engine "
@@ -167,12 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=bounded(PositiveInt),
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
         help="largest /route or /query body; larger ones answer 413 "
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
     )
+    add_log_level(parser)
 
 
 def _credits(text: str) -> TierCredits:
@@ -186,17 +201,7 @@ def _credits(text: str) -> TierCredits:
 
 
 def _weights(args: argparse.Namespace) -> ScoringWeights:
-    for flag, value in (
-        ("--load-weight", args.load_weight),
-        ("--foreign-request-blocks", args.foreign_request_blocks),
-        ("--balance-weight", args.balance_weight),
-    ):
-        if not value >= 0:
-            raise ValueError(f"{flag} {value}: must be a number >= 0")
-    if not 0 < args.balance_half_life < float("inf"):
-        raise ValueError(
-            f"--balance-half-life {args.balance_half_life}: must be a positive number of requests"
-        )
+    # each option was parsed with the bound ScoringWeights declares for its field
     return ScoringWeights(
         load_weight=args.load_weight,
         foreign_request_blocks=args.foreign_request_blocks,
@@ -242,15 +247,9 @@ def _check(
     args: argparse.Namespace, *, warn: bool
 ) -> tuple[Router, list[EngineSpec], TextTokenizer | None]:
     """Every option checked, and what they build short of following the engines."""
-    if args.load_interval <= 0:
-        raise ValueError(f"--load-interval {args.load_interval}: must be a positive number")
-    if not args.forward_timeout > 0:
-        raise ValueError(f"--forward-timeout {args.forward_timeout}: must be a positive number")
-    block_size = args.global_block_size
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"--block-size {block_size}: must be a positive integer")
+    # the numeric options were checked as they were parsed (kvevents.types.bounded)
     router = Router(
-        block_size=block_size,
+        block_size=args.global_block_size,
         credits=_credits(args.credits),
         weights=_weights(args),
         max_entries=args.max_entries,
@@ -276,10 +275,6 @@ def _check(
 
 def run(args: argparse.Namespace) -> int:
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
-    if workers < 1:
-        raise ConfigError(f"--workers {workers}: must be at least 1 process")
-    if args.max_body_bytes < 1:
-        raise ConfigError(f"--max-body-bytes {args.max_body_bytes}: must be a positive number")
     try:
         if workers > 1:
             _check(args, warn=True)  # refuse bad options once, before any process starts

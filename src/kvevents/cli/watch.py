@@ -5,7 +5,7 @@
     kvevents watch http://127.0.0.1:30000                        # every rank it advertises
     kvevents watch --engine http://10.0.0.5:8000 --kv-endpoint tcp://*:5557 --dp-size 2
     kvevents watch --endpoint tcp://10.0.0.5:5557 --replay-endpoint tcp://10.0.0.5:5600
-    kvevents watch URL --json | jq .                              # one JSON object per line
+    kvevents watch URL --jsonl | jq .                             # one JSON object per line
 
 An engine URL alone is discovered (``/server_info``, or a vLLM's ``/kv_event_sources``).
 Engines that advertise neither (an SGLang, an older vLLM) are described with ``--engine
@@ -15,10 +15,10 @@ URL`` and the options after it (``--kv-endpoint``, ``--replay-endpoint``, ``--dp
 ``--dp-rank`` after an ``--endpoint`` belong to that stream. Block sizes are checked
 (:mod:`kvevents.subscribe.block_sizes`): each stored chain against the configured size, else
 against the stream's first one; a mismatch is logged, shown in the table and printed as
-a ``block_size_mismatch`` line with ``--json`` (the batches themselves are still shown).
+a ``block_size_mismatch`` line with ``--jsonl`` (the batches themselves are still shown).
 By default a live table shows, per stream: status, last seq, batches and blocks per
-second, lag, gaps, replayed, lost, resets, errors. ``--json`` prints instead, one object
-per line::
+second, lag, gaps, replayed, lost, resets, errors. ``--jsonl`` (JSON Lines; ``--json``,
+its older name, is still accepted) prints instead, one object per line::
 
     {"worker": ..., "dp_rank": 0, "seq": 12, "ts": 1795975045.2, "events": [{"type": ...}, ...]}
     {"signal": "gap" | "loss" | "reset" | "unreachable", "worker": ..., "dp_rank": ..., ...}
@@ -28,7 +28,9 @@ per line::
      "expected_from": ..., "observed": 32, "source": "events", "count": 1}
 
 ``--count N`` stops after N batches, ``--duration S`` after S seconds. Exit status 0,
-2 for bad arguments, 130 on Ctrl-C.
+2 for bad arguments (``kvevents watch: error: ...``), 130 on Ctrl-C. ``--json FILE``
+in ``kvevents demo`` and ``bench`` writes a results file; here the output is a stream
+on stdout, hence its own name.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ from typing import Any, TextIO
 import msgspec
 
 from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
+from kvevents.cli.options import add_log_level
+from kvevents.errors import ConfigError
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
+from kvevents.subscribe.engine_watcher import DiscoveryState
 from kvevents.subscribe.items import Delivery, Signal
 from kvevents.subscribe.subscriber import Subscriber
-from kvevents.types import Holder
+from kvevents.types import Holder, PositiveFloat, PositiveInt, bounded
 from kvevents.wire.events import event_to_dict
 
 __all__ = ["add_arguments", "batch_to_json", "run"]
@@ -59,16 +64,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "urls", nargs="*", metavar="URL", help="engine URLs (their /server_info is read)"
     )
     add_engine_arguments(parser, endpoints=True)
-    parser.add_argument("--json", action="store_true", help="print one JSON object per line")
-    parser.add_argument("--count", type=int, metavar="N", help="stop after N batches")
-    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument(
-        "--replay-timeout", type=float, default=2.0, metavar="S", help="replay inactivity timeout"
+        "--jsonl", action="store_true", help="print one JSON object per line instead of a table"
     )
+    # the older spelling, kept for scripts; hidden from --help
+    parser.add_argument("--json", dest="jsonl", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--count", type=bounded(PositiveInt), metavar="N", help="stop after N batches"
+    )
+    parser.add_argument(
+        "--duration", type=bounded(PositiveFloat), metavar="S", help="stop after S seconds"
+    )
+    parser.add_argument(
+        "--replay-timeout",
+        type=bounded(PositiveFloat),
+        default=2.0,
+        metavar="S",
+        help="replay inactivity timeout",
+    )
+    add_log_level(parser)
 
 
 def batch_to_json(item: Delivery) -> bytes:
-    """One delivery as the JSON line of ``--json`` (without the newline)."""
+    """One delivery as the JSON line of ``--jsonl`` (without the newline)."""
     batch = item.batch
     return _ENCODER.encode(
         {
@@ -126,20 +144,11 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
 
 def run(args: argparse.Namespace) -> int:
     if not args.urls and not args.entries and args.engines_file is None:
-        print(
-            "kvevents watch: give at least one engine URL, --engine, --engines-file or --endpoint",
-            file=sys.stderr,
-        )
-        return 2
-    for name in ("count", "duration"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            print(f"kvevents watch: --{name} must be positive, got {value}", file=sys.stderr)
-            return 2
+        raise ConfigError("give at least one engine URL, --engine, --engines-file or --endpoint")
     sub, checker = _subscribe(args)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     with sub:
-        if args.json:
+        if args.jsonl:
             return _run_json(sub, checker, sys.stdout, args.count, deadline)
         return _run_table(sub, checker, args.count, deadline)
 
@@ -271,7 +280,7 @@ def _render(sub: Subscriber, checker: _Checker, recent: deque[Signal]) -> Any:
             str(s.decode_errors + s.malformed),
         )
     for engine in sub.engines().values():
-        if engine.state != "subscribed":
+        if engine.state is not DiscoveryState.SUBSCRIBED:
             table.add_row(engine.url, "-", engine.state, *["-"] * 11)
     lines = [
         Text(f"{s.kind}: {_describe(s)}", style="red" if s.kind in ("loss", "reset") else "yellow")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvevents.demo.replay import Outcome, PolicyRun, Workload
 from kvevents.engine.cache import Admission, PrefixCache
-from kvevents.router.core import Router, Ticket
+from kvevents.router.core import Policy, Router, Ticket
 from kvevents.router.scoring import ScoringWeights
 from kvevents.subscribe.items import Delivery
 from kvevents.traces import request_tokens
@@ -91,7 +91,7 @@ def offline_replay(
     page_size: int,
     max_blocks: int,
     concurrency: int,
-    policy: str = "kv-aware",
+    policy: Policy = "kv-aware",
     weights: ScoringWeights | None = None,
     service: ServiceModel | None = None,
     name: str | None = None,

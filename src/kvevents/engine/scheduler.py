@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvevents.engine.cache import Admission, CacheEvent, PrefixCache
+from kvevents.errors import KVEventsError
 from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.hashing import tokens_to_array
 
@@ -43,7 +44,7 @@ class BatchPublisher(Protocol):
     def publish(self, batch: KVEventBatch) -> Any: ...
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(KVEventsError, RuntimeError):
     """The rank's waiting queue is at ``max_waiting``; the client should retry later."""
 
 

@@ -41,6 +41,7 @@ from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.topology import Topology
+from kvevents.errors import RequestError
 from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "EngineLimits", "create_app"]
@@ -103,7 +104,7 @@ class EngineLimits:
     max_body_bytes: int = 8 << 20
 
 
-class BadRequest(Exception):
+class BadRequest(RequestError):
     """A request the engine answers with 400 and this message."""
 
 

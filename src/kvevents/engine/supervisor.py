@@ -53,8 +53,9 @@ import zmq.asyncio
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.server_info import BoundPublisher
 from kvevents.errors import KVEventsError
+from kvevents.types import StrEnum
 
-__all__ = ["EngineRankError", "RankSupervisor"]
+__all__ = ["EngineRankError", "RankState", "RankSupervisor"]
 
 log = logging.getLogger("kvevents.engine")
 
@@ -70,6 +71,22 @@ class EngineRankError(KVEventsError, RuntimeError):
         self.status = status
 
 
+class RankState(StrEnum):
+    """The lifecycle of one rank process (members are their strings, as ``/health`` shows).
+
+    ``STARTING`` -> ``RUNNING`` -> (``KILLING`` -> ``RESTARTING`` -> ``RUNNING``)* ->
+    ``STOPPED``; a process that exits on its own, from any state but ``KILLING`` and
+    ``STOPPED``, is ``DEAD``.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    KILLING = "killing"  # a restart killed it: the watchdog ignores this exit
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+    DEAD = "dead"
+
+
 class _Malformed(Exception):
     """A control message that is skipped and counted; the text says why."""
 
@@ -78,8 +95,7 @@ class _Malformed(Exception):
 class _Rank:
     spec: RankSpec
     process: subprocess.Popen[bytes] | None = None
-    # starting -> running -> (killing -> restarting -> running)* -> stopped, or -> dead
-    state: str = "starting"
+    state: RankState = RankState.STARTING
     pid: int | None = None
     endpoint: str | None = None
     replay_endpoint: str | None = None
@@ -153,9 +169,14 @@ class RankSupervisor:
     async def restart(self, dp_rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
         """Kill rank ``dp_rank`` with ``sig`` and start it again on the same endpoints."""
         rank = self._rank(dp_rank)
-        if rank.state in ("starting", "killing", "restarting", "stopped"):
+        if rank.state in (
+            RankState.STARTING,
+            RankState.KILLING,
+            RankState.RESTARTING,
+            RankState.STOPPED,
+        ):
             raise EngineRankError(f"dp_rank {dp_rank} is {rank.state}; try again later", 409)
-        rank.state = "killing"  # the watchdog ignores this exit
+        rank.state = RankState.KILLING  # the watchdog ignores this exit
         await self._terminate(rank, sig, timeout=10.0)
         self._fail_pending(rank, f"dp_rank {dp_rank} was restarted")
         rank.spec = msgspec.structs.replace(
@@ -173,7 +194,7 @@ class RankSupervisor:
         self._closed = True
         for rank in self._ranks:
             if rank.process is not None and rank.process.poll() is None:
-                rank.state = "stopped"
+                rank.state = RankState.STOPPED
                 with contextlib.suppress(EngineRankError):
                     await self._send(rank, {"id": 0, "op": "shutdown"})
         await asyncio.gather(*(self._terminate(r, None, timeout) for r in self._ranks))
@@ -191,7 +212,7 @@ class RankSupervisor:
     async def call(self, dp_rank: int, op: str, timeout: float = 30.0, **fields: Any) -> Any:
         """Send ``op`` to rank ``dp_rank`` and return its result (raises EngineRankError)."""
         rank = self._rank(dp_rank)
-        if rank.state != "running":
+        if rank.state is not RankState.RUNNING:
             raise EngineRankError(f"dp_rank {dp_rank} is {rank.state}")
         call_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -209,10 +230,10 @@ class RankSupervisor:
             rank.pending.discard(call_id)
 
     def live_ranks(self) -> list[int]:
-        return [i for i, r in enumerate(self._ranks) if r.state == "running"]
+        return [i for i, r in enumerate(self._ranks) if r.state is RankState.RUNNING]
 
     def dead_ranks(self) -> list[int]:
-        return [i for i, r in enumerate(self._ranks) if r.state == "dead"]
+        return [i for i, r in enumerate(self._ranks) if r.state is RankState.DEAD]
 
     def status(self) -> list[dict[str, Any]]:
         return [self._status(r) for r in self._ranks]
@@ -238,8 +259,8 @@ class RankSupervisor:
     def _status(self, rank: _Rank) -> dict[str, Any]:
         return {
             "dp_rank": rank.spec.dp_rank,
-            "state": rank.state,
-            "alive": rank.state == "running",
+            "state": rank.state.value,
+            "alive": rank.state is RankState.RUNNING,
             "pid": rank.pid,
             "restarts": rank.restarts,
             "exit_code": rank.exit_code,
@@ -248,7 +269,7 @@ class RankSupervisor:
         }
 
     def _spawn(self, rank: _Rank) -> None:
-        rank.state = "starting" if rank.restarts == 0 else "restarting"
+        rank.state = RankState.STARTING if rank.restarts == 0 else RankState.RESTARTING
         rank.exit_code = None
         rank.hello = asyncio.get_running_loop().create_future()
         argv = [sys.executable, "-m", "kvevents.engine.rank"]
@@ -264,7 +285,7 @@ class RankSupervisor:
         try:
             hello = await asyncio.wait_for(asyncio.shield(rank.hello), self._startup_timeout)
         except (asyncio.TimeoutError, EngineRankError) as exc:
-            rank.state = "dead"
+            rank.state = RankState.DEAD
             if rank.restarts:
                 self.failed.set()
             if isinstance(exc, EngineRankError):
@@ -274,8 +295,11 @@ class RankSupervisor:
             ) from None
         rank.endpoint = hello.get("endpoint")
         rank.replay_endpoint = hello.get("replay_endpoint")
-        if rank.state in ("starting", "restarting"):  # not if stop() began meanwhile
-            rank.state = "running"
+        if rank.state in (
+            RankState.STARTING,
+            RankState.RESTARTING,
+        ):  # not if stop() began meanwhile
+            rank.state = RankState.RUNNING
 
     async def _send(self, rank: _Rank, message: dict[str, Any]) -> None:
         identity = f"rank-{rank.spec.dp_rank}".encode()
@@ -362,14 +386,18 @@ class RankSupervisor:
             await asyncio.sleep(0.1)
             for rank in self._ranks:
                 proc = rank.process
-                if proc is None or rank.state in ("killing", "stopped", "dead"):
+                if proc is None or rank.state in (
+                    RankState.KILLING,
+                    RankState.STOPPED,
+                    RankState.DEAD,
+                ):
                     continue
                 code = proc.poll()
                 if code is None:
                     continue
                 rank.exit_code = code
-                was_starting = rank.state == "starting"
-                rank.state = "dead"
+                was_starting = rank.state is RankState.STARTING
+                rank.state = RankState.DEAD
                 message = f"dp_rank {rank.spec.dp_rank} (pid {proc.pid}) exited with code {code}"
                 if rank.hello is not None and not rank.hello.done():
                     rank.hello.set_exception(EngineRankError(message))

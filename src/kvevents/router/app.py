@@ -15,6 +15,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvevents.errors import RouterNotReadyError
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
@@ -56,7 +57,8 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
     async def _untokenized(request: Request, exc: TokenizeFailed) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
-    def _not_ready(exc: ValueError) -> JSONResponse:
+    @app.exception_handler(RouterNotReadyError)
+    async def _not_ready(request: Request, exc: RouterNotReadyError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.post("/generate")
@@ -69,12 +71,9 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
             raise BadRequest(f"request body: {exc}") from None
         if not isinstance(payload, dict):
             raise BadRequest("request body must be a JSON object")
-        try:
-            decision = router.route(
-                tokens, lora=body.lora, cache_salt=body.cache_salt, policy=service.policy
-            )
-        except ValueError as exc:
-            return _not_ready(exc)
+        decision = router.route(
+            tokens, lora=body.lora, cache_salt=body.cache_salt, policy=service.policy
+        )
         payload.pop("data_parallel_rank", None)
         payload["routed_dp_rank"] = decision.dp_rank
         ticket = router.begin(decision)

@@ -33,10 +33,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
+from kvevents.errors import RouterNotReadyError
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.scoring import (
@@ -51,9 +52,11 @@ from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
 from kvevents.types import Holder
 
-__all__ = ["POLICIES", "RouteDecision", "Router", "Ticket"]
+__all__ = ["POLICIES", "Policy", "RouteDecision", "Router", "Ticket"]
 
-POLICIES = ("kv-aware", "round-robin")
+Policy = Literal["kv-aware", "round-robin"]
+"""How :meth:`Router.route` chooses (see the module docstring)."""
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,7 +68,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
-    policy: str = "kv-aware"
+    policy: Policy = "kv-aware"
 
     @property
     def holder(self) -> Holder:
@@ -212,7 +215,16 @@ class Router:
         lora: str | int | None = None,
         cache_salt: str | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every known holder's longest cached prefix of the request, per tier, in blocks."""
+        """Every known holder's longest cached prefix of the request, per tier, in blocks.
+
+        :class:`~kvevents.errors.RouterNotReadyError` while no block size is known (no
+        engine advertised one or stored a block yet): the request cannot be keyed.
+        """
+        if self.index.block_size is None:
+            raise RouterNotReadyError(
+                "the block size is not known yet: no engine has advertised one or stored a "
+                "block; give the router --block-size, or retry once an engine has; see /workers"
+            )
         result = self.index.match_keys(self._keys(token_ids, lora, cache_salt))
         found = result.by_holder()
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}
@@ -223,16 +235,17 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
-        policy: str = "kv-aware",
+        policy: Policy = "kv-aware",
     ) -> RouteDecision:
         """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
 
         ``policy`` is one of :data:`POLICIES` (see the module docstring).
+        :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         if not self.holders():
-            raise ValueError(
+            raise RouterNotReadyError(
                 "no engine rank is known yet: the router is still discovering its engines, "
                 "or none answers; see /workers"
             )

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,7 +47,10 @@ from kvevents.subscribe.discovery import (
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.types import Holder
 
-__all__ = ["EngineState", "vllm_rank_loads", "watch_engine"]
+__all__ = ["EngineState", "LoadSource", "vllm_rank_loads", "watch_engine"]
+
+LoadSource = Literal["/load", "/metrics", "router"]
+"""Where an engine's rank loads come from (see :attr:`EngineState.load_source`)."""
 
 log = logging.getLogger("kvevents.router")
 
@@ -62,7 +65,7 @@ class EngineState:
     registered: bool = False
     error: str | None = None
     advertised_block_size: int | None = None
-    load_source: str | None = None
+    load_source: LoadSource | None = None
     """Where the ranks' load last came from: ``/load``, ``/metrics``, or ``router``
     (this router's in-flight requests only); ``metrics_error`` says why not metrics."""
     metrics_error: str | None = None

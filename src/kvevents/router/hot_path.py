@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
@@ -121,7 +122,7 @@ class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(KVEventsError):
     """The request body passed the limit; answered with 413."""
 
 
@@ -187,7 +188,7 @@ class HotPath:
             status, answer = 400, _error("request body: JSON nested too deeply")
         except UnicodeError as exc:
             status, answer = 400, _error(f"request body: text is not valid Unicode: {exc}")
-        except ValueError as exc:  # the router has no engine rank yet
+        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
             status, answer = 503, _error(str(exc))
         await send(
             {

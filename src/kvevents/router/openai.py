@@ -46,6 +46,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.router.core import RouteDecision
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS
@@ -75,7 +76,7 @@ _DROP_HEADERS = frozenset(
 _MAX_TOKEN_ID = 2**32 - 1
 
 
-class OpenAIError(Exception):
+class OpenAIError(KVEventsError):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
@@ -207,7 +208,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
             decision = router.route(
                 tokens, cache_salt=salt if isinstance(salt, str) else None, policy=service.policy
             )
-        except ValueError as exc:
+        except RouterNotReadyError as exc:
             raise OpenAIError(503, str(exc), "service_unavailable") from None
         spec = service.spec(decision.worker)
         headers = _forward_headers(request)

@@ -70,8 +70,9 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import msgspec
 
+from kvevents.errors import RouterNotReadyError
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
-from kvevents.types import Holder
+from kvevents.types import Holder, NonNegativeFloat, PositiveFiniteFloat, check_bound
 
 __all__ = [
     "HolderLoad",
@@ -87,25 +88,24 @@ __all__ = [
 class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
     """Weights of the cost; see the module docstring. All must be >= 0, the half-life > 0."""
 
-    load_weight: float = 0.1
+    load_weight: NonNegativeFloat = 0.1
     """How many blocks of prefill one block of pending work is worth."""
-    foreign_request_blocks: float = 8.0
+    foreign_request_blocks: NonNegativeFloat = 8.0
     """Pending work assumed for one request the engine runs that this router did not send."""
-    balance_weight: float = 0.05
+    balance_weight: NonNegativeFloat = 0.05
     """How many blocks of prefill one block of excess recent work is worth."""
-    balance_half_life: float = 64.0
+    balance_half_life: PositiveFiniteFloat = 64.0
     """Requests routed (to any holder) after which a request's share of ``recent`` halves."""
 
     def __post_init__(self) -> None:
-        for name in ("load_weight", "foreign_request_blocks", "balance_weight"):
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"ScoringWeights: {name}={value!r} must be a number >= 0")
-        if not 0 < self.balance_half_life < float("inf"):
-            raise ValueError(
-                f"ScoringWeights: balance_half_life={self.balance_half_life!r} must be a "
-                "positive number of requests"
-            )
+        # a constructor call is not decoded, so msgspec does not check the Meta bounds itself
+        for name, bound in (
+            ("load_weight", NonNegativeFloat),
+            ("foreign_request_blocks", NonNegativeFloat),
+            ("balance_weight", NonNegativeFloat),
+            ("balance_half_life", PositiveFiniteFloat),
+        ):
+            check_bound(getattr(self, name), bound, f"ScoringWeights: {name}")
 
     @property
     def decay(self) -> float:
@@ -230,9 +230,9 @@ def score(
 
 
 def choose(scores: Sequence[HolderScore]) -> HolderScore:
-    """The winner of :func:`score`'s ranking; ValueError when no holder is available."""
+    """The winner of :func:`score`'s ranking; RouterNotReadyError when no holder is available."""
     if not scores or not scores[0].available:
-        raise ValueError(
+        raise RouterNotReadyError(
             "no available holder to route to: every engine rank is down or unknown; "
             "check the engines' /health and the router's /workers"
         )

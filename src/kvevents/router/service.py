@@ -19,8 +19,8 @@ import aiohttp
 import httpx
 import msgspec
 
-from kvevents.errors import SubscriberStateError
-from kvevents.router.core import POLICIES, Router
+from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
+from kvevents.router.core import POLICIES, Policy, Router
 from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry
 from kvevents.router.peers import PeerNotes
@@ -79,11 +79,11 @@ class TokensBody(msgspec.Struct):
 _TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
 
 
-class BadRequest(Exception):
+class BadRequest(RequestError):
     """A request body the router cannot use; answered with 400."""
 
 
-class TokenizeFailed(Exception):
+class TokenizeFailed(KVEventsError):
     """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
 
     def __init__(self, error: TokenizeError) -> None:
@@ -107,7 +107,7 @@ class RouterService:
         load_interval: float = 0.5,
         forward_timeout: float = 600.0,
         tokenizer: TextTokenizer | None = None,
-        policy: str = "kv-aware",
+        policy: Policy = "kv-aware",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")

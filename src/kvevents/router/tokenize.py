@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from kvevents.errors import ConfigError
+from kvevents.errors import ConfigError, KVEventsError
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-class TokenizeError(Exception):
+class TokenizeError(KVEventsError):
     """The text could not be tokenized (the engine's /tokenize failed or answered oddly).
 
     ``status`` is what the router answers its client: the engine's own 400, 413 or 422

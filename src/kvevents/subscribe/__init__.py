@@ -21,16 +21,19 @@ Nothing here imports the engine side (``publish``, ``engine``) or the index.
 
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
-from kvevents.subscribe.engine_spec import EngineSpec, load_engines_file
-from kvevents.subscribe.engine_watcher import EngineStatus
+from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec, load_engines_file
+from kvevents.subscribe.engine_watcher import DiscoveryState, EngineStatus
 from kvevents.subscribe.items import Delivery, Gap, Item, Loss, Reset, Signal, Unreachable
-from kvevents.subscribe.stats import StreamStats
+from kvevents.subscribe.stats import StreamStats, StreamStatus
 from kvevents.subscribe.subscriber import Subscriber, SubscriberState
 
 __all__ = [
+    "ENGINE_KINDS",
     "BlockSizeMismatch",
     "BlockSizes",
     "Delivery",
+    "DiscoveryState",
+    "EngineKind",
     "EngineSpec",
     "EngineStatus",
     "Gap",
@@ -40,6 +43,7 @@ __all__ = [
     "Signal",
     "StreamSpec",
     "StreamStats",
+    "StreamStatus",
     "Subscriber",
     "SubscriberState",
     "Unreachable",

@@ -38,7 +38,7 @@ import importlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import httpx
 import msgspec
@@ -50,10 +50,18 @@ from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 if TYPE_CHECKING:
     from kvevents.subscribe.subscriber import Subscriber
 
-__all__ = ["ENGINE_KINDS", "EngineSpec", "load_engines_file", "parse_engines_document"]
+__all__ = [
+    "ENGINE_KINDS",
+    "EngineKind",
+    "EngineSpec",
+    "load_engines_file",
+    "parse_engines_document",
+]
 
-ENGINE_KINDS = ("vllm", "sglang", "kvevents")
+EngineKind = Literal["vllm", "sglang", "kvevents"]
 """How a request reaches one rank: vLLM's header, or SGLang's (and ours) body field."""
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
+"""Every :data:`EngineKind`, in the order options and messages list them."""
 
 FIELDS = (
     "url",
@@ -80,7 +88,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     dp_size: int | None = None
     topic: str | None = None
     block_size: int | None = None
-    kind: str | None = None
+    kind: EngineKind | None = None
     name: str | None = None
 
     @classmethod
@@ -94,8 +102,14 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"engine url {url!r} must be an HTTP URL like http://127.0.0.1:8000")
+        normalized = normalize_engine_url(url)
+        kind = fields.get("kind")
+        if kind is not None and kind not in ENGINE_KINDS:  # before msgspec's terser message
+            raise ConfigError(
+                f"engine {normalized}: kind {kind!r} is not one of {', '.join(ENGINE_KINDS)}"
+            )
         try:
-            spec = msgspec.convert({"url": normalize_engine_url(url), **fields}, cls)
+            spec = msgspec.convert({"url": normalized, **fields}, cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"engine {url}: {exc}") from None
         spec._validate()
@@ -105,10 +119,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         where = f"engine {self.url}"
         if not httpx.URL(self.url).host:
             raise ConfigError(f"{where}: cannot read a host from the URL; write http://HOST:PORT")
-        if self.kind is not None and self.kind not in ENGINE_KINDS:
-            raise ConfigError(
-                f"{where}: kind {self.kind!r} is not one of {', '.join(ENGINE_KINDS)}"
-            )
         for field in ("dp_size", "block_size"):
             value = getattr(self, field)
             if value is not None and value < 1:
@@ -135,7 +145,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.kv_endpoint is not None
 
     @property
-    def engine_kind(self) -> str:
+    def engine_kind(self) -> EngineKind:
         """``kind``, or its default: ``vllm`` when described, ``kvevents`` when discovered."""
         if self.kind is not None:
             return self.kind

@@ -26,14 +26,29 @@ import msgspec
 from kvevents.errors import DiscoveryError
 from kvevents.subscribe.discovery import StreamSpec, discover
 from kvevents.subscribe.items import Signal, Unreachable
+from kvevents.types import StrEnum
 
-__all__ = ["EngineStatus", "EngineWatcher"]
+__all__ = ["DiscoveryState", "EngineStatus", "EngineWatcher"]
+
+
+class DiscoveryState(StrEnum):
+    """Where discovering one engine URL stands (members are their strings, as in JSON).
+
+    ``DISCOVERING`` (the first attempt is running) -> ``SUBSCRIBED``, or ->
+    ``UNREACHABLE`` (no answer) / ``INVALID`` (an answer that describes no usable
+    stream), both retried with backoff until ``SUBSCRIBED``.
+    """
+
+    DISCOVERING = "discovering"
+    UNREACHABLE = "unreachable"
+    INVALID = "invalid"
+    SUBSCRIBED = "subscribed"
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Discovery state of one engine URL.
 
-    ``state``: "discovering" (first attempt running), "unreachable" (no answer),
+    ``state``: a :class:`DiscoveryState`: "discovering" (first attempt running), "unreachable" (no answer),
     "invalid" (it answers, but neither its /server_info nor a vLLM's /kv_event_sources
     describes a usable stream: publishing is off, or the document is malformed;
     ``last_error`` says which) or "subscribed".
@@ -42,7 +57,7 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
 
     url: str
     worker: str
-    state: str
+    state: DiscoveryState
     attempts: int
     last_error: str | None
     streams: int
@@ -69,7 +84,7 @@ class EngineWatcher:
     ) -> None:
         self.url = url
         self.worker = worker
-        self.state = "discovering"
+        self.state = DiscoveryState.DISCOVERING
         self.attempts = 0
         self.last_error: str | None = None
         self.streams = 0
@@ -113,7 +128,7 @@ class EngineWatcher:
                 specs = discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
             except DiscoveryError as exc:
                 self.last_error = str(exc)
-                self.state = "invalid" if exc.reached else "unreachable"
+                self.state = DiscoveryState.INVALID if exc.reached else DiscoveryState.UNREACHABLE
                 if not reported:
                     reported = True
                     self._report(
@@ -131,7 +146,7 @@ class EngineWatcher:
                 continue
             self.last_error = None
             self._follow(specs)
-            self.state = "subscribed"
+            self.state = DiscoveryState.SUBSCRIBED
             break
         if self._recheck is None or self._replace_spec is None:
             return

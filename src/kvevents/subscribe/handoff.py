@@ -23,12 +23,14 @@ import threading
 from collections import deque
 from typing import Generic, TypeVar
 
+from kvevents.errors import KVEventsError
+
 __all__ = ["Handoff", "HandoffClosed"]
 
 T = TypeVar("T")
 
 
-class HandoffClosed(Exception):
+class HandoffClosed(KVEventsError):
     """The handoff was closed; ``error`` is what closed it, if it failed."""
 
     def __init__(self, error: BaseException | None = None) -> None:

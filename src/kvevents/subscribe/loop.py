@@ -20,6 +20,7 @@ stops the loop.
 from __future__ import annotations
 
 import contextlib
+import enum
 import socket
 import struct
 import threading
@@ -55,7 +56,18 @@ from kvevents.types import Holder
 from kvevents.wire.codec import decode_batch
 from kvevents.wire.events import AllBlocksCleared
 
-__all__ = ["SubscriberLoop"]
+__all__ = ["Command", "SubscriberLoop"]
+
+
+class Command(enum.Enum):
+    """What another thread asks the loop to do (:meth:`SubscriberLoop.submit`), with its argument."""
+
+    ADD = "add"  # follow a new stream: a StreamSpec
+    REPLACE = "replace"  # follow this spec instead of the holder's current stream: a StreamSpec
+    SIGNAL = "signal"  # pass a Signal on to the consumer, in order with the deliveries
+    STOP = "stop"  # close every socket and end the thread: no argument
+
+
 _SEQ = struct.Struct(">Q")
 _NOBLOCK = int(zmq.NOBLOCK)
 _DRAIN = 256  # messages read from one socket per poll, for fairness between streams
@@ -94,7 +106,7 @@ class SubscriberLoop:
         self.tail_probe = tail_probe
         self.clock = clock
         self.streams: dict[Holder, StreamSockets] = {}
-        self._commands: deque[tuple[str, Any]] = deque()
+        self._commands: deque[tuple[Command, Any]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)  # submit() never waits, even on a stalled loop
@@ -107,8 +119,8 @@ class SubscriberLoop:
 
     # --- other threads -----------------------------------------------------------------
 
-    def submit(self, command: str, arg: Any = None) -> None:
-        """Queue ``("add", StreamSpec)``, ``("signal", Signal)`` or ``("stop", None)``."""
+    def submit(self, command: Command, arg: Any = None) -> None:
+        """Queue a :class:`Command` with its argument (see there)."""
         self._commands.append((command, arg))
         # OSError: the pipe is full (a wake-up is pending anyway) or the loop has ended
         with contextlib.suppress(OSError):
@@ -194,13 +206,13 @@ class SubscriberLoop:
             pass
         while self._commands:
             command, arg = self._commands.popleft()
-            if command == "add":
+            if command is Command.ADD:
                 self._add_stream(arg, now, out)
-            elif command == "replace":
+            elif command is Command.REPLACE:
                 self._replace_stream(arg, now, out)
-            elif command == "signal":
+            elif command is Command.SIGNAL:
                 out.append(arg)
-            elif command == "stop":
+            elif command is Command.STOP:
                 self._stop = True
 
     # --- streams -------------------------------------------------------------------------

@@ -16,17 +16,33 @@ from collections import deque
 
 import msgspec
 
-__all__ = ["SAMPLE_INTERVAL", "WINDOW", "StreamCounters", "StreamStats"]
+from kvevents.types import StrEnum
+
+__all__ = ["SAMPLE_INTERVAL", "WINDOW", "StreamCounters", "StreamStats", "StreamStatus"]
 
 SAMPLE_INTERVAL = 0.5
 WINDOW = 10  # samples: rates cover the last ~5 s
 
 
+class StreamStatus(StrEnum):
+    """The connection state of one stream's SUB socket, as its monitor reports it.
+
+    ``CONNECTING`` -> ``CONNECTED`` <-> ``DISCONNECTED`` (dropped, reconnecting); a
+    connection attempt that fails, at any point, makes it ``UNREACHABLE`` until one
+    succeeds. Members are their strings ("connected", ...), as JSON shows them.
+    """
+
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    DISCONNECTED = "disconnected"
+    UNREACHABLE = "unreachable"
+
+
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of one stream.
 
-    ``status``: "connecting" (not connected yet), "connected", "disconnected" (dropped,
-    reconnecting) or "unreachable" (connection attempts fail). ``last_seq`` is None before
+    ``status``: a :class:`StreamStatus`: "connecting" (not connected yet), "connected",
+    "disconnected" (dropped, reconnecting) or "unreachable" (connection attempts fail). ``last_seq`` is None before
     the first delivery. ``age_s`` is the time since the last message (live or replayed)
     arrived; ``lag_s`` how far that batch's timestamp was behind the local wall clock on
     arrival. ``lost`` counts sequence numbers, the other counters batches or events.
@@ -36,7 +52,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int
     endpoint: str
     replay_endpoint: str | None
-    status: str
+    status: StreamStatus
     last_seq: int | None
     batches: int
     blocks: int
@@ -63,7 +79,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
             dp_rank=dp_rank,
             endpoint=endpoint,
             replay_endpoint=replay_endpoint,
-            status="connecting",
+            status=StreamStatus.CONNECTING,
             last_seq=None,
             batches=0,
             blocks=0,
@@ -101,7 +117,7 @@ class StreamCounters:
         self.blocks = 0
         self.decode_errors = 0
         self.malformed = 0
-        self.status = "connecting"
+        self.status = StreamStatus.CONNECTING
         self.last_arrival: float | None = None  # monotonic clock
         self.last_lag: float | None = None
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=WINDOW)

@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.replay_client import ReplayClient
-from kvevents.subscribe.stats import StreamCounters, StreamStats
+from kvevents.subscribe.stats import StreamCounters, StreamStats, StreamStatus
 from kvevents.subscribe.stream import StreamTracker, TrackerAction
 from kvevents.types import Holder
 
@@ -103,15 +103,15 @@ class StreamSockets:
                 return actions, signals
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
-                self.counters.status = "connected"
+                self.counters.status = StreamStatus.CONNECTED
                 self._unreachable_reported = False
                 actions += self.tracker.on_connected()
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.counters.status = "disconnected"
+                self.counters.status = StreamStatus.DISCONNECTED
                 self.tracker.on_disconnected()
                 self._reconnect()
             elif kind == zmq.EVENT_CONNECT_RETRIED:
-                self.counters.status = "unreachable"
+                self.counters.status = StreamStatus.UNREACHABLE
                 if not self._unreachable_reported:
                     self._unreachable_reported = True
                     signals.append(

@@ -71,7 +71,7 @@ from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 from kvevents.subscribe.engine_watcher import EngineStatus, EngineWatcher
 from kvevents.subscribe.handoff import Handoff, HandoffClosed
 from kvevents.subscribe.items import Item
-from kvevents.subscribe.loop import SubscriberLoop
+from kvevents.subscribe.loop import Command, SubscriberLoop
 from kvevents.subscribe.stats import StreamStats
 from kvevents.types import Holder
 
@@ -205,7 +205,7 @@ class Subscriber:
                 retry_max=self.retry_max,
                 closing=self._closing,
                 add_spec=self._add_spec,
-                report=lambda signal: self._loop.submit("signal", signal),
+                report=lambda signal: self._loop.submit(Command.SIGNAL, signal),
                 replace_spec=self._replace_spec,
                 recheck=self.rediscover_interval,
             )
@@ -228,13 +228,13 @@ class Subscriber:
                     "or dp_ranks to distinct endpoints"
                 )
             self._specs[holder] = spec
-        self._loop.submit("add", spec)
+        self._loop.submit(Command.ADD, spec)
 
     def _replace_spec(self, spec: StreamSpec) -> None:
         """Follow ``spec`` instead of the holder's current stream (the engine moved)."""
         with self._lock:
             self._specs[Holder(spec.worker, spec.dp_rank)] = spec
-        self._loop.submit("replace", spec)
+        self._loop.submit(Command.REPLACE, spec)
 
     # --- consuming -----------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Subscriber:
             self.state = SubscriberState.CLOSED
             watchers = list(self._engines.values())
         self._closing.set()
-        self._loop.submit("stop")
+        self._loop.submit(Command.STOP)
         self._handoff.close()
         self._loop.thread.join(timeout)
         for w in watchers:

@@ -25,13 +25,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvevents.errors import KVEventsError
+
 __all__ = ["ChatError", "render_chat"]
 
 _GENERATION_PROMPT = "<|assistant|>\n"
 _END = "<|end|>\n"
 
 
-class ChatError(ValueError):
+class ChatError(KVEventsError, ValueError):
     """The messages cannot be rendered; the message says which one and why."""
 
 
