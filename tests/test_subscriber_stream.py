@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvevents import Gap, Loss, Reset, Signal
@@ -301,6 +301,14 @@ def test_timed_out_replay_that_made_progress_is_asked_again() -> None:
 
 
 @settings(max_examples=400, deadline=None)
+@example(  # a verification that timed out used to leave the stream never probed again
+    n=2,
+    live_drop={1},
+    publisher_drop=set(),
+    buffer_steps=1,
+    ops=["publish", "answer", "reconnect", "timeout"],
+    has_replay=True,
+)
 @given(
     n=st.integers(1, 40),
     live_drop=st.sets(st.integers(0, 39)),

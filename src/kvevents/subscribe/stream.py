@@ -286,8 +286,15 @@ class StreamTracker:
     def probe(self) -> list[TrackerAction]:
         """The stream has been quiet: ask the publisher for anything after ``last``."""
         out: list[TrackerAction] = []
-        if self.has_replay and not self.replaying and not self.suspect:
+        if not self.has_replay or self.replaying:
+            return out
+        if not self.suspect:
             self._begin_replay(Purpose.PROBE, self.last + 1, out)
+        elif self.can_verify:
+            # The verification after a reconnect timed out and nothing live came since:
+            # verify again, or the tail after ``last`` would never be asked for.
+            self.suspect = False
+            self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
         return out
 
     def on_disconnected(self) -> None:
