@@ -53,11 +53,14 @@ except ImportError:  # pragma: no cover - a dependency; absent only on exotic pl
 _STARTUP_POLLS = 3000  # x 10 ms: startup is the app's lifespan plus one listen()
 
 
-def bind_http(host: str, port: int, what: str, *, reuse_port: bool = False) -> socket.socket:
+def bind_http(
+    host: str, port: int, what: str, *, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
     """A listening, non-blocking TCP socket on ``host:port`` (0: the OS picks).
 
     ``reuse_port``: several processes listen on one port (``SO_REUSEPORT``) and the
     kernel spreads new connections over them (``kvevents router --workers N``).
+    ``listen=False`` only binds: the port is held, and no connection is ever queued on it.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -72,8 +75,9 @@ def bind_http(host: str, port: int, what: str, *, reuse_port: bool = False) -> s
             f"{what} HTTP address {host}:{port} cannot be bound ({exc.strerror}): "
             "choose another --port (0 lets the OS pick)"
         ) from None
-    sock.listen(1024)
-    sock.setblocking(False)
+    if listen:
+        sock.listen(1024)
+        sock.setblocking(False)
     return sock
 
 

@@ -27,7 +27,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -35,8 +34,8 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from kvevents.errors import EndpointError, KVEventsError
-from kvevents.http_serving import run_event_loop, serve_app
+from kvevents.errors import KVEventsError
+from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
 from kvevents.router.peers import PeerNotes
 from kvevents.router.service import RouterService
@@ -51,22 +50,6 @@ _STOP_TIMEOUT = 10.0
 
 def _endpoint(folder: str, index: int) -> str:
     return f"ipc://{folder}/worker-{index}"
-
-
-def _reserve(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise EndpointError(
-            f"router HTTP address {host}:{port} cannot be bound ({exc.strerror}): "
-            "choose another --port (0 lets the OS pick)"
-        ) from None
-    return sock
 
 
 def _worker_main(
@@ -120,7 +103,7 @@ def serve_workers(
 
     ``build_service(args)`` builds each worker's service (in the worker process).
     """
-    reserve = _reserve(args.host, args.port)
+    reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="kvevents-router-")
     ctx = multiprocessing.get_context("spawn")

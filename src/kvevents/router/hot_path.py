@@ -50,6 +50,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 class Tiers(msgspec.Struct, gc=False):
+    """Per-tier figures: tokens in ``/query``'s ``tiers``, blocks in ``/route``'s ``matched``."""
+
     gpu: int
     cpu: int
     disk: int
@@ -69,18 +71,12 @@ class QueryAnswer(msgspec.Struct, gc=False):
     matches: list[QueryMatch]
 
 
-class MatchedBlocks(msgspec.Struct, gc=False):
-    gpu: int
-    cpu: int
-    disk: int
-
-
 class ScoreAnswer(msgspec.Struct, gc=False):
     """One holder's score as ``/route`` reports it (see :class:`~kvevents.router.scoring.HolderScore`)."""
 
     worker: str
     dp_rank: int
-    matched: MatchedBlocks
+    matched: Tiers
     cached_blocks: float
     prefill_blocks: float
     pending_blocks: float
@@ -96,7 +92,7 @@ class ScoreAnswer(msgspec.Struct, gc=False):
         return cls(
             s.worker,
             s.dp_rank,
-            MatchedBlocks(m.gpu, m.cpu, m.disk),
+            Tiers(m.gpu, m.cpu, m.disk),
             s.cached_blocks,
             s.prefill_blocks,
             s.pending_blocks,
