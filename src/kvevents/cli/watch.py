@@ -31,6 +31,9 @@ its older name, is still accepted) prints instead, one object per line::
 2 for bad arguments (``kvevents watch: error: ...``), 130 on Ctrl-C. ``--json FILE``
 in ``kvevents demo`` and ``bench`` writes a results file; here the output is a stream
 on stdout, hence its own name.
+
+Over 300 lines on purpose: one command with two outputs (the live table and JSON lines)
+over the same subscription and checks.
 """
 
 from __future__ import annotations

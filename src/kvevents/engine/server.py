@@ -21,6 +21,10 @@ A malformed body or query answers 400 with ``{"error": ...}`` naming the field (
 nested too deeply or holding an unpaired surrogate included: :mod:`kvevents.engine.bodies`),
 a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
 not answer within ``--request-timeout`` 504.
+
+Over 300 lines on purpose: the engine's HTTP routes and the limits they enforce (body
+size, token ceiling, rank timeouts) are read together; the OpenAI routes are already
+apart in openai_api.py.
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ a peer sends is trusted:
   well-formed message (wrong frame count, not msgpack, an ``id`` that is no int, a
   ``status`` that is no HTTP error code) is counted in :attr:`RankSupervisor.malformed`
   and skipped, the first one logged. The receive loop never dies of a peer's input.
+
+Over 300 lines on purpose: the supervisor's lifecycle (start, call, watchdog, restart,
+stop) and its checks of untrusted control messages share one socket and one table of
+ranks and pending calls.
 """
 
 from __future__ import annotations

@@ -43,6 +43,10 @@ Chained content keys make the tree implicit: block i's key already names the who
 prefix 0..i, so one flat dict answers for every holder at once. A prefix-closed mask
 with binary search would need parent or child links (about 40% more memory) to stay
 exact when a block is removed from the middle of a chain, which vLLM can do.
+
+Over 300 lines on purpose: the hot loops (store, remove, match) stay together with the
+storage invariants they keep, and inline their helpers on purpose (an extra call per
+block costs measurably).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ that no longer has them, while dropping them costs at most one prefill per prefi
 until the rank stores it again.
 
 Not thread-safe: call it from one thread (the service uses its event loop).
+
+Over 300 lines on purpose: Router is the consumer side's one in-process decision object:
+feeding, deciding, in-flight bookkeeping and peers' notes all update the same loads.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (
 engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
 the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 with no rank
 available, and 502 when the engine cannot be reached.
+
+Over 300 lines on purpose: the two OpenAI endpoints share one forwarding path (routing,
+headers, streaming relay, usage, errors in OpenAI's shape), which reads best in one
+place.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Per message cost on the in-order path: three zero-copy frame receives, a frame-s
 check, one comparison in the tracker, ``decode_batch``, and an append. A socket that
 cannot be opened (ZMQ refuses the address) is reported as ``Unreachable``; it never
 stops the loop.
+
+Over 300 lines on purpose: the socket thread's one poll loop and the handlers of
+everything it polls (live, replay, commands, timers) share its per-stream state; split,
+each handler would reach back into the loop's tables.
 """
 
 from __future__ import annotations
