@@ -226,7 +226,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
         try:
             upstream = await service.session.post(url, data=content, headers=headers)
         except FORWARD_ERRORS as exc:
-            router.finish(ticket)
+            router.finish(ticket, failed=True)
             service.requests.record(endpoint, decision, len(tokens), 502)
             error = OpenAIError(
                 502,
@@ -251,7 +251,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
                 return response
             finally:
                 upstream.release()
-                router.finish(ticket)
+                router.finish(ticket, failed=status != 200)
             if status == 200:
                 try:
                     usage = engine_usage(msgspec.json.decode(payload))
