@@ -131,11 +131,13 @@ def test_the_engines_event_confirms_a_prediction() -> None:
     router = make_router(clock)
     first = router.route(sibling(1))
     router.begin(first)
+    clock.now += 0.25
     router.handle(Delivery(first.holder, 0, stored(sibling(1))))
     matches, predicted = router.query_predicted(sibling(5))
     assert predicted == {} and matches[first.holder].gpu == 16
     stats = router.index.predictions.stats
     assert (stats.confirmed, router.index.predictions.count) == (18, 0)
+    assert router.index.predictions.confirm_age_max_s == 0.25
     clock.now += 10.0
     assert router.query(sibling(5))[first.holder].gpu == 16
 

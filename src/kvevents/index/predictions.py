@@ -91,6 +91,10 @@ class Predictions:
         self.ttl_s = ttl_s
         self.clock = clock
         self.stats = PredictionStats()
+        self.confirm_age_sum_s = 0.0
+        """Seconds from prediction to confirmation, summed over confirmed entries."""
+        self.confirm_age_max_s = 0.0
+        """The longest of those: what the time-to-live must exceed."""
         self.masks: dict[int, int] = {}
         self._until: dict[tuple[int, int], float] = {}
         self._queue: deque[tuple[float, int, Sequence[int]]] = deque()
@@ -151,7 +155,19 @@ class Predictions:
 
     def confirm(self, slot: int, keys: Sequence[int]) -> int:
         """The slot stored ``keys``: their predictions become ordinary entries. Returns how many."""
-        n = self._forget(slot, keys)
+        until = self._until
+        now = self.clock()
+        ttl = self.ttl_s
+        n = 0
+        for k in keys:
+            d = until.pop((k, slot), None)
+            if d is not None:
+                self._unset(k, slot)
+                n += 1
+                age = now - (d - ttl)  # since the latest prediction of this entry
+                self.confirm_age_sum_s += age
+                if age > self.confirm_age_max_s:
+                    self.confirm_age_max_s = age
         self.stats.confirmed += n
         return n
 

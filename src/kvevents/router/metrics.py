@@ -20,7 +20,8 @@ Families (all prefixed ``kvevents_router_``):
 * ``predictions_total``: requests whose blocks were predicted on their holder;
   ``predicted_entries_total{fate}``: predicted (block, holder) entries by fate (made,
   confirmed, expired, withdrawn, cleared, dropped; :mod:`kvevents.index.predictions`);
-  ``predicted_entries_alive``: those alive; ``routes_decided_by_prediction_total`` and
+  ``predicted_entries_alive``: those alive;
+  ``prediction_confirm_seconds_{max,mean}``: how long confirmations took; ``routes_decided_by_prediction_total`` and
   ``routes_decided_by_prediction_ratio``: routed requests (begun or recorded) whose
   holder a prediction chose, and their share of all routed requests.
 * ``block_size_mismatches_total{worker,dp_rank,source,expected,observed}``: block size
@@ -165,6 +166,17 @@ class RouterCollector(Collector):
         for fate, n in msgspec.structs.asdict(predictions.stats).items():
             fates.add_metric([fate], n)
         yield fates
+        yield GaugeMetricFamily(
+            _P + "prediction_confirm_seconds_max",
+            "longest time from a prediction to its confirmation by the engine's event",
+            value=predictions.confirm_age_max_s,
+        )
+        confirmed = predictions.stats.confirmed
+        yield GaugeMetricFamily(
+            _P + "prediction_confirm_seconds_mean",
+            "mean time from a prediction to its confirmation",
+            value=predictions.confirm_age_sum_s / confirmed if confirmed else 0.0,
+        )
         yield GaugeMetricFamily(
             _P + "predicted_entries_alive",
             "predicted (block, holder) entries alive",
