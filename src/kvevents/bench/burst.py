@@ -193,8 +193,8 @@ def run_burst_bench(
                 done = asyncio.run(_run(url, work, group_interval_s, sibling_interval_s))
                 figures = _figures(done, prefix_tokens, time.monotonic() - t0)
                 metrics = httpx.get(f"{url}/metrics", timeout=10.0).text
-                for key, name in _FROM_METRICS.items():
-                    figures[key] = _metric(metrics, name)
+                for key, metric in _FROM_METRICS.items():
+                    figures[key] = _metric(metrics, metric)
                 figures["router_flags"] = flags
                 results["modes"][name] = figures
             finally:
