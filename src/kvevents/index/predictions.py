@@ -38,6 +38,27 @@ entries), which stay few (they live for seconds). The match walk over the side t
 (:meth:`PrefixIndex.predicted <kvevents.index.prefix_index.PrefixIndex.predicted>`)
 runs only when ``masks`` is not empty, so the confirmed-only match is unchanged.
 
+Defaults
+--------
+Measured with ``kvevents bench burst`` (16 groups of 8 siblings, a new 2,048-token
+prefix each, dp 4, 100 ms per prefix prefill; 2 shared cores, so noisy):
+
+* time-to-live 2 s: the router's ``prediction_confirm_seconds_max`` was 0.12-0.72 s
+  (mean 0.02-0.46 s, the longest with another benchmark sharing the cores) over the
+  runs, and a time-to-live of 0.1 s already let predictions expire before their
+  confirmation. The simulated engine reports a block
+  when it admits the request; a GPU engine reports it after the prefill, which under a
+  burst waits behind the prefills queued before it (0.1 s per 2,048 tokens here), so
+  the bound must cover queueing, not one prefill. Anything from 0.5 s to 5 s scored the
+  same (every sibling on its group's rank). Longer costs only when a prediction is
+  never confirmed (the engine evicted or dropped the request without an error the
+  router sees), and then only for as long; 2 s is also llm-d's choice.
+* credit 1.0: credits 0.75 and 1.0 kept every group on one rank (100% of the ideal
+  hit rate); 0.5 already let the balance term split groups (2.0 ranks per group,
+  86%), 0.25 more (2.8 ranks, 74%). A prediction that turns out wrong costs one
+  prefill, the price of not predicting; the load terms still decide against a busy
+  rank, as for a confirmed block.
+
 Why a side table and not a fourth tier of the mask table: a tier bit would widen every
 packed mask, make every match of the table pay for it, and leave expiry needing its
 own record of what to expire anyway; predictions are few and short-lived, so a small
@@ -60,9 +81,9 @@ __all__ = [
 ]
 
 DEFAULT_PREDICTION_TTL_S = 2.0
-"""Seconds a prediction lives unconfirmed; measured with ``kvevents bench burst`` (README)."""
+"""Seconds a prediction lives unconfirmed (see "Defaults" in the module docstring)."""
 DEFAULT_PREDICTION_CREDIT = 1.0
-"""Worth of a predicted block relative to computing it; measured like the time-to-live."""
+"""Worth of a predicted block relative to computing it (see "Defaults")."""
 
 
 class PredictionStats(msgspec.Struct, kw_only=True):
