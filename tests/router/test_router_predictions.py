@@ -210,6 +210,27 @@ def test_a_failed_request_withdraws_its_prediction() -> None:
     assert router.query_predicted(sibling(5))[1] == {first.holder: 16}
 
 
+def test_a_failed_sibling_leaves_the_others_predictions() -> None:
+    """A sibling that fails takes back only what it added, not the prefix others predicted."""
+    clock = Clock()
+    router = make_router(clock)
+    first = router.route(sibling(1))
+    router.begin(first)
+    clock.now += 0.1
+    failing = router.route(sibling(5))
+    assert failing.holder == first.holder
+    router.finish(router.begin(failing), failed=True)
+    assert router.index.predictions.stats.withdrawn == 2  # its own two blocks
+    assert router.query_predicted(sibling(9))[1] == {first.holder: 16}
+
+    other = router.route(list(range(300, 332)))  # a new prefix, on another holder
+    ticket = router.begin(other)
+    clock.now += 0.1
+    router.begin(router.route([*range(300, 332), 1, 2]))  # its sibling predicts it again
+    router.finish(ticket, failed=True)
+    assert router.query_predicted(list(range(300, 332)))[1] == {other.holder: 16}
+
+
 def test_predicted_blocks_count_at_their_credit() -> None:
     """With predicted_credit 0.5 a predicted block saves half a block of prefill."""
     clock = Clock()
@@ -228,7 +249,7 @@ def test_predictions_never_pass_the_memory_bound() -> None:
     index.add_holder(H1)
     keys = content_keys(PREFIX, 2)
     index.store_keys(H0, keys[:10])
-    assert index.predict(H1, keys) == 10  # only 10 of 16 fit
+    assert len(index.predict(H1, keys)[0]) == 10  # only 10 of 16 fit
     assert len(index) + index.predictions.count == 20
     index.store_keys(H0, keys[10:])  # confirmed blocks push predictions out
     assert len(index) + index.predictions.count <= 20

@@ -10,7 +10,8 @@ confirmed blocks) until one of these ends it:
 * **confirmed**: the holder's own ``BlockStored`` stores the block; it is then an
   ordinary entry of the mask table, and the prediction is dropped;
 * **expired**: its time-to-live passes (measured on an injected clock);
-* **withdrawn**: the request failed before the engine had it;
+* **withdrawn**: the request failed before the engine had it (only what that request
+  added, and only if no later request predicted it again);
 * **cleared**: a ``Reset``, ``Loss`` or ``AllBlocksCleared`` of the holder;
 * **dropped**: the index's memory bound needs the room (oldest predictions go first,
   before any confirmed block).
@@ -125,31 +126,32 @@ class Predictions:
         """Predicted (block, holder) entries alive (some may be past their deadline)."""
         return len(self._until)
 
-    def add(self, slot: int, keys: Sequence[int], room: int) -> int:
+    def add(self, slot: int, keys: Sequence[int], room: int) -> tuple[list[int], float]:
         """Predict ``keys`` (not yet held by ``slot``) on ``slot``, at most ``room`` new entries.
 
-        Keys already predicted for the slot get the new deadline. Returns entries added.
+        Keys already predicted for the slot get the new deadline. Returns the keys newly
+        predicted and their deadline: what :meth:`withdraw` takes back.
         """
         deadline = self.clock() + self.ttl_s
         until = self._until
         masks = self.masks
         bit = 1 << slot
-        added = 0
+        added: list[int] = []
         kept: list[int] = []
         for k in keys:
             rk = (k, slot)
             if rk not in until:
-                if added >= room:
+                if len(added) >= room:
                     self.stats.dropped += 1
                     continue
-                added += 1
+                added.append(k)
                 masks[k] = masks.get(k, 0) | bit
             until[rk] = deadline
             kept.append(k)
         if kept:
             self._queue.append((deadline, slot, kept))
-        self.stats.made += added
-        return added
+        self.stats.made += len(added)
+        return added, deadline
 
     def expire(self) -> int:
         """Drop every prediction past its deadline; returns entries dropped."""
@@ -192,9 +194,20 @@ class Predictions:
         self.stats.confirmed += n
         return n
 
-    def withdraw(self, slot: int, keys: Sequence[int]) -> int:
-        """The request behind a prediction failed: drop it. Returns entries dropped."""
-        n = self._forget(slot, keys)
+    def withdraw(self, slot: int, keys: Sequence[int], deadline: float) -> int:
+        """The request behind a prediction failed: drop what it added. Returns entries dropped.
+
+        ``keys`` and ``deadline`` are what :meth:`add` returned; entries another request
+        predicted since (a later deadline) stay theirs.
+        """
+        until = self._until
+        n = 0
+        for k in keys:
+            rk = (k, slot)
+            if until.get(rk) == deadline:
+                del until[rk]
+                self._unset(k, slot)
+                n += 1
         self.stats.withdrawn += n
         return n
 
@@ -218,15 +231,6 @@ class Predictions:
                 self._unset(k, slot)
                 dropped += 1
         return dropped
-
-    def _forget(self, slot: int, keys: Sequence[int]) -> int:
-        until = self._until
-        n = 0
-        for k in keys:
-            if until.pop((k, slot), None) is not None:
-                self._unset(k, slot)
-                n += 1
-        return n
 
     def _unset(self, key: int, slot: int) -> None:
         v = self.masks[key] & ~(1 << slot)

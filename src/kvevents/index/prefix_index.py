@@ -350,16 +350,17 @@ class PrefixIndex(MaskTable):
 
     # --- predictions (kvevents.index.predictions) ------------------------------------
 
-    def predict(self, holder: Holder, keys: Sequence[int]) -> int:
-        """Predict that ``holder`` will store blocks ``keys`` soon; returns entries predicted.
+    def predict(self, holder: Holder, keys: Sequence[int]) -> tuple[list[int], float]:
+        """Predict that ``holder`` will store blocks ``keys`` soon.
 
         Blocks the holder already holds (any tier) are skipped. The memory bound counts
         predictions: the oldest ones make room, and what still does not fit is not
-        predicted (the request's leading blocks first). O(len(keys)).
+        predicted (the request's leading blocks first). Returns the keys newly predicted
+        and their deadline, for :meth:`withdraw`. O(len(keys)).
         """
         slot = self._slots.get(holder)
         if slot is None:
-            return 0
+            return [], 0.0
         pred = self.predictions
         pred.expire()
         new = [k for k in keys if not self._held_any(k, slot)]
@@ -369,10 +370,10 @@ class PrefixIndex(MaskTable):
             room = self.max_entries - self._entries - pred.count
         return pred.add(slot, new, max(0, room))
 
-    def withdraw(self, holder: Holder, keys: Sequence[int]) -> int:
-        """Drop ``holder``'s predictions of ``keys`` (its request failed); returns entries dropped."""
+    def withdraw(self, holder: Holder, keys: Sequence[int], deadline: float) -> int:
+        """Take back what :meth:`predict` returned (its request failed); returns entries dropped."""
         slot = self._slots.get(holder)
-        return 0 if slot is None else self.predictions.withdraw(slot, keys)
+        return 0 if slot is None else self.predictions.withdraw(slot, keys, deadline)
 
     def predicted(self, keys: Sequence[int], confirmed: PrefixMatch) -> dict[Holder, int]:
         """Per holder, the blocks predictions add to its ``confirmed`` prefix of ``keys``.

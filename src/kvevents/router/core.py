@@ -142,7 +142,8 @@ class Router:
         """Routed requests (begun or recorded) whose holder a prediction chose."""
         self.predictions_made = 0
         """Requests whose blocks were predicted on their holder."""
-        self._predicted_keys: dict[int, list[int]] = {}
+        self._predicted_keys: dict[int, tuple[list[int], float]] = {}
+        """Per in-flight ticket id: the keys its request predicted and their deadline."""
         self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
         self._next_turn = 0
         self.weights = weights or ScoringWeights()
@@ -344,8 +345,9 @@ class Router:
         load.inflight_blocks += blocks
         ticket = Ticket(decision.holder, blocks, next(self._tickets))
         if self.predicting and decision.keys:
-            self._predict(decision)
-            self._predicted_keys[ticket.id] = decision.keys
+            added = self._predict(decision)
+            if added[0]:
+                self._predicted_keys[ticket.id] = added
         for listener in self.note_listeners:
             listener("begin", decision.holder, decision.n_blocks, ticket)
         return ticket
@@ -360,9 +362,9 @@ class Router:
         for listener in self.note_listeners:
             listener("routed", decision.holder, decision.n_blocks, None)
 
-    def _predict(self, decision: RouteDecision) -> None:
-        self.index.predict(decision.holder, decision.keys)
+    def _predict(self, decision: RouteDecision) -> tuple[list[int], float]:
         self.predictions_made += 1
+        return self.index.predict(decision.holder, decision.keys)
 
     def _record(self, decision: RouteDecision) -> None:
         holder = decision.holder
@@ -376,11 +378,11 @@ class Router:
         """The forwarded request ended (answered or failed): drop it from the load.
 
         ``failed``: the engine never took it (a forward error, an error status), so the
-        blocks predicted for it are withdrawn.
+        blocks it predicted are withdrawn (those no later request predicted again).
         """
-        keys = self._predicted_keys.pop(ticket.id, None)
-        if failed and keys:
-            self.index.withdraw(ticket.holder, keys)
+        added = self._predicted_keys.pop(ticket.id, None)
+        if failed and added is not None:
+            self.index.withdraw(ticket.holder, *added)
         for listener in self.note_listeners:
             listener("finish", ticket.holder, 0, ticket)
         self.remote_inflight(ticket.holder, -1, -ticket.blocks)
