@@ -422,7 +422,7 @@ def test_unreachable_engine_answers_503_until_it_is_healthy() -> None:
 def test_an_engine_error_withdraws_the_requests_prediction(plane: dict) -> None:
     """A completion the engine refuses leaves no prediction behind; an answered one does."""
     with router_for_a(plane, "--prediction-ttl", "600") as router:
-        prompt = list(range(900, 916))
+        prompt = list(range(20_000, 20_016))  # tokens no other test stores
         failed = router.post("/v1/completions", {"prompt": prompt, "fail_status": 500})
         assert failed.status_code == 500
         query = router.post("/query", {"input_ids": prompt}).json()
