@@ -417,3 +417,20 @@ def test_unreachable_engine_answers_503_until_it_is_healthy() -> None:
     # A vLLM engine (the default kind when described) and no tokenizer given: said at start.
     assert f"engine http://127.0.0.1:{port} is a vllm engine" in proc.stderr
     assert f"Give --tokenize-endpoint http://127.0.0.1:{port}/tokenize" in proc.stderr
+
+
+def test_an_engine_error_withdraws_the_requests_prediction(plane: dict) -> None:
+    """A completion the engine refuses leaves no prediction behind; an answered one does."""
+    with router_for_a(plane, "--prediction-ttl", "600") as router:
+        prompt = list(range(20_000, 20_016))  # tokens no other test stores
+        failed = router.post("/v1/completions", {"prompt": prompt, "fail_status": 500})
+        assert failed.status_code == 500
+        query = router.post("/query", {"input_ids": prompt}).json()
+        assert all("predicted_blocks" not in m for m in query["matches"])
+        metrics = router.http.get("/metrics").text
+        assert 'kvevents_router_predicted_entries_total{fate="withdrawn"} 4.0' in metrics
+        answered = router.post("/v1/completions", {"prompt": prompt})
+        assert answered.status_code == 200
+        rank = int(answered.headers["x-kvevents-dp-rank"])
+        query = router.post("/query", {"input_ids": prompt}).json()
+        assert {m["dp_rank"]: m.get("predicted_blocks", 0) for m in query["matches"]}[rank] == 4

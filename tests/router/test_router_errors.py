@@ -23,6 +23,9 @@ class _BuggyRouter(Router):
     def query(self, token_ids: Sequence[int], **kwargs: Any) -> Any:
         raise ValueError("an internal bug, not a readiness problem")
 
+    def query_predicted(self, token_ids: Sequence[int], **kwargs: Any) -> Any:
+        raise ValueError("an internal bug, not a readiness problem")
+
 
 def _post(router: Router, path: str, body: dict[str, Any]) -> httpx.Response:
     """POST to the router's app in-process (the lifespan, which starts pollers, is not run)."""

@@ -27,7 +27,9 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def router(engine: Engine) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--load-interval", "0.2")
+    # Predictions off: these tests state how routing reads confirmed blocks and load
+    # alone; test_router_predictions_http.py covers the router with predictions.
+    proc = RouterProc([engine.url], "--load-interval", "0.2", "--prediction-ttl", "0")
     wait_until(
         lambda: len(proc.http.get("/workers").json()["holders"]) == 2,
         20,

@@ -2,12 +2,14 @@
 
 ::
 
-    kvevents bench [publisher|subscriber|index|engine|routing|all] [--json OUT] [--quick]
+    kvevents bench [publisher|subscriber|index|engine|routing|router|ingest|burst|all]
+                   [--json OUT] [--quick]
     kvevents bench --markdown [--json FILE]     # the README section, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
 (``run_publisher_bench``, ``run_subscriber_bench``, ``run_index_bench``,
-``run_engine_bench``, and for routing the demo itself, :func:`kvevents.demo.main.run_routing_bench`),
+``run_engine_bench``, ``run_burst_bench`` (sibling bursts, predictions off and on), and
+for routing the demo itself, :func:`kvevents.demo.main.run_routing_bench`),
 with the settings the script uses by default, or much smaller ones with ``--quick``
 (a smoke run of a few seconds each; its figures are not comparable to the targets).
 
@@ -98,6 +100,14 @@ def _ingest(quick: bool) -> dict[str, Any]:
     return run_ingest_bench()
 
 
+def _burst(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.burst import run_burst_bench
+
+    if quick:
+        return run_burst_bench(groups=4, siblings=4, prefix_tokens=512)
+    return run_burst_bench()
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "publisher": _publisher,
     "subscriber": _subscriber,
@@ -106,6 +116,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "routing": _routing,
     "router": _router,
     "ingest": _ingest,
+    "burst": _burst,
 }
 
 

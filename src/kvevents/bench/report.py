@@ -39,6 +39,7 @@ TITLES = {
     "engine": "Simulated engine (events and blocks emitted per rank)",
     "ingest": "Ingest capacity (M engines at 3,000 block ops/s each, /route at 200 req/s)",
     "router": "Router under load (wrk, 32 connections, dp 4, prompts stored on the engine)",
+    "burst": "Sibling bursts (groups sharing a new 2,048-token prefix, dp 4, 100 ms prefills)",
 }
 
 
@@ -267,6 +268,29 @@ def _ingest(r: dict[str, Any]) -> Iterator[Figure]:
         yield Figure("ingest", f"engines followed, --workers {workers}", str(m), "", None)
 
 
+def _burst(r: dict[str, Any]) -> Iterator[Figure]:
+    modes = r["modes"]
+    for name, m in modes.items():
+        on = name == "predictions_on"
+        yield Figure(
+            "burst",
+            f"{name}: engine hit rate, share of ideal",
+            _pct(m["hit_rate_of_ideal"]),
+            ">= 85%" if on else "",
+            m["hit_rate_of_ideal"] >= 0.85 if on else None,
+        )
+        yield Figure(
+            "burst",
+            f"{name}: groups on <= 2 ranks (mean ranks per group)",
+            f"{_pct(m['groups_on_at_most_2_ranks'])} ({m['mean_ranks_per_group']:.2f})",
+            ">= 90%" if on else "",
+            m["groups_on_at_most_2_ranks"] >= 0.9 if on else None,
+        )
+        yield Figure(
+            "burst", f"{name}: requests per rank max/min", f"{m['load_max_min']:.2f}", "", None
+        )
+
+
 _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "routing": _routing,
     "publisher": _publisher,
@@ -275,6 +299,7 @@ _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "engine": _engine,
     "router": _router,
     "ingest": _ingest,
+    "burst": _burst,
 }
 
 

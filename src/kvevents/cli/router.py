@@ -57,6 +57,7 @@ from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
 from kvevents.errors import ConfigError
 from kvevents.http_serving import run_event_loop, serve_app
+from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
 from kvevents.router.app import create_app
@@ -171,6 +172,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="index memory bound",
     )
     parser.add_argument(
+        "--prediction-ttl",
+        type=float,
+        default=DEFAULT_PREDICTION_TTL_S,
+        metavar="SECONDS",
+        help="how long a request's blocks count as predicted on the rank it was sent to, "
+        "until the engine reports them; 0 turns predictions off "
+        f"(default {DEFAULT_PREDICTION_TTL_S:g})",
+    )
+    parser.add_argument(
+        "--predicted-credit",
+        type=float,
+        default=weights.predicted_credit,
+        help="worth of a predicted block, like a tier credit, 0..1 "
+        f"(default {weights.predicted_credit:g})",
+    )
+    parser.add_argument(
         "--workers",
         type=bounded(PositiveInt),
         default=None,
@@ -202,11 +219,14 @@ def _credits(text: str) -> TierCredits:
 
 def _weights(args: argparse.Namespace) -> ScoringWeights:
     # each option was parsed with the bound ScoringWeights declares for its field
+    if not 0.0 <= args.predicted_credit <= 1.0:
+        raise ValueError(f"--predicted-credit {args.predicted_credit}: must be between 0 and 1")
     return ScoringWeights(
         load_weight=args.load_weight,
         foreign_request_blocks=args.foreign_request_blocks,
         balance_weight=args.balance_weight,
         balance_half_life=args.balance_half_life,
+        predicted_credit=args.predicted_credit,
     )
 
 
@@ -248,11 +268,17 @@ def _check(
 ) -> tuple[Router, list[EngineSpec], TextTokenizer | None]:
     """Every option checked, and what they build short of following the engines."""
     # the numeric options were checked as they were parsed (kvevents.types.bounded)
+    if not 0 <= args.prediction_ttl < float("inf"):
+        raise ValueError(
+            f"--prediction-ttl {args.prediction_ttl}: must be a number of seconds >= 0 "
+            "(0 turns predictions off)"
+        )
     router = Router(
         block_size=args.global_block_size,
         credits=_credits(args.credits),
         weights=_weights(args),
         max_entries=args.max_entries,
+        prediction_ttl_s=args.prediction_ttl or None,
     )
     specs = engine_specs(args)
     if not specs:

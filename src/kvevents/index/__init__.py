@@ -4,6 +4,8 @@
   requests) and :func:`namespace_key`;
 * :mod:`~kvevents.index.mask_table`: its storage, a flat dict of per-block holder
   bitmasks, and the hot loops over it;
+* :mod:`~kvevents.index.predictions`: predicted entries, a side table of blocks a
+  holder is expected to store soon (the router's sibling bursts);
 * :mod:`~kvevents.index.types`: tiers, credits, counters and match results;
 * :mod:`~kvevents.index.snapshot`: the index's state as bytes and back (``/dump``).
 

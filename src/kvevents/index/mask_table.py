@@ -25,7 +25,10 @@ Structure and invariants
   full): a block costs no mask object of its own, and the few masks a match reads
   stay in cache. Values compare by value, so sharing is an optimisation only.
 * ``_entries`` = number of set bits over all values = (block, holder, tier) entries;
-  it stays ``<= max_entries`` after every call (pruning the oldest blocks otherwise).
+  ``_entries + predictions.count <= max_entries`` after every call (pruning the oldest
+  predictions, then the oldest blocks, otherwise).
+* ``predictions``: the side table of predicted entries (:mod:`kvevents.index.predictions`);
+  ``_predicted`` is its ``masks`` dict, tested for emptiness where a store may confirm one.
 * ``_refs[(key, slot, tier)] = n``: a holder holds ``n`` extra copies of a block in a
   tier (vLLM keeps duplicate physical blocks with one hash, storing and removing each
   separately). Absent means one copy. Sparse: empty in practice.
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvevents.index.predictions import Predictions
 from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
 from kvevents.types import Hash, Holder
 
@@ -66,10 +70,14 @@ _CANON_LIMIT = 1 << 16
 class MaskTable:
     """Per-block holder bitmasks by content key and slot; see the module docstring."""
 
-    def __init__(self, *, block_size: int | None, max_entries: int) -> None:
+    def __init__(
+        self, *, block_size: int | None, max_entries: int, predictions: Predictions | None = None
+    ) -> None:
         self.block_size = block_size
         self.max_entries = max_entries
         self.stats = IndexStats()
+        self.predictions = predictions if predictions is not None else Predictions()
+        self._predicted = self.predictions.masks
         self._blocks: dict[int, int] = {}
         self._hashes: dict[Hash, int] = {}
         self._refs: dict[tuple[int, int, int], int] = {}
@@ -112,12 +120,14 @@ class MaskTable:
             self._hashes.update(zip(hashes, keys, strict=True))
             if len(self._hashes) > 2 * len(blocks) + 4096:
                 self._maybe_gc_hashes()
+        if self._predicted:
+            self.predictions.confirm(slot, keys)
         self.stats.stored_blocks += len(keys)
         self._entries += added
         self._held[slot] += added
         if tier:
             self._offloaded += added
-        if self._entries > self.max_entries:
+        if self._entries + self.predictions.count > self.max_entries:
             self._prune()
 
     def _remove(self, slot: int, key: int, tier: Tier | None) -> bool:
@@ -178,6 +188,8 @@ class MaskTable:
         if self._refs:
             for rk in [rk for rk in self._refs if rk[1] == slot]:
                 del self._refs[rk]
+        if self._predicted:
+            self.predictions.clear_slot(slot)
         dropped = self._held[slot]
         self._entries -= dropped
         self._held[slot] = 0
@@ -269,10 +281,15 @@ class MaskTable:
         self._touch_log.clear()
 
     def _prune(self) -> None:
-        """Drop the least recently used blocks until the bound holds, with 1% slack."""
+        """Drop predictions, then the least recently used blocks, until the bound holds (1% slack)."""
         self._flush_touches()
         target = self.max_entries - max(1, self.max_entries // 100)
         excess = self._entries - target
+        if self._predicted:
+            excess += self.predictions.count
+            excess -= self.predictions.shrink(excess)
+            if excess <= 0:
+                return
         victims = []
         for k, v in self._blocks.items():
             victims.append(k)

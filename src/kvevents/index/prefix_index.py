@@ -42,11 +42,12 @@ more modules would scatter one class's methods without naming a new concept.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
 from kvevents.index.mask_table import MaskTable
+from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S, Predictions
 from kvevents.index.snapshot import (
     SNAPSHOT_VERSION,
     IndexSnapshot,
@@ -60,6 +61,7 @@ from kvevents.index.types import (
     PrefixMatch,
     Tier,
     TierCredits,
+    iter_bits,
     normalize_medium,
 )
 from kvevents.types import Hash, Holder
@@ -108,12 +110,19 @@ class PrefixIndex(MaskTable):
         block_size: int | None = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         credits: TierCredits = DEFAULT_CREDITS,
+        prediction_ttl_s: float = DEFAULT_PREDICTION_TTL_S,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"PrefixIndex: block_size={block_size} must be a positive int")
         if max_entries <= 0:
             raise ValueError(f"PrefixIndex: max_entries={max_entries} must be a positive int")
-        super().__init__(block_size=block_size, max_entries=max_entries)
+        predictions = (
+            Predictions(ttl_s=prediction_ttl_s)
+            if clock is None
+            else Predictions(ttl_s=prediction_ttl_s, clock=clock)
+        )
+        super().__init__(block_size=block_size, max_entries=max_entries, predictions=predictions)
         self.credits = credits
         self._slots: dict[Holder, int] = {}
 
@@ -338,6 +347,75 @@ class PrefixIndex(MaskTable):
     ) -> PrefixMatch:
         """Every holder's longest cached prefix of a request given as token ids."""
         return self.match_keys(self.keys_for(token_ids, lora=lora, cache_salt=cache_salt))
+
+    # --- predictions (kvevents.index.predictions) ------------------------------------
+
+    def predict(self, holder: Holder, keys: Sequence[int]) -> tuple[list[int], float]:
+        """Predict that ``holder`` will store blocks ``keys`` soon.
+
+        Blocks the holder already holds (any tier) are skipped. The memory bound counts
+        predictions: the oldest ones make room, and what still does not fit is not
+        predicted (the request's leading blocks first). Returns the keys newly predicted
+        and their deadline, for :meth:`withdraw`. O(len(keys)).
+        """
+        slot = self._slots.get(holder)
+        if slot is None:
+            return [], 0.0
+        pred = self.predictions
+        pred.expire()
+        new = [k for k in keys if not self._held_any(k, slot)]
+        room = self.max_entries - self._entries - pred.count
+        if len(new) > room:
+            pred.shrink(len(new) - room)
+            room = self.max_entries - self._entries - pred.count
+        return pred.add(slot, new, max(0, room))
+
+    def withdraw(self, holder: Holder, keys: Sequence[int], deadline: float) -> int:
+        """Take back what :meth:`predict` returned (its request failed); returns entries dropped."""
+        slot = self._slots.get(holder)
+        return 0 if slot is None else self.predictions.withdraw(slot, keys, deadline)
+
+    def predicted(self, keys: Sequence[int], confirmed: PrefixMatch) -> dict[Holder, int]:
+        """Per holder, the blocks predictions add to its ``confirmed`` prefix of ``keys``.
+
+        A holder's prefix with predictions is the longest run of leading blocks each held
+        in some tier *or* predicted; the answer is that length minus the confirmed one,
+        for holders where it is positive. Expires predictions first; ``{}`` at once when
+        there are none. O(blocks matched).
+        """
+        if not self._predicted or not keys:
+            return {}
+        self.predictions.expire()
+        if not self._predicted:
+            return {}
+        pget = self._predicted.get
+        bget = self._blocks.get
+        w = self._width
+        low = (1 << w) - 1
+        m = self._live
+        segs: list[tuple[int, int]] = []
+        i = 0
+        for i, k in enumerate(keys):
+            v = bget(k, 0)
+            nm = m & (((v | v >> w | v >> 2 * w) & low) | pget(k, 0))
+            if nm != m:
+                if i:
+                    segs.append((m ^ nm, i))
+                if not nm:
+                    break
+                m = nm
+        else:
+            i = len(keys)
+            segs.append((m, i))
+        out: dict[Holder, int] = {}
+        holders = self._holders
+        for mask, length in segs:
+            for slot in iter_bits(mask):
+                holder = holders[slot]
+                extra = length - confirmed._cumulative(2, slot)
+                if holder is not None and extra > 0:
+                    out[holder] = extra
+        return out
 
     def holder_match(self, result: PrefixMatch, holder: Holder) -> HolderMatch:
         """One holder's lengths from a match result (zeros for an unknown holder)."""

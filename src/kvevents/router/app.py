@@ -77,6 +77,7 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
         payload.pop("data_parallel_rank", None)
         payload["routed_dp_rank"] = decision.dp_rank
         ticket = router.begin(decision)
+        status = 502
         try:
             status, content = await service.forward(decision.worker, payload)
         except FORWARD_ERRORS as exc:
@@ -86,7 +87,7 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
                 status_code=502,
             )
         finally:
-            router.finish(ticket)
+            router.finish(ticket, failed=status != 200)
         service.requests.record("generate", decision, len(tokens), status)
         chosen = decision.chosen
         info = {

@@ -19,6 +19,13 @@ Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.scoring`) or ``round-r
 (the next available holder in turn, for comparisons; scores are still computed, so the
 decision still reports what each holder had cached).
 
+Predictions: with ``prediction_ttl_s`` set (``kvevents router`` sets it by default,
+``--prediction-ttl``; the class leaves it off), :meth:`Router.begin` and
+:meth:`Router.record` predict the request's blocks on the chosen holder
+(:mod:`kvevents.index.predictions`): a sibling routed before the engine reports them
+counts them at ``weights.predicted_credit``, and :meth:`Router.finish` with
+``failed=True`` withdraws them. ``clock`` (monotonic seconds) times them.
+
 Signals: a ``reset`` (the engine restarted) and a ``loss`` (events that will never
 arrive) both clear the holder's blocks. After a loss the index cannot know which
 removals it missed; keeping the blocks would send requests, again and again, to a rank
@@ -34,6 +41,7 @@ feeding, deciding, in-flight bookkeeping and peers' notes all update the same lo
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
@@ -41,6 +49,7 @@ from typing import Any, Literal, get_args
 import msgspec
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.scoring import (
@@ -72,6 +81,10 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
     policy: Policy = "kv-aware"
+    keys: list[int] = msgspec.field(default_factory=list)
+    """The request's content keys (what :meth:`Router.begin` predicts on the holder)."""
+    by_prediction: bool = False
+    """True when the choice differs from what confirmed blocks alone would have chosen."""
 
     @property
     def holder(self) -> Holder:
@@ -86,6 +99,11 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
         """Tokens of the request the chosen holder has cached, in any tier."""
         m = self.chosen.matched
         return (m.gpu + m.cpu + m.disk) * self.block_size
+
+    @property
+    def predicted_tokens(self) -> int:
+        """Tokens of the request predicted (not yet confirmed) on the chosen holder."""
+        return self.chosen.predicted_blocks * self.block_size
 
 
 class Ticket(msgspec.Struct, frozen=True):
@@ -113,8 +131,25 @@ class Router:
         credits: TierCredits = DEFAULT_CREDITS,
         weights: ScoringWeights | None = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
+        prediction_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.index = PrefixIndex(block_size=block_size, max_entries=max_entries, credits=credits)
+        self.index = PrefixIndex(
+            block_size=block_size,
+            max_entries=max_entries,
+            credits=credits,
+            prediction_ttl_s=(
+                DEFAULT_PREDICTION_TTL_S if prediction_ttl_s is None else prediction_ttl_s
+            ),
+            clock=clock,
+        )
+        self.predicting = prediction_ttl_s is not None
+        self.decided_by_prediction = 0
+        """Routed requests (begun or recorded) whose holder a prediction chose."""
+        self.predictions_made = 0
+        """Requests whose blocks were predicted on their holder."""
+        self._predicted_keys: dict[int, tuple[list[int], float]] = {}
+        """Per in-flight ticket id: the keys its request predicted and their deadline."""
         self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
         self._next_turn = 0
         self.weights = weights or ScoringWeights()
@@ -218,19 +253,27 @@ class Router:
         lora: str | int | None = None,
         cache_salt: str | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every known holder's longest cached prefix of the request, per tier, in blocks.
+        """Every known holder's longest cached prefix of the request, per tier, in blocks."""
+        return self.query_predicted(token_ids, lora=lora, cache_salt=cache_salt)[0]
 
-        :class:`~kvevents.errors.RouterNotReadyError` while no block size is known (no
-        engine advertised one or stored a block yet): the request cannot be keyed.
-        """
+    def query_predicted(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
+        """:meth:`query`, and per holder the blocks predictions add (holders with some)."""
         if self.index.block_size is None:
             raise RouterNotReadyError(
                 "the block size is not known yet: no engine has advertised one or stored a "
                 "block; give the router --block-size, or retry once an engine has; see /workers"
             )
-        result = self.index.match_keys(self._keys(token_ids, lora, cache_salt))
+        keys = self._keys(token_ids, lora, cache_salt)
+        result = self.index.match_keys(keys)
         found = result.by_holder()
-        return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}
+        predicted = self.index.predicted(keys, result)
+        return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}, predicted
 
     def route(
         self,
@@ -259,21 +302,37 @@ class Router:
             keys: list[int] = []
         else:
             keys = self._keys(token_ids, lora, cache_salt)
-        found = self.index.match_keys(keys).by_holder()
+        result = self.index.match_keys(keys)
+        found = result.by_holder()
+        predicted = self.index.predicted(keys, result)
+        holders = self.holders()
         scores = score(
             len(keys),
-            self.holders(),
+            holders,
             found,
             self.loads,
             credits=self.index.credits,
             weights=self.weights,
+            predicted=predicted,
         )
         best = choose(scores)
+        by_prediction = False
+        if predicted and best.predicted_blocks:
+            plain = score(
+                len(keys),
+                holders,
+                found,
+                self.loads,
+                credits=self.index.credits,
+                weights=self.weights,
+            )
+            by_prediction = plain[0].holder != best.holder
         if policy == "round-robin":
             turn = [s for s in sorted(scores, key=lambda s: self._order(s.holder)) if s.available]
             best = turn[self._next_turn % len(turn)]
             self._next_turn += 1
             scores = [best, *(s for s in scores if s is not best)]
+            by_prediction = False
         return RouteDecision(
             worker=best.worker,
             dp_rank=best.dp_rank,
@@ -281,6 +340,8 @@ class Router:
             block_size=self.index.block_size or 0,  # 0: not known yet
             scores=scores,
             policy=policy,
+            keys=keys,
+            by_prediction=by_prediction,
         )
 
     def _order(self, holder: Holder) -> int:
@@ -295,25 +356,45 @@ class Router:
         load.inflight_requests += 1
         load.inflight_blocks += blocks
         ticket = Ticket(decision.holder, blocks, next(self._tickets))
+        if self.predicting and decision.keys:
+            added = self._predict(decision)
+            if added[0]:
+                self._predicted_keys[ticket.id] = added
         for listener in self.note_listeners:
             listener("begin", decision.holder, decision.n_blocks, ticket)
         return ticket
 
     def record(self, decision: RouteDecision) -> None:
         """Count a decision someone else acts on (``/route`` with ``record``) in ``recent``
-        and ``routed``; no in-flight load, as the router never sees the request end."""
+        and ``routed``; no in-flight load, as the router never sees the request end.
+        Its blocks are predicted on the holder until confirmed or expired."""
         self._record(decision)
+        if self.predicting and decision.keys:
+            self._predict(decision)
         for listener in self.note_listeners:
             listener("routed", decision.holder, decision.n_blocks, None)
+
+    def _predict(self, decision: RouteDecision) -> tuple[list[int], float]:
+        self.predictions_made += 1
+        return self.index.predict(decision.holder, decision.keys)
 
     def _record(self, decision: RouteDecision) -> None:
         holder = decision.holder
         load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
         load.routed += 1
         self.routes[holder] += 1
+        if decision.by_prediction:
+            self.decided_by_prediction += 1
 
-    def finish(self, ticket: Ticket) -> None:
-        """The forwarded request ended (answered or failed): drop it from the load."""
+    def finish(self, ticket: Ticket, *, failed: bool = False) -> None:
+        """The forwarded request ended (answered or failed): drop it from the load.
+
+        ``failed``: the engine never took it (a forward error, an error status), so the
+        blocks it predicted are withdrawn (those no later request predicted again).
+        """
+        added = self._predicted_keys.pop(ticket.id, None)
+        if failed and added is not None:
+            self.index.withdraw(ticket.holder, *added)
         for listener in self.note_listeners:
             listener("finish", ticket.holder, 0, ticket)
         self.remote_inflight(ticket.holder, -1, -ticket.blocks)

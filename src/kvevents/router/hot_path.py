@@ -12,12 +12,19 @@ where a framework costs nothing that matters.
 Answers (JSON):
 
 * ``/query``: ``{"prompt_tokens", "block_size", "matches": [{"worker", "dp_rank",
-  "matched_blocks", "matched_tokens", "tiers": {"gpu", "cpu", "disk"}}]}``, one entry per
-  known holder (tiers in tokens).
+  "matched_blocks", "matched_tokens", "tiers": {"gpu", "cpu", "disk"},
+  "predicted_blocks", "predicted_tokens"}]}``, one entry per known holder (tiers in
+  tokens). ``matched_*`` and ``tiers`` are confirmed blocks only (the engine reported
+  them); ``predicted_*``, present only when not zero, are the blocks predictions add
+  after them (:mod:`kvevents.index.predictions`).
 * ``/route``: ``{"worker", "dp_rank", "recorded", "n_blocks", "block_size", "holders",
-  "scores": [...]}``: the chosen holder's score first, then the next best ``top - 1``
-  (``top`` in the body, default :data:`DEFAULT_TOP`), so the answer does not grow with
-  the fleet; ``"all_scores": true`` returns every holder's. ``holders`` counts them all.
+  "predicted_blocks", "by_prediction", "scores": [...]}``: the chosen holder's score
+  first, then the next best ``top - 1`` (``top`` in the body, default
+  :data:`DEFAULT_TOP`), so the answer does not grow with the fleet; ``"all_scores":
+  true`` returns every holder's. ``holders`` counts them all. Each score's ``matched``
+  is confirmed blocks per tier and its ``predicted_blocks`` the predicted ones after
+  them; the top-level ``predicted_blocks`` is the chosen holder's, and ``by_prediction``
+  says whether confirmed blocks alone would have chosen another holder.
 
 Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
 JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 413 past the
@@ -57,12 +64,14 @@ class Tiers(msgspec.Struct, gc=False):
     disk: int
 
 
-class QueryMatch(msgspec.Struct, gc=False):
+class QueryMatch(msgspec.Struct, gc=False, omit_defaults=True):
     worker: str
     dp_rank: int
     matched_blocks: int
     matched_tokens: int
     tiers: Tiers
+    predicted_blocks: int = 0
+    predicted_tokens: int = 0
 
 
 class QueryAnswer(msgspec.Struct, gc=False):
@@ -85,6 +94,7 @@ class ScoreAnswer(msgspec.Struct, gc=False):
     available: bool
     recent_blocks: float
     balance_blocks: float
+    predicted_blocks: int
 
     @classmethod
     def of(cls, s: HolderScore) -> ScoreAnswer:
@@ -101,6 +111,7 @@ class ScoreAnswer(msgspec.Struct, gc=False):
             s.available,
             s.recent_blocks,
             s.balance_blocks,
+            s.predicted_blocks,
         )
 
 
@@ -111,6 +122,8 @@ class RouteAnswer(msgspec.Struct, gc=False):
     n_blocks: int
     block_size: int
     holders: int
+    predicted_blocks: int
+    by_prediction: bool
     scores: list[ScoreAnswer]
 
 
@@ -140,6 +153,8 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
         decision.n_blocks,
         decision.block_size,
         len(decision.scores),
+        decision.chosen.predicted_blocks,
+        decision.by_prediction,
         [ScoreAnswer.of(s) for s in scores],
     )
 
@@ -228,7 +243,10 @@ class HotPath:
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        matches = router.query(tokens, lora=body.lora, cache_salt=body.cache_salt)
+        matches, predicted = router.query_predicted(
+            tokens, lora=body.lora, cache_salt=body.cache_salt
+        )
+        get = predicted.get
         bs = router.index.block_size or 0
         return _ENCODER.encode(
             QueryAnswer(
@@ -241,6 +259,8 @@ class HotPath:
                         m.blocks,
                         m.blocks * bs,
                         Tiers(m.gpu * bs, m.cpu * bs, m.disk * bs),
+                        get(h, 0),
+                        get(h, 0) * bs,
                     )
                     for h, m in matches.items()
                 ],

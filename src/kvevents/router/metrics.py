@@ -17,6 +17,13 @@ Families (all prefixed ``kvevents_router_``):
   ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
   ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
 * ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
+* ``predictions_total``: requests whose blocks were predicted on their holder;
+  ``predicted_entries_total{fate}``: predicted (block, holder) entries by fate (made,
+  confirmed, expired, withdrawn, cleared, dropped; :mod:`kvevents.index.predictions`);
+  ``predicted_entries_alive``: those alive;
+  ``prediction_confirm_seconds_{max,mean}``: how long confirmations took; ``routes_decided_by_prediction_total`` and
+  ``routes_decided_by_prediction_ratio``: routed requests (begun or recorded) whose
+  holder a prediction chose, and their share of all routed requests.
 * ``block_size_mismatches_total{worker,dp_rank,source,expected,observed}``: block size
   disagreements (:mod:`kvevents.subscribe.block_sizes`); for ``source="events"`` the BlockStored
   events skipped.
@@ -31,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -127,6 +135,7 @@ class RouterCollector(Collector):
             worker, rank = ("", "") if holder is None else (holder.worker, str(holder.dp_rank))
             signals.add_metric([kind, worker, rank], n)
         yield signals
+        yield from self._predictions(router)
         sizes = CounterMetricFamily(
             _P + "block_size_mismatches",
             "block size disagreements; for source=events, BlockStored events skipped",
@@ -141,6 +150,50 @@ class RouterCollector(Collector):
             yield from self._requests(self.requests)
         if self.streams is not None:
             yield from self._streams(self.streams())
+
+    def _predictions(self, router: Router) -> Iterable[Metric]:
+        predictions = router.index.predictions
+        yield CounterMetricFamily(
+            _P + "predictions",
+            "requests whose blocks were predicted on their holder",
+            value=router.predictions_made,
+        )
+        fates = CounterMetricFamily(
+            _P + "predicted_entries",
+            "predicted (block, holder) entries by fate",
+            labels=["fate"],
+        )
+        for fate, n in msgspec.structs.asdict(predictions.stats).items():
+            fates.add_metric([fate], n)
+        yield fates
+        yield GaugeMetricFamily(
+            _P + "prediction_confirm_seconds_max",
+            "longest time from a prediction to its confirmation by the engine's event",
+            value=predictions.confirm_age_max_s,
+        )
+        confirmed = predictions.stats.confirmed
+        yield GaugeMetricFamily(
+            _P + "prediction_confirm_seconds_mean",
+            "mean time from a prediction to its confirmation",
+            value=predictions.confirm_age_sum_s / confirmed if confirmed else 0.0,
+        )
+        yield GaugeMetricFamily(
+            _P + "predicted_entries_alive",
+            "predicted (block, holder) entries alive",
+            value=predictions.count,
+        )
+        decided = router.decided_by_prediction
+        routed = sum(router.routes.values())
+        yield CounterMetricFamily(
+            _P + "routes_decided_by_prediction",
+            "routed requests whose holder a prediction chose",
+            value=decided,
+        )
+        yield GaugeMetricFamily(
+            _P + "routes_decided_by_prediction_ratio",
+            "share of routed requests whose holder a prediction chose",
+            value=decided / routed if routed else 0.0,
+        )
 
     def _requests(self, stats: RequestStats) -> Iterable[Metric]:
         requests = CounterMetricFamily(

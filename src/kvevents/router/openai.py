@@ -24,7 +24,10 @@ stream with an SSE ``error`` event. Every answer carries the decision::
 
     x-kvevents-worker: http://10.0.0.5:8000      x-kvevents-dp-rank: 1
     x-kvevents-matched-tokens: 96                x-kvevents-prompt-tokens: 130
-    x-kvevents-policy: kv-aware
+    x-kvevents-policy: kv-aware                  x-kvevents-predicted-tokens: 0
+
+(``matched-tokens`` counts blocks the engine reported, ``predicted-tokens`` the
+predicted ones after them, :mod:`kvevents.index.predictions`)
 
 and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`` or
 ``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
@@ -131,6 +134,7 @@ def decision_headers(decision: RouteDecision, prompt_tokens: int) -> dict[str, s
         "x-kvevents-matched-tokens": str(decision.matched_tokens),
         "x-kvevents-prompt-tokens": str(prompt_tokens),
         "x-kvevents-policy": decision.policy,
+        "x-kvevents-predicted-tokens": str(decision.predicted_tokens),
     }
 
 
@@ -231,7 +235,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
         try:
             upstream = await service.session.post(url, data=content, headers=headers)
         except FORWARD_ERRORS as exc:
-            router.finish(ticket)
+            router.finish(ticket, failed=True)
             service.requests.record(endpoint, decision, len(tokens), 502)
             error = OpenAIError(
                 502,
@@ -256,7 +260,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
                 return response
             finally:
                 upstream.release()
-                router.finish(ticket)
+                router.finish(ticket, failed=status != 200)
             if status == 200:
                 try:
                     usage = engine_usage(msgspec.json.decode(payload))

@@ -5,7 +5,8 @@ For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefi
 
 .. code-block:: text
 
-    prefill(h) = n - (gpu * credit_gpu + cpu * credit_cpu + disk * credit_disk)
+    prefill(h) = n - (gpu * credit_gpu + cpu * credit_cpu + disk * credit_disk
+                      + predicted * predicted_credit)
     pending(h) = inflight_blocks(h)
                  + foreign_request_blocks * max(0, engine_requests(h) - inflight_requests(h))
     recent(h)  = sum over the requests r this router sent to h:
@@ -14,7 +15,10 @@ For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefi
     cost(h)    = prefill(h) + load_weight * pending(h) + balance_weight * balance(h)
 
 ``prefill`` is the blocks the holder must compute for this request (a block served
-from CPU still costs a quarter of its prefill by default). ``pending`` is the work
+from CPU still costs a quarter of its prefill by default). ``predicted`` is the blocks
+that predictions (:mod:`kvevents.index.predictions`) add to the holder's confirmed
+prefix: a sibling of a request just sent there counts its shared prefix as (almost)
+cached, so the cost, not a rule, decides between the prefix and the holder's load. ``pending`` is the work
 queued on the holder now, in blocks: the uncached blocks of requests this router sent
 and has not seen finish, plus the requests the engine reports running or waiting
 (``/load``, or vLLM's ``/metrics``) that this router did not send, each counted as
@@ -71,6 +75,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 import msgspec
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.index.predictions import DEFAULT_PREDICTION_CREDIT
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.types import Holder, NonNegativeFloat, PositiveFiniteFloat, check_bound
 
@@ -96,6 +101,8 @@ class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
     """How many blocks of prefill one block of excess recent work is worth."""
     balance_half_life: PositiveFiniteFloat = 64.0
     """Requests routed (to any holder) after which a request's share of ``recent`` halves."""
+    predicted_credit: float = DEFAULT_PREDICTION_CREDIT
+    """Worth of one predicted block, like a tier credit (0..1)."""
 
     def __post_init__(self) -> None:
         # a constructor call is not decoded, so msgspec does not check the Meta bounds itself
@@ -106,6 +113,11 @@ class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
             ("balance_half_life", PositiveFiniteFloat),
         ):
             check_bound(getattr(self, name), bound, f"ScoringWeights: {name}")
+        if not 0.0 <= self.predicted_credit <= 1.0:
+            raise ValueError(
+                f"ScoringWeights: predicted_credit={self.predicted_credit!r} must be between "
+                "0 and 1 (the fraction of a block's prefill a predicted copy saves)"
+            )
 
     @property
     def decay(self) -> float:
@@ -146,6 +158,8 @@ class HolderScore(msgspec.Struct, frozen=True, kw_only=True):
     recent_blocks: float = 0.0
     balance_blocks: float = 0.0
     """``recent`` above the least recently loaded available holder's."""
+    predicted_blocks: int = 0
+    """Blocks predictions add to ``matched`` (counted in ``cached_blocks`` at their credit)."""
 
     @property
     def holder(self) -> Holder:
@@ -185,11 +199,13 @@ def score(
     *,
     credits: TierCredits = DEFAULT_CREDITS,
     weights: ScoringWeights | None = None,
+    predicted: Mapping[Holder, int] | None = None,
 ) -> list[HolderScore]:
     """Score every holder for a request of ``n_blocks`` full blocks; best first.
 
     Holders missing from ``matches`` cache nothing of it; missing from ``loads``, they
-    are idle. Unavailable holders come last, whatever their cost.
+    are idle; missing from ``predicted`` (or it None), they have no predicted blocks.
+    Unavailable holders come last, whatever their cost.
     """
     weights = weights or ScoringWeights()
     zero = HolderMatch(0, 0, 0)
@@ -199,11 +215,15 @@ def score(
     gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
     load_weight, balance_weight = weights.load_weight, weights.balance_weight
     foreign_blocks = weights.foreign_request_blocks
+    pcredit = weights.predicted_credit
     out: list[HolderScore] = []
     keys: list[tuple[bool, float, float, float, int, int]] = []
     for i, (h, load) in enumerate(zip(holders, held, strict=True)):
         m = matches.get(h, zero)
         cached = m.gpu * gpu + m.cpu * cpu + m.disk * disk
+        p = predicted.get(h, 0) if predicted else 0
+        if p:
+            cached += p * pcredit
         prefill = n_blocks - cached if n_blocks > cached else 0.0
         foreign = load.engine_requests - load.inflight_requests  # pending_blocks(), inlined
         pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
@@ -223,6 +243,7 @@ def score(
                 available=load.available,
                 recent_blocks=recent,
                 balance_blocks=balance,
+                predicted_blocks=p,
             )
         )
         keys.append((not load.available, cost, pending, recent, load.routed, i))
