@@ -30,7 +30,8 @@ engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every r
 * ``GET /workers``: engines, streams and holders with their health, load and block sizes.
 * ``GET /metrics``: Prometheus text (:mod:`kvevents.router.metrics`).
 * ``GET /dump``: the index snapshot (``application/octet-stream``, see
-  :meth:`kvevents.PrefixIndex.to_bytes`).
+  :meth:`kvevents.PrefixIndex.to_bytes`), with each stream's last applied seq: what a
+  replica started with ``--peer URL`` begins from (:mod:`kvevents.router.warm_start`).
 
 Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
 ``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
@@ -65,6 +66,7 @@ from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
+from kvevents.router.warm_start import load_from_peers
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
@@ -180,6 +182,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"here {os.cpu_count() or 1})",
     )
     parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running router replica (repeatable, tried in order): start from its index "
+        "(GET /dump) and follow every stream from where it stood, replaying only the "
+        "difference; none reachable: start empty",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=bounded(PositiveInt),
         default=DEFAULT_MAX_BODY_BYTES,
@@ -225,14 +236,19 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     leave that to the parent, which checks the options once before starting them).
     """
     router, specs, tokenizer = _check(args, warn=warn)
-    subscriber = Subscriber()
+    warm = None
+    if args.peer:
+        index, warm = load_from_peers(args.peer)
+        if index is not None:
+            router.restore_index(index)
+    subscriber = Subscriber(resume=router.index.applied_seqs)
     try:
         for spec in specs:
             spec.follow(subscriber)
     except BaseException:
         subscriber.close()
         raise
-    return RouterService(
+    service = RouterService(
         router,
         specs,
         subscriber=subscriber,
@@ -241,6 +257,8 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         tokenizer=tokenizer,
         policy=args.policy,
     )
+    service.warm_start = warm
+    return service
 
 
 def _check(

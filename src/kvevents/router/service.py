@@ -32,6 +32,7 @@ from kvevents.router.tokenize import (
     TextTokenizer,
     TokenizeError,
 )
+from kvevents.router.warm_start import WarmStart
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
@@ -143,6 +144,8 @@ class RouterService:
         self.process_count = 1
         self.peers: PeerNotes | None = None
         """Load notes to and from the other processes, when there are any."""
+        self.warm_start: WarmStart | None = None
+        """How the index started when peers were given (``--peer``)."""
         self._client: httpx.AsyncClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
