@@ -52,6 +52,8 @@ import argparse
 import functools
 import logging
 import os
+import socket
+import time
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
 from kvevents.cli.options import add_log_level
@@ -63,6 +65,7 @@ from kvevents.index.types import TierCredits
 from kvevents.router.app import create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
+from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
@@ -191,6 +194,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "difference; none reachable: start empty",
     )
     parser.add_argument(
+        "--sync",
+        metavar="NATS_URL",
+        help="share in-flight load with router replicas on other machines over NATS, e.g. "
+        "nats://10.0.0.9:4222 (needs 'kvevents[sync]'); NATS down: each replica goes on alone",
+    )
+    parser.add_argument(
+        "--sync-subject",
+        metavar="SUBJECT",
+        help="the NATS subject of this router group (default: derived from the engines "
+        "followed, so replicas of the same engines meet)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=bounded(PositiveInt),
         default=DEFAULT_MAX_BODY_BYTES,
@@ -258,7 +273,23 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         policy=args.policy,
     )
     service.warm_start = warm
+    service.sync = _sync(args, [s.url for s in specs])
     return service
+
+
+def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:
+    """The NATS transport of ``--sync``, or None; ConfigError when nats-py is missing."""
+    if args.sync is None:
+        if args.sync_subject is not None:
+            raise ConfigError("--sync-subject needs --sync NATS_URL")
+        return None
+    try:
+        from kvevents.router.nats_sync import NatsNoteTransport, default_subject
+    except ImportError:
+        raise ConfigError(
+            "--sync needs the nats-py package: pip install 'kvevents[sync]'"
+        ) from None
+    return NatsNoteTransport(args.sync, args.sync_subject or default_subject(engines))
 
 
 def _check(
@@ -314,4 +345,13 @@ async def serve(
 ) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
     app = create_app(service, max_body_bytes=max_body_bytes)
-    return await serve_app(app, host, port, READY_PREFIX, "router")
+    notes = None
+    if service.sync is not None and service.peers is None:
+        sender = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        notes = service.peers = LoadNotes(service.router, sender, [service.sync])
+        notes.start()
+    try:
+        return await serve_app(app, host, port, READY_PREFIX, "router")
+    finally:
+        if notes is not None:
+            await notes.close()
