@@ -203,11 +203,13 @@ class LoadNotes:
             self.ttl,
         )
         raw = _ENCODER.encode(note)
+        went = False
         for transport in self.transports:
             if transport.send(raw):
-                self.sent += 1
+                went = True
             else:
-                self.dropped += 1
+                self.dropped += 1  # per transport that refused it
+        self.sent += went
 
     # --- receiving --------------------------------------------------------------------
 
