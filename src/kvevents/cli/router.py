@@ -255,6 +255,10 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     if args.peer:
         index, warm = load_from_peers(args.peer)
         if index is not None:
+            followed = {spec.worker for spec in specs}
+            for holder in index.holders():  # a peer may follow engines this router does not
+                if holder.worker not in followed:
+                    index.remove_holder(holder)
             router.restore_index(index)
     subscriber = Subscriber(resume=router.index.applied_seqs)
     try:
