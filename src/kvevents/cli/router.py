@@ -310,6 +310,7 @@ def _check(
     specs = engine_specs(args)
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
+    _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:

@@ -27,6 +27,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
