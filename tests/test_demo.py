@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -301,3 +301,54 @@ def test_metric_sum_reads_prometheus_text() -> None:
         "kvevents_router_events_total_extra 99\n"
     )
     assert _metric_sum(text, "kvevents_router_events_total") == 15.0
+
+
+class _CountingEngine(http.server.BaseHTTPRequestHandler):
+    """Answers every /generate with good figures, counting the requests per server port."""
+
+    seen: ClassVar[dict[int, int]] = {}
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        port = self.server.server_address[1]
+        with type(self).lock:
+            self.seen[port] = self.seen.get(port, 0) + 1
+        answer = {"dp_rank": 0, "prompt_tokens": len(body["input_ids"]), "cached_tokens": 0}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_replay_across_several_urls_takes_them_in_turn() -> None:
+    """Given three targets (router replicas), request i goes to target i mod 3."""
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CountingEngine) for _ in range(3)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        w = Workload.load(None, 9, speedup=1e9, max_new_tokens=1)
+        urls = [f"http://127.0.0.1:{s.server_address[1]}/generate" for s in servers]
+        run = asyncio.run(replay("replicas_sync", w, urls, concurrency=3))
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+        for t in threads:
+            t.join(timeout=10)
+    assert run.failed == []
+    assert sorted(_CountingEngine.seen.values()) == [3, 3, 3]
+
+
+def test_routers_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """--routers 0 is refused by name with exit code 2."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--routers", "0"])
+    assert info.value.code == 2
+    assert "argument --routers: 0: must be an integer >= 1" in capsys.readouterr().err

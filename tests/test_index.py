@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvevents import (
@@ -17,6 +18,7 @@ from kvevents import (
     decode_batch,
     namespace_key,
 )
+from kvevents.index.snapshot import SNAPSHOT_VERSION
 from kvevents.index.types import normalize_medium
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply
 from wire_samples import load_wire_samples
@@ -248,6 +250,25 @@ def test_snapshot_round_trip_and_bad_bytes() -> None:
     assert copy.stats.stored_blocks == index.stats.stored_blocks
     with pytest.raises(ValueError, match="not an index snapshot"):
         PrefixIndex.from_bytes(b"\x93garbage")
+
+
+def test_snapshot_carries_applied_seqs_and_reads_version_1() -> None:
+    """Version 2 carries each holder's last applied seq; a version 1 snapshot still loads
+    (with no seqs), and an unknown version is refused by name."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
+    index.applied_seqs[A] = 41
+    copy = PrefixIndex.from_bytes(index.to_bytes())
+    assert copy.applied_seqs == {A: 41}
+    snap = msgspec.msgpack.decode(index.to_bytes())
+    assert snap[0] == SNAPSHOT_VERSION == 2
+    old = msgspec.msgpack.encode([1, *snap[1:-1]])  # version 1: no seqs field
+    restored = PrefixIndex.from_bytes(old)
+    assert restored.applied_seqs == {} and restored.holder_hashes(A) == {1, 2}
+    with pytest.raises(ValueError, match="snapshot version 9 is not supported"):
+        PrefixIndex.from_bytes(msgspec.msgpack.encode([9, *snap[1:]]))
+    index.remove_holder(A)
+    assert index.applied_seqs == {}
 
 
 def test_medium_names_and_credit_validation() -> None:

@@ -404,3 +404,23 @@ def test_address_zmq_refuses_is_reported_and_the_loop_carries_on(make_publisher:
         (signal,) = signals(items, "unreachable")
         assert signal.worker == "bad" and "ZMQ refused the address" in signal.reason
         assert deliveries(items)[0].holder == Holder("good", 0)
+
+
+def test_resumed_stream_replays_only_the_difference_and_reports_what_the_buffer_lost(
+    endpoints: tuple[str, str], make_publisher: Factory
+) -> None:
+    """A stream resumed after seq 29 gets 30.. only; resumed after a seq the 20-step
+    buffer no longer reaches, it reports exactly the seqs the buffer dropped as lost."""
+    pub = make_publisher(*endpoints, buffer_steps=20)
+    for n in range(60):
+        pub.publish(batch(n))
+    assert pub.flush(timeout=10.0)
+    with Subscriber(streams=[spec_for(pub)], resume={Holder("w", 0): 49}) as sub:
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 10)
+        assert [d.seq for d in deliveries(items)] == list(range(50, 60))
+        assert signals(items) == []
+    with Subscriber(streams=[spec_for(pub)], resume={Holder("w", 0): 29}) as sub:
+        items = collect(sub, until=lambda got: len(deliveries(got)) == 20)
+        assert [d.seq for d in deliveries(items)] == list(range(40, 60))
+        (loss,) = signals(items)
+        assert isinstance(loss, Loss) and (loss.first_seq, loss.last_seq) == (30, 39)

@@ -419,3 +419,53 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
         assert t.last == n - 1 or (n - 1) in publisher_drop  # the probe found the tail
         if not publisher_drop and buffer_steps >= n and "timeout" not in ops:
             assert all(kind == "d" for kind, _, _ in log), log
+
+
+def test_resumed_stream_replays_only_what_follows_the_snapshot() -> None:
+    """A stream resumed after seq 9 asks for a replay from 10 and delivers 10.. before
+    the live messages that waited, each once."""
+    t = StreamTracker("w", 0, has_replay=True)
+    assert t.start(after=9) == [RequestReplay(10)]
+    assert t.on_live(11, p(11)) == [] and t.on_live(12, p(12)) == []  # wait for the replay
+    out = t.on_replay_reply(10, p(10)) + t.on_replay_reply(11, p(11)) + t.on_replay_end()
+    assert delivered(out) == [10, 11, 12] and t.lost == 0
+    assert t.accept_in_order(13, p(13))
+
+
+def test_resumed_stream_with_nothing_newer_loses_nothing() -> None:
+    """When the publisher buffers nothing after the snapshot's seq (idle, or its buffer
+    wrapped long before), the replay ends empty and the next live seq continues."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start(after=149)
+    assert t.on_replay_end() == []
+    assert delivered(t.on_live(150, p(150))) == [150] and t.lost == 0
+
+
+def test_resumed_stream_reports_only_batches_the_buffer_no_longer_has() -> None:
+    """A replay whose first seq lies past the snapshot's seq + 1 reports exactly the
+    seqs in between as lost, then delivers the rest."""
+    t = StreamTracker("w", 2, has_replay=True)
+    t.start(after=100)
+    out = t.on_replay_reply(120, p(120)) + t.on_replay_end()
+    assert isinstance(out[0], Loss) and (out[0].first_seq, out[0].last_seq) == (101, 119)
+    assert delivered(out) == [120]
+
+
+def test_resumed_stream_without_replay_judges_by_the_first_live_seq() -> None:
+    """Without a replay endpoint a resumed stream continues silently at seq + 1 and
+    reports a Loss only for seqs really skipped."""
+    t = StreamTracker("w", 0, has_replay=False)
+    assert t.start(after=79) == []
+    assert t.accept_in_order(80, p(80))
+    u = StreamTracker("w", 0, has_replay=False)
+    u.start(after=79)
+    out = u.on_live(83, p(83))
+    assert isinstance(out[0], Loss) and (out[0].first_seq, out[0].last_seq) == (80, 82)
+
+
+def test_resumed_stream_sees_a_restart_below_the_snapshot_seq() -> None:
+    """A live seq at or below the snapshot's seq means the publisher restarted: Reset."""
+    t = StreamTracker("w", 0, has_replay=False)
+    t.start(after=50)
+    out = t.on_live(0, p(0, gen=1))
+    assert isinstance(out[0], Reset) and delivered(out) == [0]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import zmq.asyncio
 
 from kvevents import Holder, Router
-from kvevents.router.peers import LoadNote, PeerNotes
+from kvevents.router.peers import LoadNote, LoadNotes, PeerNotes
 
 H = Holder("http://engine", 0)
 
@@ -110,5 +112,55 @@ def test_local_decisions_are_sent_as_notes_a_peer_applies(tmp_path: Path) -> Non
             await a.close()
             await b.close()
             ctx.term()
+
+    asyncio.run(main())
+
+
+class FakeTransport:
+    """A transport that keeps what is sent and refuses it when told to."""
+
+    def __init__(self, ignore_prefix: str | None = None, up: bool = True) -> None:
+        self.ignore_prefix = ignore_prefix
+        self.up = up
+        self.sent: list[bytes] = []
+        self.deliver: Callable[[bytes], None] | None = None
+
+    def send(self, raw: bytes) -> bool:
+        if self.up:
+            self.sent.append(raw)
+        return self.up
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self.deliver = deliver
+
+    async def close(self) -> None:
+        self.deliver = None
+
+
+def test_notes_go_out_on_every_transport_and_group_copies_are_ignored() -> None:
+    """A note is sent on each transport (a refused send counts as dropped); a note from
+    this process's own group arriving over the cross-machine transport is ignored, and a
+    routed note delivered twice counts once."""
+
+    async def main() -> None:
+        router = Router(block_size=16)
+        router.add_holder(H)
+        ipc, nats_like = FakeTransport(), FakeTransport(ignore_prefix="g1/", up=False)
+        notes = LoadNotes(router, "g1/0", [ipc, nats_like], ttl=30.0)
+        notes.start()
+        try:
+            router.record(router.route(list(range(64))))
+            assert (len(ipc.sent), notes.sent, notes.dropped) == (1, 1, 1)
+            assert nats_like.deliver is not None and ipc.deliver is not None
+            nats_like.deliver(msgspec.msgpack.encode(_note("begin", sender="g1/1")))
+            assert notes.received == 0 and router.loads[H].inflight_requests == 0
+            routed = msgspec.msgpack.encode(_note("routed", ticket=-3))
+            before = router.loads[H].recent_blocks
+            ipc.deliver(routed)
+            nats_like.deliver(routed)
+            assert router.loads[H].recent_blocks > before
+            assert (notes.received, notes.duplicates) == (2, 1)
+        finally:
+            await notes.close()
 
     asyncio.run(main())

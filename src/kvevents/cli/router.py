@@ -30,7 +30,8 @@ engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every r
 * ``GET /workers``: engines, streams and holders with their health, load and block sizes.
 * ``GET /metrics``: Prometheus text (:mod:`kvevents.router.metrics`).
 * ``GET /dump``: the index snapshot (``application/octet-stream``, see
-  :meth:`kvevents.PrefixIndex.to_bytes`).
+  :meth:`kvevents.PrefixIndex.to_bytes`), with each stream's last applied seq: what a
+  replica started with ``--peer URL`` begins from (:mod:`kvevents.router.warm_start`).
 
 Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
 ``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
@@ -51,6 +52,8 @@ import argparse
 import functools
 import logging
 import os
+import socket
+import time
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
 from kvevents.cli.options import add_log_level
@@ -63,9 +66,11 @@ from kvevents.index.types import TierCredits
 from kvevents.router.app import create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
+from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
+from kvevents.router.warm_start import load_from_peers
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
@@ -197,6 +202,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"here {os.cpu_count() or 1})",
     )
     parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running router replica (repeatable, tried in order): start from its index "
+        "(GET /dump) and follow every stream from where it stood, replaying only the "
+        "difference; none reachable: start empty",
+    )
+    parser.add_argument(
+        "--sync",
+        metavar="NATS_URL",
+        help="share in-flight load with router replicas on other machines over NATS, e.g. "
+        "nats://10.0.0.9:4222 (needs 'kvevents[sync]'); NATS down: each replica goes on alone",
+    )
+    parser.add_argument(
+        "--sync-subject",
+        metavar="SUBJECT",
+        help="the NATS subject of this router group (default: derived from the engines "
+        "followed, so replicas of the same engines meet)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=bounded(PositiveInt),
         default=DEFAULT_MAX_BODY_BYTES,
@@ -245,14 +271,23 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     leave that to the parent, which checks the options once before starting them).
     """
     router, specs, tokenizer = _check(args, warn=warn)
-    subscriber = Subscriber()
+    warm = None
+    if args.peer:
+        index, warm = load_from_peers(args.peer)
+        if index is not None:
+            followed = {spec.worker for spec in specs}
+            for holder in index.holders():  # a peer may follow engines this router does not
+                if holder.worker not in followed:
+                    index.remove_holder(holder)
+            router.restore_index(index)
+    subscriber = Subscriber(resume=router.index.applied_seqs)
     try:
         for spec in specs:
             spec.follow(subscriber)
     except BaseException:
         subscriber.close()
         raise
-    return RouterService(
+    service = RouterService(
         router,
         specs,
         subscriber=subscriber,
@@ -261,6 +296,24 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         tokenizer=tokenizer,
         policy=args.policy,
     )
+    service.warm_start = warm
+    service.sync = _sync(args, [s.url for s in specs])
+    return service
+
+
+def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:
+    """The NATS transport of ``--sync``, or None; ConfigError when nats-py is missing."""
+    if args.sync is None:
+        if args.sync_subject is not None:
+            raise ConfigError("--sync-subject needs --sync NATS_URL")
+        return None
+    try:
+        from kvevents.router.nats_sync import NatsNoteTransport, default_subject
+    except ImportError:
+        raise ConfigError(
+            "--sync needs the nats-py package: pip install 'kvevents[sync]'"
+        ) from None
+    return NatsNoteTransport(args.sync, args.sync_subject or default_subject(engines))
 
 
 def _check(
@@ -283,6 +336,7 @@ def _check(
     specs = engine_specs(args)
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
+    _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:
@@ -322,4 +376,13 @@ async def serve(
 ) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
     app = create_app(service, max_body_bytes=max_body_bytes)
-    return await serve_app(app, host, port, READY_PREFIX, "router")
+    notes = None
+    if service.sync is not None and service.peers is None:
+        sender = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        notes = service.peers = LoadNotes(service.router, sender, [service.sync])
+        notes.start()
+    try:
+        return await serve_app(app, host, port, READY_PREFIX, "router")
+    finally:
+        if notes is not None:
+            await notes.close()

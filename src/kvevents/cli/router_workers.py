@@ -27,6 +27,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -72,12 +73,19 @@ def _worker_main(
     service.process_index = index
     service.process_count = workers
 
+    # One id per group (its private folder is unique on this machine): with --sync, the
+    # group's own notes arrive over ipc, so the NATS copies of them are ignored.
+    group = f"{socket.gethostname()}-{os.path.basename(folder)}"
+    if service.sync is not None:
+        service.sync.ignore_prefix = f"{group}/"
+
     async def main() -> int:
         peers = PeerNotes(
             service.router,
-            sender=f"{os.getpid()}-{index}-{time.time_ns()}",
+            sender=f"{group}/{index}-{os.getpid()}-{time.time_ns()}",
             own=_endpoint(folder, index),
             peers=[_endpoint(folder, j) for j in range(workers) if j != index],
+            extra=[] if service.sync is None else [service.sync],
         )
         peers.start()
         service.peers = peers

@@ -16,7 +16,13 @@ from kvevents.demo.replay import Outcome, PolicyRun
 
 __all__ = ["cumulative", "draw_chart", "rolling"]
 
-_COLORS = {"kv_aware": "#1f77b4", "round_robin": "#ff7f0e", "upper_bound": "#2ca02c"}
+_COLORS = {
+    "kv_aware": "#1f77b4",
+    "replicas_sync": "#9467bd",
+    "replicas_alone": "#8c564b",
+    "round_robin": "#ff7f0e",
+    "upper_bound": "#2ca02c",
+}
 
 
 def cumulative(pairs: Sequence[tuple[int, int]]) -> list[float]:

@@ -3,7 +3,7 @@
 ::
 
     kvevents demo [--requests N] [--dp-size N] [--enable-dp-attention] [--trace FILE]
-                  [--json FILE] [--out DIR | --no-chart]
+                  [--routers N [--no-sync]] [--json FILE] [--out DIR | --no-chart]
 
 1. Starts ``kvevents engine`` (``--dp-size`` ranks, pure DP unless
    ``--enable-dp-attention``, a prefix cache of ``--max-blocks`` pages per rank, KV
@@ -13,7 +13,9 @@
    conversation trace), ``--speedup`` times faster than recorded, at most
    ``--concurrency`` in flight (:mod:`kvevents.demo.replay`): once through the router
    (KV-aware), then, after flushing every cache and checking that the router's index
-   emptied with it, straight to the engine, which spreads requests round-robin.
+   emptied with it, straight to the engine, which spreads requests round-robin. With
+   ``--routers N`` (N >= 2) the trace is also sent round-robin across N router replicas
+   synced over NATS and across N routing alone (:mod:`kvevents.demo.replicas`).
 3. After each replay, waits until the router has received every published batch and
    checks that its index holds as many blocks per rank as the engine's caches.
 4. Prints the results (:mod:`kvevents.demo.report`), draws the chart
@@ -46,6 +48,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvevents.demo.plane import EventCounts, Plane, Settled
 from kvevents.demo.procs import Child
 from kvevents.demo.replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
+from kvevents.demo.replicas import NatsChild, replica_groups
 from kvevents.demo.report import (
     POLICY_LABELS,
     render_table,
@@ -114,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=90.0,
         help="seconds for each process to start",
     )
+    add(
+        "--routers",
+        type=bounded(PositiveInt),
+        default=1,
+        help="also replay across N router replicas (default 1: no)",
+    )
+    add("--no-sync", action="store_true", help="with --routers: leave out the NATS-synced group")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +168,7 @@ def _ignore_sigint() -> None:
 def _replay(
     name: str,
     workload: Workload,
-    url: str,
+    url: str | list[str],
     concurrency: int,
     console: Console,
     interrupts: Interrupts,
@@ -190,6 +200,8 @@ def _run_plane(
     router: Child,
     console: Console,
     interrupts: Interrupts,
+    groups: dict[str, list[Child]],
+    nats: NatsChild | None,
 ) -> tuple[dict[str, PolicyRun], dict[str, Settled], EventCounts]:
     """Start engine and router, replay each policy, settle; the caller stops the children."""
     mode = "DP attention" if args.enable_dp_attention else "pure DP"
@@ -204,27 +216,41 @@ def _run_plane(
     router.argv += ["--engine", engine_url]
     router_url = router.start(args.startup_timeout)
     say(f"router ready: {router_url}", soft_wrap=True)
+    targets: list[tuple[str, list[str]]] = [("kv_aware", [router_url])]
+    for name, children in groups.items():
+        sync = (
+            ["--sync", nats.start(args.startup_timeout)] if name == "replicas_sync" and nats else []
+        )
+        for child in children:
+            child.argv += ["--engine", engine_url, *sync]
+        targets.append((name, [child.start(args.startup_timeout) for child in children]))
+        say(f"{len(children)} replicas ready ({name}): {', '.join(targets[-1][1])}")
+    targets.append(("round_robin", [engine_url]))
     runs: dict[str, PolicyRun] = {}
     consistency: dict[str, Settled] = {}
     plane = Plane(engine_url, router_url)
+    replicas = [Plane(engine_url, url) for _, urls in targets[1:-1] for url in urls]
     try:
         engine.adopt(plane.rank_pids())
-        plane.wait_subscribed(args.dp_size, args.startup_timeout)
+        for p in (plane, *replicas):
+            p.wait_subscribed(args.dp_size, args.startup_timeout)
         say(
             f"replaying {len(workload):,} requests of {workload.trace_name}, "
             f"{args.speedup:g}x faster than recorded, at most {args.concurrency} in flight",
             soft_wrap=True,
         )
-        for name, url in (("kv_aware", router_url), ("round_robin", engine_url)):
+        for name, urls in targets:
             if runs:
                 plane.flush(timeout=30.0)
-            runs[name] = _replay(
-                name, workload, f"{url}/generate", args.concurrency, console, interrupts
-            )
+                for p in replicas:
+                    p.wait_settled(timeout=30.0)
+            generate = [f"{url}/generate" for url in urls]
+            runs[name] = _replay(name, workload, generate, args.concurrency, console, interrupts)
             consistency[name] = plane.wait_settled(timeout=30.0)
         return runs, consistency, plane.event_counts()
     finally:
-        plane.close()
+        for p in (plane, *replicas):
+            p.close()
 
 
 def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -241,6 +267,8 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
     engine = Child("engine", _engine_args(args))
     router = Child("router", ["--port", "0", "--workers", "1", *router_extra])
+    groups = replica_groups(args.routers, not args.no_sync, router_extra)
+    nats = NatsChild() if "replicas_sync" in groups else None
     with Interrupts() as interrupts:  # Ctrl-C and SIGTERM: see kvevents.demo.signals
         pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
         try:
@@ -248,13 +276,17 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
             )
             runs, consistency, events = _run_plane(
-                args, workload, engine, router, console, interrupts
+                args, workload, engine, router, console, interrupts, groups, nats
             )
             upper = bound.get(timeout=600.0)
         finally:
             with interrupts.deferred():  # a second signal must not cut the cleanup short
+                for child in [c for children in groups.values() for c in children]:
+                    child.stop()
                 router.stop()
                 engine.stop()
+                if nats is not None:
+                    nats.stop()
                 pool.terminate()
                 pool.join()
     processes = {"engine": engine.pid, "router": router.pid, "ranks": list(engine.adopted)}
@@ -283,6 +315,8 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "max_new_tokens": args.max_new_tokens,
         "router_args": router_extra,
+        "routers": args.routers,
+        "sync": args.routers > 1 and not args.no_sync,
     }
     failed = sum(p["failed"] for p in policies.values())
     ok = failed == 0 and events.lost == 0 and all(s.consistent for s in consistency.values())

@@ -135,13 +135,15 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> 
 async def replay(
     name: str,
     workload: Workload,
-    url: str,
+    url: str | Sequence[str],
     *,
     concurrency: int,
     on_done: Callable[[Outcome], None] | None = None,
     timeout: float = 120.0,
 ) -> PolicyRun:
-    """Send every request of ``workload`` to ``url`` (a ``/generate`` endpoint); see the module docstring."""
+    """Send every request of ``workload`` to ``url`` (a ``/generate`` endpoint, or several,
+    taken in turn: request ``i`` goes to ``url[i % len(url)]``); see the module docstring."""
+    urls = [url] if isinstance(url, str) else list(url)
     if concurrency < 1:
         raise ConfigError(f"--concurrency {concurrency}: must be at least 1")
     run = PolicyRun(name, [None] * len(workload))
@@ -155,7 +157,7 @@ async def replay(
 
         async def one(i: int) -> None:
             try:
-                outcome = await _send(client, url, workload.body(i), t0)
+                outcome = await _send(client, urls[i % len(urls)], workload.body(i), t0)
             finally:
                 slots.release()
             run.outcomes[i] = outcome

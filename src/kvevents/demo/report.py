@@ -31,7 +31,12 @@ __all__ = [
     "summarize",
 ]
 
-POLICY_LABELS = {"kv_aware": "KV-aware (router)", "round_robin": "round-robin"}
+POLICY_LABELS = {
+    "kv_aware": "KV-aware (router)",
+    "replicas_sync": "KV-aware, replicas synced",
+    "replicas_alone": "KV-aware, replicas alone",
+    "round_robin": "round-robin",
+}
 UPPER_BOUND_LABEL = "pooled cache (bound)"
 
 

@@ -125,6 +125,10 @@ class PrefixIndex(MaskTable):
         super().__init__(block_size=block_size, max_entries=max_entries, predictions=predictions)
         self.credits = credits
         self._slots: dict[Holder, int] = {}
+        self.applied_seqs: dict[Holder, int] = {}
+        """Per holder, the seq of the last batch whose effect the index holds; kept by the
+        caller that applies batches (the router), carried by the snapshot, dropped with the
+        holder."""
 
     # --- holders --------------------------------------------------------------------
 
@@ -190,6 +194,7 @@ class PrefixIndex(MaskTable):
             return 0
         dropped = self.clear_holder(holder)
         self.stats.cleared -= 1  # a removal is not a clear event
+        self.applied_seqs.pop(holder, None)
         del self._slots[holder]
         self._holders[slot] = None
         self._live &= ~(1 << slot)
@@ -471,6 +476,7 @@ class PrefixIndex(MaskTable):
             hashes=list(self._hashes.items()),
             refs=[(k, s, t, n) for (k, s, t), n in self._refs.items()],
             stats=self.stats,
+            seqs=[(h.worker, h.dp_rank, seq) for h, seq in self.applied_seqs.items()],
         )
         return encode_snapshot(snap)
 
@@ -511,4 +517,5 @@ class PrefixIndex(MaskTable):
         index._hashes = dict(snap.hashes)
         index._refs = {(k, s, t): n for k, s, t, n in snap.refs}
         index.stats = snap.stats
+        index.applied_seqs = {Holder(w, r): seq for w, r, seq in snap.seqs}
         return index

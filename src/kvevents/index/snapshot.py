@@ -5,8 +5,12 @@ one stopped: holders and their slots, every block's packed tier mask in recency 
 (so pruning order survives), the engine-hash map, extra copies, counters and settings.
 Derived figures (entry counts per holder, the live-slot mask) are recomputed on load.
 
-Layout (a positional msgpack array, version 1); masks are little-endian bytes because
-they may exceed 64 bits. Restoring costs O(blocks + hashes). This module knows only the layout; the index
+Layout: a positional msgpack array; masks are little-endian bytes because they may
+exceed 64 bits. Restoring costs O(blocks + hashes). Version 2 appends ``seqs``: per
+holder, the seq of the last batch applied (``PrefixIndex.applied_seqs``), so that a
+router restored from a peer's snapshot follows each stream from there (``kvevents router
+--peer``). Version 1 snapshots are still read (no seqs: every stream is followed from
+its start); other versions are refused. This module knows only the layout; the index
 builds and reads it, so the index imports this module and never the reverse.
 """
 
@@ -17,9 +21,19 @@ import msgspec
 from kvevents.index.types import IndexStats
 from kvevents.types import Hash
 
-__all__ = ["SNAPSHOT_VERSION", "IndexSnapshot", "decode_snapshot", "encode_snapshot", "mask_bytes"]
+__all__ = [
+    "READABLE_VERSIONS",
+    "SNAPSHOT_VERSION",
+    "IndexSnapshot",
+    "decode_snapshot",
+    "encode_snapshot",
+    "mask_bytes",
+]
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+
+READABLE_VERSIONS = (1, 2)
+"""Snapshot versions :func:`decode_snapshot` reads (a version 1 snapshot has no seqs)."""
 
 
 class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -36,6 +50,8 @@ class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
     hashes: list[tuple[Hash, int]]
     refs: list[tuple[int, int, int, int]]
     stats: IndexStats
+    seqs: list[tuple[str, int, int]] = []
+    """``(worker, dp_rank, seq)``: the last batch applied per holder (version 2)."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -60,10 +76,11 @@ def decode_snapshot(data: bytes) -> IndexSnapshot:
         raise ValueError(
             f"PrefixIndex.from_bytes: {len(data)} bytes are not an index snapshot: {exc}"
         ) from None
-    if snap.version != SNAPSHOT_VERSION:
+    if snap.version not in READABLE_VERSIONS:
         raise ValueError(
             f"PrefixIndex.from_bytes: snapshot version {snap.version} is not supported "
-            f"(this kvevents reads version {SNAPSHOT_VERSION}); rebuild the index from the streams"
+            f"(this kvevents reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
+            "rebuild the index from the streams"
         )
     width = snap.width
     if width < 64 or width % 64 or len(snap.holders) > width:

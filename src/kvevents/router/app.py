@@ -142,6 +142,9 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
                     msgspec.to_builtins(m) for m in router.block_sizes.mismatches.values()
                 ],
                 "process": service._process(),
+                "warm_start": None
+                if service.warm_start is None
+                else msgspec.to_builtins(service.warm_start),
                 "policy": service.policy,
                 "tokenizer": service.text_tokenizer.name,
             }

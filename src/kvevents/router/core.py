@@ -183,6 +183,18 @@ class Router:
         self.index.add_holder(holder, block_size=block_size)
         self.loads.setdefault(holder, HolderLoad())
 
+    def restore_index(self, index: PrefixIndex) -> None:
+        """Go on from ``index`` (a peer's snapshot, ``--peer``) instead of the empty one:
+        its holders, blocks and applied seqs; this router's memory bound, credits and
+        block size (when it has one) stay. Call before any event is handled."""
+        index.max_entries = self.index.max_entries
+        index.credits = self.index.credits
+        if self.index.block_size is not None:
+            index.block_size = self.index.block_size
+        self.index = index
+        for holder in index.holders():
+            self.loads.setdefault(holder, HolderLoad())
+
     def declare_block_size(
         self, holder: Holder, block_size: int, *, source: str, origin: str | None = None
     ) -> bool:
@@ -203,12 +215,18 @@ class Router:
             if item.holder not in self.loads:
                 self.loads[item.holder] = HolderLoad()
             self.index.apply(item.holder, self.block_sizes.check(item.holder, item.batch))
+            self.index.applied_seqs[item.holder] = item.seq
             self.batches_applied += 1
             return
         holder = item.holder
         self.signals[(item.kind, holder)] += 1
         if isinstance(item, (Reset, Loss)) and holder is not None:
             self.index.clear_holder(holder)
+            # cleared as of the loss's last seq; a reset starts the stream over
+            if isinstance(item, Loss):
+                self.index.applied_seqs[holder] = item.last_seq
+            else:
+                self.index.applied_seqs.pop(holder, None)
         elif isinstance(item, (Gap, Unreachable)):
             pass  # informational: the missed batches follow, or discovery retries
 

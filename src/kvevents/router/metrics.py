@@ -285,7 +285,7 @@ class ProcessCollector(Collector):
             sent = CounterMetricFamily(
                 _P + "peer_notes", "load notes to and from peer routers", labels=["direction"]
             )
-            for direction in ("sent", "received", "malformed", "expired"):
+            for direction in ("sent", "received", "malformed", "expired", "dropped", "duplicates"):
                 sent.add_metric([direction], notes[direction])
             yield sent
             inflight = GaugeMetricFamily(
@@ -293,6 +293,20 @@ class ProcessCollector(Collector):
             )
             inflight.add_metric([], notes["peer_inflight"])
             yield inflight
+        sync = info.get("sync")
+        if sync:
+            connected = GaugeMetricFamily(
+                _P + "sync_connected",
+                "1 while the NATS load-note sync (--sync) is connected, 0 while this replica "
+                "routes alone",
+            )
+            connected.add_metric([], 1 if sync["connected"] else 0)
+            yield connected
+            disconnects = CounterMetricFamily(
+                _P + "sync_disconnects", "times the NATS load-note sync lost its connection"
+            )
+            disconnects.add_metric([], sync["disconnects"])
+            yield disconnects
 
 
 def make_registry(

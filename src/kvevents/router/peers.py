@@ -11,22 +11,33 @@ request it routes and each that ends:
   uncached blocks are in flight on the holder until its ``finish`` note;
 * ``finish``: the forwarded request ended (answered or failed).
 
-Transport: ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the parent process makes
-(one PUB per process, bound; one SUB per process, connected to every other), so notes
-never leave the machine and cost a non-blocking send on the hot path. Best effort: a
-note that is lost only leaves load that ages out, because every ``begin`` carries a
-time-to-live (``ttl``) after which the receiver drops it even without a ``finish``; so a
-peer that dies takes its in-flight load with it after at most ``ttl`` seconds. A process
-ignores its own notes, and a ``finish`` whose ``begin`` it never saw changes nothing.
+What a note does is :class:`LoadNotes`; how it travels is a :class:`NoteTransport`,
+and one :class:`LoadNotes` may send on and hear from several. Within one ``--workers``
+group the transport is ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the parent
+process makes (:class:`ZmqNoteTransport`: one PUB per process, bound; one SUB per
+process, connected to every other), so notes never leave the machine and cost a
+non-blocking send on the hot path; :class:`PeerNotes` is that pairing. Across machines
+it is NATS (``kvevents router --sync``, :mod:`kvevents.router.nats_sync`).
+
+Best effort: a note that is lost only leaves load that ages out, because every
+``begin`` carries a time-to-live (``ttl``) after which the receiver drops it even
+without a ``finish``; so a peer that dies takes its in-flight load with it after at
+most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
+duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
+this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
+``finish`` change nothing; what is remembered for that is forgotten after ``ttl``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -35,7 +46,15 @@ import zmq.asyncio
 from kvevents.router.core import NoteKind, Router, Ticket
 from kvevents.types import Holder
 
-__all__ = ["DEFAULT_NOTE_TTL", "LoadNote", "PeerNotes"]
+__all__ = [
+    "DEFAULT_NOTE_TTL",
+    "LoadNote",
+    "LoadNotes",
+    "NoteTransport",
+    "PeerNotes",
+    "SyncTransport",
+    "ZmqNoteTransport",
+]
 
 log = logging.getLogger("kvevents.router")
 
@@ -60,10 +79,83 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(LoadNote)
 
 
-class PeerNotes:
-    """Send this process's notes and apply the other processes' to ``router``.
+class NoteTransport(Protocol):
+    """How notes travel: a non-blocking send, and a receiver started on the event loop."""
 
-    ``own``: this process's PUB endpoint (bound); ``peers``: the others' (connected).
+    ignore_prefix: str | None
+    """Notes from senders starting with this are dropped on receipt (they arrive by
+    another transport too); None: none are."""
+
+    def send(self, raw: bytes) -> bool:
+        """Queue one encoded note without waiting; False when it was dropped."""
+        ...
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        """Begin receiving (on the running event loop): ``deliver`` gets each raw note."""
+        ...
+
+    async def close(self) -> None:
+        """Stop receiving and release the transport. Idempotent."""
+        ...
+
+
+class SyncTransport(NoteTransport, Protocol):
+    """A transport that reports its connection (NATS), for ``/workers`` and ``/metrics``."""
+
+    def status(self) -> dict[str, Any]:
+        """At least ``connected`` (bool) and ``dropped`` (notes not sent)."""
+        ...
+
+
+class ZmqNoteTransport:
+    """ZeroMQ PUB/SUB: bind ``own``, connect to every endpoint of ``peers``."""
+
+    ignore_prefix: str | None = None
+
+    def __init__(
+        self, own: str, peers: Sequence[str], *, context: zmq.asyncio.Context | None = None
+    ) -> None:
+        ctx = context or zmq.asyncio.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.bind(own)
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for endpoint in peers:
+            self._sub.connect(endpoint)
+        self._task: asyncio.Task[None] | None = None
+
+    def send(self, raw: bytes) -> bool:
+        try:
+            self._pub.send(raw, zmq.NOBLOCK)
+        except zmq.Again:  # a full queue drops the note: best effort
+            return False
+        return True
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._receive(deliver))
+
+    async def _receive(self, deliver: Callable[[bytes], None]) -> None:
+        while True:
+            deliver(await self._sub.recv())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._pub.close()
+        self._sub.close()
+
+
+class LoadNotes:
+    """Send this router's notes on every transport; apply the others' to ``router``.
+
+    ``sender``: this router's id, unique across every router that shares notes.
     ``clock`` is injectable for tests. Not thread-safe: one event loop.
     """
 
@@ -71,35 +163,28 @@ class PeerNotes:
         self,
         router: Router,
         sender: str,
-        own: str,
-        peers: Sequence[str],
+        transports: Sequence[NoteTransport],
         *,
         ttl: float = DEFAULT_NOTE_TTL,
-        context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not ttl > 0:
             raise ValueError(f"note ttl={ttl!r}: must be a positive number of seconds")
         self.router = router
         self.sender = sender
+        self.transports = list(transports)
         self.ttl = ttl
         self.clock = clock
         self.sent = 0
+        self.dropped = 0
         self.received = 0
+        self.duplicates = 0
         self.malformed = 0
         self.expired = 0
-        self._ctx = context or zmq.asyncio.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(own)
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for endpoint in peers:
-            self._sub.connect(endpoint)
         self._remote: dict[tuple[str, int], tuple[Holder, float, float]] = {}
+        # notes already applied whose duplicates must change nothing: key -> forget after
+        self._done: dict[tuple[str, int], float] = {}
+        self._routed_ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._next_sweep = clock() + 1.0
         router.note_listeners.append(self._local)
@@ -112,64 +197,78 @@ class PeerNotes:
             kind,
             holder.worker,
             holder.dp_rank,
-            0 if ticket is None else ticket.id,
+            -next(self._routed_ids) if ticket is None else ticket.id,
             n_blocks,
             0.0 if ticket is None else ticket.blocks,
             self.ttl,
         )
-        with contextlib.suppress(zmq.Again):  # a full queue drops the note: best effort
-            self._pub.send(_ENCODER.encode(note), zmq.NOBLOCK)
-            self.sent += 1
+        raw = _ENCODER.encode(note)
+        went = False
+        for transport in self.transports:
+            if transport.send(raw):
+                went = True
+            else:
+                self.dropped += 1  # per transport that refused it
+        self.sent += went
 
     # --- receiving --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._receive())
+        for transport in self.transports:
+            transport.start(functools.partial(self._on_raw, transport=transport))
+        self._task = asyncio.get_running_loop().create_task(self._sweep())
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
         with contextlib.suppress(ValueError):
             self.router.note_listeners.remove(self._local)
-        self._pub.close()
-        self._sub.close()
+        for transport in self.transports:
+            await transport.close()
 
-    async def _receive(self) -> None:
+    async def _sweep(self) -> None:
         while True:
-            try:
-                raw = await asyncio.wait_for(self._sub.recv(), timeout=1.0)
-            except asyncio.TimeoutError:
-                self.expire()
-                continue
-            try:
-                note = _DECODER.decode(raw)
-            except msgspec.DecodeError:
-                self.malformed += 1
-                continue
-            self.apply(note)
+            await asyncio.sleep(1.0)
+            self.expire()
+
+    def _on_raw(self, raw: bytes, transport: NoteTransport) -> None:
+        try:
+            note = _DECODER.decode(raw)
+        except msgspec.DecodeError:
+            self.malformed += 1
+            return
+        prefix = transport.ignore_prefix
+        if prefix is not None and note.sender.startswith(prefix):
+            return
+        self.apply(note)
 
     def apply(self, note: LoadNote) -> None:
-        """Apply one peer note to the router's loads (own notes are ignored)."""
+        """Apply one peer note to the router's loads, once (own notes are ignored)."""
         if note.sender == self.sender:
             return
         self.received += 1
         holder = Holder(note.worker, note.dp_rank)
         key = (note.sender, note.ticket)
+        now = self.clock()
+        if key in self._done or (note.kind == "begin" and key in self._remote):
+            self.duplicates += 1
+            return
         if note.kind == "routed":
             self.router.remote_routed(holder, note.n_blocks)
+            self._done[key] = now + note.ttl
         elif note.kind == "begin":
-            if key in self._remote:
-                return  # a duplicate
             self.router.remote_routed(holder, note.n_blocks)
             self.router.remote_inflight(holder, 1, note.inflight_blocks)
-            self._remote[key] = (holder, note.inflight_blocks, self.clock() + note.ttl)
+            self._remote[key] = (holder, note.inflight_blocks, now + note.ttl)
         elif note.kind == "finish":
             held = self._remote.pop(key, None)
             if held is not None:
                 self.router.remote_inflight(held[0], -1, -held[1])
-        if self.clock() >= self._next_sweep:
+            self._done[key] = now + note.ttl  # a late begin, or a duplicate, changes nothing
+        if now >= self._next_sweep:
             self.expire()
 
     def expire(self) -> None:
@@ -181,8 +280,46 @@ class PeerNotes:
             holder, blocks, _ = self._remote.pop(key)
             self.router.remote_inflight(holder, -1, -blocks)
             self.expired += 1
+            self._done[key] = now + self.ttl
+        for key in [k for k, until in self._done.items() if until <= now]:
+            del self._done[key]
 
     @property
     def remote_inflight(self) -> int:
         """Peers' requests now counted in flight on this router's holders."""
         return len(self._remote)
+
+    def summary(self) -> dict[str, int]:
+        """The counters, for ``/workers`` and ``/metrics``."""
+        return {
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "received": self.received,
+            "duplicates": self.duplicates,
+            "malformed": self.malformed,
+            "expired": self.expired,
+            "peer_inflight": self.remote_inflight,
+        }
+
+
+class PeerNotes(LoadNotes):
+    """Notes between the processes of one ``--workers`` group, over ipc PUB/SUB.
+
+    ``own``: this process's PUB endpoint (bound); ``peers``: the others' (connected);
+    ``extra``: further transports (NATS, ``--sync``).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        sender: str,
+        own: str,
+        peers: Sequence[str],
+        *,
+        ttl: float = DEFAULT_NOTE_TTL,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        extra: Sequence[NoteTransport] = (),
+    ) -> None:
+        transport = ZmqNoteTransport(own, peers, context=context)
+        super().__init__(router, sender, [transport, *extra], ttl=ttl, clock=clock)

@@ -23,7 +23,7 @@ from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
 from kvevents.router.core import POLICIES, Policy, Router
 from kvevents.router.engines import EngineState, watch_engine
 from kvevents.router.metrics import make_registry
-from kvevents.router.peers import PeerNotes
+from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.request_stats import RequestStats
 from kvevents.router.tokenize import (
     ByteTextTokenizer,
@@ -32,6 +32,7 @@ from kvevents.router.tokenize import (
     TextTokenizer,
     TokenizeError,
 )
+from kvevents.router.warm_start import WarmStart
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
@@ -141,8 +142,12 @@ class RouterService:
         self.process_index = 0
         """Which of ``process_count`` router processes this is (``--workers``)."""
         self.process_count = 1
-        self.peers: PeerNotes | None = None
-        """Load notes to and from the other processes, when there are any."""
+        self.peers: LoadNotes | None = None
+        """Load notes to and from the other processes and routers, when there are any."""
+        self.sync: SyncTransport | None = None
+        """The NATS transport of those notes (``--sync``), for ``/workers`` and ``/metrics``."""
+        self.warm_start: WarmStart | None = None
+        """How the index started when peers were given (``--peer``)."""
         self._client: httpx.AsyncClient | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,15 +180,8 @@ class RouterService:
             "index": self.process_index,
             "workers": self.process_count,
             "pid": os.getpid(),
-            "notes": None
-            if peers is None
-            else {
-                "sent": peers.sent,
-                "received": peers.received,
-                "malformed": peers.malformed,
-                "expired": peers.expired,
-                "peer_inflight": peers.remote_inflight,
-            },
+            "notes": None if peers is None else peers.summary(),
+            "sync": None if self.sync is None else self.sync.status(),
         }
 
     def _stream_stats(self) -> dict[Holder, Any]:

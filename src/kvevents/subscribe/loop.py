@@ -66,7 +66,7 @@ __all__ = ["Command", "SubscriberLoop"]
 class Command(enum.Enum):
     """What another thread asks the loop to do (:meth:`SubscriberLoop.submit`), with its argument."""
 
-    ADD = "add"  # follow a new stream: a StreamSpec
+    ADD = "add"  # follow a new stream: (StreamSpec, seq to resume after or None)
     REPLACE = "replace"  # follow this spec instead of the holder's current stream: a StreamSpec
     SIGNAL = "signal"  # pass a Signal on to the consumer, in order with the deliveries
     STOP = "stop"  # close every socket and end the thread: no argument
@@ -211,7 +211,8 @@ class SubscriberLoop:
         while self._commands:
             command, arg = self._commands.popleft()
             if command is Command.ADD:
-                self._add_stream(arg, now, out)
+                spec, after = arg
+                self._add_stream(spec, now, out, after)
             elif command is Command.REPLACE:
                 self._replace_stream(arg, now, out)
             elif command is Command.SIGNAL:
@@ -221,7 +222,9 @@ class SubscriberLoop:
 
     # --- streams -------------------------------------------------------------------------
 
-    def _add_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
+    def _add_stream(
+        self, spec: StreamSpec, now: float, out: list[Item], after: int | None = None
+    ) -> None:
         def replay_opened(sock: zmq.Socket[bytes]) -> None:
             self._register(sock, lambda now, out: self._on_replay(st, now, out))
 
@@ -253,7 +256,7 @@ class SubscriberLoop:
         self._register(st.sub, lambda now, out: self._on_live(st, now, out))
         st.counters.sample(now)
         st.activity = now
-        self._apply(st, st.tracker.start(), now, out)
+        self._apply(st, st.tracker.start(after), now, out)
 
     def _replace_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
         """The engine now publishes this rank elsewhere: drop the old stream, say ``Reset``

@@ -158,10 +158,27 @@ class StreamTracker:
 
     # --- inputs ------------------------------------------------------------------------
 
-    def start(self) -> list[TrackerAction]:
-        """A new stream: with a replay endpoint, first replay from 0 (slow joiner)."""
+    def start(self, after: int | None = None) -> list[TrackerAction]:
+        """A new stream: with a replay endpoint, first replay from 0 (slow joiner).
+
+        ``after``: the consumer already holds the effect of every batch up to this seq
+        (restored from a peer's snapshot), so the stream resumes there: a replay from
+        ``after + 1`` fills what was published since, and live messages wait for it. A
+        publisher whose buffer no longer reaches back to ``after + 1`` shows it in the
+        replay's first seq (a :class:`Loss` of exactly the batches not buffered); one that
+        buffers nothing newer answers with the end marker alone (nothing missed). Without
+        a replay endpoint the first live seq tells: ``after + 1`` continues, anything
+        further is a :class:`Loss` of the seqs between. Live seqs at or below ``after``
+        mean the publisher restarted since the snapshot (:class:`Reset`); one that
+        restarted and already published past ``after`` is not told apart (no payload to
+        compare with, see "Restart detection").
+        """
         out: list[TrackerAction] = []
-        if self.has_replay:
+        if after is not None and after >= 0:
+            self.last = self.live_high = after
+            if self.has_replay:
+                self._begin_replay(Purpose.GAP, after + 1, out)
+        elif self.has_replay:
             self._begin_replay(Purpose.JOIN, 0, out)
         return out
 

@@ -61,7 +61,7 @@ import asyncio
 import enum
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 
 import zmq
@@ -112,6 +112,11 @@ class Subscriber:
     * ``rediscover_interval``: seconds between rereads of a discovered engine's
       ``/server_info``, to follow it to new endpoints after a whole restart (None:
       discover once).
+    * ``resume``: per holder, the seq up to which the consumer already holds the
+      stream's effect (an index restored from a peer's snapshot, ``applied_seqs``): that
+      holder's stream, when it is added, continues from there instead of from its start
+      (see :meth:`kvevents.subscribe.stream.StreamTracker.start`). Used once per holder;
+      a stream replaced later (the engine moved) starts over.
     * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
       seconds, for tests.
     """
@@ -131,6 +136,7 @@ class Subscriber:
         retry_initial: float = 0.25,
         retry_max: float = 5.0,
         rediscover_interval: float | None = 5.0,
+        resume: Mapping[Holder, int] | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -175,6 +181,7 @@ class Subscriber:
         )
         self._lock = threading.Lock()
         self._specs: dict[Holder, StreamSpec] = {}
+        self._resume = {Holder(*h): seq for h, seq in (resume or {}).items()}
         self._engines: dict[str, EngineWatcher] = {}
         self._closing = threading.Event()
         self.state = SubscriberState.RUNNING
@@ -228,7 +235,8 @@ class Subscriber:
                     "or dp_ranks to distinct endpoints"
                 )
             self._specs[holder] = spec
-        self._loop.submit(Command.ADD, spec)
+            after = self._resume.pop(holder, None)
+        self._loop.submit(Command.ADD, (spec, after))
 
     def _replace_spec(self, spec: StreamSpec) -> None:
         """Follow ``spec`` instead of the holder's current stream (the engine moved)."""

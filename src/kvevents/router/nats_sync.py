@@ -1,0 +1,173 @@
+"""Load notes across machines over NATS Core (``kvevents router --sync nats://HOST:PORT``).
+
+Router replicas on different machines each follow every engine and keep their own
+index; what they share is in-flight load, the :class:`~kvevents.router.peers.LoadNote`
+of :mod:`kvevents.router.peers`, published on one NATS subject per router group
+(``--sync-subject``; by default derived from the engines followed, :func:`default_subject`,
+so replicas of one fleet meet without configuration). NATS Core is at-most-once, which
+is what the notes need: a lost note only ages out (its ttl).
+
+:class:`NatsNoteTransport` is a :class:`~kvevents.router.peers.NoteTransport`. The hot
+path never waits for NATS: :meth:`~NatsNoteTransport.send` appends to a bounded queue
+that a task publishes from. While NATS is unreachable (at start, or after it went
+away) notes are dropped and counted, not buffered (stale notes would only arrive
+late), the replica routes on its own knowledge, and :meth:`~NatsNoteTransport.status`
+says so (``/workers`` ``process.sync``, the ``kvevents_router_sync_connected`` metric);
+nats-py reconnects by itself, every ``reconnect_wait`` seconds, and the subscription
+comes back with the connection.
+
+Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+__all__ = ["NatsNoteTransport", "default_subject"]
+
+log = logging.getLogger("kvevents.router")
+
+
+def default_subject(engines: Iterable[str]) -> str:
+    """``kvevents.notes.<12 hex digits>``: one subject per set of engine URLs followed."""
+    digest = hashlib.sha256("\n".join(sorted(set(engines))).encode()).hexdigest()
+    return f"kvevents.notes.{digest[:12]}"
+
+
+class NatsNoteTransport:
+    """Notes over one NATS subject; see the module docstring.
+
+    ``ignore_prefix``: senders whose notes arrive by another transport too (the other
+    processes of this ``--workers`` group), dropped on receipt here.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        *,
+        ignore_prefix: str | None = None,
+        reconnect_wait: float = 0.5,
+        max_queue: int = 10_000,
+    ) -> None:
+        if not url.startswith(("nats://", "tls://")):
+            raise ValueError(f"--sync {url!r}: give a NATS URL, e.g. nats://127.0.0.1:4222")
+        if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
+            raise ValueError(
+                f"--sync-subject {subject!r}: a NATS subject is dot-separated tokens with "
+                "no spaces or wildcards, e.g. kvevents.notes.fleet1"
+            )
+        self.url = url
+        self.subject = subject
+        self.ignore_prefix = ignore_prefix
+        self.reconnect_wait = reconnect_wait
+        self.connected = False
+        self.disconnects = 0
+        self.reconnects = 0
+        self.dropped = 0
+        self.last_error: str | None = None
+        self._queue: collections.deque[bytes] = collections.deque(maxlen=max_queue)
+        self._wake = asyncio.Event()
+        self._nc: Client | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def send(self, raw: bytes) -> bool:
+        if not self.connected:
+            self.dropped += 1
+            return False
+        if len(self._queue) == self._queue.maxlen:
+            self.dropped += 1  # the oldest queued note gives way
+        self._queue.append(raw)
+        self._wake.set()
+        return True
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(deliver))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        nc, self._nc = self._nc, None
+        self.connected = False
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(nc.close(), timeout=2.0)
+
+    def status(self) -> dict[str, Any]:
+        """For ``/workers`` (``process.sync``) and ``/metrics``."""
+        return {
+            "url": self.url,
+            "subject": self.subject,
+            "connected": self.connected,
+            "disconnects": self.disconnects,
+            "reconnects": self.reconnects,
+            "dropped": self.dropped,
+            "last_error": self.last_error,
+        }
+
+    # --- the task ---------------------------------------------------------------------
+
+    async def _run(self, deliver: Callable[[bytes], None]) -> None:
+        async def on_message(msg: Msg) -> None:
+            deliver(msg.data)
+
+        async def on_error(exc: Exception) -> None:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.debug("NATS %s: %s", self.url, self.last_error)
+
+        async def on_disconnected() -> None:
+            if self.connected:
+                self.disconnects += 1
+                log.warning(
+                    "NATS %s unreachable: routing without the other replicas' load", self.url
+                )
+            self.connected = False
+
+        async def on_reconnected() -> None:
+            self.reconnects += 1
+            self.connected = True
+            log.warning("NATS %s reachable again: sharing load notes", self.url)
+
+        # max_reconnect_attempts=-1 retries the first connection too, for ever, so a
+        # replica started before NATS joins once it is up; pending_size=0: no buffering
+        # while disconnected (a publish then fails, and the note is counted as dropped).
+        self._nc = nc = await nats.connect(
+            self.url,
+            name="kvevents-router",
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=self.reconnect_wait,  # seconds
+            connect_timeout=2,
+            pending_size=0,
+            no_echo=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+        )
+        await nc.subscribe(self.subject, cb=on_message)
+        self.connected = True
+        log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                raw = self._queue.popleft()
+                try:
+                    await nc.publish(self.subject, raw)
+                except (nats.errors.Error, OSError) as exc:
+                    self.dropped += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"

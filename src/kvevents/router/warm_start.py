@@ -1,0 +1,94 @@
+"""Warm restarts: start a router from a live peer's index (``kvevents router --peer URL``).
+
+A router that starts with an empty index rebuilds it from the engines' replay buffers,
+which may have wrapped (then only their tail comes back, and the rest is lost) or may
+not exist (the default config: nothing comes back). A peer router that kept running
+holds the same index, so a restarted replica asks it first: ``GET /dump`` is the peer's
+snapshot (:meth:`~kvevents.index.prefix_index.PrefixIndex.to_bytes`), which carries,
+per stream, the seq of the last batch the peer applied. The restarted replica adopts
+that index and follows each stream from there
+(:class:`~kvevents.subscribe.subscriber.Subscriber` ``resume``), replaying only what
+the peer had not applied yet; see :meth:`kvevents.subscribe.stream.StreamTracker.start`
+for what happens when the engine's buffer no longer reaches back that far.
+
+Peers are tried in the order given, each with a bounded timeout; the first snapshot
+that loads wins. None reachable: the router starts empty, as without ``--peer``.
+
+The limit: batches published between the peer's snapshot and this router's
+subscription reaching the publisher come back only through replay; without a replay
+endpoint they are reported as a ``Loss`` (and the router clears that holder, as for
+any loss).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import httpx
+import msgspec
+
+from kvevents.index.prefix_index import PrefixIndex
+
+__all__ = ["WarmStart", "load_from_peers"]
+
+log = logging.getLogger("kvevents.router")
+
+
+class WarmStart(msgspec.Struct, frozen=True, kw_only=True):
+    """How the index started (shown in ``/workers`` as ``warm_start``)."""
+
+    peer: str | None
+    """The peer whose snapshot was adopted; None: started empty."""
+    blocks: int = 0
+    streams: int = 0
+    """Streams resumed at the peer's seq."""
+    seconds: float = 0.0
+    """Time spent asking peers."""
+    errors: list[str] = []
+    """Why each peer tried before (or instead of) the one adopted failed."""
+
+
+def load_from_peers(
+    peers: Sequence[str], *, timeout: float = 5.0, client: httpx.Client | None = None
+) -> tuple[PrefixIndex | None, WarmStart]:
+    """The first peer's index that loads, and what happened; ``(None, ...)`` when none did."""
+    started = time.monotonic()
+    errors: list[str] = []
+    own = client is None
+    http = client or httpx.Client(timeout=httpx.Timeout(timeout))
+    try:
+        for url in peers:
+            base = url.rstrip("/")
+            try:
+                r = http.get(f"{base}/dump")
+                r.raise_for_status()
+                index = PrefixIndex.from_bytes(r.content)
+            except httpx.HTTPError as exc:
+                errors.append(f"{base}: {type(exc).__name__}: {exc}")
+            except ValueError as exc:
+                errors.append(f"{base}: {exc}")
+            else:
+                info = WarmStart(
+                    peer=base,
+                    blocks=index.num_blocks,
+                    streams=len(index.applied_seqs),
+                    seconds=time.monotonic() - started,
+                    errors=errors,
+                )
+                log.info(
+                    "warm start from peer %s: %d blocks, %d streams resumed at the peer's seq",
+                    base,
+                    info.blocks,
+                    info.streams,
+                )
+                return index, info
+    finally:
+        if own:
+            http.close()
+    for error in errors:
+        log.warning("peer snapshot not loaded: %s", error)
+    if peers:
+        log.warning("no peer answered with an index snapshot: starting with an empty index")
+    return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)

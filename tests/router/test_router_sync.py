@@ -1,0 +1,143 @@
+"""Router replicas sharing in-flight load over a real NATS (``kvevents router --sync``):
+notes arrive and count, NATS going away and coming back, duplicated and late notes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+from nats_support import NatsServer
+from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+
+from kvevents.router.nats_sync import default_subject
+from kvevents.router.peers import LoadNote
+
+DP = 2
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    # slow decoding, so a long request is in flight for a few seconds
+    proc = Engine(
+        ["--dp-size", str(DP), "--page-size", "4", "--decode-steps-per-s", "50"], KV_CONFIG
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def server() -> Iterator[NatsServer]:
+    srv = NatsServer()
+    yield srv
+    srv.kill()
+
+
+def sync_state(router: RouterProc) -> dict[str, Any]:
+    process: dict[str, Any] = router.http.get("/workers").json()["process"]
+    return process
+
+
+def notes(router: RouterProc) -> dict[str, int]:
+    counts: dict[str, int] = sync_state(router)["notes"]
+    return counts
+
+
+def connected(router: RouterProc) -> bool:
+    return bool(sync_state(router)["sync"]["connected"])
+
+
+def generate(router: RouterProc, tokens: list[int], max_new_tokens: int = 2) -> None:
+    answer = router.post("/generate", {"input_ids": tokens, "max_new_tokens": max_new_tokens})
+    assert answer.status_code == 200, answer.text
+
+
+def test_three_replicas_share_in_flight_load_and_survive_nats_restarts(
+    engine: Engine, server: NatsServer
+) -> None:
+    """Every note one replica sends reaches the other two and counts once; with NATS
+    killed each goes on alone and says so, and once it is back notes flow again."""
+    routers = [RouterProc([engine.url], "--sync", server.url) for _ in range(3)]
+    a, b, c = routers
+    try:
+        for r in routers:
+            wait_until(lambda r=r: r.connected() == DP and connected(r), 20, "streams and NATS")
+        # a long request through a is in flight on b and c while it runs
+        long = threading.Thread(target=generate, args=(a, list(range(1, 17)), 150))
+        long.start()
+        try:
+            for r in (b, c):
+                wait_until(lambda r=r: notes(r)["peer_inflight"] == 1, 20, "a's request on peers")
+        finally:
+            long.join(timeout=60)
+        assert not long.is_alive()
+        for r in (b, c):
+            wait_until(lambda r=r: notes(r)["peer_inflight"] == 0, 20, "its finish on peers")
+        for i in range(5):
+            generate(a, [100 + i] * 12)
+        sent = notes(a)["sent"]
+        assert sent == 12  # begin and finish of 6 requests
+        for r in (b, c):
+            wait_until(lambda r=r: notes(r)["received"] == sent, 20, "every note on b and c")
+            assert notes(r)["duplicates"] == 0 and notes(r)["peer_inflight"] == 0
+        assert notes(a)["received"] == 0  # its own notes are not counted
+
+        server.kill()
+        for r in routers:
+            wait_until(lambda r=r: not connected(r), 20, "every replica to see NATS gone")
+            metrics = r.http.get("/metrics").text
+            assert "kvevents_router_sync_connected 0.0" in metrics
+        generate(a, [7] * 12)  # routing goes on alone
+        assert sync_state(a)["sync"]["dropped"] >= 2
+
+        server.start()
+        for r in routers:
+            wait_until(lambda r=r: connected(r), 30, "every replica to reconnect")
+            assert sync_state(r)["sync"]["disconnects"] >= 1
+        before = notes(c)["received"]
+        generate(b, [9] * 12)
+        wait_until(lambda: notes(c)["received"] == before + 2, 20, "notes after the restart")
+        assert "kvevents_router_sync_connected 1.0" in c.http.get("/metrics").text
+    finally:
+        for r in routers:
+            r.stop()
+
+
+def test_duplicated_and_late_notes_change_nothing_twice(engine: Engine, server: NatsServer) -> None:
+    """A begin sent twice counts once; its finish sent twice removes it once; a begin
+    arriving after its finish, and a routed note sent twice, change nothing more."""
+    router = RouterProc([engine.url], "--sync", server.url)
+    subject = default_subject([engine.url])
+    holder = (engine.url, 0)
+
+    def note(kind: str, ticket: int) -> bytes:
+        return msgspec.msgpack.encode(
+            LoadNote("tester", kind, holder[0], holder[1], ticket, 8, 5.0, 60.0)  # type: ignore[arg-type]
+        )
+
+    async def publish(*raws: bytes) -> None:
+        nc = await nats.connect(server.url, connect_timeout=5, max_reconnect_attempts=0)
+        try:
+            for raw in raws:
+                await nc.publish(subject, raw)
+            await nc.flush(timeout=5)
+        finally:
+            await nc.close()
+
+    try:
+        wait_until(lambda: connected(router), 20, "the router to join NATS")
+        asyncio.run(publish(note("begin", 1), note("begin", 1)))
+        wait_until(lambda: notes(router)["received"] == 2, 20, "both copies of the begin")
+        assert notes(router)["peer_inflight"] == 1 and notes(router)["duplicates"] == 1
+        asyncio.run(publish(note("finish", 1), note("finish", 1), note("begin", 1)))
+        wait_until(lambda: notes(router)["received"] == 5, 20, "the finishes and the late begin")
+        assert notes(router)["peer_inflight"] == 0 and notes(router)["duplicates"] == 3
+        asyncio.run(publish(note("routed", -1), note("routed", -1)))
+        wait_until(lambda: notes(router)["received"] == 7, 20, "both routed copies")
+        assert notes(router)["duplicates"] == 4
+    finally:
+        router.stop()

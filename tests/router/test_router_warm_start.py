@@ -1,0 +1,111 @@
+"""Warm restarts (issue 13): a router killed with SIGKILL and started again with
+``--peer URL`` ends with an index equal to every rank's ``/kv_blocks``, whether the
+engine's replay buffer still holds everything, has wrapped, or does not exist."""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+from typing import Any
+
+import pytest
+from router_support import Engine, RouterProc, wait_until
+
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.types import Holder
+
+DP = 2
+PAGE = 4
+
+CONFIGS = {
+    "replay": {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"},
+    "wrapped-replay": {
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+        "buffer_steps": 4,
+    },
+    "no-replay": {"publisher": "zmq", "endpoint": "tcp://*:0"},
+}
+
+
+def settled(engine: Engine, router: RouterProc) -> bool:
+    index = PrefixIndex.from_bytes(router.http.get("/dump").content)
+    return all(index.holder_hashes(Holder(engine.url, r)) == engine.kv_blocks(r) for r in range(DP))
+
+
+def traffic(engine: Engine, rng: random.Random, count: int) -> None:
+    """Prompts straight to the engine, each rank in turn, each with a fresh tail."""
+    for i in range(count):
+        tokens = [1, 2, 3, 4] + [rng.randrange(100, 60000) for _ in range(rng.randrange(4, 13))]
+        engine.generate(tokens, rank=i % DP)
+
+
+def holders(router: RouterProc) -> list[dict[str, Any]]:
+    holders: list[dict[str, Any]] = router.http.get("/workers").json()["holders"]
+    return holders
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_router_restarted_with_a_peer_ends_equal_to_every_rank(config: str) -> None:
+    """Killed and restarted with --peer while the engine went on, the router's index
+    equals every rank's /kv_blocks without reporting a loss, and keeps following."""
+    rng = random.Random(13)
+    engine = Engine(["--dp-size", str(DP), "--page-size", str(PAGE)], CONFIGS[config])
+    try:
+        peer = RouterProc([engine.url])
+        restarted: RouterProc | None = None
+        try:
+            victim = RouterProc([engine.url])
+            try:
+                for r in (peer, victim):
+                    wait_until(lambda r=r: r.connected() == DP, 20, "every stream connected")
+                traffic(engine, rng, 10)
+                for r in (peer, victim):
+                    wait_until(lambda r=r: settled(engine, r), 20, "both routers to match")
+            finally:
+                victim.stop(signal.SIGKILL, expect=None)
+            traffic(engine, rng, 30)  # far more batches than a 4-step buffer holds
+            wait_until(lambda: settled(engine, peer), 20, "the peer to match")
+
+            restarted = RouterProc([engine.url], "--peer", peer.url)
+            warm = restarted.http.get("/workers").json()["warm_start"]
+            assert warm["peer"] == peer.url and warm["streams"] == DP, warm
+            assert warm["blocks"] > 0
+            wait_until(lambda: settled(engine, restarted), 20, "the restarted router to match")
+            assert all(h["signals"].get("loss", 0) == 0 for h in holders(restarted))
+
+            traffic(engine, rng, 6)  # it follows on from there
+            wait_until(lambda: settled(engine, restarted), 20, "it to match after more traffic")
+        finally:
+            if restarted is not None:
+                restarted.stop()
+            peer.stop()
+    finally:
+        engine.stop()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_with_no_reachable_peer_the_router_starts_empty_and_says_why() -> None:
+    """A --peer that does not answer leaves the router starting as without one."""
+    engine = Engine(["--dp-size", str(DP), "--page-size", str(PAGE)], CONFIGS["replay"])
+    try:
+        rng = random.Random(7)
+        traffic(engine, rng, 4)
+        dead = f"http://127.0.0.1:{_closed_port()}"
+        router = RouterProc([engine.url], "--peer", dead)
+        try:
+            warm = router.http.get("/workers").json()["warm_start"]
+            assert warm["peer"] is None and warm["blocks"] == 0
+            assert len(warm["errors"]) == 1 and warm["errors"][0].startswith(dead)
+            wait_until(lambda: settled(engine, router), 20, "the index to fill by replay")
+        finally:
+            router.stop()
+    finally:
+        engine.stop()
