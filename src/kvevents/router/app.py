@@ -141,7 +141,7 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
                 "block_size_mismatches": [
                     msgspec.to_builtins(m) for m in router.block_sizes.mismatches.values()
                 ],
-                "process": service._process(),
+                "process": service.process_info(),
                 "warm_start": None
                 if service.warm_start is None
                 else msgspec.to_builtins(service.warm_start),

@@ -34,6 +34,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from kvevents.router.peers import cancel_and_wait
+
 __all__ = ["NatsNoteTransport", "default_subject"]
 
 log = logging.getLogger("kvevents.router")
@@ -96,11 +98,8 @@ class NatsNoteTransport:
         self._task = asyncio.get_running_loop().create_task(self._run(deliver))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         nc, self._nc = self._nc, None
         self.connected = False
         if nc is not None and not nc.is_closed:

@@ -54,7 +54,18 @@ __all__ = [
     "PeerNotes",
     "SyncTransport",
     "ZmqNoteTransport",
+    "cancel_and_wait",
 ]
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task (None: nothing to do) and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
 
 log = logging.getLogger("kvevents.router")
 
@@ -143,11 +154,8 @@ class ZmqNoteTransport:
             deliver(await self._sub.recv())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._pub.close()
         self._sub.close()
 
@@ -219,11 +227,8 @@ class LoadNotes:
         self._task = asyncio.get_running_loop().create_task(self._sweep())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(ValueError):
             self.router.note_listeners.remove(self._local)
         for transport in self.transports:

@@ -138,7 +138,7 @@ class RouterService:
         self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
         self.policy = policy
         self.requests = RequestStats()
-        self.registry = make_registry(router, self._stream_stats, self.requests, self._process)
+        self.registry = make_registry(router, self._stream_stats, self.requests, self.process_info)
         self.process_index = 0
         """Which of ``process_count`` router processes this is (``--workers``)."""
         self.process_count = 1
@@ -173,7 +173,7 @@ class RouterService:
             raise RuntimeError("RouterService.start() has not run: the HTTP client is not open")
         return self._client
 
-    def _process(self) -> dict[str, Any]:
+    def process_info(self) -> dict[str, Any]:
         """Which process answers, and its load notes (``/workers``, ``/metrics``)."""
         peers = self.peers
         return {
