@@ -4,7 +4,9 @@ The listening socket is bound before uvicorn starts, so ``--port 0`` works and a
 port is an :class:`~kvevents.errors.EndpointError` naming the address. Once the app
 accepts requests the command prints one machine-readable line,
 ``{ready_prefix}http://HOST:PORT``, which tests, the demo and scripts wait for.
-uvicorn's own signal handling is off: the command owns SIGINT and SIGTERM.
+uvicorn's own signal handling is off: the command owns SIGINT and SIGTERM. With a
+:class:`~kvevents.http_auth.ServerTLS` the app is served over HTTPS and the URL says
+``https``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uvicorn
 
 from kvevents.endpoints import WILDCARD_HOSTS
 from kvevents.errors import EndpointError
+from kvevents.http_auth import ServerTLS
 
 __all__ = [
     "HTTP_PARSER",
@@ -81,11 +84,13 @@ def bind_http(
     return sock
 
 
-def http_url(host: str, sock: socket.socket) -> str:
-    """The URL clients use for ``sock``: a wildcard host is shown as 127.0.0.1."""
+def http_url(host: str, sock: socket.socket, *, tls: bool = False) -> str:
+    """The URL clients use for ``sock`` (``https`` with ``tls``): a wildcard host is shown
+    as 127.0.0.1."""
     port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in WILDCARD_HOSTS or host == "" else host
-    return f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{'[' + shown + ']' if ':' in shown else shown}:{port}"
 
 
 class _QuietServer(uvicorn.Server):
@@ -102,8 +107,9 @@ async def start_http(
     *,
     lifespan: Literal["auto", "on", "off"] = "auto",
     graceful_timeout: float | None = None,
+    tls: ServerTLS | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
-    """Start serving ``app`` on ``sock``; returns once it accepts requests.
+    """Start serving ``app`` on ``sock`` (HTTPS with ``tls``); returns once it accepts requests.
 
     Stop it with ``server.should_exit = True`` and ``await task``; requests in flight
     then get ``graceful_timeout`` seconds (None: no limit) before they are cancelled. Raises
@@ -119,6 +125,8 @@ async def start_http(
         date_header=False,
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float
         timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
+        ssl_certfile=None if tls is None else tls.certfile,
+        ssl_keyfile=None if tls is None else tls.keyfile,
     )
     server = _QuietServer(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -154,6 +162,7 @@ async def serve_app(
     *,
     reuse_port: bool = False,
     announce: Callable[[str], None] | None = None,
+    tls: ServerTLS | None = None,
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0.
 
@@ -163,8 +172,8 @@ async def serve_app(
     with stop_on_signals(stop):
         sock = bind_http(host, port, what, reuse_port=reuse_port)
         try:
-            server, serving = await start_http(app, sock)
-            url = http_url(host, sock)
+            server, serving = await start_http(app, sock, tls=tls)
+            url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
             else:

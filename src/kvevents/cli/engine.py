@@ -13,6 +13,14 @@ one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
+Publishers bind loopback unless told otherwise: a wildcard host in
+``--kv-events-config`` (``tcp://*:5557``, the upstream default) is bound as
+``--kv-events-host`` (default 127.0.0.1; ``'*'`` for every interface), and ``/server_info``
+advertises the address bound. ``--api-key`` (or ``--api-key-file``,
+``$KVEVENTS_ENGINE_API_KEY``) makes every endpoint but ``/health`` answer 401 without
+``Authorization: Bearer KEY``; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS. Off by
+default, as in SGLang and vLLM. README, "Security".
+
 Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
 still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
 cancelled and their connections closed. A rank
@@ -26,9 +34,16 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvevents.cli.options import add_log_level
+from kvevents.cli.options import (
+    add_api_key_arguments,
+    add_log_level,
+    add_tls_arguments,
+    api_key_of,
+    tls_of,
+)
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
@@ -36,6 +51,7 @@ from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
+from kvevents.http_auth import ApiKey, ApiKeyGate, ServerTLS
 from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
 from kvevents.types import (
     NonNegativeFloat,
@@ -47,9 +63,22 @@ from kvevents.types import (
 )
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
-__all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]
+__all__ = [
+    "ENGINE_API_KEY_ENV",
+    "OPEN_PATHS",
+    "EngineSettings",
+    "add_arguments",
+    "run",
+    "serve_engine",
+]
 
 READY_PREFIX = "kvevents engine ready "
+ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
+"""The engine's key when neither ``--api-key`` nor ``--api-key-file`` is given (the
+router reads the same variable as its ``--engine-api-key``)."""
+OPEN_PATHS = frozenset({"/health"})
+"""What an engine with an API key answers without it: health, for probes and SGLang-style
+routers. ``/server_info`` and ``/load`` need the key (the router sends its engine key)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +102,9 @@ class EngineSettings:
     request_timeout: float = 60.0
     shutdown_timeout: float = 10.0
     max_body_bytes: int = 8 << 20
+    api_key: str | None = field(default=None, repr=False)
+    """Required of every request but ``/health`` (None: no key); never shown."""
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         # the bounds are the ones the command line parses these options with
@@ -106,7 +138,9 @@ class EngineSettings:
     def from_args(cls, args: argparse.Namespace) -> EngineSettings:
         return cls(
             topology=plan_topology(args.dp_size, args.tp_size, args.enable_dp_attention),
-            kv_events_config=KVEventsConfig.from_json(args.kv_events_config),
+            kv_events_config=KVEventsConfig.from_json(args.kv_events_config).bound_to(
+                args.kv_events_host
+            ),
             page_size=args.page_size,
             max_blocks=args.max_blocks,
             host=args.host,
@@ -122,6 +156,8 @@ class EngineSettings:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
+            api_key=api_key_of(args, "--api-key", ENGINE_API_KEY_ENV),
+            tls=tls_of(args),
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -160,6 +196,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-blocks", type=bounded(PositiveInt), default=8192, help="KV blocks per rank")
     add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
+    add(
+        "--kv-events-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address publishers bind in place of a wildcard (tcp://*:PORT) in "
+        "--kv-events-config; '*' binds every interface as SGLang and vLLM do",
+    )
     add("--host", default="127.0.0.1", help="HTTP host")
     add("--port", type=bounded(Port), default=30000, help="HTTP port (0: the OS picks)")
     add("--hash-scheme", choices=HASH_SCHEMES, default="sglang", help="engine block hashes")
@@ -213,6 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="largest request body (413), 8 MiB",
     )
+    add_api_key_arguments(
+        parser,
+        "--api-key",
+        ENGINE_API_KEY_ENV,
+        "require this key on every endpoint but /health (routing and admin alike)",
+    )
+    add_tls_arguments(parser, "the engine")
     add_log_level(parser)
 
 
@@ -251,13 +301,18 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             request_timeout=settings.request_timeout,
             max_body_bytes=settings.max_body_bytes,
         )
+        app: Any = create_app(supervisor, info, limits)
+        if settings.api_key is not None:
+            app = ApiKeyGate(app, ApiKey(settings.api_key), OPEN_PATHS)
         server, serving = await start_http(
-            create_app(supervisor, info, limits),
+            app,
             sock,
             lifespan="off",
             graceful_timeout=settings.shutdown_timeout,
+            tls=settings.tls,
         )
-        print(READY_PREFIX + http_url(settings.host, sock), flush=True)
+        url = http_url(settings.host, sock, tls=settings.tls is not None)
+        print(READY_PREFIX + url, flush=True)
         failed = asyncio.create_task(supervisor.failed.wait())
         await asyncio.wait({stop_wait, failed, serving}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
