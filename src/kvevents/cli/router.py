@@ -42,6 +42,14 @@ render). Before any engine is registered, routing answers 503; with engines regi
 but no block stored anywhere yet (so no block size known), requests are routed by load
 alone, and ``/query`` answers 503 until the block size is known.
 
+Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
+``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/docs``, ``/redoc`` and
+``/openapi.json`` (and ``/metrics`` unless ``--metrics-auth``) answer 401 without
+``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
+``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
+header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` verifies
+``https://`` engines. README, "Security".
+
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
 """
@@ -54,16 +62,26 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
+
+import httpx
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
-from kvevents.cli.options import add_log_level
+from kvevents.cli.options import (
+    add_api_key_arguments,
+    add_log_level,
+    add_tls_arguments,
+    api_key_of,
+    tls_of,
+)
 from kvevents.cli.router_workers import serve_workers
 from kvevents.errors import ConfigError
+from kvevents.http_auth import ApiKey, ClientCredentials, ServerTLS
 from kvevents.http_serving import run_event_loop, serve_app
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
-from kvevents.router.app import create_app
+from kvevents.router.app import OPEN_PATHS, create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.peers import LoadNotes, SyncTransport
@@ -83,18 +101,57 @@ from kvevents.types import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
+    "ENGINE_API_KEY_ENV",
     "READY_PREFIX",
+    "RouterSecurity",
     "RouterService",
     "add_arguments",
     "build_service",
     "create_app",
     "run",
+    "security",
     "serve",
 ]
 
 log = logging.getLogger("kvevents.router")
 
 READY_PREFIX = "kvevents router ready "
+API_KEY_ENV = "KVEVENTS_API_KEY"
+"""The router's own key when neither ``--api-key`` nor ``--api-key-file`` is given."""
+ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
+"""The engines' key when neither ``--engine-api-key`` nor its file is given (``kvevents
+engine`` reads the same variable for its own key)."""
+
+
+@dataclass(frozen=True)
+class RouterSecurity:
+    """The router's keys and TLS, from its options (:func:`security`)."""
+
+    api_key: ApiKey | None = None
+    metrics_auth: bool = False
+    tls: ServerTLS | None = None
+    engines: ClientCredentials = field(default_factory=ClientCredentials)
+    """What every request to an engine (and to ``--tokenize-endpoint``) carries."""
+    peers: ClientCredentials = field(default_factory=ClientCredentials)
+    """What ``GET /dump`` of a ``--peer`` carries: the router's own key (replicas share it)."""
+
+
+def security(args: argparse.Namespace) -> RouterSecurity:
+    """The keys and TLS options read and checked (ConfigError naming the option)."""
+    own = api_key_of(args, "--api-key", API_KEY_ENV)
+    if args.metrics_auth and own is None:
+        raise ConfigError("--metrics-auth needs --api-key (or --api-key-file, $KVEVENTS_API_KEY)")
+    return RouterSecurity(
+        api_key=None if own is None else ApiKey(own),
+        metrics_auth=args.metrics_auth,
+        tls=tls_of(args),
+        engines=ClientCredentials(
+            api_key=api_key_of(args, "--engine-api-key", ENGINE_API_KEY_ENV),
+            ca_certs=args.ssl_ca_certs,
+        ),
+        peers=ClientCredentials(api_key=own, ca_certs=args.ssl_ca_certs),
+    )
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -230,6 +287,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest /route or /query body; larger ones answer 413 "
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
     )
+    add_api_key_arguments(
+        parser,
+        "--api-key",
+        API_KEY_ENV,
+        "require this key of clients on every endpoint but "
+        "/health, /docs, /openapi.json (and /metrics, see --metrics-auth)",
+    )
+    parser.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="require the --api-key on /metrics too (default: /metrics stays open to scrapers)",
+    )
+    add_api_key_arguments(
+        parser,
+        "--engine-api-key",
+        ENGINE_API_KEY_ENV,
+        "send this key on every request to "
+        "the engines (their --api-key); the client's own Authorization is never forwarded",
+    )
+    add_tls_arguments(parser, "the router")
+    parser.add_argument(
+        "--ssl-ca-certs",
+        metavar="PEM",
+        help="verify https:// engines, --tokenize-endpoint and --peer routers against this CA "
+        "bundle (default: the system's trust store)",
+    )
     add_log_level(parser)
 
 
@@ -271,16 +354,21 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     leave that to the parent, which checks the options once before starting them).
     """
     router, specs, tokenizer = _check(args, warn=warn)
+    secure = security(args)
     warm = None
     if args.peer:
-        index, warm = load_from_peers(args.peer)
+        peers = secure.peers
+        with httpx.Client(
+            timeout=httpx.Timeout(5.0), headers=peers.headers(), verify=peers.verify()
+        ) as client:
+            index, warm = load_from_peers(args.peer, client=client)
         if index is not None:
             followed = {spec.worker for spec in specs}
             for holder in index.holders():  # a peer may follow engines this router does not
                 if holder.worker not in followed:
                     index.remove_holder(holder)
             router.restore_index(index)
-    subscriber = Subscriber(resume=router.index.applied_seqs)
+    subscriber = Subscriber(resume=router.index.applied_seqs, http_credentials=secure.engines)
     try:
         for spec in specs:
             spec.follow(subscriber)
@@ -295,6 +383,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         forward_timeout=args.forward_timeout,
         tokenizer=tokenizer,
         policy=args.policy,
+        engine_credentials=secure.engines,
     )
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
@@ -337,6 +426,7 @@ def _check(
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
+    security(args)  # and unreadable key files, certificates or CA bundles
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:
@@ -360,29 +450,64 @@ def run(args: argparse.Namespace) -> int:
             _check(args, warn=True)  # refuse bad options once, before any process starts
         else:
             service = build_service(args)
+        secure = security(args)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if secure.api_key is not None:
+        log.info(
+            "clients need the API key on every endpoint but %s",
+            ", ".join(sorted(OPEN_PATHS if secure.metrics_auth else OPEN_PATHS | {"/metrics"})),
+        )
     if workers > 1:
         return serve_workers(
-            functools.partial(build_service, warn=False), args, workers, READY_PREFIX
+            functools.partial(build_service, warn=False),
+            args,
+            workers,
+            READY_PREFIX,
+            api_key=secure.api_key,
+            metrics_auth=secure.metrics_auth,
+            tls=secure.tls,
         )
-    return run_event_loop(serve(service, args.host, args.port, args.max_body_bytes))
+    return run_event_loop(
+        serve(
+            service,
+            args.host,
+            args.port,
+            args.max_body_bytes,
+            api_key=secure.api_key,
+            metrics_auth=secure.metrics_auth,
+            tls=secure.tls,
+        )
+    )
 
 
 async def serve(
-    service: RouterService, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    service: RouterService,
+    host: str,
+    port: int,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    api_key: ApiKey | None = None,
+    metrics_auth: bool = False,
+    tls: ServerTLS | None = None,
 ) -> int:
-    """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
-    app = create_app(service, max_body_bytes=max_body_bytes)
+    """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests.
+
+    ``api_key``, ``metrics_auth``: see :func:`~kvevents.router.app.create_app`; ``tls``:
+    serve HTTPS.
+    """
+    app = create_app(
+        service, max_body_bytes=max_body_bytes, api_key=api_key, metrics_auth=metrics_auth
+    )
     notes = None
     if service.sync is not None and service.peers is None:
         sender = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         notes = service.peers = LoadNotes(service.router, sender, [service.sync])
         notes.start()
     try:
-        return await serve_app(app, host, port, READY_PREFIX, "router")
+        return await serve_app(app, host, port, READY_PREFIX, "router", tls=tls)
     finally:
         if notes is not None:
             await notes.close()

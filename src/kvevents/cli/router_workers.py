@@ -36,6 +36,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from kvevents.errors import KVEventsError
+from kvevents.http_auth import ApiKey, ServerTLS
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
 from kvevents.router.peers import PeerNotes
@@ -61,6 +62,9 @@ def _worker_main(
     port: int,
     folder: str,
     ready: Any,
+    api_key: ApiKey | None,
+    metrics_auth: bool,
+    tls: ServerTLS | None,
 ) -> None:
     """One worker process: build the router from the same options, serve the shared port."""
 
@@ -90,9 +94,14 @@ def _worker_main(
         peers.start()
         service.peers = peers
         try:
-            app = create_app(service, max_body_bytes=args.max_body_bytes)
+            app = create_app(
+                service,
+                max_body_bytes=args.max_body_bytes,
+                api_key=api_key,
+                metrics_auth=metrics_auth,
+            )
             return await serve_app(
-                app, args.host, port, "", "router", reuse_port=True, announce=ready.send
+                app, args.host, port, "", "router", reuse_port=True, announce=ready.send, tls=tls
             )
         finally:
             await peers.close()
@@ -106,10 +115,16 @@ def serve_workers(
     args: argparse.Namespace,
     workers: int,
     ready_prefix: str,
+    *,
+    api_key: ApiKey | None = None,
+    metrics_auth: bool = False,
+    tls: ServerTLS | None = None,
 ) -> int:
     """Run ``workers`` router processes on one port until SIGINT/SIGTERM (module docstring).
 
-    ``build_service(args)`` builds each worker's service (in the worker process).
+    ``build_service(args)`` builds each worker's service (in the worker process, which
+    reads the engine key and CA bundle from ``args`` itself); every worker serves with
+    ``api_key``, ``metrics_auth`` and ``tls``.
     """
     reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
@@ -126,7 +141,18 @@ def serve_workers(
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_worker_main,
-            args=(build_service, args, index, workers, port, folder, child_end),
+            args=(
+                build_service,
+                args,
+                index,
+                workers,
+                port,
+                folder,
+                child_end,
+                api_key,
+                metrics_auth,
+                tls,
+            ),
             name=f"kvevents-router-{index}",
         )
         proc.start()

@@ -1,4 +1,4 @@
-"""The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
+"""The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``, ``/health``.
 
 The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
 command); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
@@ -16,22 +16,44 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.http_auth import ApiKey
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
 
-__all__ = ["create_app"]
+__all__ = ["OPEN_PATHS", "create_app"]
 
 
-def create_app(service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HotPath:
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""Paths answered without the API key: health for probes, and the API's description
+(it holds no state, and a browser opening ``/docs`` cannot send the header)."""
+
+
+def create_app(
+    service: RouterService,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: ApiKey | None = None,
+    metrics_auth: bool = False,
+) -> HotPath:
     """The router's HTTP API as one ASGI app; starting and stopping ``service`` is its lifespan.
 
     ``/route`` and ``/query`` are answered by :class:`~kvevents.router.hot_path.HotPath`;
     everything else by the FastAPI app behind it (:func:`create_fastapi_app`).
+
+    ``api_key``: every path but :data:`OPEN_PATHS` (and ``/metrics``, unless
+    ``metrics_auth``) needs ``Authorization: Bearer KEY``; the hot path checks it for all.
     """
-    return HotPath(service, create_fastapi_app(service), max_body_bytes=max_body_bytes)
+    open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+    return HotPath(
+        service,
+        create_fastapi_app(service),
+        max_body_bytes=max_body_bytes,
+        api_key=api_key,
+        open_paths=open_paths,
+    )
 
 
 def create_fastapi_app(service: RouterService) -> FastAPI:
@@ -149,6 +171,11 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
                 "tokenizer": service.text_tokenizer.name,
             }
         )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the router serves; open even with an API key (for probes)."""
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -29,17 +29,20 @@ Answers (JSON):
 Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
 JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 413 past the
 body limit, 503 before any engine rank is known, and the tokenizer's own status when
-tokenizing text fails. The connection stays usable after every one of them.
+tokenizing text fails. The connection stays usable after every one of them. With an API
+key (``kvevents router --api-key``) a request without it answers 401 here, before its
+body is read, on every path but the open ones (:func:`kvevents.router.app.create_app`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 import msgspec
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.http_auth import ApiKey, send_unauthorized
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
@@ -160,7 +163,12 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
 
 
 class HotPath:
-    """ASGI app: ``POST /route`` and ``POST /query`` here, everything else to ``fallback``."""
+    """ASGI app: ``POST /route`` and ``POST /query`` here, everything else to ``fallback``.
+
+    With ``api_key``, every HTTP request is checked here first, whatever app answers
+    it: one pass over the headers and a constant-time compare
+    (:meth:`~kvevents.http_auth.ApiKey.matches`), 401 without the key.
+    """
 
     def __init__(
         self,
@@ -168,9 +176,14 @@ class HotPath:
         fallback: ASGIApp,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        api_key: ApiKey | None = None,
+        open_paths: Iterable[str] = (),
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes={max_body_bytes}: must be a positive number")
+        self.api_key = api_key
+        """None: no key needed; else every path but ``open_paths`` needs it (any method)."""
+        self.open_paths = frozenset(open_paths)
         self.service = service
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
@@ -180,7 +193,15 @@ class HotPath:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self._handlers.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":  # the lifespan
+            await self.fallback(scope, receive, send)
+            return
+        path = scope["path"]
+        key = self.api_key
+        if key is not None and path not in self.open_paths and not key.matches(scope["headers"]):
+            await send_unauthorized(scope, send)
+            return
+        handler = self._handlers.get(path)
         if handler is None or scope["method"] != "POST":
             await self.fallback(scope, receive, send)
             return

@@ -17,8 +17,9 @@ engine:
 * ``sglang`` and ``kvevents`` engines: ``routed_dp_rank: r`` set in the JSON body (a
   client's ``data_parallel_rank`` removed).
 
-The client's headers go along (``Authorization`` included) except hop-by-hop ones and
-any ``X-data-parallel-rank`` of its own. ``"stream": true`` relays the engine's
+The client's headers go along except hop-by-hop ones, any ``X-data-parallel-rank`` of
+its own and its ``Authorization``: the engine gets the router's own key
+(``--engine-api-key``) instead, or none. ``"stream": true`` relays the engine's
 server-sent events chunk by chunk as they arrive; an engine failing midway ends the
 stream with an SSE ``error`` event. Every answer carries the decision::
 
@@ -76,6 +77,7 @@ _DROP_HEADERS = frozenset(
         "te",
         "trailer",
         "proxy-authorization",
+        "authorization",  # the client's key is for the router; engines get the router's own
         "accept-encoding",
         RANK_HEADER.lower(),
     }
