@@ -102,7 +102,7 @@ def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
     assert ServerTLS.from_options(str(cert_path), str(key_path)) is not None
     with pytest.raises(ConfigError, match="--ssl-certfile needs --ssl-keyfile"):
         ServerTLS.from_options(str(cert_path), None)
-    with pytest.raises(ConfigError, match="--ssl-keyfile .* cannot be read"):
+    with pytest.raises(ConfigError, match=r"--ssl-keyfile .* cannot be read"):
         ServerTLS.from_options(str(cert_path), str(tmp_path / "nope"))
     other = tmp_path / "other.pem"
     trustme.CA().issue_cert("127.0.0.1").private_key_pem.write_to_path(str(other))
@@ -116,7 +116,9 @@ def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
 
 def test_engine_publishers_bind_the_given_host_in_place_of_a_wildcard() -> None:
     """tcp://*:P becomes HOST:P, bound explicitly; a named host, connect mode or a wildcard HOST is left alone."""
-    config = KVEventsConfig(publisher="zmq", endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600")
+    config = KVEventsConfig(
+        publisher="zmq", endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600"
+    )
     local = config.bound_to("127.0.0.1")
     assert local.endpoint == "tcp://127.0.0.1:5557" and local.bind is True
     assert local.replay_endpoint == "tcp://127.0.0.1:5600"

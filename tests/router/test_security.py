@@ -7,7 +7,11 @@ A `kvevents engine` with ``--api-key`` and a `kvevents router` with its own key 
 
 from __future__ import annotations
 
+import json
+import os
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,7 +184,12 @@ def test_router_without_the_engine_key_says_the_engine_refused_it(
     The router here also has --metrics-auth, so /metrics needs its key too.
     """
     proc = RouterProc(
-        [engine.url], "--api-key-file", key_files["router"], "--metrics-auth", "--load-interval", "0.2"
+        [engine.url],
+        "--api-key-file",
+        key_files["router"],
+        "--metrics-auth",
+        "--load-interval",
+        "0.2",
     )
     try:
         key = bearer(ROUTER_KEY)
@@ -275,3 +284,28 @@ def test_both_services_over_https_with_keys_and_router_workers(
         if router is not None:
             router.stop()
         engine.stop()
+
+
+def test_watch_reads_a_keyed_engine_with_the_engine_key(
+    engine: Engine, key_files: dict[str, str]
+) -> None:
+    """kvevents watch --engine-api-key-file follows the keyed engine; without the key it says the engine wants one."""
+    generated = engine.http.post(
+        "/generate", json={"input_ids": list(range(1, 40))}, headers=bearer(ENGINE_KEY)
+    )
+    assert generated.status_code == 200, generated.text
+    watch = [sys.executable, "-m", "kvevents.cli.main", "watch", engine.url, "--jsonl"]
+    env = {k: v for k, v in os.environ.items() if k != "KVEVENTS_ENGINE_API_KEY"}
+    followed = subprocess.run(
+        [*watch, "--engine-api-key-file", key_files["engine"], "--count", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert followed.returncode == 0, followed.stderr
+    assert json.loads(followed.stdout.splitlines()[0])["events"], followed.stdout
+    refused = subprocess.run(
+        [*watch, "--duration", "2"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert "requires an API key" in refused.stdout, (refused.stdout, refused.stderr)

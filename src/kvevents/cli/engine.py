@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvevents.cli.options import (
+    ENGINE_API_KEY_ENV,
     add_api_key_arguments,
     add_log_level,
     add_tls_arguments,
@@ -73,9 +74,6 @@ __all__ = [
 ]
 
 READY_PREFIX = "kvevents engine ready "
-ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
-"""The engine's key when neither ``--api-key`` nor ``--api-key-file`` is given (the
-router reads the same variable as its ``--engine-api-key``)."""
 OPEN_PATHS = frozenset({"/health"})
 """What an engine with an API key answers without it: health, for probes and SGLang-style
 routers. ``/server_info`` and ``/load`` need the key (the router sends its engine key)."""

@@ -24,6 +24,8 @@ import logging
 from kvevents.http_auth import ServerTLS, resolve_secret
 
 __all__ = [
+    "API_KEY_ENV",
+    "ENGINE_API_KEY_ENV",
     "LOG_LEVELS",
     "HelpFormatter",
     "add_api_key_arguments",
@@ -35,6 +37,12 @@ __all__ = [
 ]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+API_KEY_ENV = "KVEVENTS_API_KEY"
+"""The router's own key when neither ``--api-key`` nor ``--api-key-file`` is given."""
+ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
+"""The engine's key: ``kvevents engine``'s own (``--api-key``), the one ``router`` and
+``watch`` send (``--engine-api-key``). One variable, so one environment sets both ends."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -68,6 +68,8 @@ import httpx
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
 from kvevents.cli.options import (
+    API_KEY_ENV,
+    ENGINE_API_KEY_ENV,
     add_api_key_arguments,
     add_log_level,
     add_tls_arguments,
@@ -101,8 +103,6 @@ from kvevents.types import (
 )
 
 __all__ = [
-    "API_KEY_ENV",
-    "ENGINE_API_KEY_ENV",
     "READY_PREFIX",
     "RouterSecurity",
     "RouterService",
@@ -117,11 +117,6 @@ __all__ = [
 log = logging.getLogger("kvevents.router")
 
 READY_PREFIX = "kvevents router ready "
-API_KEY_ENV = "KVEVENTS_API_KEY"
-"""The router's own key when neither ``--api-key`` nor ``--api-key-file`` is given."""
-ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
-"""The engines' key when neither ``--engine-api-key`` nor its file is given (``kvevents
-engine`` reads the same variable for its own key)."""
 
 
 @dataclass(frozen=True)
