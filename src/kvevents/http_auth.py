@@ -115,7 +115,7 @@ class ApiKey:
         """
         for name, value in headers:
             if name == b"authorization":
-                if value[:7].lower() != _BEARER:
+                if not value.startswith(b"Bearer ") and value[:7].lower() != _BEARER:
                     return False
                 return hmac.compare_digest(value[7:].strip(), self._expected)
         return False
