@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,35 @@ def test_engine_publishers_bind_the_given_host_in_place_of_a_wildcard() -> None:
     assert connecting.bound_to("127.0.0.1").endpoint == "tcp://*:5557"
     with pytest.raises(ConfigError, match="--kv-events-host"):
         config.bound_to("bad host")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["router", "--engine", "http://127.0.0.1:1", "--workers", "1", "--metrics-auth"],
+            "--metrics-auth needs --api-key",
+        ),
+        (
+            ["router", "--engine", "http://127.0.0.1:1", "--engine-api-key-file", "/nonexistent/k"],
+            "--engine-api-key-file /nonexistent/k cannot be read",
+        ),
+        (
+            ["router", "--engine", "http://127.0.0.1:1", "--ssl-certfile", "/nonexistent/c"],
+            "--ssl-certfile needs --ssl-keyfile",
+        ),
+        (["engine", "--port", "0", "--api-key", "a b"], "printable ASCII without spaces"),
+        (["engine", "--port", "0", "--kv-events-host", "no such host!"], "--kv-events-host"),
+    ],
+)
+def test_bad_key_and_tls_options_exit_2_naming_the_option(argv: list[str], message: str) -> None:
+    """Each command refuses a bad key, key file, TLS pair or publisher host before it starts, exit 2."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "ready" not in result.stdout

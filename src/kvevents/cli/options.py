@@ -89,8 +89,8 @@ def add_api_key_arguments(
         option,
         dest=dest,
         metavar="KEY",
-        help=f"{what} (Authorization: Bearer KEY); default: ${env}, else none. Prefer "
-        f"{option}-file or ${env}: an option shows in ps",
+        help=f"{what}, as 'Authorization: Bearer KEY'. Default: ${env}, else none; an "
+        f"option shows in ps, so prefer {option}-file or ${env}",
     )
     group.add_argument(
         f"{option}-file",

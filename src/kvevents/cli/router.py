@@ -287,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         API_KEY_ENV,
         "require this key of clients on every endpoint but "
-        "/health, /docs, /openapi.json (and /metrics, see --metrics-auth)",
+        "/health, /docs, /redoc, /openapi.json and /metrics (see --metrics-auth)",
     )
     parser.add_argument(
         "--metrics-auth",
