@@ -13,13 +13,12 @@ one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
-Publishers bind loopback unless told otherwise: a wildcard host in
-``--kv-events-config`` (``tcp://*:5557``, the upstream default) is bound as
-``--kv-events-host`` (default 127.0.0.1; ``'*'`` for every interface), and ``/server_info``
-advertises the address bound. ``--api-key`` (or ``--api-key-file``,
-``$KVEVENTS_ENGINE_API_KEY``) makes every endpoint but ``/health`` answer 401 without
-``Authorization: Bearer KEY``; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS. Off by
-default, as in SGLang and vLLM. README, "Security".
+Publishers bind a wildcard host in ``--kv-events-config`` as ``--kv-events-host``
+(default 127.0.0.1) and ``/server_info`` advertises what they bound; ``--api-key`` closes
+every endpoint but ``/health``, ``--ssl-certfile`` serves HTTPS (README, "Security").
+
+Just over 300 lines: the settings, the options that fill them and the serving loop of
+one command read best together.
 
 Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
 still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
@@ -37,14 +36,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.cli.options import (
-    ENGINE_API_KEY_ENV,
-    add_api_key_arguments,
-    add_log_level,
-    add_tls_arguments,
-    api_key_of,
-    tls_of,
-)
+from kvevents.cli.options import add_log_level
+from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
@@ -64,14 +57,7 @@ from kvevents.types import (
 )
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
-__all__ = [
-    "ENGINE_API_KEY_ENV",
-    "OPEN_PATHS",
-    "EngineSettings",
-    "add_arguments",
-    "run",
-    "serve_engine",
-]
+__all__ = ["OPEN_PATHS", "EngineSettings", "add_arguments", "run", "serve_engine"]
 
 READY_PREFIX = "kvevents engine ready "
 OPEN_PATHS = frozenset({"/health"})
@@ -154,7 +140,7 @@ class EngineSettings:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
-            api_key=api_key_of(args, "--api-key", ENGINE_API_KEY_ENV),
+            api_key=engine_api_key(args),
             tls=tls_of(args),
         )
 
@@ -254,13 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="largest request body (413), 8 MiB",
     )
-    add_api_key_arguments(
-        parser,
-        "--api-key",
-        ENGINE_API_KEY_ENV,
-        "require this key on every endpoint but /health (routing and admin alike)",
-    )
-    add_tls_arguments(parser, "the engine")
+    add_engine_server_arguments(parser)
     add_log_level(parser)
 
 

@@ -62,28 +62,19 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
-from kvevents.cli.options import (
-    API_KEY_ENV,
-    ENGINE_API_KEY_ENV,
-    add_api_key_arguments,
-    add_log_level,
-    add_tls_arguments,
-    api_key_of,
-    tls_of,
-)
+from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
+from kvevents.cli.security import RouterSecurity, add_router_arguments, router_security
 from kvevents.errors import ConfigError
-from kvevents.http_auth import ApiKey, ClientCredentials, ServerTLS
 from kvevents.http_serving import run_event_loop, serve_app
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
-from kvevents.router.app import OPEN_PATHS, create_app
+from kvevents.router.app import create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.peers import LoadNotes, SyncTransport
@@ -104,49 +95,17 @@ from kvevents.types import (
 
 __all__ = [
     "READY_PREFIX",
-    "RouterSecurity",
     "RouterService",
     "add_arguments",
     "build_service",
     "create_app",
     "run",
-    "security",
     "serve",
 ]
 
 log = logging.getLogger("kvevents.router")
 
 READY_PREFIX = "kvevents router ready "
-
-
-@dataclass(frozen=True)
-class RouterSecurity:
-    """The router's keys and TLS, from its options (:func:`security`)."""
-
-    api_key: ApiKey | None = None
-    metrics_auth: bool = False
-    tls: ServerTLS | None = None
-    engines: ClientCredentials = field(default_factory=ClientCredentials)
-    """What every request to an engine (and to ``--tokenize-endpoint``) carries."""
-    peers: ClientCredentials = field(default_factory=ClientCredentials)
-    """What ``GET /dump`` of a ``--peer`` carries: the router's own key (replicas share it)."""
-
-
-def security(args: argparse.Namespace) -> RouterSecurity:
-    """The keys and TLS options read and checked (ConfigError naming the option)."""
-    own = api_key_of(args, "--api-key", API_KEY_ENV)
-    if args.metrics_auth and own is None:
-        raise ConfigError("--metrics-auth needs --api-key (or --api-key-file, $KVEVENTS_API_KEY)")
-    return RouterSecurity(
-        api_key=None if own is None else ApiKey(own),
-        metrics_auth=args.metrics_auth,
-        tls=tls_of(args),
-        engines=ClientCredentials(
-            api_key=api_key_of(args, "--engine-api-key", ENGINE_API_KEY_ENV),
-            ca_certs=args.ssl_ca_certs,
-        ),
-        peers=ClientCredentials(api_key=own, ca_certs=args.ssl_ca_certs),
-    )
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -282,32 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest /route or /query body; larger ones answer 413 "
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
     )
-    add_api_key_arguments(
-        parser,
-        "--api-key",
-        API_KEY_ENV,
-        "require this key of clients on every endpoint but "
-        "/health, /docs, /redoc, /openapi.json and /metrics (see --metrics-auth)",
-    )
-    parser.add_argument(
-        "--metrics-auth",
-        action="store_true",
-        help="require the --api-key on /metrics too (default: /metrics stays open to scrapers)",
-    )
-    add_api_key_arguments(
-        parser,
-        "--engine-api-key",
-        ENGINE_API_KEY_ENV,
-        "send this key on every request to "
-        "the engines (their --api-key); the client's own Authorization is never forwarded",
-    )
-    add_tls_arguments(parser, "the router")
-    parser.add_argument(
-        "--ssl-ca-certs",
-        metavar="PEM",
-        help="verify https:// engines, --tokenize-endpoint and --peer routers against this CA "
-        "bundle (default: the system's trust store)",
-    )
+    add_router_arguments(parser)
     add_log_level(parser)
 
 
@@ -349,7 +283,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     leave that to the parent, which checks the options once before starting them).
     """
     router, specs, tokenizer = _check(args, warn=warn)
-    secure = security(args)
+    secure = router_security(args)
     warm = None
     if args.peer:
         peers = secure.peers
@@ -421,7 +355,7 @@ def _check(
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
-    security(args)  # and unreadable key files, certificates or CA bundles
+    router_security(args)  # and unreadable key files, certificates or CA bundles
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:
@@ -445,37 +379,16 @@ def run(args: argparse.Namespace) -> int:
             _check(args, warn=True)  # refuse bad options once, before any process starts
         else:
             service = build_service(args)
-        secure = security(args)
+        secure = router_security(args)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if secure.api_key is not None:
-        log.info(
-            "clients need the API key on every endpoint but %s",
-            ", ".join(sorted(OPEN_PATHS if secure.metrics_auth else OPEN_PATHS | {"/metrics"})),
-        )
     if workers > 1:
         return serve_workers(
-            functools.partial(build_service, warn=False),
-            args,
-            workers,
-            READY_PREFIX,
-            api_key=secure.api_key,
-            metrics_auth=secure.metrics_auth,
-            tls=secure.tls,
+            functools.partial(build_service, warn=False), args, workers, READY_PREFIX, secure
         )
-    return run_event_loop(
-        serve(
-            service,
-            args.host,
-            args.port,
-            args.max_body_bytes,
-            api_key=secure.api_key,
-            metrics_auth=secure.metrics_auth,
-            tls=secure.tls,
-        )
-    )
+    return run_event_loop(serve(service, args.host, args.port, args.max_body_bytes, secure))
 
 
 async def serve(
@@ -483,18 +396,18 @@ async def serve(
     host: str,
     port: int,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    *,
-    api_key: ApiKey | None = None,
-    metrics_auth: bool = False,
-    tls: ServerTLS | None = None,
+    security: RouterSecurity | None = None,
 ) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests.
 
-    ``api_key``, ``metrics_auth``: see :func:`~kvevents.router.app.create_app`; ``tls``:
-    serve HTTPS.
+    ``security``: the key clients need and the TLS to serve with (default: neither).
     """
+    security = security or RouterSecurity()
     app = create_app(
-        service, max_body_bytes=max_body_bytes, api_key=api_key, metrics_auth=metrics_auth
+        service,
+        max_body_bytes=max_body_bytes,
+        api_key=security.api_key,
+        metrics_auth=security.metrics_auth,
     )
     notes = None
     if service.sync is not None and service.peers is None:
@@ -502,7 +415,7 @@ async def serve(
         notes = service.peers = LoadNotes(service.router, sender, [service.sync])
         notes.start()
     try:
-        return await serve_app(app, host, port, READY_PREFIX, "router", tls=tls)
+        return await serve_app(app, host, port, READY_PREFIX, "router", tls=security.tls)
     finally:
         if notes is not None:
             await notes.close()

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from kvevents.cli.security import RouterSecurity
 from kvevents.errors import KVEventsError
-from kvevents.http_auth import ApiKey, ServerTLS
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
 from kvevents.router.peers import PeerNotes
@@ -62,9 +62,7 @@ def _worker_main(
     port: int,
     folder: str,
     ready: Any,
-    api_key: ApiKey | None,
-    metrics_auth: bool,
-    tls: ServerTLS | None,
+    security: RouterSecurity,
 ) -> None:
     """One worker process: build the router from the same options, serve the shared port."""
 
@@ -97,11 +95,18 @@ def _worker_main(
             app = create_app(
                 service,
                 max_body_bytes=args.max_body_bytes,
-                api_key=api_key,
-                metrics_auth=metrics_auth,
+                api_key=security.api_key,
+                metrics_auth=security.metrics_auth,
             )
             return await serve_app(
-                app, args.host, port, "", "router", reuse_port=True, announce=ready.send, tls=tls
+                app,
+                args.host,
+                port,
+                "",
+                "router",
+                reuse_port=True,
+                announce=ready.send,
+                tls=security.tls,
             )
         finally:
             await peers.close()
@@ -115,17 +120,15 @@ def serve_workers(
     args: argparse.Namespace,
     workers: int,
     ready_prefix: str,
-    *,
-    api_key: ApiKey | None = None,
-    metrics_auth: bool = False,
-    tls: ServerTLS | None = None,
+    security: RouterSecurity | None = None,
 ) -> int:
     """Run ``workers`` router processes on one port until SIGINT/SIGTERM (module docstring).
 
     ``build_service(args)`` builds each worker's service (in the worker process, which
     reads the engine key and CA bundle from ``args`` itself); every worker serves with
-    ``api_key``, ``metrics_auth`` and ``tls``.
+    ``security``'s key and TLS (default: neither).
     """
+    security = security or RouterSecurity()
     reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="kvevents-router-")
@@ -149,9 +152,7 @@ def serve_workers(
                 port,
                 folder,
                 child_end,
-                api_key,
-                metrics_auth,
-                tls,
+                security,
             ),
             name=f"kvevents-router-{index}",
         )

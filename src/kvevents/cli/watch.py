@@ -48,14 +48,9 @@ from typing import Any, TextIO
 import msgspec
 
 from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
-from kvevents.cli.options import (
-    ENGINE_API_KEY_ENV,
-    add_api_key_arguments,
-    add_log_level,
-    api_key_of,
-)
+from kvevents.cli.options import add_log_level
+from kvevents.cli.security import add_engine_client_arguments, engine_credentials
 from kvevents.errors import ConfigError
-from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.subscribe.engine_watcher import DiscoveryState
 from kvevents.subscribe.items import Delivery, Signal
@@ -91,17 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="replay inactivity timeout",
     )
-    add_api_key_arguments(
-        parser,
-        "--engine-api-key",
-        ENGINE_API_KEY_ENV,
-        "send this key when reading the engines' /server_info",
-    )
-    parser.add_argument(
-        "--ssl-ca-certs",
-        metavar="PEM",
-        help="verify https:// engines against this CA bundle (default: the system's)",
-    )
+    add_engine_client_arguments(parser, "when reading the engines' /server_info")
     add_log_level(parser)
 
 
@@ -150,11 +135,7 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
     streams = endpoint_specs(args)
     configured = {s.worker: s.block_size for s in engines if s.block_size is not None}
     configured |= {s.worker: s.block_size for s in streams if s.block_size is not None}
-    credentials = ClientCredentials(
-        api_key=api_key_of(args, "--engine-api-key", ENGINE_API_KEY_ENV),
-        ca_certs=args.ssl_ca_certs,
-    )
-    sub = Subscriber(replay_timeout=args.replay_timeout, http_credentials=credentials)
+    sub = Subscriber(replay_timeout=args.replay_timeout, http_credentials=engine_credentials(args))
     try:
         for spec in engines:
             spec.follow(sub)
