@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.router.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
@@ -31,12 +32,15 @@ def create_app(service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY
     ``/route`` and ``/query`` are answered by :class:`~kvevents.router.hot_path.HotPath`;
     everything else by the FastAPI app behind it (:func:`create_fastapi_app`).
     """
-    return HotPath(service, create_fastapi_app(service), max_body_bytes=max_body_bytes)
+    fallback = create_fastapi_app(service, max_body_bytes=max_body_bytes)
+    return HotPath(service, fallback, max_body_bytes=max_body_bytes)
 
 
-def create_fastapi_app(service: RouterService) -> FastAPI:
+def create_fastapi_app(
+    service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     """The FastAPI part of the router: lifespan, ``/generate``, ``/workers``, ``/metrics``,
-    ``/dump`` and the OpenAI routes."""
+    ``/dump`` and the OpenAI routes; a body over ``max_body_bytes`` answers 413."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,13 +61,20 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
     async def _untokenized(request: Request, exc: TokenizeFailed) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=413)
+
     @app.exception_handler(RouterNotReadyError)
     async def _not_ready(request: Request, exc: RouterNotReadyError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        raw = await request.body()
+        try:
+            raw = await read_body(request.scope, request.receive, max_body_bytes)
+        except Disconnected:
+            return Response(status_code=400)  # nobody is left to read it
         tokens, body = await service.tokens(raw, chat=False)
         try:
             payload = msgspec.json.decode(raw)
@@ -158,5 +169,5 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
     async def dump() -> Response:
         return Response(router.index.to_bytes(), media_type="application/octet-stream")
 
-    add_openai_routes(app, service)
+    add_openai_routes(app, service, max_body_bytes=max_body_bytes)
     return app
