@@ -1,7 +1,8 @@
 """The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
 
 The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
-command); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
+command) and described, bodies and answers, in :mod:`kvevents.router.api_schema`
+(``/openapi.json``, ``/docs``); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
 endpoints live in :mod:`kvevents.router.openai`, engine polling in
 :mod:`kvevents.router.engines`.
 """
@@ -15,7 +16,9 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvevents.api import install
 from kvevents.errors import RouterNotReadyError
+from kvevents.router.api_schema import OPERATIONS, RoutedTo
 from kvevents.router.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
@@ -101,14 +104,16 @@ def create_fastapi_app(
             router.finish(ticket, failed=status != 200)
         service.requests.record("generate", decision, len(tokens), status)
         chosen = decision.chosen
-        info = {
-            "worker": decision.worker,
-            "dp_rank": decision.dp_rank,
-            "cost": chosen.cost,
-            "cached_blocks": chosen.cached_blocks,
-            "prefill_blocks": chosen.prefill_blocks,
-            "pending_blocks": chosen.pending_blocks,
-        }
+        info = msgspec.to_builtins(
+            RoutedTo(
+                decision.worker,
+                decision.dp_rank,
+                chosen.cost,
+                chosen.cached_blocks,
+                chosen.prefill_blocks,
+                chosen.pending_blocks,
+            )
+        )
         try:
             answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
@@ -170,4 +175,5 @@ def create_fastapi_app(
         return Response(router.index.to_bytes(), media_type="application/octet-stream")
 
     add_openai_routes(app, service, max_body_bytes=max_body_bytes)
+    install(app, OPERATIONS)
     return app
