@@ -18,9 +18,9 @@ Endpoints (JSON in and out):
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
 Every endpoint, its body and its answers, is described in ``/openapi.json`` and
-``/docs`` (:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400 with ``{"error": ...}`` naming the field (JSON
-nested too deeply or holding an unpaired surrogate included: :mod:`kvevents.engine.bodies`),
-a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
+``/docs`` (:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400
+with ``{"error": ...}`` naming the field (JSON nested too deeply or holding an unpaired
+surrogate included: :mod:`kvevents.engine.bodies`), a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
 not answer within ``--request-timeout`` 504.
 
 Over 300 lines on purpose: the engine's HTTP routes and the limits they enforce (body
