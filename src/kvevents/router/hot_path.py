@@ -37,27 +37,39 @@ Just over 300 lines: the answers' structs and the one handler that writes them r
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
-from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.errors import RouterNotReadyError
 from kvevents.http_auth import ApiKey, send_unauthorized
+from kvevents.router.bodies import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyTooLarge,
+    Disconnected,
+    Message,
+    Receive,
+    Scope,
+    read_body,
+)
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_TOP", "HotPath"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_TOP",
+    "ErrorAnswer",
+    "HotPath",
+    "QueryAnswer",
+    "Receive",
+    "RouteAnswer",
+    "Scope",
+    "Send",
+]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-"""16 MiB: a 128k-token prompt as JSON ids is under 1 MiB; its text under 2 MiB."""
 
 
 class Tiers(msgspec.Struct, gc=False):
@@ -135,14 +147,6 @@ class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
 
-class BodyTooLarge(KVEventsError):
-    """The request body passed the limit; answered with 413."""
-
-
-class _Disconnected(Exception):
-    """The client went away before its body arrived."""
-
-
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -201,9 +205,9 @@ class HotPath:
             await self.fallback(scope, receive, send)
             return
         try:
-            raw = await self._body(scope, receive)
+            raw = await read_body(scope, receive, self.max_body_bytes)
             status, answer = 200, await handler(raw)
-        except _Disconnected:
+        except Disconnected:
             return
         except BadRequest as exc:
             status, answer = 400, _error(str(exc))
@@ -225,36 +229,6 @@ class HotPath:
             }
         )
         await send({"type": "http.response.body", "body": answer})
-
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit():
-                    raise BadRequest(f"Content-Length {value!r} is not a number of bytes")
-                if int(value) > limit:
-                    raise BodyTooLarge(_too_large(int(value), limit))
-                break
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _Disconnected
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            if len(body) > limit:
-                raise BodyTooLarge(_too_large(len(body), limit))
-            return body
-        chunks = [body]
-        size = len(body)
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] != "http.request":
-                raise _Disconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(_too_large(size, limit))
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
@@ -295,10 +269,3 @@ class HotPath:
 
 def _error(message: str) -> bytes:
     return _ENCODER.encode(ErrorAnswer(message))
-
-
-def _too_large(size: int, limit: int) -> str:
-    return (
-        f"request body of {size} bytes is over the router's limit of {limit} bytes "
-        "(kvevents router --max-body-bytes)"
-    )
