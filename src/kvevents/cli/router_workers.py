@@ -92,7 +92,14 @@ def _worker_main(
         try:
             app = create_app(service, max_body_bytes=args.max_body_bytes)
             return await serve_app(
-                app, args.host, port, "", "router", reuse_port=True, announce=ready.send
+                app,
+                args.host,
+                port,
+                "",
+                "router",
+                reuse_port=True,
+                announce=ready.send,
+                server=args.http_server,
             )
         finally:
             await peers.close()

@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.granian_serving import AsgiOverRsgi
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
@@ -141,6 +142,7 @@ class _Disconnected(Exception):
 
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_RSGI_JSON_HEADERS = [("content-type", "application/json")]
 
 
 def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
@@ -174,6 +176,7 @@ class HotPath:
         self.service = service
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
+        self._bridge = AsgiOverRsgi(fallback)
         self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
             "/route": self._route,
             "/query": self._query,
@@ -184,23 +187,10 @@ class HotPath:
         if handler is None or scope["method"] != "POST":
             await self.fallback(scope, receive, send)
             return
-        try:
-            raw = await self._body(scope, receive)
-            status, answer = 200, await handler(raw)
-        except _Disconnected:
+        answered = await self._answer(handler, lambda: self._body(scope, receive))
+        if answered is None:
             return
-        except BadRequest as exc:
-            status, answer = 400, _error(str(exc))
-        except BodyTooLarge as exc:
-            status, answer = 413, _error(str(exc))
-        except TokenizeFailed as exc:
-            status, answer = exc.status, _error(str(exc))
-        except RecursionError:
-            status, answer = 400, _error("request body: JSON nested too deeply")
-        except UnicodeError as exc:
-            status, answer = 400, _error(f"request body: text is not valid Unicode: {exc}")
-        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
-            status, answer = 503, _error(str(exc))
+        status, answer = answered
         await send(
             {
                 "type": "http.response.start",
@@ -209,6 +199,60 @@ class HotPath:
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        """The same app on granian's RSGI interface (:mod:`kvevents.granian_serving`)."""
+        handler = self._handlers.get(scope.path) if scope.proto == "http" else None
+        if handler is None or scope.method != "POST":
+            await self._bridge.__rsgi__(scope, proto)
+            return
+        answered = await self._answer(handler, lambda: self._rsgi_body(scope, proto))
+        if answered is not None:
+            proto.response_bytes(answered[0], _RSGI_JSON_HEADERS, answered[1])
+
+    async def _answer(
+        self, handler: Callable[[bytes], Awaitable[bytes]], read: Callable[[], Awaitable[bytes]]
+    ) -> tuple[int, bytes] | None:
+        """Status and body for one hot-path request; None when the client went away."""
+        try:
+            return 200, await handler(await read())
+        except _Disconnected:
+            return None
+        except BadRequest as exc:
+            return 400, _error(str(exc))
+        except BodyTooLarge as exc:
+            return 413, _error(str(exc))
+        except TokenizeFailed as exc:
+            return exc.status, _error(str(exc))
+        except RecursionError:
+            return 400, _error("request body: JSON nested too deeply")
+        except UnicodeError as exc:
+            return 400, _error(f"request body: text is not valid Unicode: {exc}")
+        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
+            return 503, _error(str(exc))
+
+    async def _rsgi_body(self, scope: Any, proto: Any) -> bytes:
+        limit = self.max_body_bytes
+        length = scope.headers.get("content-length")
+        try:
+            if length is not None:
+                if not length.isdigit():
+                    raise BadRequest(f"Content-Length {length!r} is not a number of bytes")
+                if int(length) > limit:
+                    raise BodyTooLarge(_too_large(int(length), limit))
+                return bytes(await proto())
+            chunks = []
+            size = 0
+            async for chunk in proto:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(_too_large(size, limit))
+                chunks.append(bytes(chunk))
+            return b"".join(chunks)
+        except (BadRequest, BodyTooLarge):
+            raise
+        except RuntimeError:  # granian's ProtocolClosed: the client went away
+            raise _Disconnected from None
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
