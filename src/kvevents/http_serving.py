@@ -16,16 +16,18 @@ import contextlib
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import uvicorn
 
 from kvevents.endpoints import WILDCARD_HOSTS
-from kvevents.errors import EndpointError
+from kvevents.errors import ConfigError, EndpointError
 from kvevents.http_auth import ServerTLS
 
 __all__ = [
     "HTTP_PARSER",
+    "HTTP_SERVERS",
+    "HttpServer",
     "bind_http",
     "http_url",
     "run_event_loop",
@@ -35,6 +37,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+HttpServer = Literal["uvicorn", "granian"]
+"""The HTTP servers :func:`serve_app` runs an app on (``kvevents router --http-server``)."""
+HTTP_SERVERS: tuple[HttpServer, ...] = get_args(HttpServer)
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -163,16 +169,29 @@ async def serve_app(
     reuse_port: bool = False,
     announce: Callable[[str], None] | None = None,
     tls: ServerTLS | None = None,
+    server: HttpServer = "uvicorn",
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0.
 
     The announcement is ``ready_prefix + URL`` on stdout, or ``announce(URL)`` when given.
+    ``server="granian"`` serves through granian's RSGI interface instead of uvicorn
+    (:mod:`kvevents.granian_serving`): ``app`` must then have an ``__rsgi__`` method, and
+    its ASGI lifespan still runs.
     """
+    if server not in HTTP_SERVERS:
+        raise ConfigError(f"HTTP server {server!r} is not one of {', '.join(HTTP_SERVERS)}")
     stop = asyncio.Event()
     with stop_on_signals(stop):
         sock = bind_http(host, port, what, reuse_port=reuse_port)
         try:
-            server, serving = await start_http(app, sock, tls=tls)
+            if server == "granian":
+                if tls is not None:
+                    raise ConfigError(
+                        "--http-server granian serves plain HTTP only: drop --ssl-certfile/"
+                        "--ssl-keyfile, or serve TLS with the default --http-server uvicorn"
+                    )
+                return await _serve_granian(app, host, sock, ready_prefix, announce, stop)
+            server_, serving = await start_http(app, sock, tls=tls)
             url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
@@ -181,8 +200,31 @@ async def serve_app(
             stop_wait = asyncio.create_task(stop.wait())
             await asyncio.wait({stop_wait, serving}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()
-            server.should_exit = True
+            server_.should_exit = True
             await serving
             return 0
         finally:
             sock.close()
+
+
+async def _serve_granian(
+    app: Any,
+    host: str,
+    sock: socket.socket,
+    ready_prefix: str,
+    announce: Callable[[str], None] | None,
+    stop: asyncio.Event,
+) -> int:
+    from kvevents.granian_serving import start_granian
+
+    if not hasattr(app, "__rsgi__"):
+        raise ConfigError(f"{type(app).__name__} has no __rsgi__: it cannot be served by granian")
+    running = await start_granian(app, sock, lifespan=app)
+    url = http_url(host, sock)
+    if announce is None:
+        print(ready_prefix + url, flush=True)
+    else:
+        announce(url)
+    await stop.wait()
+    await running.stop()
+    return 0

@@ -107,6 +107,7 @@ def _worker_main(
                 reuse_port=True,
                 announce=ready.send,
                 tls=security.tls,
+                server=args.http_server,
             )
         finally:
             await peers.close()

@@ -111,6 +111,12 @@ _OPENAI_ERRORS = {
     504: "The engine's rank did not answer in time",
 }
 
+
+class RouterHealth(msgspec.Struct):
+    """``GET /health``: the router process is serving."""
+
+    status: str
+
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "post",
@@ -173,6 +179,12 @@ OPERATIONS: tuple[Operation, ...] = (
         "/workers",
         "Engines, streams, holders and the index, as this router process sees them",
         Body(WorkersAnswer),
+    ),
+    Operation(
+        "get",
+        "/health",
+        "200 while the router serves (open even with --api-key, for probes)",
+        Body(RouterHealth),
     ),
     Operation(
         "get",

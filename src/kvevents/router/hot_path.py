@@ -38,10 +38,12 @@ Just over 300 lines: the answers' structs and the one handler that writes them r
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import msgspec
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.granian_serving import AsgiOverRsgi
 from kvevents.http_auth import ApiKey, send_unauthorized
 from kvevents.router.bodies import (
     DEFAULT_MAX_BODY_BYTES,
@@ -51,6 +53,7 @@ from kvevents.router.bodies import (
     Receive,
     Scope,
     read_body,
+    read_rsgi_body,
 )
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
@@ -149,6 +152,7 @@ class ErrorAnswer(msgspec.Struct, gc=False):
 
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_RSGI_JSON_HEADERS = [("content-type", "application/json")]
 
 
 def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
@@ -186,6 +190,7 @@ class HotPath:
         self.service = service
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
+        self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
         self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
             "/route": self._route,
             "/query": self._query,
@@ -204,23 +209,10 @@ class HotPath:
         if handler is None or scope["method"] != "POST":
             await self.fallback(scope, receive, send)
             return
-        try:
-            raw = await read_body(scope, receive, self.max_body_bytes)
-            status, answer = 200, await handler(raw)
-        except Disconnected:
+        answered = await self._answer(handler, read_body(scope, receive, self.max_body_bytes))
+        if answered is None:
             return
-        except BadRequest as exc:
-            status, answer = 400, _error(str(exc))
-        except BodyTooLarge as exc:
-            status, answer = 413, _error(str(exc))
-        except TokenizeFailed as exc:
-            status, answer = exc.status, _error(str(exc))
-        except RecursionError:
-            status, answer = 400, _error("request body: JSON nested too deeply")
-        except UnicodeError as exc:
-            status, answer = 400, _error(f"request body: text is not valid Unicode: {exc}")
-        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
-            status, answer = 503, _error(str(exc))
+        status, answer = answered
         await send(
             {
                 "type": "http.response.start",
@@ -229,6 +221,49 @@ class HotPath:
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        """The same app on granian's RSGI interface (:mod:`kvevents.granian_serving`).
+
+        ``POST /route`` and ``/query`` with the key (or no key set) are answered here
+        natively; everything else, refusals included, goes through the ASGI bridge to
+        :meth:`__call__`, so both interfaces answer alike.
+        """
+        handler = self._handlers.get(scope.path) if scope.proto == "http" else None
+        if handler is None or scope.method != "POST" or not self._rsgi_authorized(scope):
+            await self._bridge.__rsgi__(scope, proto)
+            return
+        answered = await self._answer(handler, read_rsgi_body(scope, proto, self.max_body_bytes))
+        if answered is not None:
+            proto.response_bytes(answered[0], _RSGI_JSON_HEADERS, answered[1])
+
+    def _rsgi_authorized(self, scope: Any) -> bool:
+        key = self.api_key
+        if key is None or scope.path in self.open_paths:
+            return True
+        given = scope.headers.get("authorization")
+        return given is not None and key.matches([(b"authorization", given.encode("latin-1"))])
+
+    async def _answer(
+        self, handler: Callable[[bytes], Awaitable[bytes]], body: Awaitable[bytes]
+    ) -> tuple[int, bytes] | None:
+        """Status and answer for one hot-path request; None when the client went away."""
+        try:
+            return 200, await handler(await body)
+        except Disconnected:
+            return None
+        except BadRequest as exc:
+            return 400, _error(str(exc))
+        except BodyTooLarge as exc:
+            return 413, _error(str(exc))
+        except TokenizeFailed as exc:
+            return exc.status, _error(str(exc))
+        except RecursionError:
+            return 400, _error("request body: JSON nested too deeply")
+        except UnicodeError as exc:
+            return 400, _error(f"request body: text is not valid Unicode: {exc}")
+        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
+            return 503, _error(str(exc))
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
