@@ -636,6 +636,20 @@ class PrefixIndex(GroupedMaskTable):
         mask = self._tier_mask(slot, tier)
         return {k for k, v in self._blocks.items() if v & mask}
 
+    def held_by_group(self, holder: Holder, keys: Sequence[int]) -> dict[str, list[bool]]:
+        """Per KV-cache group of the holder (``main`` first), which of ``keys`` it holds in any tier.
+
+        For inspection and tests: a hybrid holder's groups may hold different blocks of
+        one prefix (:mod:`kvevents.index.groups`). O(blocks x groups).
+        """
+        slot = self._slots.get(holder)
+        if slot is None:
+            return {}
+        out = {"main": [self._held_any(k, slot) for k in keys]}
+        for table in self._slot_tables.get(slot, ()):
+            out[table.label] = [table._held_any(k, slot) for k in keys]
+        return out
+
     def holder_hashes(self, holder: Holder, tier: Tier | None = Tier.GPU) -> set[Hash]:
         """Engine hashes of the blocks a holder holds in ``tier`` (GPU by default).
 
