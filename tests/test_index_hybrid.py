@@ -266,6 +266,9 @@ def test_snapshot_carries_the_groups() -> None:
     restored.apply(H, batch(sw_store(PROMPT, 4, 5, fake_hash(PROMPT, 3))))
     assert gpu(restored, PROMPT) == 6
     assert restored.stats.malformed == 0
+    # the main group's group_idx survived too: a full-attention removal reaches it
+    restored.apply(H, batch(removed(PROMPT, [5], group=1)))
+    assert len(restored) == 5 and restored.stats.unknown_hash == 0
 
 
 def test_reuse_length_with_no_side_table_is_the_main_length() -> None:
