@@ -21,8 +21,9 @@ and its invariants (:mod:`kvevents.index.mask_table`) untouched: a model with on
 attention has no side table, and its match costs one extra test of an empty mask per
 request, none per block. Measured with ``benchmarks/index.py --limit 3000``, before and
 after, interleaved in one session on a loaded 2-core machine: bytes per (block, holder)
-unchanged (71.1 at W=8, 63.0 at W=64), match p50 and the full decode+apply path within
-the run-to-run noise (p50 2.2-3.0 us before, 2.4-3.0 us after at W=8). A side table is itself a :class:`~kvevents.index.mask_table.MaskTable`
+unchanged (71.1 at W=8, 63.0 at W=64); match p50 2.2-3.0 us before and 2.4-3.0 us after
+at W=8, 1.9-3.0 us before and 4.0 us after at W=64, with a load average near 16, so the
+W=64 difference is not separable from noise there and wants a rerun on a quiet machine. A side table is itself a :class:`~kvevents.index.mask_table.MaskTable`
 with the same guarantees (no zero mask, recency order, its own memory bound of
 ``max_entries``); it shares the slot numbering and width of the main table and the
 index's engine-hash map, so a hash resolves once for every group.
