@@ -50,6 +50,9 @@ Not modelled: groups of other kinds (Mamba state, chunked local attention) are c
 as ``unsupported_group`` and not indexed, so a model with them is matched on its
 full-attention group alone; vLLM's alignment of a hit to the least common multiple of
 different group block sizes (every group of the captured models has the same size).
+
+A little over 300 lines on purpose: the side tables, the rule and the main-table
+operations that must reach them are one mechanism, checked together.
 """
 
 from __future__ import annotations
