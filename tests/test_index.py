@@ -253,16 +253,18 @@ def test_snapshot_round_trip_and_bad_bytes() -> None:
 
 
 def test_snapshot_carries_applied_seqs_and_reads_version_1() -> None:
-    """Version 2 carries each holder's last applied seq; a version 1 snapshot still loads
-    (with no seqs), and an unknown version is refused by name."""
+    """Version 2 and later carry each holder's last applied seq; version 1 and 2 snapshots
+    still load (with no seqs, with no groups), and an unknown version is refused by name."""
     index = PrefixIndex(block_size=2)
     index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
     index.applied_seqs[A] = 41
     copy = PrefixIndex.from_bytes(index.to_bytes())
     assert copy.applied_seqs == {A: 41}
     snap = msgspec.msgpack.decode(index.to_bytes())
-    assert snap[0] == SNAPSHOT_VERSION == 2
-    old = msgspec.msgpack.encode([1, *snap[1:-1]])  # version 1: no seqs field
+    assert snap[0] == SNAPSHOT_VERSION == 3
+    v2 = msgspec.msgpack.encode([2, *snap[1:-3]])  # version 2: no group fields
+    assert PrefixIndex.from_bytes(v2).applied_seqs == {A: 41}
+    old = msgspec.msgpack.encode([1, *snap[1:-4]])  # version 1: no seqs field
     restored = PrefixIndex.from_bytes(old)
     assert restored.applied_seqs == {} and restored.holder_hashes(A) == {1, 2}
     with pytest.raises(ValueError, match="snapshot version 9 is not supported"):

@@ -1,9 +1,14 @@
-"""Build a tiny, randomly initialised Llama and a word-level tokenizer in a local folder.
+"""Build a tiny, randomly initialised Llama (or hybrid Gemma3) and a word-level tokenizer.
 
 Runs with the vLLM virtual environment's Python (it needs ``torch``, ``transformers`` and
 ``tokenizers``, which vLLM brings), never with the project's own Python:
 
-    VENV/bin/python scripts/real_vllm/build_tiny_model.py OUT_DIR
+    VENV/bin/python scripts/real_vllm/build_tiny_model.py OUT_DIR [--kind llama|hybrid]
+
+``--kind hybrid`` builds a hybrid-attention model instead (issue 14): a Gemma3 text model
+(architecture ``Gemma3ForCausalLM``) with one sliding-window layer (window 64) and one
+full-attention layer, the same sizes otherwise, so vLLM keeps two KV-cache groups and
+publishes each group's blocks with ``group_idx`` and ``kv_cache_spec_kind``.
 
 Why these numbers: vLLM's CPU attention kernel refuses head sizes below 32, so two heads
 of 32 make the hidden size 64. Two layers keep loading to a few seconds. The weights are
@@ -92,13 +97,57 @@ def build_model(out: Path) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(out)
 
 
+HYBRID_RECIPE = {
+    **RECIPE,
+    "recipe": 1,
+    "kind": "hybrid",
+    "architecture": "Gemma3ForCausalLM",
+    "intermediate_size": 128,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+
+
+def build_hybrid_model(out: Path) -> None:
+    """Gemma3 text, one sliding-window layer and one full-attention layer, seeded random weights."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+
+    torch.manual_seed(RECIPE["seed"])
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=RECIPE["hidden_size"],
+        intermediate_size=HYBRID_RECIPE["intermediate_size"],
+        num_hidden_layers=RECIPE["num_layers"],
+        num_attention_heads=RECIPE["num_heads"],
+        num_key_value_heads=RECIPE["num_heads"],
+        head_dim=RECIPE["head_dim"],
+        sliding_window=HYBRID_RECIPE["sliding_window"],
+        layer_types=HYBRID_RECIPE["layer_types"],
+        max_position_embeddings=RECIPE["max_position_embeddings"],
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder to create (replaced if incomplete)")
+    parser.add_argument(
+        "--kind", choices=("llama", "hybrid"), default="llama", help="which tiny model"
+    )
     args = parser.parse_args(argv)
     out: Path = args.out
+    recipe = HYBRID_RECIPE if args.kind == "hybrid" else RECIPE
     stamp = out / STAMP
-    if stamp.exists() and json.loads(stamp.read_text()) == RECIPE:
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         print(f"tiny model already built in {out}")
         return 0
     if out.exists():
@@ -108,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     build_tokenizer(tmp)
-    build_model(tmp)
-    (tmp / STAMP).write_text(json.dumps(RECIPE))
+    (build_hybrid_model if args.kind == "hybrid" else build_model)(tmp)
+    (tmp / STAMP).write_text(json.dumps(recipe))
     tmp.rename(out)
     print(f"tiny model built in {out}")
     return 0

@@ -19,14 +19,28 @@ from real_vllm_router import RouterProcess
 HERE = Path(__file__).resolve().parent
 
 
+HYBRID_FILE = "test_vllm_hybrid.py"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test of this folder skipped when no real vLLM was started for it."""
+    """Mark every test of this folder skipped when no real vLLM was started for it, and
+    the tests of the other model kind when one was (``--model hybrid`` serves the hybrid
+    Gemma3, which only ``test_vllm_hybrid.py`` is about)."""
     skip = pytest.mark.skipif(
         not os.environ.get(ENV_URL), reason=f"needs a real vLLM: run {SCRIPT} (sets {ENV_URL})"
     )
+    hybrid = os.environ.get("KVEVENTS_REAL_VLLM_MODEL_KIND", "llama") == "hybrid"
     for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
+        path = Path(str(item.fspath)).resolve()
+        if HERE in path.parents:
             item.add_marker(skip)
+            if (path.name == HYBRID_FILE) != hybrid:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"for the {'Llama' if hybrid else 'hybrid'} model: run {SCRIPT}"
+                        + ("" if hybrid else " --model hybrid")
+                    )
+                )
 
 
 @pytest.fixture(scope="session")

@@ -171,7 +171,12 @@ class VLLMClient:
         self.http.close()
 
     def complete(
-        self, tokens: Sequence[int], rank: int | None, *, max_tokens: int = 1
+        self,
+        tokens: Sequence[int],
+        rank: int | None,
+        *,
+        max_tokens: int = 1,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """POST /v1/completions with token ids; returns vLLM's ``usage`` block.
 
@@ -179,17 +184,16 @@ class VLLMClient:
         causes is in that one step's batch.
         """
         headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
-        resp = self.http.post(
-            "/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": list(tokens),
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            },
-            headers=headers,
-        )
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": list(tokens),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        resp = self.http.post("/v1/completions", json=body, headers=headers)
         resp.raise_for_status()
         usage: dict[str, Any] = resp.json()["usage"]
         return usage

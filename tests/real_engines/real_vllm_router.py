@@ -148,9 +148,15 @@ class RouterProcess:
         """The router's holder for vLLM's rank ``rank`` (its worker name is the engine URL)."""
         return Holder(self.engine, rank)
 
-    def query(self, prompt: Sequence[int] | str) -> dict[int, int]:
+    def query(
+        self, prompt: Sequence[int] | str, *, cache_salt: str | None = None
+    ) -> dict[int, int]:
         """``POST /query``: per vLLM rank, the tokens of the prompt's longest cached prefix."""
-        body = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+        body: dict[str, Any] = (
+            {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+        )
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         resp = self.http.post("/query", json=body)
         resp.raise_for_status()
         return {

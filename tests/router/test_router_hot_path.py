@@ -71,6 +71,12 @@ def test_route_answers_the_top_scores_unless_asked_for_all(
         (b'{"text": "\\ud800"}', 400, "request body"),  # msgspec refuses lone surrogates
         (b"[1, 2]", 400, "object"),
         (b'{"text": "' + b"a" * 300_000 + b'"}', 413, "--max-body-bytes"),
+        (b'{"input_ids": [1, 2, 3, 4], "extra_keys": "x"}', 400, "extra_keys"),
+        (
+            b'{"input_ids": [1, 2, 3, 4], "extra_keys": [["s1"]], "cache_salt": "s2"}',
+            400,
+            "give the salt once",
+        ),
     ],
 )
 def test_bad_bodies_answer_4xx_and_the_connection_stays_usable(

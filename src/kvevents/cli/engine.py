@@ -89,6 +89,7 @@ class EngineSettings:
     api_key: str | None = field(default=None, repr=False)
     """Required of every request but ``/health`` (None: no key); never shown."""
     tls: ServerTLS | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # the bounds are the ones the command line parses these options with
@@ -105,6 +106,11 @@ class EngineSettings:
             ("--max-body-bytes", self.max_body_bytes, PositiveInt),
             ("--request-timeout", self.request_timeout, PositiveFloat),
             ("--shutdown-timeout", self.shutdown_timeout, NonNegativeFloat),
+            *(
+                [("--sliding-window", self.sliding_window, PositiveInt)]
+                if self.sliding_window is not None
+                else []
+            ),
         ):
             try:
                 check_bound(value, bound, flag)
@@ -142,6 +148,7 @@ class EngineSettings:
             max_body_bytes=args.max_body_bytes,
             api_key=engine_api_key(args),
             tls=tls_of(args),
+            sliding_window=args.sliding_window,
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -158,6 +165,7 @@ class EngineSettings:
                 prefill_tokens_per_s=self.prefill_tokens_per_s,
                 decode_steps_per_s=self.decode_steps_per_s,
                 max_running=self.max_running,
+                sliding_window=self.sliding_window,
             )
             for role in self.topology.publishers
         ]
@@ -179,6 +187,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per KV block (--page-size: SGLang's name for it)",
     )
     add("--max-blocks", type=bounded(PositiveInt), default=8192, help="KV blocks per rank")
+    add(
+        "--sliding-window",
+        type=bounded(PositiveInt),
+        default=None,
+        metavar="TOKENS",
+        help="simulate a hybrid model: a sliding-window KV-cache group (group 0, this "
+        "window) beside the full-attention one (group 1), with vLLM's events",
+    )
     add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
     add(
         "--kv-events-host",

@@ -49,6 +49,10 @@ class GenerateRequest(msgspec.Struct):
     data_parallel_rank: int | None = None
     max_new_tokens: NewTokens | None = None
     sampling_params: SamplingParams | None = None
+    cache_salt: str | None = None
+    """vLLM's cache salt: the request's blocks are cached (and published) under it."""
+    extra_keys: list[list[Any] | None] | None = None
+    """Per block, the extra keys vLLM would hash in (an image's ``[identifier, offset]``)."""
 
 
 class FinishReason(msgspec.Struct):

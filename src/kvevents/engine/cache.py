@@ -43,14 +43,38 @@ is O(1); ``flush`` is O(1) plus freeing the dicts.
 When every page is pinned and the cache is full, an admission caches only the pages
 that fit (possibly none); the request still runs. A simulated engine needs no
 admission control for memory.
+
+Salts, images and hybrid attention (vLLM's shapes, issue 14)
+------------------------------------------------------------
+``admit(..., cache_salt=, extra_keys=)`` names pages as vLLM does: the salt goes into
+the first page's extra keys, ``extra_keys`` (one entry per page, e.g. an image's
+``[identifier, offset]``) into each page's, and a page's digest folds its extra keys
+in after the token hash, so every later page of the chain differs too. Stored chains
+then carry vLLM's ``extra_keys`` list, one entry per hash.
+
+``sliding_window=W`` simulates a hybrid model with vLLM's two KV-cache groups: group 1
+(full attention) is the radix tree above, group 0 (sliding window) holds, of each
+admitted prompt, only the last ``ceil((W - 1) / page_size)`` pages (vLLM drops the
+pages that leave the window). Events carry ``group_idx`` and ``kv_cache_spec_kind``;
+a sliding-window store names only the window's pages but carries the tokens from the
+first page the request computed, as vLLM's does. An evicted page leaves both groups.
+A hit is what vLLM's hybrid coordinator accepts (:mod:`kvevents.index.groups`): the
+full-attention prefix, shortened until the window before its end is held.
+
+Over 300 lines on purpose: the hybrid group and the extra keys change how pages are
+named, stored and evicted, so they sit beside the tree whose events they extend.
 """
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.wire.hashing import HashScheme, SGLangPageHash, tokens_to_array
@@ -113,13 +137,26 @@ class PrefixCache:
         capacity: int,
         scheme: HashScheme | None = None,
         medium: str = "GPU",
+        sliding_window: int | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"PrefixCache: page_size={page_size!r} must be an int >= 1")
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"PrefixCache: capacity={capacity!r} must be an int >= 1 (blocks)")
+        if sliding_window is not None and (
+            not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise ValueError(
+                f"PrefixCache: sliding_window={sliding_window!r} must be an int >= 1 (tokens)"
+            )
         self.page_size = page_size
         self.capacity = capacity
+        self.sliding_window = sliding_window
+        self.window_pages = (
+            0 if sliding_window is None else max(1, -(-(sliding_window - 1) // page_size))
+        )
+        self._window: set[bytes] = set()
+        """Digests the sliding-window group holds (hybrid mode)."""
         self.scheme: HashScheme = scheme if scheme is not None else SGLangPageHash()
         self.medium = medium
         self.stats = CacheStats()
@@ -137,25 +174,80 @@ class PrefixCache:
         """Pages pinned by running admissions."""
         return len(self._nodes) - len(self._evictable)
 
-    def match(self, token_ids: Sequence[int]) -> int:
+    def match(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> int:
         """Tokens of the longest cached prefix of ``token_ids``, in whole pages; no side effects."""
-        digests = self.scheme.page_digests(tokens_to_array(token_ids), self.page_size)
+        tokens = tokens_to_array(token_ids)
+        digests, _ = self._digests(tokens, cache_salt, extra_keys)
         matched = 0
         for digest in digests:
             if digest not in self._nodes:
                 break
             matched += 1
-        return matched * self.page_size
+        return self._window_hit(digests, matched) * self.page_size
 
-    def admit(self, token_ids: Sequence[int]) -> Admission:
+    def _digests(
+        self, tokens: array[int], salt: str | None, extra_keys: Sequence[Any] | None
+    ) -> tuple[list[bytes], list[Any] | None]:
+        """The pages' digests and, when any page has extra keys, each page's (vLLM's order)."""
+        page = self.page_size
+        if salt is None and not extra_keys:
+            return self.scheme.page_digests(tokens, page), None
+        n = len(tokens) // page
+        per_page: list[Any] = [
+            list(extra_keys[i]) if extra_keys and i < len(extra_keys) and extra_keys[i] else None
+            for i in range(n)
+        ]
+        if salt is not None and n:
+            per_page[0] = [*(per_page[0] or []), salt]
+        digests: list[bytes] = []
+        parent: bytes | None = None
+        for i in range(n):
+            d = self.scheme.page_digests(tokens[i * page : (i + 1) * page], page, parent)[0]
+            if per_page[i]:
+                d = hashlib.sha256(d + msgspec.msgpack.encode(per_page[i])).digest()
+            digests.append(d)
+            parent = d
+        return digests, per_page
+
+    def _window_hit(self, digests: Sequence[bytes], matched: int) -> int:
+        """Pages a hybrid model reuses of a full-attention prefix of ``matched`` pages."""
+        need = self.window_pages
+        if not need:
+            return matched
+        window = self._window
+        run = 0
+        for i in range(matched - 1, -1, -1):
+            if digests[i] in window:
+                run += 1
+                if run >= need:
+                    return i + need
+            else:
+                run = 0
+        return run
+
+    def admit(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> Admission:
         """Match the longest cached prefix, pin it, insert the remaining full pages and pin them.
 
         Evicts least-recently-used unpinned leaves when room is needed, recording one
-        ``BlockRemoved`` for them, then one ``BlockStored`` for the inserted chain.
+        ``BlockRemoved`` for them, then one ``BlockStored`` for the inserted chain (and,
+        in hybrid mode, the sliding-window group's stores; see the module docstring).
+        ``cache_salt`` and ``extra_keys`` (one entry per page) name the pages as vLLM's do.
         """
         tokens = tokens_to_array(token_ids)
         page = self.page_size
-        digests = self.scheme.page_digests(tokens, page)
+        digests, per_page = self._digests(tokens, cache_salt, extra_keys)
         nodes = self._nodes
         pinned: list[_Node] = []
         for digest in digests:
@@ -169,13 +261,63 @@ class PrefixCache:
         if wanted > self.capacity - len(nodes):
             self._evict(wanted - (self.capacity - len(nodes)))
         new = digests[matched : matched + min(wanted, self.capacity - len(nodes))]
+        hit = self._window_hit(digests, matched)
         if new:
-            self._insert_chain(new, pinned, tokens[matched * page : (matched + len(new)) * page])
+            extras = None if per_page is None else per_page[matched : matched + len(new)]
+            self._insert_chain(
+                new, pinned, tokens[matched * page : (matched + len(new)) * page], extras
+            )
+        if self.window_pages:
+            self._store_window(digests[: matched + len(new)], hit, tokens, per_page)
         stats = self.stats
         stats.admissions += 1
         stats.prompt_tokens += len(tokens)
-        stats.cached_tokens += matched * page
-        return Admission(len(tokens), matched * page, len(new), pinned, self._epoch)
+        stats.cached_tokens += hit * page
+        return Admission(len(tokens), hit * page, len(new), pinned, self._epoch)
+
+    def _store_window(
+        self, digests: list[bytes], hit: int, tokens: array[int], per_page: list[Any] | None
+    ) -> None:
+        """The sliding-window group stores the prompt's last window pages it lacks.
+
+        One ``BlockStored`` per run of missing pages; the first run's tokens start at the
+        first page the request computed (``hit``), as vLLM's do, so it may carry more
+        pages of tokens than hashes (the pages that already left the window).
+        """
+        end = len(digests)
+        window = self._window
+        page = self.page_size
+        start = max(hit, end - self.window_pages)
+        i = start
+        first = True
+        while i < end:
+            if digests[i] in window:
+                i += 1
+                first = False
+                continue
+            j = i
+            while j < end and digests[j] not in window:
+                j += 1
+            tokens_from = hit if first else i
+            parent = None if tokens_from == 0 else self._nodes[digests[tokens_from - 1]].event_hash
+            run = digests[i:j]
+            window.update(run)
+            self._events.append(
+                BlockStored(
+                    block_hashes=[self._nodes[d].event_hash for d in run],
+                    parent_block_hash=parent,
+                    token_ids=tokens[tokens_from * page : j * page].tolist(),
+                    block_size=page,
+                    lora_id=None,
+                    medium=self.medium,
+                    extra_keys=None if per_page is None else per_page[i:j],
+                    group_idx=0,
+                    kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=self.sliding_window,
+                )
+            )
+            first = False
+            i = j
 
     def release(self, admission: Admission) -> None:
         """Unpin an admission's pages (leaf first). Idempotent; a no-op after a flush."""
@@ -196,6 +338,7 @@ class PrefixCache:
         """
         self._nodes = {}
         self._evictable = OrderedDict()
+        self._window = set()
         self._epoch += 1
         self.stats.flushes += 1
         self._events.append(AllBlocksCleared())
@@ -219,6 +362,7 @@ class PrefixCache:
                 assert nodes.get(node.parent.digest) is node.parent, "parent not cached"
                 assert node.parent.refs >= node.refs, "child pinned more than its parent"
                 children[node.parent.digest] += 1
+        assert self._window <= nodes.keys(), "sliding-window page not cached"
         for digest, node in nodes.items():
             assert node.children == children[digest], "child count out of date"
             assert (node.refs == 0) == (digest in self._evictable), "evictable set out of date"
@@ -241,6 +385,8 @@ class PrefixCache:
     def _evict(self, count: int) -> None:
         evictable, nodes = self._evictable, self._nodes
         removed: list[int] = []
+        window_removed: list[int | bytes] = []
+        window = self._window
         while len(removed) < count and evictable:
             digest, node = evictable.popitem(last=False)
             assert node.children == 0, "evictable order broken: first entry is not a leaf"
@@ -248,11 +394,30 @@ class PrefixCache:
             if node.parent is not None:
                 node.parent.children -= 1
             removed.append(node.event_hash)
+            if digest in window:
+                window.discard(digest)
+                window_removed.append(node.event_hash)
+        if window_removed:
+            self._events.append(
+                BlockRemoved(block_hashes=list(window_removed), medium=self.medium, group_idx=0)
+            )
         if removed:
             self.stats.blocks_evicted += len(removed)
-            self._events.append(BlockRemoved(block_hashes=list(removed), medium=self.medium))
+            self._events.append(
+                BlockRemoved(
+                    block_hashes=list(removed),
+                    medium=self.medium,
+                    group_idx=1 if self.window_pages else None,
+                )
+            )
 
-    def _insert_chain(self, digests: list[bytes], pinned: list[_Node], tokens: array[int]) -> None:
+    def _insert_chain(
+        self,
+        digests: list[bytes],
+        pinned: list[_Node],
+        tokens: array[int],
+        extras: list[Any] | None = None,
+    ) -> None:
         parent = pinned[-1] if pinned else None
         event_hash = self.scheme.event_hash
         nodes = self._nodes
@@ -276,5 +441,8 @@ class PrefixCache:
                 block_size=self.page_size,
                 lora_id=None,
                 medium=self.medium,
+                extra_keys=extras,
+                group_idx=1 if self.window_pages else None,
+                kv_cache_spec_kind="full_attention" if self.window_pages else None,
             )
         )

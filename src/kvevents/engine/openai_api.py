@@ -47,7 +47,9 @@ MODEL_NAME = "kvevents-sim"
 MAX_MODEL_LEN = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 
-Generate = Callable[[list[int], int | None, int], Awaitable[tuple[int, dict[str, Any]]]]
+Generate = Callable[
+    [list[int], int | None, int, dict[str, Any] | None], Awaitable[tuple[int, dict[str, Any]]]
+]
 """(token ids, rank or None, max new tokens) -> (rank used, the rank's generate result)."""
 
 
@@ -211,11 +213,16 @@ def add_openai_routes(
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
             max_new = _int(max_new, key, 0, max_new_tokens)
             _conform(body, ChatRequest if chat else CompletionRequest)
+            salt = body.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise _Invalid(f"cache_salt must be a string, not {type(salt).__name__}")
         except _Invalid as exc:
             return _error(400, str(exc))
         except _Refused as exc:
             return _error(exc.status, str(exc))
-        rank, result = await generate(tokens, rank, max_new)
+        rank, result = await generate(
+            tokens, rank, max_new, None if salt is None else {"cache_salt": salt}
+        )
         output: list[int] = result["output_ids"]
         usage = {
             "prompt_tokens": result["prompt_tokens"],

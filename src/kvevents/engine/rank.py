@@ -66,6 +66,7 @@ class RankSpec(msgspec.Struct, kw_only=True, frozen=True):
     decode_steps_per_s: float = 1_000.0
     max_running: int = 64
     max_waiting: int = 10_000
+    sliding_window: int | None = None
     # Exact endpoints to bind again after a restart (an earlier start resolved port 0).
     endpoint_override: str | None = None
     replay_override: str | None = None
@@ -109,7 +110,10 @@ class _RankServer:
         self.dealer = dealer
         self.publisher = publisher
         cache = PrefixCache(
-            spec.page_size, spec.max_blocks, get_hash_scheme(spec.hash_scheme, seed=spec.hash_seed)
+            spec.page_size,
+            spec.max_blocks,
+            get_hash_scheme(spec.hash_scheme, seed=spec.hash_seed),
+            sliding_window=spec.sliding_window,
         )
         self.scheduler = Scheduler(
             spec.dp_rank,
@@ -186,7 +190,13 @@ class _RankServer:
         sched = self.scheduler
         if op == "generate":
             try:
-                sched.submit(rid, message["input_ids"], int(message["max_new_tokens"]))
+                sched.submit(
+                    rid,
+                    message["input_ids"],
+                    int(message["max_new_tokens"]),
+                    cache_salt=message.get("cache_salt"),
+                    extra_keys=message.get("extra_keys"),
+                )
             except QueueFullError as exc:
                 self.send({"id": rid, "ok": False, "error": str(exc), "status": 503})
             return

@@ -7,7 +7,9 @@ Endpoints (JSON in and out):
   publishing is off or not on TCP).
 * ``POST /generate``: ``{"input_ids": [...]} | {"text": "..."}``, optional
   ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted),
-  ``max_new_tokens`` (top level or in ``sampling_params``, default 16). Answers
+  ``max_new_tokens`` (top level or in ``sampling_params``, default 16), ``cache_salt``
+  and ``extra_keys`` (per block, as vLLM hashes them in: the blocks are named and
+  published as vLLM's, see :mod:`kvevents.engine.cache`). Answers
   ``dp_rank``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
   ``output_ids``, ``text`` and SGLang's ``meta_info``. Without a rank, requests go
   round-robin over the live ranks.
@@ -119,7 +121,7 @@ def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
 
 def _parse_generate(
     body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int
-) -> tuple[list[int], int | None, int]:
+) -> tuple[list[int], int | None, int, dict[str, Any]]:
     try:
         req = _GENERATE_DECODER.decode(body)
     except msgspec.ValidationError as exc:
@@ -150,7 +152,12 @@ def _parse_generate(
             f"max_new_tokens={max_new} is above this engine's limit of {limit} "
             "(kvevents engine --max-new-tokens-limit): ask for fewer tokens"
         )
-    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    keys: dict[str, Any] = {}
+    if req.cache_salt is not None:
+        keys["cache_salt"] = req.cache_salt
+    if req.extra_keys:
+        keys["extra_keys"] = req.extra_keys
+    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new, keys
 
 
 def create_app(
@@ -196,7 +203,7 @@ def create_app(
         return JSONResponse(body)
 
     async def run_generate(
-        tokens: list[int], rank: int | None, max_new: int
+        tokens: list[int], rank: int | None, max_new: int, keys: dict[str, Any] | None = None
     ) -> tuple[int, dict[str, Any]]:
         """Generate on ``rank`` (round-robin over the live ranks when None)."""
         if rank is None:
@@ -210,6 +217,7 @@ def create_app(
             timeout=limits.request_timeout,
             input_ids=tokens,
             max_new_tokens=max_new,
+            **(keys or {}),
         )
         return rank, result
 
@@ -223,13 +231,13 @@ def create_app(
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        tokens, rank, max_new = _parse_generate(
+        tokens, rank, max_new, keys = _parse_generate(
             await read_body(request, limits.max_body_bytes),
             dp_size,
             tokenizer,
             limits.max_new_tokens,
         )
-        rank, result = await run_generate(tokens, rank, max_new)
+        rank, result = await run_generate(tokens, rank, max_new, keys)
         output_ids = result["output_ids"]
         meta = {
             "prompt_tokens": result["prompt_tokens"],

@@ -35,6 +35,9 @@ Structure and invariants
 * ``_hashes: dict[engine_hash, content_key]``: engine hashes as sent (signed, unsigned
   or bytes). Entries whose block died are dropped when seen, and all at once when the
   map outgrows twice the number of live blocks (amortised O(1)).
+* ``_hybrid``: the slots that also have blocks in side KV-cache groups (hybrid-attention
+  models, :mod:`kvevents.index.groups`); a match shortens only their lengths, after the
+  loop, so with no such slot the loops below are exactly the full-attention ones.
 * ``_holders[slot]`` (None for a free slot), ``_held[slot]`` (the slot's entries) and
   ``_live`` (a mask of the registered slots) are per-slot arrays.
 
@@ -63,6 +66,7 @@ from kvevents.types import Hash, Holder
 __all__ = ["MaskTable"]
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+Segments = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 _TOUCH_LOG_LIMIT = 1024
 _CANON_LIMIT = 1 << 16
 
@@ -91,6 +95,9 @@ class MaskTable:
         self._offloaded = 0
         self._touch_log: list[tuple[Sequence[int], int]] = []
         self._canon: dict[int, int] = {}
+        self._hybrid = 0
+        """Slots with side KV-cache groups (:mod:`kvevents.index.groups`); 0 for models
+        with full attention only, so their match pays one test per request."""
 
     # --- writing ----------------------------------------------------------------------
 
@@ -223,6 +230,8 @@ class MaskTable:
                 segs.append((m, i))
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
             self._touch_log.append((keys, i))
+        if self._hybrid:
+            return self._apply_groups(keys, (segs, segs, segs))
         return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
 
     def _match_tiered(self, keys: Sequence[int]) -> PrefixMatch:
@@ -258,7 +267,13 @@ class MaskTable:
                         seg.append((mask, i))
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
             self._touch_log.append((keys, i))
+        if self._hybrid:
+            return self._apply_groups(keys, (sg, sc, sa))
         return PrefixMatch(self._holders, (sg, sc, sa), len(keys), self.block_size)
+
+    def _apply_groups(self, keys: Sequence[int], segments: Segments) -> PrefixMatch:
+        """Shorten the matches of holders with side groups (overridden by the index)."""
+        return PrefixMatch(self._holders, segments, len(keys), self.block_size)
 
     def _tier_mask(self, slot: int, tier: Tier | None) -> int:
         w = self._width

@@ -43,13 +43,16 @@ more modules would scatter one class's methods without naming a new concept.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import xxhash
 
-from kvevents.index.mask_table import MaskTable
+from kvevents.index.extra_keys import keys_with_extras, split_extra_keys
+from kvevents.index.groups import FULL_ATTENTION, SLIDING_WINDOW, GroupedMaskTable, GroupTable
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S, Predictions
 from kvevents.index.snapshot import (
     SNAPSHOT_VERSION,
+    GroupSnapshot,
     IndexSnapshot,
     decode_snapshot,
     encode_snapshot,
@@ -92,7 +95,7 @@ def _orphan_key(parent: Hash) -> int:
     return int(_xxh3(b"kvevents-orphan\x00" + raw))
 
 
-class PrefixIndex(MaskTable):
+class PrefixIndex(GroupedMaskTable):
     """Which holder caches which blocks, in which tier; longest-prefix match for requests.
 
     See the module docstring for the complexity, and :mod:`kvevents.index.mask_table`
@@ -183,6 +186,8 @@ class PrefixIndex(MaskTable):
         if slot is None:
             return 0
         dropped = self._clear_slot(slot)
+        if self._hybrid:
+            self._clear_sides(slot)
         self.stats.cleared += 1
         self._maybe_gc_hashes()
         return dropped
@@ -195,6 +200,7 @@ class PrefixIndex(MaskTable):
         dropped = self.clear_holder(holder)
         self.stats.cleared -= 1  # a removal is not a clear event
         self.applied_seqs.pop(holder, None)
+        self._drop_sides(slot)
         del self._slots[holder]
         self._holders[slot] = None
         self._live &= ~(1 << slot)
@@ -208,15 +214,42 @@ class PrefixIndex(MaskTable):
         slot = self._slots.get(holder)
         if slot is None:
             slot = self.add_holder(holder)
+        later: list[BlockStored | BlockRemoved] = []
+        main = self._main_group
         for event in batch.events:
             kind = type(event)
             if kind is BlockStored:
-                self._apply_stored(slot, event)  # type: ignore[arg-type]
+                # Side groups (hybrid models) wait until the main group's events of the
+                # batch are applied: their stores resolve keys through its hashes.
+                g = event.group_idx  # type: ignore[union-attr]
+                spec = event.kv_cache_spec_kind  # type: ignore[union-attr]
+                if (spec is not None and spec != FULL_ATTENTION) or (
+                    g is not None and main.setdefault(slot, g) != g
+                ):
+                    later.append(event)  # type: ignore[arg-type]
+                else:
+                    self._apply_stored(slot, event)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
-                self._apply_removed(slot, event)  # type: ignore[arg-type]
+                g = event.group_idx  # type: ignore[union-attr]
+                if g is not None and main.get(slot, g) != g:
+                    later.append(event)  # type: ignore[arg-type]
+                else:
+                    self._apply_removed(slot, event)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
+                if later:
+                    self._apply_side_events(slot, later)
+                    later = []
                 self.clear_holder(self._holders[slot])  # type: ignore[arg-type]
                 self.stats.count_event("AllBlocksCleared", "ok")
+        if later:
+            self._apply_side_events(slot, later)
+
+    def _apply_side_events(self, slot: int, events: list[BlockStored | BlockRemoved]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._apply_side_stored(slot, event)
+            else:
+                self._apply_side_removed(slot, event)
 
     def _apply_stored(self, slot: int, ev: BlockStored) -> None:
         stats = self.stats
@@ -253,6 +286,10 @@ class PrefixIndex(MaskTable):
             stats.block_size_mismatch += 1
             outcome = "block_size_mismatch"
         parent = ev.parent_block_hash
+        extra = ev.extra_keys
+        if extra is not None and extra.count(None) != len(extra):
+            self._apply_stored_extra(slot, ev, tier, outcome)
+            return
         if parent is None:
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
             parent_key = namespace_key(lora, ev.cache_salt)
@@ -286,8 +323,137 @@ class PrefixIndex(MaskTable):
             if k is None or not self._remove(slot, k, tier):
                 stats.unknown_hash += 1
                 outcome = "unknown_hash"
-            elif k not in self._blocks:
+            elif k not in self._blocks and not (self._groups and self._side_holds(k)):
                 del hashes[h]
+        stats.count_event("BlockRemoved", outcome)
+
+    # --- events with extra keys, and side KV-cache groups (kvevents.index.groups) --------
+
+    def _chain_root(
+        self, slot: int, ev: BlockStored, salt: str | None, check_held: bool
+    ) -> tuple[int, bool]:
+        """The key a stored chain hangs from, and whether its parent was known."""
+        parent = ev.parent_block_hash
+        if parent is None:
+            lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+            return namespace_key(lora, ev.cache_salt if ev.cache_salt is not None else salt), True
+        pk = self._hashes.get(parent)
+        if pk is None:
+            return _orphan_key(parent), False
+        return pk, not check_held or self._held_any(pk, slot)
+
+    def _extra_chain(
+        self, slot: int, ev: BlockStored, skipped: int, check_held: bool
+    ) -> tuple[list[int], bool]:
+        """Content keys of a stored chain whose first ``skipped`` blocks carry no hash.
+
+        Raises OverflowError / TypeError for token ids or extra keys that cannot be keyed.
+        """
+        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+        first = ev.parent_block_hash is None and skipped == 0
+        salt, per_block = split_extra_keys(ev.extra_keys, lora=lora, first_block=first)
+        root, parent_ok = self._chain_root(slot, ev, salt, check_held)
+        if per_block is None:
+            keys = content_keys(ev.token_ids, ev.block_size, root)
+        else:
+            keys = keys_with_extras(ev.token_ids, ev.block_size, root, [None] * skipped + per_block)
+        return keys[skipped:], parent_ok
+
+    def _apply_stored_extra(self, slot: int, ev: BlockStored, tier: Tier, outcome: str) -> None:
+        """A main-group chain with extra keys (salt, adapter, images), already validated."""
+        stats = self.stats
+        try:
+            keys, parent_ok = self._extra_chain(slot, ev, 0, True)
+        except (OverflowError, TypeError, ValueError):
+            stats.malformed += 1
+            stats.count_event("BlockStored", "malformed")
+            return
+        if not parent_ok:
+            stats.unknown_parent += 1
+            outcome = "unknown_parent"
+        self._store(slot, keys, tier, ev.block_hashes)
+        stats.count_event("BlockStored", outcome)
+
+    def _apply_side_stored(self, slot: int, ev: BlockStored) -> None:
+        """A chain of a side group: a second full-attention group, or a sliding window.
+
+        A sliding-window chain carries the tokens of every block from its start but the
+        hashes of the blocks still inside the window only: they are its *last* blocks
+        (vLLM skips the blocks it already dropped from the window). Their keys come from
+        the main group's stores of the same hashes when known (those also saw the salt
+        on the sequence's first block), else from the tokens.
+        """
+        stats = self.stats
+        kind = ev.kv_cache_spec_kind or FULL_ATTENTION
+        window = ev.kv_cache_spec_sliding_window
+        if kind not in (FULL_ATTENTION, SLIDING_WINDOW):
+            stats.unsupported_group += 1
+            stats.count_event("BlockStored", "unsupported_group")
+            return
+        tier, known_medium = normalize_medium(ev.medium)
+        outcome = "ok" if known_medium else "unknown_medium"
+        if not known_medium:
+            stats.unknown_medium += 1
+        hashes = ev.block_hashes
+        size = ev.block_size
+        n = len(hashes)
+        if kind == SLIDING_WINDOW and (window is None or window <= 0):
+            n = 0  # a sliding window must say how wide it is
+        table: GroupTable
+        if not ev.token_ids:
+            keys = []
+            for h in hashes:
+                k = self._hashes.get(h)
+                if k is None:
+                    stats.unknown_hash += 1
+                    outcome = "unknown_hash"
+                else:
+                    keys.append(k)
+            table = self._side_table(slot, (kind, ev.group_idx, window))
+            table._store(slot, keys, tier, None)
+            stats.count_event("BlockStored", outcome)
+            return
+        m = len(ev.token_ids) // size if size > 0 else 0
+        if n == 0 or m * size != len(ev.token_ids) or m < n or (kind == FULL_ATTENTION and m != n):
+            stats.malformed += 1
+            stats.count_event("BlockStored", "malformed")
+            return
+        advertised = self._slot_block_size[slot] or self.block_size
+        if advertised is None:
+            self.block_size = size
+        elif size != advertised:
+            stats.block_size_mismatch += 1
+            outcome = "block_size_mismatch"
+        got = self._hashes.get
+        keys = [got(h) for h in hashes]  # type: ignore[misc]
+        if None in keys:
+            try:
+                keys, parent_ok = self._extra_chain(slot, ev, m - n, kind == FULL_ATTENTION)
+            except (OverflowError, TypeError, ValueError):
+                stats.malformed += 1
+                stats.count_event("BlockStored", "malformed")
+                return
+            if not parent_ok:
+                stats.unknown_parent += 1
+                outcome = "unknown_parent"
+            self._hashes.update(zip(hashes, keys, strict=True))
+        table = self._side_table(slot, (kind, ev.group_idx, window))
+        table._store(slot, keys, tier, None)
+        stats.count_event("BlockStored", outcome)
+
+    def _apply_side_removed(self, slot: int, ev: BlockRemoved) -> None:
+        stats = self.stats
+        outcome = "ok"
+        tier: Tier | None = None
+        if ev.medium is not None:
+            tier, known = normalize_medium(ev.medium)
+            if not known:
+                stats.unknown_medium += 1
+                outcome = "unknown_medium"
+        missed = self._side_remove(slot, ev.group_idx, ev.block_hashes, tier)
+        if missed:
+            stats.unknown_hash += missed
+            outcome = "unknown_hash"
         stats.count_event("BlockRemoved", outcome)
 
     # --- lower-level API: precomputed content keys -------------------------------------
@@ -334,14 +500,35 @@ class PrefixIndex(MaskTable):
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> list[int]:
-        """Content keys of a request's full blocks, as :meth:`match` computes them."""
+        """Content keys of a request's full blocks, as :meth:`match` computes them.
+
+        ``extra_keys``: per block, nil or a list of the keys an engine adds to the block's
+        hash (vLLM's ``BlockStored.extra_keys`` shape, :mod:`kvevents.index.extra_keys`):
+        image identifiers with offsets, and optionally the adapter name and, on the first
+        block, the salt. ValueError when a salt there contradicts ``cache_salt``.
+        """
         if self.block_size is None:
             raise ValueError(
                 "PrefixIndex: block_size is not known yet; pass block_size= or register "
                 "a holder with its advertised block size before matching tokens"
             )
-        return content_keys(token_ids, self.block_size, namespace_key(lora, cache_salt))
+        if not extra_keys:
+            return content_keys(token_ids, self.block_size, namespace_key(lora, cache_salt))
+        salt, per_block = split_extra_keys(extra_keys, lora=lora, first_block=True)
+        if salt is not None and cache_salt is not None and salt != cache_salt:
+            raise ValueError(
+                f"extra_keys name the salt {salt!r} on the first block but cache_salt is "
+                f"{cache_salt!r}; give the salt once"
+            )
+        root = namespace_key(lora, cache_salt if cache_salt is not None else salt)
+        if per_block is None:
+            return content_keys(token_ids, self.block_size, root)
+        try:
+            return keys_with_extras(token_ids, self.block_size, root, per_block)
+        except TypeError as exc:
+            raise ValueError(f"extra_keys cannot be keyed: {exc}") from None
 
     def match(
         self,
@@ -349,9 +536,12 @@ class PrefixIndex(MaskTable):
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> PrefixMatch:
         """Every holder's longest cached prefix of a request given as token ids."""
-        return self.match_keys(self.keys_for(token_ids, lora=lora, cache_salt=cache_salt))
+        return self.match_keys(
+            self.keys_for(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
+        )
 
     # --- predictions (kvevents.index.predictions) ------------------------------------
 
@@ -446,6 +636,20 @@ class PrefixIndex(MaskTable):
         mask = self._tier_mask(slot, tier)
         return {k for k, v in self._blocks.items() if v & mask}
 
+    def held_by_group(self, holder: Holder, keys: Sequence[int]) -> dict[str, list[bool]]:
+        """Per KV-cache group of the holder (``main`` first), which of ``keys`` it holds in any tier.
+
+        For inspection and tests: a hybrid holder's groups may hold different blocks of
+        one prefix (:mod:`kvevents.index.groups`). O(blocks x groups).
+        """
+        slot = self._slots.get(holder)
+        if slot is None:
+            return {}
+        out = {"main": [self._held_any(k, slot) for k in keys]}
+        for table in self._slot_tables.get(slot, ()):
+            out[table.label] = [table._held_any(k, slot) for k in keys]
+        return out
+
     def holder_hashes(self, holder: Holder, tier: Tier | None = Tier.GPU) -> set[Hash]:
         """Engine hashes of the blocks a holder holds in ``tier`` (GPU by default).
 
@@ -478,6 +682,23 @@ class PrefixIndex(MaskTable):
             stats=self.stats,
             seqs=[(h.worker, h.dp_rank, seq) for h, seq in self.applied_seqs.items()],
         )
+        if self._groups:
+            tables = list(self._groups.values())
+            number = {id(t): i for i, t in enumerate(tables)}
+            snap.groups = [
+                GroupSnapshot(
+                    kind=t.key[0],
+                    group_idx=t.key[1],
+                    sliding_window=t.key[2],
+                    blocks=[(k, mask_bytes(v)) for k, v in t._blocks.items()],
+                    refs=[(k, s, r, n) for (k, s, r), n in t._refs.items()],
+                )
+                for t in tables
+            ]
+            snap.slot_groups = [
+                (slot, number[id(t)]) for slot, ts in self._slot_tables.items() for t in ts
+            ]
+        snap.main_groups = list(self._main_group.items())
         return encode_snapshot(snap)
 
     @classmethod
@@ -518,4 +739,29 @@ class PrefixIndex(MaskTable):
         index._refs = {(k, s, t): n for k, s, t, n in snap.refs}
         index.stats = snap.stats
         index.applied_seqs = {Holder(w, r): seq for w, r, seq in snap.seqs}
+        index._main_group = dict(snap.main_groups)
+        tables = []
+        for g in snap.groups:
+            table = GroupTable(
+                (g.kind, g.group_idx, g.sliding_window),
+                width=width,
+                slots=len(index._holders),
+                max_entries=index.max_entries,
+            )
+            table._refs = {(k, s, t): n for k, s, t, n in g.refs}
+            for key, raw in g.blocks:
+                v = int.from_bytes(raw, "little")
+                table._blocks[key] = v
+                table._entries += v.bit_count()
+                table._offloaded += (v >> width).bit_count()
+                for bitpos in iter_bits(v):
+                    table._held[bitpos % width] += 1
+            index._groups[table.key] = table
+            tables.append(table)
+        for slot, number in snap.slot_groups:
+            if not 0 <= number < len(tables) or not 0 <= slot < len(index._holders):
+                raise ValueError(
+                    f"PrefixIndex.from_bytes: slot group ({slot}, {number}) is inconsistent"
+                )
+            index._side_table(slot, tables[number].key)
         return index

@@ -9,8 +9,11 @@ Layout: a positional msgpack array; masks are little-endian bytes because they m
 exceed 64 bits. Restoring costs O(blocks + hashes). Version 2 appends ``seqs``: per
 holder, the seq of the last batch applied (``PrefixIndex.applied_seqs``), so that a
 router restored from a peer's snapshot follows each stream from there (``kvevents router
---peer``). Version 1 snapshots are still read (no seqs: every stream is followed from
-its start); other versions are refused. This module knows only the layout; the index
+--peer``). Version 3 appends the KV-cache groups of hybrid holders
+(:mod:`kvevents.index.groups`): each side group's key and blocks (masks in recency order,
+extra copies), each slot's main ``group_idx`` and its side groups. Versions 1 and 2 are
+still read (no seqs in 1: every stream is followed from its start; no groups in either:
+they predate them); other versions are refused. This module knows only the layout; the index
 builds and reads it, so the index imports this module and never the reverse.
 """
 
@@ -24,16 +27,27 @@ from kvevents.types import Hash
 __all__ = [
     "READABLE_VERSIONS",
     "SNAPSHOT_VERSION",
+    "GroupSnapshot",
     "IndexSnapshot",
     "decode_snapshot",
     "encode_snapshot",
     "mask_bytes",
 ]
 
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 """Snapshot versions :func:`decode_snapshot` reads (a version 1 snapshot has no seqs)."""
+
+
+class GroupSnapshot(msgspec.Struct, array_like=True, gc=False):
+    """One side KV-cache group: ``(kind, group_idx, sliding_window)``, its blocks and copies."""
+
+    kind: str
+    group_idx: int | None
+    sliding_window: int | None
+    blocks: list[tuple[int, bytes]]
+    refs: list[tuple[int, int, int, int]]
 
 
 class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
@@ -52,6 +66,12 @@ class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
     stats: IndexStats
     seqs: list[tuple[str, int, int]] = []
     """``(worker, dp_rank, seq)``: the last batch applied per holder (version 2)."""
+    groups: list[GroupSnapshot] = []
+    """Side KV-cache groups (version 3)."""
+    main_groups: list[tuple[int, int | None]] = []
+    """``(slot, group_idx)``: each slot's main group (version 3)."""
+    slot_groups: list[tuple[int, int]] = []
+    """``(slot, index into groups)``: each slot's side groups (version 3)."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -134,9 +134,12 @@ class IndexStats(msgspec.Struct, kw_only=True):
     unknown_medium: int = 0
     """Events naming a medium :func:`normalize_medium` does not know."""
     malformed: int = 0
-    """Stored chains whose token count is not ``len(block_hashes) * block_size``."""
+    """Stored chains whose token count is not ``len(block_hashes) * block_size`` (or, in a
+    sliding-window group, covers fewer blocks than its hashes)."""
     pruned_entries: int = 0
     """(block, holder, tier) entries dropped by the memory bound."""
+    unsupported_group: int = 0
+    """Stored chains of a KV-cache group kind the index does not model (Mamba, ...)."""
     lookups: int = 0
     events: dict[str, int] = msgspec.field(default_factory=dict)
 

@@ -117,6 +117,7 @@ class RouterHealth(msgspec.Struct):
 
     status: str
 
+
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "post",

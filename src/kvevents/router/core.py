@@ -260,9 +260,15 @@ class Router:
     # --- deciding ---------------------------------------------------------------------
 
     def _keys(
-        self, token_ids: Sequence[int], lora: str | int | None, cache_salt: str | None
+        self,
+        token_ids: Sequence[int],
+        lora: str | int | None,
+        cache_salt: str | None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> list[int]:
-        return self.index.keys_for(token_ids, lora=lora, cache_salt=cache_salt)
+        return self.index.keys_for(
+            token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys
+        )
 
     def query(
         self,
@@ -270,9 +276,16 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every known holder's longest cached prefix of the request, per tier, in blocks."""
-        return self.query_predicted(token_ids, lora=lora, cache_salt=cache_salt)[0]
+        """Every known holder's longest cached prefix of the request, per tier, in blocks.
+
+        ``extra_keys``: per block, the keys an engine adds to its hash (images; see
+        :meth:`PrefixIndex.keys_for`); ValueError when they cannot be keyed.
+        """
+        return self.query_predicted(
+            token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys
+        )[0]
 
     def query_predicted(
         self,
@@ -280,6 +293,7 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
         """:meth:`query`, and per holder the blocks predictions add (holders with some)."""
         if self.index.block_size is None:
@@ -287,7 +301,7 @@ class Router:
                 "the block size is not known yet: no engine has advertised one or stored a "
                 "block; give the router --block-size, or retry once an engine has; see /workers"
             )
-        keys = self._keys(token_ids, lora, cache_salt)
+        keys = self._keys(token_ids, lora, cache_salt, extra_keys)
         result = self.index.match_keys(keys)
         found = result.by_holder()
         predicted = self.index.predicted(keys, result)
@@ -300,6 +314,7 @@ class Router:
         lora: str | int | None = None,
         cache_salt: str | None = None,
         policy: Policy = "kv-aware",
+        extra_keys: Sequence[Any] | None = None,
     ) -> RouteDecision:
         """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
 
@@ -319,7 +334,7 @@ class Router:
             # so the choice is by load alone, and the request counts as no blocks.
             keys: list[int] = []
         else:
-            keys = self._keys(token_ids, lora, cache_salt)
+            keys = self._keys(token_ids, lora, cache_salt, extra_keys)
         result = self.index.match_keys(keys)
         found = result.by_holder()
         predicted = self.index.predicted(keys, result)

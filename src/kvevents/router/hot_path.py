@@ -268,9 +268,14 @@ class HotPath:
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        matches, predicted = router.query_predicted(
-            tokens, lora=body.lora, cache_salt=body.cache_salt
-        )
+        try:
+            matches, predicted = router.query_predicted(
+                tokens, lora=body.lora, cache_salt=body.cache_salt, extra_keys=body.extra_keys
+            )
+        except ValueError as exc:
+            if body.extra_keys is None:
+                raise
+            raise BadRequest(f"request body: {exc}") from None
         get = predicted.get
         bs = router.index.block_size or 0
         return _ENCODER.encode(
@@ -295,7 +300,14 @@ class HotPath:
     async def _route(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        decision = router.route(tokens, lora=body.lora, cache_salt=body.cache_salt)
+        try:
+            decision = router.route(
+                tokens, lora=body.lora, cache_salt=body.cache_salt, extra_keys=body.extra_keys
+            )
+        except ValueError as exc:
+            if body.extra_keys is None:
+                raise
+            raise BadRequest(f"request body: {exc}") from None
         if body.record:
             router.record(decision)
         top = None if body.all_scores else body.top

@@ -9,9 +9,13 @@ Families (all prefixed ``kvevents_router_``):
 
 * ``events_total{type,outcome}``: events applied, by type and outcome ("ok" or the
   silent-miss path met: unknown_parent, unknown_hash, block_size_mismatch,
-  unknown_medium, malformed).
+  unknown_medium, malformed, unsupported_group).
 * ``index_misses_total{reason}``: blocks on each silent-miss path, and pruned entries.
 * ``index_entries``, ``index_blocks``, ``holder_entries{worker,dp_rank}``.
+* ``group_entries{group}``, ``group_blocks{group}``, ``group_stored_blocks_total{group}``,
+  ``group_removed_blocks_total{group}``: the same per KV-cache group, ``group="main"``
+  for every holder's main group and e.g. ``sliding_window:0:64`` for a hybrid model's
+  side group (:mod:`kvevents.index.groups`).
 * ``lookups_total``, ``routes_total{worker,dp_rank}``, ``inflight_requests{worker,dp_rank}``.
 * ``stream_lag_seconds``, ``stream_age_seconds``, ``stream_last_seq``,
   ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
@@ -63,6 +67,7 @@ _MISSES = (
     "unknown_medium",
     "malformed",
     "pruned_entries",
+    "unsupported_group",
 )
 _STREAM_COUNTERS = (
     ("gaps", "stream_gaps", "sequence gaps detected"),
@@ -111,6 +116,7 @@ class RouterCollector(Collector):
             _P + "index_blocks", "distinct blocks in the index", value=router.index.num_blocks
         )
         yield CounterMetricFamily(_P + "lookups", "index lookups", value=stats.lookups)
+        yield from self._groups()
         labels = ["worker", "dp_rank"]
         entries = GaugeMetricFamily(
             _P + "holder_entries", "index entries per holder", labels=labels
@@ -194,6 +200,27 @@ class RouterCollector(Collector):
             "share of routed requests whose holder a prediction chose",
             value=decided / routed if routed else 0.0,
         )
+
+    def _groups(self) -> Iterable[Metric]:
+        group = ["group"]
+        families: tuple[GaugeMetricFamily | CounterMetricFamily, ...] = (
+            GaugeMetricFamily(
+                _P + "group_entries", "index entries per KV-cache group", labels=group
+            ),
+            GaugeMetricFamily(
+                _P + "group_blocks", "distinct blocks per KV-cache group", labels=group
+            ),
+            CounterMetricFamily(
+                _P + "group_stored_blocks", "blocks stored per KV-cache group", labels=group
+            ),
+            CounterMetricFamily(
+                _P + "group_removed_blocks", "blocks removed per KV-cache group", labels=group
+            ),
+        )
+        for label, *values in self.router.index.group_counters():
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([label], value)
+        yield from families
 
     def _requests(self, stats: RequestStats) -> Iterable[Metric]:
         requests = CounterMetricFamily(

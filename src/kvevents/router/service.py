@@ -71,6 +71,10 @@ class TokensBody(msgspec.Struct):
     messages: list[Any] | None = None
     lora: str | None = None
     cache_salt: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    """Per block, the keys the engine adds to its hash (vLLM's ``BlockStored.extra_keys``
+    shape: image identifiers with their offsets), for gateways that know them; see
+    :mod:`kvevents.index.extra_keys`."""
     record: bool = False
     """``/route`` only: count the choice as sent (the caller forwards the request)."""
     top: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_TOP

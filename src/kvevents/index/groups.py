@@ -1,0 +1,308 @@
+"""KV-cache groups of hybrid-attention models: one mask table per group, and the reuse rule.
+
+Groups
+------
+A hybrid model (Gemma 3, gpt-oss, ...) keeps several KV caches side by side, one per
+*KV-cache group*: full-attention layers in one, sliding-window layers in another. vLLM
+stores and evicts each group's copy of a block separately (``BlockStored.group_idx``,
+``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``; ``BlockRemoved.group_idx``),
+under the same block hash in every group, since its hash depends on tokens and extra
+keys only. A holder's first full-attention group (or the only group of a model without
+group fields) is its *main* group and lives in the index's own mask table, exactly as
+before groups existed; every other group of the holder lives in a :class:`GroupTable`
+here, one per ``(kind, group_idx, window)``, shared by every holder with that group.
+
+Why a table per group, not group bits in one table
+--------------------------------------------------
+Group bits would widen every mask by a factor of the number of groups, so a
+full-attention model would pay for hybrid ones on every block of every match (wider
+ints to AND, more memory per block). A side table leaves the main table, its match loop
+and its invariants (:mod:`kvevents.index.mask_table`) untouched: a model with only full
+attention has no side table, and its match costs one extra test of an empty mask per
+request, none per block. Measured with ``benchmarks/index.py --limit 3000``, before and
+after, interleaved in one session on a loaded 2-core machine: bytes per (block, holder)
+unchanged (71.1 at W=8, 63.0 at W=64); match p50 2.2-3.0 us before and 2.4-3.0 us after
+at W=8, 1.9-3.0 us before and 4.0 us after at W=64, with a load average near 16, so the
+W=64 difference is not separable from noise there and wants a rerun on a quiet machine. A side table is itself a :class:`~kvevents.index.mask_table.MaskTable`
+with the same guarantees (no zero mask, recency order, its own memory bound of
+``max_entries``); it shares the slot numbering and width of the main table and the
+index's engine-hash map, so a hash resolves once for every group.
+
+The reuse rule (what vLLM's hybrid coordinator accepts as a cache hit)
+----------------------------------------------------------------------
+vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` (``vllm/v1/core/
+kv_cache_coordinator.py``) asks each group in turn for its longest hit no longer than
+the current candidate, full attention first, and repeats until no group shortens it:
+
+* a **full-attention** group hits the longest run of leading blocks it holds (every
+  block of the prefix is attended to);
+* a **sliding-window** group of window ``W`` and block size ``B`` needs only the last
+  ``ceil((W - 1) / B)`` blocks before the hit's end (the next token attends to at most
+  ``W - 1`` earlier ones): scanning back from the candidate end, the hit ends after the
+  first run of that many consecutive held blocks; a run that reaches the sequence's
+  first block is a hit however short (the whole prefix is inside the window).
+
+:func:`reuse_length` applies the same fixed point per holder on the index's masks, per
+tier set (GPU; GPU or CPU; any tier). It is what the index reports for a holder with
+side groups; holders without any keep the plain full-attention match.
+
+Not modelled: groups of other kinds (Mamba state, chunked local attention) are counted
+as ``unsupported_group`` and not indexed, so a model with them is matched on its
+full-attention group alone; vLLM's alignment of a hit to the least common multiple of
+different group block sizes (every group of the captured models has the same size).
+
+A little over 300 lines on purpose: the side tables, the rule and the main-table
+operations that must reach them are one mechanism, checked together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvevents.index.mask_table import MaskTable, Segments
+from kvevents.index.types import PrefixMatch, Tier, iter_bits
+from kvevents.types import Hash
+
+__all__ = [
+    "FULL_ATTENTION",
+    "SLIDING_WINDOW",
+    "GroupKey",
+    "GroupTable",
+    "GroupedMaskTable",
+    "reuse_length",
+    "window_blocks",
+]
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+
+GroupKey = tuple[str, int | None, int | None]
+"""``(kind, group_idx, sliding_window)`` of a side group."""
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding-window group must hold before a hit's end: ``ceil((window - 1) / block_size)``."""
+    return max(1, -(-(window - 1) // block_size))
+
+
+class GroupTable(MaskTable):
+    """One side group's blocks: a mask table sharing the main table's slots and width."""
+
+    def __init__(self, key: GroupKey, *, width: int, slots: int, max_entries: int) -> None:
+        super().__init__(block_size=None, max_entries=max_entries)
+        self.key = key
+        self._width = width
+        self._held = [0] * slots
+        self.window_blocks_by_size: dict[int, int] = {}
+
+    @property
+    def kind(self) -> str:
+        return self.key[0]
+
+    @property
+    def label(self) -> str:
+        """The group as a metrics label: ``sliding_window:0:64``, ``full_attention:2``."""
+        kind, idx, window = self.key
+        return f"{kind}:{idx}" if window is None else f"{kind}:{idx}:{window}"
+
+    def need(self, block_size: int) -> int:
+        """Blocks this group must hold before a hit's end (every block for full attention)."""
+        window = self.key[2]
+        if self.kind != SLIDING_WINDOW or window is None:
+            return 0
+        n = self.window_blocks_by_size.get(block_size)
+        if n is None:
+            n = self.window_blocks_by_size[block_size] = window_blocks(window, block_size)
+        return n
+
+    def ensure_slot(self, slot: int) -> None:
+        while len(self._held) <= slot:
+            self._held.append(0)
+
+    def set_width(self, width: int) -> None:
+        if width != self._width:
+            self._set_width(width)
+
+
+def _leading(table: GroupTable, keys: Sequence[int], bits: int, limit: int) -> int:
+    blocks = table._blocks
+    for i in range(limit):
+        if not blocks.get(keys[i], 0) & bits:
+            return i
+    return limit
+
+
+def _window_end(table: GroupTable, keys: Sequence[int], bits: int, limit: int, need: int) -> int:
+    blocks = table._blocks
+    run = 0
+    for i in range(limit - 1, -1, -1):
+        if blocks.get(keys[i], 0) & bits:
+            run += 1
+            if run >= need:
+                return i + need
+        else:
+            run = 0
+    return run
+
+
+def reuse_length(
+    tables: Sequence[GroupTable],
+    keys: Sequence[int],
+    slot: int,
+    tiers: int,
+    length: int,
+    block_size: int,
+) -> int:
+    """The blocks a holder can reuse given its main-group prefix ``length`` (module docstring).
+
+    ``tiers``: how many tiers count (1: GPU, 2: GPU or CPU, 3: any). O(blocks scanned).
+    """
+    w = tables[0]._width if tables else 64
+    bits = 0
+    for t in range(tiers):
+        bits |= 1 << (slot + t * w)
+    while length:
+        candidate = length
+        for table in tables:
+            need = table.need(block_size)
+            if need:
+                candidate = _window_end(table, keys, bits, candidate, need)
+            else:
+                candidate = _leading(table, keys, bits, candidate)
+            if not candidate:
+                return 0
+        if candidate == length:
+            return length
+        length = candidate
+    return 0
+
+
+class GroupedMaskTable(MaskTable):
+    """The main mask table plus the side groups of hybrid holders (the index's base class).
+
+    Adds to :class:`MaskTable` what keeps side groups consistent with it: one
+    :class:`GroupTable` per side group, which groups each slot has, the ``_hybrid`` slot
+    mask, and the main table's operations that must reach the side tables too (width,
+    clearing a slot, the engine-hash map's garbage collection).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._groups: dict[GroupKey, GroupTable] = {}
+        self._main_group: dict[int, int | None] = {}
+        """Per slot, the ``group_idx`` of its main (first full-attention) group."""
+        self._slot_sides: dict[int, dict[int | None, GroupTable]] = {}
+        """Per slot with side groups: its side tables by the events' ``group_idx``."""
+        self._slot_tables: dict[int, list[GroupTable]] = {}
+        """The same tables, full attention first (the order :func:`reuse_length` checks)."""
+
+    # --- side tables ------------------------------------------------------------------
+
+    def _side_table(self, slot: int, key: GroupKey) -> GroupTable:
+        """The slot's table for side group ``key`` (created on first use)."""
+        table = self._groups.get(key)
+        if table is None:
+            table = GroupTable(
+                key, width=self._width, slots=len(self._held), max_entries=self.max_entries
+            )
+            self._groups[key] = table
+        table.ensure_slot(slot)
+        sides = self._slot_sides.setdefault(slot, {})
+        if sides.get(key[1]) is not table:
+            sides[key[1]] = table
+            self._slot_tables[slot] = sorted(sides.values(), key=lambda t: t.kind != FULL_ATTENTION)
+            self._hybrid |= 1 << slot
+        return table
+
+    def _side_holds(self, key: int) -> bool:
+        return any(key in t._blocks for t in self._groups.values())
+
+    def _side_remove(
+        self, slot: int, group_idx: int | None, hashes: Sequence[Hash], tier: Tier | None
+    ) -> int:
+        """Remove blocks by engine hash from a side group; returns how many it did not hold."""
+        table = self._slot_sides.get(slot, {}).get(group_idx)
+        known = self._hashes
+        missed = 0
+        for h in hashes:
+            k = known.get(h)
+            if k is None or table is None or not table._remove(slot, k, tier):
+                missed += 1
+            elif k not in self._blocks and not self._side_holds(k):
+                del known[h]
+        return missed
+
+    def _clear_sides(self, slot: int) -> None:
+        for table in self._slot_tables.get(slot, ()):
+            table._clear_slot(slot)
+
+    def _drop_sides(self, slot: int) -> None:
+        """Forget a slot's group layout (its holder is unregistered)."""
+        self._clear_sides(slot)
+        self._main_group.pop(slot, None)
+        self._slot_sides.pop(slot, None)
+        self._slot_tables.pop(slot, None)
+        self._hybrid &= ~(1 << slot)
+
+    def group_entries(self) -> dict[str, int]:
+        """(block, holder, tier) entries per side group, by :attr:`GroupTable.label`."""
+        return {t.label: t._entries for t in self._groups.values()}
+
+    def group_counters(self) -> list[tuple[str, int, int, int, int]]:
+        """Per group ``(label, entries, blocks, stored_blocks, removed_blocks)``, ``main`` first.
+
+        ``main`` is every holder's main group (the index's own table); the others are
+        the side groups by :attr:`GroupTable.label`.
+        """
+        main = self.stats
+        rows = [("main", self._entries, len(self._blocks), main.stored_blocks, main.removed_blocks)]
+        for t in self._groups.values():
+            rows.append(
+                (t.label, t._entries, len(t._blocks), t.stats.stored_blocks, t.stats.removed_blocks)
+            )
+        return rows
+
+    # --- main-table operations that must reach the side tables ------------------------
+
+    def _set_width(self, width: int) -> None:
+        super()._set_width(width)
+        for table in getattr(self, "_groups", {}).values():
+            table.set_width(width)
+
+    def _maybe_gc_hashes(self) -> None:
+        if not self._groups:
+            super()._maybe_gc_hashes()
+            return
+        if len(self._hashes) > 2 * len(self._blocks) + 4096 or not self._blocks:
+            blocks = self._blocks
+            sides = [t._blocks for t in self._groups.values()]
+            self._hashes = {
+                h: k for h, k in self._hashes.items() if k in blocks or any(k in s for s in sides)
+            }
+
+    # --- matching ---------------------------------------------------------------------
+
+    def _apply_groups(self, keys: Sequence[int], segments: Segments) -> PrefixMatch:
+        """Shorten each hybrid holder's lengths to what its groups can reuse (module docstring)."""
+        hybrid = self._hybrid
+        tables = self._slot_tables
+        sizes = self._slot_block_size
+        default = self.block_size or 1
+        out: list[list[tuple[int, int]]] = []
+        for tier, segs in enumerate(segments):
+            new: list[tuple[int, int]] = []
+            for mask, length in segs:
+                mine = mask & hybrid
+                if not mine:
+                    new.append((mask, length))
+                    continue
+                if mask ^ mine:
+                    new.append((mask ^ mine, length))
+                for slot in iter_bits(mine):
+                    size = sizes[slot] or default
+                    n = reuse_length(tables.get(slot, ()), keys, slot, tier + 1, length, size)
+                    if n:
+                        new.append((1 << slot, n))
+            out.append(new)
+        return PrefixMatch(self._holders, (out[0], out[1], out[2]), len(keys), self.block_size)

@@ -1,0 +1,285 @@
+"""Hybrid-attention holders: per-group indexing and vLLM's reuse rule, on batches shaped like vLLM 0.32's.
+
+The shapes are those issue 14 captured from vLLM 0.32 serving a Gemma3 model with one
+sliding-window layer (window 64) and one full-attention layer, block size 32: a
+200-token prompt stores, in one batch, group 0 (``sliding_window``, window 64) with the
+2 hashes of blocks 4 and 5 but all 192 tokens and no parent, then group 1
+(``full_attention``) with 6 hashes and the same 192 tokens; the same hashes in both
+groups. A window of 64 tokens at block size 32 needs ceil(63 / 32) = 2 held blocks
+before a hit's end.
+"""
+
+from __future__ import annotations
+
+from kvevents import Holder, PrefixIndex
+from kvevents.index.groups import reuse_length, window_blocks
+from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 32
+H = Holder("vllm", 0)
+H2 = Holder("vllm", 1)
+
+
+def fake_hash(tokens: list[int], upto_block: int, salt: str = "") -> int:
+    """A stand-in engine hash naming the prefix up to a block (the index never recomputes it)."""
+    return hash((salt, tuple(tokens[: (upto_block + 1) * BS]))) % (1 << 64)
+
+
+def sw_store(
+    tokens: list[int], first: int, last: int, parent: int | None, salt: str = ""
+) -> BlockStored:
+    """vLLM's sliding-window store: hashes of blocks first..last-1, tokens from ``first_token``."""
+    start = 0 if parent is None else first * BS
+    return BlockStored(
+        block_hashes=[fake_hash(tokens, i, salt) for i in range(first, last)],
+        parent_block_hash=parent,
+        token_ids=tokens[start : last * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        extra_keys=[None] * (last - first),
+        group_idx=0,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+    )
+
+
+def fa_store(
+    tokens: list[int], first: int, last: int, parent: int | None, salt: str = ""
+) -> BlockStored:
+    extra: list[object] = [None] * (last - first)
+    if salt and first == 0:
+        extra[0] = [salt]
+    return BlockStored(
+        block_hashes=[fake_hash(tokens, i, salt) for i in range(first, last)],
+        parent_block_hash=parent,
+        token_ids=tokens[first * BS : last * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        extra_keys=extra,
+        group_idx=1,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
+def removed(tokens: list[int], blocks: list[int], group: int) -> BlockRemoved:
+    return BlockRemoved(
+        block_hashes=[fake_hash(tokens, i) for i in blocks], medium="GPU", group_idx=group
+    )
+
+
+def batch(*events: object) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=list(events), data_parallel_rank=0)  # type: ignore[arg-type]
+
+
+PROMPT = list(range(100, 300))  # 200 tokens: 6 full blocks
+LONGER = PROMPT + list(range(300, 340))  # 240 tokens: 7 full blocks
+
+
+def stored_200() -> PrefixIndex:
+    index = PrefixIndex(block_size=BS)
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))
+    return index
+
+
+def gpu(index: PrefixIndex, tokens: list[int], holder: Holder = H, **kw: object) -> int:
+    return index.holder_match(index.match(tokens, **kw), holder).gpu  # type: ignore[arg-type]
+
+
+def test_window_blocks_is_ceil_of_window_minus_one_over_block_size() -> None:
+    assert window_blocks(64, 32) == 2
+    assert window_blocks(65, 32) == 2
+    assert window_blocks(66, 32) == 3
+    assert window_blocks(64, 16) == 4
+    assert window_blocks(1, 32) == 1
+
+
+def test_first_sliding_window_store_with_two_hashes_and_192_tokens_is_understood() -> None:
+    index = stored_200()
+    assert index.stats.malformed == 0
+    assert index.stats.unknown_parent == 0
+    assert index.stats.events == {"BlockStored:ok": 2}
+    assert gpu(index, PROMPT) == 6
+    assert index.group_entries() == {"sliding_window:0:64": 2}
+    assert len(index) == 6  # the main (full-attention) group
+
+
+def test_sliding_window_keys_are_the_full_attention_keys_of_the_last_blocks() -> None:
+    index = stored_200()
+    keys = index.keys_for(PROMPT)
+    table = index._groups[("sliding_window", 0, 64)]
+    assert list(table._blocks) == [keys[4], keys[5]] or set(table._blocks) == {keys[4], keys[5]}
+
+
+def test_sliding_window_store_alone_keys_its_last_blocks_from_the_tokens() -> None:
+    index = PrefixIndex(block_size=BS)
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None)))
+    keys = index.keys_for(PROMPT)
+    assert set(index._groups[("sliding_window", 0, 64)]._blocks) == {keys[4], keys[5]}
+    assert index.stats.malformed == 0
+    # no full-attention copy at all: nothing reusable
+    assert gpu(index, PROMPT) == 0
+
+
+def test_extension_stores_one_block_per_group_with_parents() -> None:
+    index = stored_200()
+    parent = fake_hash(PROMPT, 5)
+    index.apply(H, batch(sw_store(LONGER, 6, 7, parent), fa_store(LONGER, 6, 7, parent)))
+    assert index.stats.unknown_parent == 0 and index.stats.malformed == 0
+    assert gpu(index, LONGER) == 7
+    assert index.group_entries() == {"sliding_window:0:64": 3}
+
+
+def test_full_attention_copies_evicted_while_sliding_copies_remain_are_not_reusable() -> None:
+    index = stored_200()
+    index.apply(H, batch(removed(PROMPT, [5, 4, 3, 2, 1, 0], group=1)))
+    assert gpu(index, PROMPT) == 0
+    assert index.holder_match(index.match(PROMPT), H).blocks == 0
+    assert index.group_entries() == {"sliding_window:0:64": 2}
+    assert index.stats.unknown_hash == 0
+
+
+def test_full_attention_tail_evicted_shortens_to_where_the_window_still_holds() -> None:
+    index = stored_200()
+    # FA loses block 5 only: the candidate is 5 blocks; the window before 5 needs
+    # blocks 3 and 4, and block 3 is not in the sliding-window group: scanning back,
+    # 4 is held, 3 is not, 2..0 are not -> no run of 2 -> nothing.
+    index.apply(H, batch(removed(PROMPT, [5], group=1)))
+    assert gpu(index, PROMPT) == 0
+
+
+def test_sliding_copies_evicted_while_full_copies_remain_leave_only_a_short_prefix() -> None:
+    index = stored_200()
+    index.apply(H, batch(removed(PROMPT, [5, 4], group=0)))
+    assert gpu(index, PROMPT) == 0
+    assert len(index) == 6  # the full-attention copies are still indexed
+
+
+def test_one_sliding_block_missing_breaks_the_run_and_the_scan_goes_on_back() -> None:
+    index = PrefixIndex(block_size=BS)
+    # sliding group holds blocks 0..5 (a store with every hash), full attention 0..5
+    index.apply(H, batch(sw_store(PROMPT, 0, 6, None), fa_store(PROMPT, 0, 6, None)))
+    assert gpu(index, PROMPT) == 6
+    index.apply(H, batch(removed(PROMPT, [4], group=0)))
+    # window before 6 needs 4 and 5: 4 missing; before 4 needs 2 and 3: held -> 4 blocks
+    assert gpu(index, PROMPT) == 4
+    index.apply(H, batch(removed(PROMPT, [2], group=0)))
+    # before 4: 3 held, 2 missing; a run reaching block 0 counts however short: 0, 1 -> 2
+    assert gpu(index, PROMPT) == 2
+
+
+def test_a_short_prompt_inside_the_window_needs_every_block_from_the_start() -> None:
+    index = PrefixIndex(block_size=BS)
+    short = PROMPT[:40]  # one full block
+    index.apply(H, batch(sw_store(short, 0, 1, None), fa_store(short, 0, 1, None)))
+    assert gpu(index, short) == 1
+
+
+def test_hybrid_and_full_attention_only_holders_side_by_side() -> None:
+    index = stored_200()
+    plain = BlockStored(
+        block_hashes=[fake_hash(PROMPT, i) for i in range(6)],
+        parent_block_hash=None,
+        token_ids=PROMPT[: 6 * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        extra_keys=[None] * 6,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+    index.apply(H2, batch(plain))
+    index.apply(H, batch(removed(PROMPT, [5, 4], group=0)))
+    result = index.match(PROMPT)
+    assert index.holder_match(result, H2).gpu == 6
+    assert index.holder_match(result, H).gpu == 0
+    assert set(result.by_holder()) == {H2}
+
+
+def test_all_blocks_cleared_clears_every_group_of_the_holder() -> None:
+    index = stored_200()
+    index.apply(H, batch(AllBlocksCleared()))
+    assert gpu(index, PROMPT) == 0
+    assert index.group_entries() == {"sliding_window:0:64": 0}
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))
+    assert gpu(index, PROMPT) == 6
+
+
+def test_removing_a_holder_drops_its_groups_and_its_slot_is_reused_plain() -> None:
+    index = stored_200()
+    index.remove_holder(H)
+    assert index.group_entries() == {"sliding_window:0:64": 0}
+    assert index._hybrid == 0
+    index.store_keys(H2, index.keys_for(PROMPT))
+    assert gpu(index, PROMPT, holder=H2) == 6
+
+
+def test_hash_map_keeps_a_hash_while_a_sliding_copy_still_holds_it() -> None:
+    index = stored_200()
+    index.apply(H, batch(removed(PROMPT, [5, 4], group=1)))
+    index.apply(H, batch(removed(PROMPT, [5, 4], group=0)))
+    assert index.stats.unknown_hash == 0
+    assert index.group_entries() == {"sliding_window:0:64": 0}
+
+
+def test_a_removal_for_a_group_the_holder_never_stored_counts_unknown_hash() -> None:
+    index = stored_200()
+    index.apply(H, batch(removed(PROMPT, [5], group=7)))
+    assert index.stats.unknown_hash == 1
+    assert gpu(index, PROMPT) == 6
+
+
+def test_unsupported_group_kinds_are_counted_not_indexed() -> None:
+    index = stored_200()
+    mamba = BlockStored(
+        block_hashes=[fake_hash(PROMPT, 5)],
+        parent_block_hash=None,
+        token_ids=PROMPT[: 6 * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        group_idx=2,
+        kv_cache_spec_kind="mamba",
+    )
+    index.apply(H, batch(mamba))
+    assert index.stats.unsupported_group == 1
+    assert index.stats.malformed == 0
+    assert gpu(index, PROMPT) == 6
+
+
+def test_sliding_store_with_fewer_tokens_than_hashes_is_malformed() -> None:
+    index = PrefixIndex(block_size=BS)
+    bad = sw_store(PROMPT, 4, 6, None)
+    bad.token_ids = PROMPT[:BS]
+    index.apply(H, batch(bad))
+    assert index.stats.malformed == 1
+
+
+def test_snapshot_carries_the_groups() -> None:
+    index = stored_200()
+    index.apply(H, batch(removed(PROMPT, [4], group=0)))
+    restored = PrefixIndex.from_bytes(index.to_bytes())
+    assert restored.group_entries() == index.group_entries()
+    assert gpu(restored, PROMPT) == gpu(index, PROMPT) == 0
+    # and the restored index goes on applying the stream
+    restored.apply(H, batch(sw_store(PROMPT, 4, 5, fake_hash(PROMPT, 3))))
+    assert gpu(restored, PROMPT) == 6
+    assert restored.stats.malformed == 0
+    # the main group's group_idx survived too: a full-attention removal reaches it
+    restored.apply(H, batch(removed(PROMPT, [5], group=1)))
+    assert len(restored) == 5 and restored.stats.unknown_hash == 0
+
+
+def test_reuse_length_with_no_side_table_is_the_main_length() -> None:
+    assert reuse_length([], [1, 2, 3], 0, 1, 3, BS) == 3
+
+
+def test_more_than_64_holders_widen_the_side_tables_too() -> None:
+    index = stored_200()
+    for r in range(1, 70):
+        index.add_holder(Holder("vllm", r))
+    assert index._groups[("sliding_window", 0, 64)]._width == index._width == 128
+    assert gpu(index, PROMPT) == 6
+    index.apply(H, batch(removed(PROMPT, [5], group=0)))
+    assert gpu(index, PROMPT) == 0
