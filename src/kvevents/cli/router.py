@@ -55,7 +55,7 @@ import os
 import socket
 import time
 
-from kvevents.cli.engine_args import add_engine_arguments, engine_specs
+from kvevents.cli.engine_args import add_engine_arguments, curve_options, engine_specs
 from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
 from kvevents.errors import ConfigError
@@ -280,7 +280,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
                 if holder.worker not in followed:
                     index.remove_holder(holder)
             router.restore_index(index)
-    subscriber = Subscriber(resume=router.index.applied_seqs)
+    subscriber = Subscriber(resume=router.index.applied_seqs, **curve_options(args))
     try:
         for spec in specs:
             spec.follow(subscriber)
@@ -337,6 +337,7 @@ def _check(
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
+    curve_options(args)  # and bad CURVE keys
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:

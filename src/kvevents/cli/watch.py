@@ -47,7 +47,12 @@ from typing import Any, TextIO
 
 import msgspec
 
-from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
+from kvevents.cli.engine_args import (
+    add_engine_arguments,
+    curve_options,
+    endpoint_specs,
+    engine_specs,
+)
 from kvevents.cli.options import add_log_level
 from kvevents.errors import ConfigError
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
@@ -133,7 +138,7 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
     streams = endpoint_specs(args)
     configured = {s.worker: s.block_size for s in engines if s.block_size is not None}
     configured |= {s.worker: s.block_size for s in streams if s.block_size is not None}
-    sub = Subscriber(replay_timeout=args.replay_timeout)
+    sub = Subscriber(replay_timeout=args.replay_timeout, **curve_options(args))
     try:
         for spec in engines:
             spec.follow(sub)

@@ -94,7 +94,9 @@ def kv_events_block(
         replay_consecutive = replay_ports == list(range(replay_ports[0], replay_ports[0] + dp_size))
         replay_base = replay_ports[0] if replay_consecutive else None
         consecutive = consecutive and replay_consecutive
+    pair = config.curve_key_pair()
     return KVEventsBlock(
+        curve_public_key=UNSET if pair is None else pair.public,
         publisher=config.publisher,
         endpoint_host=live.host,
         endpoint_port_base=live_ports[0] if live_consecutive else None,
