@@ -78,4 +78,7 @@ def handshake_failure_reason(
             f"the CURVE handshake did not complete (is {server_key} the publisher's public "
             f"key?): no data; {_HOW}"
         )
-    return f"the handshake did not complete (errno {value}): no data"
+    return (
+        f"the handshake did not complete (errno {value}): no data; if the publisher requires "
+        f"CURVE, this stream has no server key: {_HOW}"
+    )

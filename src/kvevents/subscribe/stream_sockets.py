@@ -143,7 +143,7 @@ class StreamSockets:
                 else:
                     self.counters.status = StreamStatus.DISCONNECTED
                     self._reconnect()
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not self._refused:
                 self.counters.status = StreamStatus.UNREACHABLE
                 if not self._unreachable_reported:
                     self._unreachable_reported = True
