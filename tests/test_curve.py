@@ -3,9 +3,13 @@ the real Subscriber (live and replay), with wrong, missing and unknown keys refu
 
 from __future__ import annotations
 
+import argparse
+import http.server
+import json
 import logging
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +21,8 @@ from kvevents import (
     BlockStored,
     ConfigError,
     CurveKeyPair,
+    Delivery,
+    DiscoveryError,
     EventPublisherFactory,
     Holder,
     KVEventBatch,
@@ -26,8 +32,17 @@ from kvevents import (
     Unreachable,
     ZmqEventPublisher,
 )
+from kvevents.cli.engine_args import (
+    add_engine_arguments,
+    curve_options,
+    endpoint_specs,
+    engine_specs,
+)
 from kvevents.curve_keys import load_public_key_file, load_public_keys_dir, write_key_pair
+from kvevents.engine.server_info import BoundPublisher, kv_events_block
+from kvevents.subscribe.server_info import streams_from_server_info
 from kvevents.subscribe.stats import StreamStatus
+from kvevents.wire.server_info import kv_events_block_to_builtins
 from subscriber_support import collect, deliveries, signals, wait_for
 
 
@@ -365,3 +380,120 @@ def test_publishers_sharing_a_context_share_one_authenticator(
         for p in pubs:
             p.shutdown(timeout=1.0)
     assert pubs[1].stats.curve_refused >= 1 and pubs[0].stats.curve_refused == 0
+
+
+# --- discovery and the command-line options -------------------------------------------------
+
+
+def test_discovery_hands_the_advertised_key_to_every_stream() -> None:
+    """A kv_events block with curve_public_key gives each rank's StreamSpec that server key;
+    an SGLang block (no such field) gives none; a malformed key is a DiscoveryError."""
+    key = CurveKeyPair.generate().public
+    block = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557, "dp_size": 2}
+    url = "http://127.0.0.1:30000"
+    keyed = streams_from_server_info(
+        {"kv_events": block | {"curve_public_key": key}}, engine_url=url
+    )
+    assert [s.curve_server_key for s in keyed] == [key, key]
+    plain = streams_from_server_info({"kv_events": block}, engine_url=url)
+    assert [s.curve_server_key for s in plain] == [None, None]
+    with pytest.raises(DiscoveryError, match=r"kv_events.curve_public_key 'nope' is not a CURVE"):
+        streams_from_server_info(
+            {"kv_events": block | {"curve_public_key": "nope"}}, engine_url=url
+        )
+
+
+def test_a_plain_engines_block_encodes_without_a_key() -> None:
+    """The engine's block has curve_public_key only when its config has CURVE keys."""
+    plain = kv_events_block(
+        KVEventsConfig(publisher="zmq", endpoint="tcp://*:5557"),
+        [BoundPublisher(0, "tcp://*:5557")],
+        1,
+        16,
+    )
+    assert plain is not None
+    assert "curve_public_key" not in kv_events_block_to_builtins(plain)
+
+
+def test_router_and_watch_options_name_keys_per_engine_or_for_all(keys: dict[str, Path]) -> None:
+    """--curve-server-key after --engine is that engine's, before any --engine the default;
+    --curve-secret-key-file loads the subscriber's pair; a bad key names the option."""
+    engine_key = CurveKeyPair.load(keys["server"], "t").public
+    default_key = CurveKeyPair.load(keys["stranger"], "t").public
+    parser = argparse.ArgumentParser(prog="t", exit_on_error=False)
+    add_engine_arguments(parser, endpoints=True)
+    args = parser.parse_args(
+        [
+            "--curve-server-key", default_key,
+            "--curve-secret-key-file", str(keys["client"]),
+            "--engine", "http://a:1", "--curve-server-key", engine_key,
+            "--engine", "http://b:1", "--kv-endpoint", "tcp://b:5557",
+            "--endpoint", "tcp://c:5557", "--curve-server-key", engine_key,
+        ]
+    )  # fmt: skip
+    options = curve_options(args)
+    assert options["curve_key_pair"] == CurveKeyPair.load(keys["client"], "t")
+    assert options["curve_server_key"] == default_key
+    a, b = engine_specs(args)
+    assert (a.curve_server_key, b.curve_server_key) == (engine_key, None)
+    assert [s.curve_server_key for s in endpoint_specs(args)] == [engine_key]
+    with pytest.raises(
+        ConfigError, match=r"engine http://a:1: curve_server_key 'x' is not a CURVE"
+    ):
+        engine_specs(parser.parse_args(["--engine", "http://a:1", "--curve-server-key", "x"]))
+    bad = parser.parse_args(["--curve-secret-key-file", str(keys["allowed_dir"])])
+    with pytest.raises(ConfigError, match=r"--curve-secret-key-file .* is not a file"):
+        curve_options(bad)
+
+
+def test_an_engine_key_reaches_its_discovered_streams(
+    keys: dict[str, Path], zmq_context: zmq.Context
+) -> None:
+    """Subscriber.add_engine(curve_server_key=) keys the streams its /server_info names when
+    the block advertises none: an engine key given by hand reaches a real CURVE publisher."""
+    server = CurveKeyPair.load(keys["server"], "t")
+    client = CurveKeyPair.load(keys["client"], "t")
+    pub = ZmqEventPublisher(
+        0,
+        "tcp://127.0.0.1:0",
+        None,
+        bind=True,
+        context=zmq_context,
+        curve_secret_key_file=str(keys["server"]),
+        curve_allowed_keys=[client.public],
+    )
+    port = int(pub.endpoint.rsplit(":", 1)[1])
+    info = {"kv_events": {"endpoint_host": "127.0.0.1", "endpoint_port_base": port, "dp_size": 1}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(info).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with Subscriber(curve_key_pair=client) as sub:
+            sub.add_engine(url, curve_server_key=server.public)
+
+            def delivered() -> bool:
+                pub.publish(batch(0))  # live only: repeat until the connection is up
+                item = sub.get(timeout=0.2)
+                return isinstance(item, Delivery)
+
+            wait_for(delivered, what="a batch through the engine's hand-given key")
+            assert sub.stats()[Holder(url, 0)].curve
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+        pub.shutdown(timeout=1.0)
