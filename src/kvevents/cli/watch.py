@@ -27,6 +27,10 @@ its older name, is still accepted) prints instead, one object per line::
     {"signal": "block_size_mismatch", "worker": ..., "dp_rank": ..., "expected": 16,
      "expected_from": ..., "observed": 32, "source": "events", "count": 1}
 
+A CURVE stream (``--curve-server-key``, ``--curve-secret-key-file``: see
+:mod:`kvevents.cli.engine_args`) whose handshake is refused shows the status ``refused``
+and one ``unreachable`` signal saying why.
+
 ``--count N`` stops after N batches, ``--duration S`` after S seconds. Exit status 0,
 2 for bad arguments (``kvevents watch: error: ...``), 130 on Ctrl-C. ``--json FILE``
 in ``kvevents demo`` and ``bench`` writes a results file; here the output is a stream
