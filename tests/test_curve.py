@@ -424,11 +424,11 @@ def test_router_and_watch_options_name_keys_per_engine_or_for_all(keys: dict[str
     add_engine_arguments(parser, endpoints=True)
     args = parser.parse_args(
         [
-            "--curve-server-key", default_key,
+            f"--curve-server-key={default_key}",  # a Z85 key may start with "-"
             "--curve-secret-key-file", str(keys["client"]),
-            "--engine", "http://a:1", "--curve-server-key", engine_key,
+            "--engine", "http://a:1", f"--curve-server-key={engine_key}",
             "--engine", "http://b:1", "--kv-endpoint", "tcp://b:5557",
-            "--endpoint", "tcp://c:5557", "--curve-server-key", engine_key,
+            "--endpoint", "tcp://c:5557", f"--curve-server-key={engine_key}",
         ]
     )  # fmt: skip
     options = curve_options(args)
@@ -497,3 +497,27 @@ def test_an_engine_key_reaches_its_discovered_streams(
         httpd.server_close()
         thread.join(timeout=5)
         pub.shutdown(timeout=1.0)
+
+
+def test_a_context_with_a_foreign_zap_handler_is_refused_with_the_fix(
+    keys: dict[str, Path], zmq_context: zmq.Context
+) -> None:
+    """libzmq allows one ZAP handler per context: a CURVE publisher in a context that has
+    another one says so and how to fix it."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    foreign = ThreadAuthenticator(zmq_context)
+    foreign.start()
+    try:
+        with pytest.raises(ConfigError, match=r"another ZAP handler.*context of its own"):
+            ZmqEventPublisher(
+                0,
+                "tcp://127.0.0.1:0",
+                None,
+                bind=True,
+                context=zmq_context,
+                curve_secret_key_file=str(keys["server"]),
+                curve_allowed_keys=[],
+            )
+    finally:
+        foreign.stop()

@@ -147,8 +147,7 @@ def test_watch_follows_an_endpoint_with_the_given_server_key(
             endpoint,
             "--replay-endpoint",
             publisher["replay_endpoint"].replace("*", "127.0.0.1"),
-            "--curve-server-key",
-            str(keys["engine"]),
+            f"--curve-server-key={keys['engine']}",  # a Z85 key may start with "-"
             "--curve-secret-key-file",
             f"{keys['allowed']}/router.key_secret",
             "--jsonl",

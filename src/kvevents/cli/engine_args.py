@@ -7,7 +7,7 @@
     --engines-file FILE            (JSON, or TOML on Python 3.11+; see kvevents.subscribe.engine_spec)
     --endpoint ADDR [--replay-endpoint ADDR] [--topic T] [--name NAME] [--dp-rank R]
                                    (watch only: one explicit stream)
-    --curve-server-key KEY         after an --engine/--endpoint: its publishers' CURVE
+    --curve-server-key=KEY         after an --engine/--endpoint: its publishers' CURVE
                                    public key; before any: the default for every stream
                                    that has none (an engine's advertised key wins)
     --curve-secret-key-file FILE   this subscriber's CURVE key pair (kvevents keygen)
@@ -187,7 +187,8 @@ def add_engine_arguments(
         dest="curve_server_key",
         action=Action,
         metavar="KEY",
-        help="the publishers' CURVE public key (Z85, the public-key line of their NAME.key); "
+        help="the publishers' CURVE public key (Z85, the public-key line of their NAME.key; "
+        "write --curve-server-key=KEY, as a key may begin with '-'); "
         "after --engine/--endpoint for that one, before any for every stream without one "
         "(an engine's advertised key wins)",
     )

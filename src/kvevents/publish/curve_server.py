@@ -37,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.config import KVEventsConfig
 from kvevents.curve_keys import CurveKeyPair
+from kvevents.errors import ConfigError
 
 __all__ = ["CurveServer"]
 
@@ -70,10 +71,16 @@ class _AllowedKeys:
     def __init__(self, allowed: frozenset[str], rank: int) -> None:
         self.allowed = frozenset(key.encode() for key in allowed)
         self.rank = rank
+        self.named: set[bytes] = set()
+
+    MAX_NAMED: ClassVar[int] = 1000  # refused keys logged by name, once each
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.allowed:
             return True
+        if key in self.named or len(self.named) >= self.MAX_NAMED:
+            return False  # the monitor's rate-limited count covers the repeats
+        self.named.add(key)
         log.warning(
             "publisher rank %d refused a subscriber with public key %s: not among the allowed "
             "keys (add it to curve_allowed_keys or curve_allowed_keys_dir)",
@@ -101,7 +108,14 @@ class _SharedAuthenticator:
             shared = cls._by_context.get(context)
             if shared is None:
                 shared = cls(context)
-                shared.auth.start()  # binds inproc://zeromq.zap.01 in this context
+                try:
+                    shared.auth.start()  # binds inproc://zeromq.zap.01 in this context
+                except zmq.ZMQError as exc:
+                    raise ConfigError(
+                        f"cannot start the CURVE authenticator ({exc}): another ZAP handler "
+                        "is bound in this ZMQ context; give the publisher a context of its "
+                        "own (context=zmq.Context())"
+                    ) from None
                 cls._by_context[context] = shared
             shared.users += 1
             return shared
