@@ -21,7 +21,7 @@ from kvevents.types import StrEnum
 @pytest.mark.parametrize(
     ("states", "names"),
     [
-        (StreamStatus, ["connecting", "connected", "disconnected", "unreachable"]),
+        (StreamStatus, ["connecting", "connected", "disconnected", "unreachable", "refused"]),
         (DiscoveryState, ["discovering", "unreachable", "invalid", "subscribed"]),
         (RankState, ["starting", "running", "killing", "restarting", "stopped", "dead"]),
     ],

@@ -23,6 +23,7 @@ services (:mod:`kvevents.router`, :mod:`kvevents.engine`; ``kvevents router`` an
 from importlib.metadata import version as _version
 
 from kvevents.config import KVEventsConfig
+from kvevents.curve_keys import CurveKeyPair
 from kvevents.endpoints import offset_endpoint_port, select_kv_publisher_dp_rank
 from kvevents.errors import (
     ConfigError,
@@ -84,6 +85,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "ConfigError",
+    "CurveKeyPair",
     "Delivery",
     "DiscoveryError",
     "EndpointError",

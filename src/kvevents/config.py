@@ -9,6 +9,14 @@ Publishing is on when ``publisher`` names a real publisher (``"zmq"``) and
 ``enable_kv_cache_events`` is not ``false``. (vLLM turns events on with
 ``enable_kv_cache_events: true``; SGLang with ``publisher: "zmq"`` alone; both work.)
 
+Our own optional keys turn the live and replay sockets into CURVE servers
+(:mod:`kvevents.curve_keys`; the stream is encrypted and only allowed subscribers are
+served): the publisher's key pair as ``curve_secret_key_file`` (a ``NAME.key_secret``
+file, as ``kvevents keygen`` writes it) or ``curve_secret_key`` (the secret inline; it
+then shows in ``ps``), and the subscribers' public keys as ``curve_allowed_keys`` (a
+list) and/or ``curve_allowed_keys_dir`` (a directory of ``NAME.key`` files). All four
+absent means a plain stream, as SGLang and vLLM publish.
+
 Every error names the key, what was wrong, and the accepted keys or values.
 """
 
@@ -21,6 +29,11 @@ from typing import Any
 
 import msgspec
 
+from kvevents.curve_keys import (
+    CurveKeyPair,
+    load_public_keys_dir,
+    parse_public_key,
+)
 from kvevents.endpoints import WILDCARD_HOSTS, Endpoint
 from kvevents.errors import ConfigError, EndpointError
 
@@ -42,6 +55,10 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     max_queue_size: int = 100_000
     topic: str = ""
     enable_kv_cache_events: bool | None = None
+    curve_secret_key_file: str | None = None
+    curve_secret_key: str | None = None
+    curve_allowed_keys: list[str] | None = None
+    curve_allowed_keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.publisher:
@@ -58,6 +75,62 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"kv-events config key {key!r} is {value}; it must be >= {low}")
+        self._check_curve()
+
+    def _check_curve(self) -> None:
+        """The CURVE keys are all absent, or a key pair plus the allowed subscribers, valid."""
+        allowed = self.curve_allowed_keys is not None or self.curve_allowed_keys_dir is not None
+        if self.curve_secret_key is not None and self.curve_secret_key_file is not None:
+            raise ConfigError(
+                "kv-events config has both 'curve_secret_key' and 'curve_secret_key_file'; "
+                "give one (the file keeps the secret out of `ps`)"
+            )
+        has_pair = self.curve_secret_key is not None or self.curve_secret_key_file is not None
+        if has_pair and not allowed:
+            raise ConfigError(
+                "kv-events config has a CURVE secret key but no allowed subscribers: add "
+                "'curve_allowed_keys' (a list of public keys) or 'curve_allowed_keys_dir' "
+                "(a directory of NAME.key files); make a subscriber's pair with `kvevents keygen`"
+            )
+        if allowed and not has_pair:
+            raise ConfigError(
+                "kv-events config lists allowed CURVE subscribers but no publisher key: add "
+                "'curve_secret_key_file' (a NAME.key_secret file from `kvevents keygen`)"
+            )
+        if has_pair:
+            self.curve_key_pair()  # raises ConfigError naming the key
+            self.curve_allowed_public_keys()
+
+    @property
+    def curve(self) -> bool:
+        """True when the publisher's sockets are CURVE servers."""
+        return self.curve_secret_key is not None or self.curve_secret_key_file is not None
+
+    def curve_key_pair(self) -> CurveKeyPair | None:
+        """The publisher's CURVE key pair (read from its file now), or None: no CURVE."""
+        if self.curve_secret_key_file is not None:
+            return CurveKeyPair.load(
+                self.curve_secret_key_file, "kv-events config key 'curve_secret_key_file'"
+            )
+        if self.curve_secret_key is not None:
+            return CurveKeyPair.from_secret(
+                self.curve_secret_key, "kv-events config key 'curve_secret_key'"
+            )
+        return None
+
+    def curve_allowed_public_keys(self) -> frozenset[str]:
+        """Every allowed subscriber's public key: the list, plus the directory read now."""
+        keys = {
+            parse_public_key(key, f"kv-events config key 'curve_allowed_keys'[{i}]")
+            for i, key in enumerate(self.curve_allowed_keys or ())
+        }
+        if self.curve_allowed_keys_dir is not None:
+            keys.update(
+                load_public_keys_dir(
+                    self.curve_allowed_keys_dir, "kv-events config key 'curve_allowed_keys_dir'"
+                )
+            )
+        return frozenset(keys)
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +215,14 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def to_public_json(self) -> str:
+        """:meth:`to_json` fit to serve (``/server_info``): an inline ``curve_secret_key`` is
+        replaced by ``"(hidden)"``; key file paths and public keys stay."""
+        out = self.to_dict()
+        if out.get("curve_secret_key") is not None:
+            out["curve_secret_key"] = "(hidden)"
+        return json.dumps(out)
 
 
 def _explain(exc: msgspec.ValidationError) -> str:

@@ -2,7 +2,8 @@
 
 * :mod:`~kvevents.cli.main`: the entry point, the shared error format and exit codes;
 * :mod:`~kvevents.cli.engine`, :mod:`~kvevents.cli.router`, :mod:`~kvevents.cli.watch`,
-  :mod:`~kvevents.cli.demo`, :mod:`~kvevents.cli.bench`: the subcommands;
+  :mod:`~kvevents.cli.demo`, :mod:`~kvevents.cli.bench`, :mod:`~kvevents.cli.keygen`:
+  the subcommands;
 * :mod:`~kvevents.cli.engine_args`: the options that describe an engine by hand.
 
 Serving HTTP (bind, announce a ready line, stop on a signal) is :mod:`kvevents.http_serving`,

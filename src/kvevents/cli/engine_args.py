@@ -7,12 +7,17 @@
     --engines-file FILE            (JSON, or TOML on Python 3.11+; see kvevents.subscribe.engine_spec)
     --endpoint ADDR [--replay-endpoint ADDR] [--topic T] [--name NAME] [--dp-rank R]
                                    (watch only: one explicit stream)
+    --curve-server-key=KEY         after an --engine/--endpoint: its publishers' CURVE
+                                   public key; before any: the default for every stream
+                                   that has none (an engine's advertised key wins)
+    --curve-secret-key-file FILE   this subscriber's CURVE key pair (kvevents keygen)
 
 Each ``--engine`` (or ``--endpoint``) opens an entry; the options after it, up to the
 next opener, amend that entry, so any number of engines can be given. An amending
 option given before any opener is an error naming the opener it needs, except where a
 command gives it a meaning of its own (the router's ``--block-size`` before any
-``--engine`` is its global block size). Entries are parsed into
+``--engine`` is its global block size; ``--curve-server-key`` before any opener is the
+default server key). Entries are parsed into
 :class:`~kvevents.subscribe.engine_spec.EngineSpec` / :class:`~kvevents.subscribe.discovery.StreamSpec` by
 :func:`engine_specs` and :func:`endpoint_specs`, which raise
 :class:`~kvevents.errors.ConfigError` naming the engine and the option.
@@ -24,12 +29,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from kvevents.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.errors import ConfigError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineSpec, load_engines_file
 from kvevents.types import NonNegativeInt, PositiveInt, bounded
 
-__all__ = ["add_engine_arguments", "endpoint_specs", "engine_specs"]
+__all__ = ["add_engine_arguments", "curve_options", "endpoint_specs", "engine_specs"]
 
 _OPENERS = ("engine", "endpoint")
 # option dest -> the openers it may amend
@@ -42,13 +48,16 @@ _AMENDS: dict[str, tuple[str, ...]] = {
     "kind": ("engine",),
     "name": ("engine", "endpoint"),
     "dp_rank": ("endpoint",),
+    "curve_server_key": ("engine", "endpoint"),
 }
 
 
 class _EntryAction(argparse.Action):
     """``--engine``/``--endpoint`` open an entry in ``namespace.entries``; the others amend it."""
 
-    global_dest: str | None = None  # set per parser: an amender that, before any opener, is global
+    global_dests: tuple[
+        str, ...
+    ] = ()  # set per parser: amenders that, before any opener, are global
 
     def __call__(
         self,
@@ -63,7 +72,7 @@ class _EntryAction(argparse.Action):
             namespace.entries = entries
             return
         if not entries:
-            if self.dest == self.global_dest:
+            if self.dest in self.global_dests:
                 setattr(namespace, f"global_{self.dest}", values)
                 return
             openers = " or ".join(f"--{o}" for o in _AMENDS[self.dest] if o in self.openers)
@@ -95,7 +104,7 @@ def add_engine_arguments(
     """
 
     class Action(_EntryAction):
-        global_dest = "block_size" if global_block_size else None
+        global_dests = ("curve_server_key",) + (("block_size",) if global_block_size else ())
         openers = _OPENERS if endpoints else ("engine",)
 
     group = parser.add_argument_group(
@@ -173,7 +182,26 @@ def add_engine_arguments(
             type=bounded(NonNegativeInt),
             help="rank of the --endpoint before it",
         )
-    parser.set_defaults(entries=[], engines_file=None)
+    group.add_argument(
+        "--curve-server-key",
+        dest="curve_server_key",
+        action=Action,
+        metavar="KEY",
+        help="the publishers' CURVE public key (Z85, the public-key line of their NAME.key; "
+        "write --curve-server-key=KEY, as a key may begin with '-'); "
+        "after --engine/--endpoint for that one, before any for every stream without one "
+        "(an engine's advertised key wins)",
+    )
+    group.add_argument(
+        "--curve-secret-key-file",
+        dest="curve_secret_key_file",
+        metavar="FILE",
+        help="this subscriber's CURVE key pair (a NAME.key_secret file from kvevents keygen); "
+        "its public key must be among the engines' allowed keys",
+    )
+    parser.set_defaults(
+        entries=[], engines_file=None, global_curve_server_key=None, curve_secret_key_file=None
+    )
     if global_block_size:
         parser.set_defaults(global_block_size=None)
 
@@ -199,6 +227,19 @@ def engine_specs(args: argparse.Namespace, urls: Sequence[str] = ()) -> list[Eng
     return specs
 
 
+def curve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Subscriber keywords of ``--curve-secret-key-file`` and a global ``--curve-server-key``."""
+    path = args.curve_secret_key_file
+    return {
+        "curve_key_pair": None
+        if path is None
+        else CurveKeyPair.load(path, "--curve-secret-key-file"),
+        "curve_server_key": None
+        if args.global_curve_server_key is None
+        else parse_public_key(args.global_curve_server_key, "--curve-server-key"),
+    }
+
+
 def endpoint_specs(args: argparse.Namespace) -> list[StreamSpec]:
     """The explicit streams of ``--endpoint`` entries."""
     return [
@@ -209,6 +250,7 @@ def endpoint_specs(args: argparse.Namespace) -> list[StreamSpec]:
             worker=entry.get("name"),
             dp_rank=entry.get("dp_rank", 0),
             block_size=entry.get("block_size"),
+            curve_server_key=entry.get("curve_server_key"),
         )
         for entry in args.entries
         if entry["opener"] == "endpoint"

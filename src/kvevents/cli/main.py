@@ -27,6 +27,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvevents.cli.router", "run the KV-aware router service"),
     "demo": ("kvevents.cli.demo", "the whole plane in one command: engine, router, trace"),
     "bench": ("kvevents.cli.bench", "run the benchmarks and write their results as JSON"),
+    "keygen": ("kvevents.cli.keygen", "write a CURVE key pair for encrypted event streams"),
 }
 
 

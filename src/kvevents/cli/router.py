@@ -65,7 +65,7 @@ import time
 
 import httpx
 
-from kvevents.cli.engine_args import add_engine_arguments, engine_specs
+from kvevents.cli.engine_args import add_engine_arguments, curve_options, engine_specs
 from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
 from kvevents.cli.security import RouterSecurity, add_router_arguments, router_security
@@ -306,7 +306,9 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
                 if holder.worker not in followed:
                     index.remove_holder(holder)
             router.restore_index(index)
-    subscriber = Subscriber(resume=router.index.applied_seqs, http_credentials=secure.engines)
+    subscriber = Subscriber(
+        resume=router.index.applied_seqs, http_credentials=secure.engines, **curve_options(args)
+    )
     try:
         for spec in specs:
             spec.follow(subscriber)
@@ -365,6 +367,7 @@ def _check(
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
     router_security(args)  # and unreadable key files, certificates or CA bundles
+    curve_options(args)  # and bad CURVE keys
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:

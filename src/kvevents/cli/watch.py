@@ -27,6 +27,10 @@ its older name, is still accepted) prints instead, one object per line::
     {"signal": "block_size_mismatch", "worker": ..., "dp_rank": ..., "expected": 16,
      "expected_from": ..., "observed": 32, "source": "events", "count": 1}
 
+A CURVE stream (``--curve-server-key``, ``--curve-secret-key-file``: see
+:mod:`kvevents.cli.engine_args`) whose handshake is refused shows the status ``refused``
+and one ``unreachable`` signal saying why.
+
 ``--count N`` stops after N batches, ``--duration S`` after S seconds. Exit status 0,
 2 for bad arguments (``kvevents watch: error: ...``), 130 on Ctrl-C. ``--json FILE``
 in ``kvevents demo`` and ``bench`` writes a results file; here the output is a stream
@@ -47,7 +51,12 @@ from typing import Any, TextIO
 
 import msgspec
 
-from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
+from kvevents.cli.engine_args import (
+    add_engine_arguments,
+    curve_options,
+    endpoint_specs,
+    engine_specs,
+)
 from kvevents.cli.options import add_log_level
 from kvevents.cli.security import add_engine_client_arguments, engine_credentials
 from kvevents.errors import ConfigError
@@ -135,7 +144,11 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
     streams = endpoint_specs(args)
     configured = {s.worker: s.block_size for s in engines if s.block_size is not None}
     configured |= {s.worker: s.block_size for s in streams if s.block_size is not None}
-    sub = Subscriber(replay_timeout=args.replay_timeout, http_credentials=engine_credentials(args))
+    sub = Subscriber(
+        replay_timeout=args.replay_timeout,
+        http_credentials=engine_credentials(args),
+        **curve_options(args),
+    )
     try:
         for spec in engines:
             spec.follow(sub)

@@ -204,6 +204,11 @@ class _RankServer:
             result: Any = {"events": sched.flush()}
         elif op == "load":
             result = sched.load() | {"pid": os.getpid(), "malformed_control": self.malformed}
+            stats = self.publisher.stats  # CURVE handshakes refused: a subscriber gets nothing
+            result |= {
+                "curve_handshakes": stats.curve_handshakes,
+                "curve_refused": stats.curve_refused,
+            }
         elif op == "kv_blocks":
             result = {"block_hashes": sched.cache.block_hashes()}
         elif op == "shutdown":

@@ -192,7 +192,7 @@ def create_app(
             "page_size": info.page_size,
             "max_blocks_per_rank": info.max_blocks,
             "hash_scheme": info.hash_scheme,
-            "kv_events_config": info.kv_events_config.to_json(),
+            "kv_events_config": info.kv_events_config.to_public_json(),
             "schedulers": [s.to_dict() for s in topo.schedulers],
         }
         block = build_kv_events_block(

@@ -17,6 +17,7 @@ The block is absent (``None``) when publishing is off, or when the endpoint is n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from msgspec import UNSET, UnsetType
 
 from kvevents.config import KVEventsConfig
+from kvevents.curve_keys import CurveKeyPair
 from kvevents.endpoints import Endpoint
 from kvevents.wire.server_info import (
     AdvertisedPublisher,
@@ -94,7 +96,9 @@ def kv_events_block(
         replay_consecutive = replay_ports == list(range(replay_ports[0], replay_ports[0] + dp_size))
         replay_base = replay_ports[0] if replay_consecutive else None
         consecutive = consecutive and replay_consecutive
+    public_key = _curve_public_key(config.curve_secret_key_file, config.curve_secret_key)
     return KVEventsBlock(
+        curve_public_key=UNSET if public_key is None else public_key,
         publisher=config.publisher,
         endpoint_host=live.host,
         endpoint_port_base=live_ports[0] if live_consecutive else None,
@@ -116,6 +120,20 @@ def kv_events_block(
             for i, p in enumerate(pubs)
         ],
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _curve_public_key(secret_key_file: str | None, secret_key: str | None) -> str | None:
+    """The publishers' CURVE public key, read once (a key file moved later still serves)."""
+    if secret_key_file is not None:
+        return CurveKeyPair.load(
+            secret_key_file, "kv-events config key 'curve_secret_key_file'"
+        ).public
+    if secret_key is not None:
+        return CurveKeyPair.from_secret(
+            secret_key, "kv-events config key 'curve_secret_key'"
+        ).public
+    return None
 
 
 def build_kv_events_block(

@@ -7,7 +7,9 @@
 * :mod:`~kvevents.publish.sockets`: binding a rank's sockets, with errors that say how
   to fix them;
 * :mod:`~kvevents.publish.send_queue`: the lock-free queue and its sender thread;
-* :mod:`~kvevents.publish.replay_server`: the replay ring and its ROUTER thread.
+* :mod:`~kvevents.publish.replay_server`: the replay ring and its ROUTER thread;
+* :mod:`~kvevents.publish.curve_server`: CURVE on both sockets, one ZAP authenticator per
+  ZMQ context, refused handshakes counted.
 
 Nothing here imports the consumer side (``subscribe``, ``index``, ``router``).
 """

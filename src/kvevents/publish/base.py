@@ -58,6 +58,10 @@ class PublisherStats:
     """Batches waiting (at snapshot time)."""
     unsent: int = 0
     """Accepted batches still queued when shutdown's deadline passed."""
+    curve_handshakes: int = 0
+    """CURVE handshakes completed by subscribers (live and replay; 0 without CURVE)."""
+    curve_refused: int = 0
+    """CURVE handshakes refused: unknown subscriber key, wrong server key or no CURVE."""
 
 
 _Publisher = TypeVar("_Publisher", bound="EventPublisher")

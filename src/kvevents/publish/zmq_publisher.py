@@ -25,6 +25,13 @@ otherwise (README, "Security").
 Lifecycle: RUNNING from construction (sockets bound, threads started), DRAINING while
 ``shutdown()`` sends what was accepted, CLOSED after. ``shutdown()`` is idempotent and
 bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger).
+
+With CURVE keys (``curve_secret_key_file`` or ``curve_secret_key``, plus
+``curve_allowed_keys`` and/or ``curve_allowed_keys_dir``) both sockets are CURVE
+servers that serve only the allowed subscribers (:mod:`kvevents.publish.curve_server`).
+
+Over 300 lines on purpose: the constructor wires the sockets of three threads (and their
+cleanup when one fails), and the factory stays where SGLang's callers import it from.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from kvevents.publish.base import (
     PublisherStats,
     resolve_publisher_rank,
 )
+from kvevents.publish.curve_server import CurveServer
 from kvevents.publish.replay_server import ReplayBuffer, ReplayServer
 from kvevents.publish.send_queue import SendQueue
 from kvevents.publish.sockets import open_socket
@@ -93,6 +101,10 @@ class ZmqEventPublisher(EventPublisher):
         shutdown_timeout: float | None = None,
         handoff_backlog: int = 256,
         encoding: Literal["map", "array"] = "map",
+        curve_secret_key_file: str | None = None,
+        curve_secret_key: str | None = None,
+        curve_allowed_keys: list[str] | None = None,
+        curve_allowed_keys_dir: str | None = None,
     ) -> None:
         self._rank = resolve_publisher_rank(attn_dp_rank, data_parallel_rank)
         for name, value, low in (
@@ -119,6 +131,14 @@ class ZmqEventPublisher(EventPublisher):
             msgspec.msgpack.Encoder().encode if encoding == "map" else _encode_array
         )
         context = context if context is not None else zmq.Context.instance()
+        self._curve = CurveServer.configured(
+            context,
+            self._rank,
+            curve_secret_key_file=curve_secret_key_file,
+            curve_secret_key=curve_secret_key,
+            curve_allowed_keys=curve_allowed_keys,
+            curve_allowed_keys_dir=curve_allowed_keys_dir,
+        )
 
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, hwm)
@@ -126,6 +146,8 @@ class ZmqEventPublisher(EventPublisher):
         buffer: ReplayBuffer | None = None
         self._replay: ReplayServer | None = None
         try:
+            if self._curve is not None:
+                self._curve.secure(pub, "live")
             self._endpoint = open_socket(
                 pub, live, live.should_bind if bind is None else bind, self._rank, "live"
             )
@@ -136,6 +158,8 @@ class ZmqEventPublisher(EventPublisher):
                 # Room for two whole answers per client: ZMQ acknowledges reads lazily, so a
                 # pipe sized for one answer can refuse a client that is reading fine.
                 router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                if self._curve is not None:
+                    self._curve.secure(router, "replay")
                 self._replay_endpoint = open_socket(router, replay, True, self._rank, "replay")
                 buffer = ReplayBuffer(buffer_steps)
                 self._replay = ReplayServer(
@@ -145,6 +169,8 @@ class ZmqEventPublisher(EventPublisher):
             pub.close(linger=0)
             if router is not None:
                 router.close(linger=0)
+            if self._curve is not None:
+                self._curve.close()
             raise
         self._send_queue = SendQueue(
             pub,
@@ -162,6 +188,8 @@ class ZmqEventPublisher(EventPublisher):
         self._unsent = 0
         if self._replay is not None:
             self._replay.start()
+        if self._curve is not None:
+            self._curve.start()
 
     # --- public surface ---------------------------------------------------------------
 
@@ -180,6 +208,11 @@ class ZmqEventPublisher(EventPublisher):
     def replay_endpoint(self) -> str | None:
         """The replay address (real port), or None when replay is off."""
         return self._replay_endpoint
+
+    @property
+    def curve_public_key(self) -> str | None:
+        """The publisher's CURVE public key (what subscribers need), or None: no CURVE."""
+        return None if self._curve is None else self._curve.public_key
 
     @property
     def topic(self) -> str:
@@ -204,6 +237,8 @@ class ZmqEventPublisher(EventPublisher):
             handoffs=sending.handoffs,
             queued=sending.queued(),
             unsent=self._unsent,
+            curve_handshakes=self._curve.handshakes if self._curve else 0,
+            curve_refused=self._curve.refused if self._curve else 0,
         )
 
     def publish(self, events: KVEventBatch) -> None:
@@ -231,6 +266,8 @@ class ZmqEventPublisher(EventPublisher):
         self._unsent = self._send_queue.close(deadline)
         if self._replay is not None:
             self._replay.stop(timeout=1.0)
+        if self._curve is not None:
+            self._curve.close()
         self._state = PublisherState.CLOSED
 
 
@@ -296,6 +333,8 @@ class EventPublisherFactory:
         settings = cfg.to_dict()
         for key in ("publisher", "enable_kv_cache_events"):
             settings.pop(key, None)
+        for key in [k for k, v in settings.items() if k.startswith("curve_") and v is None]:
+            settings.pop(key)  # a registered publisher without CURVE need not know the keys
         if context is not None and ctor is ZmqEventPublisher:
             settings["context"] = context
         return ctor(attn_dp_rank=rank, **settings)

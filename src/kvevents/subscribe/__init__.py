@@ -12,6 +12,8 @@
 * :mod:`~kvevents.subscribe.loop`, :mod:`~kvevents.subscribe.stream_sockets`,
   :mod:`~kvevents.subscribe.replay_client`: the socket thread, one stream's sockets,
   and the DEALER side of replay;
+* :mod:`~kvevents.subscribe.curve_client`: CURVE client keys on a stream's sockets, and
+  what a failed handshake means;
 * :mod:`~kvevents.subscribe.engine_watcher`: finding an engine's streams, with backoff;
 * :mod:`~kvevents.subscribe.handoff`: socket thread to consumer, sync or asyncio;
 * :mod:`~kvevents.subscribe.stats`: per-stream counters and rates.

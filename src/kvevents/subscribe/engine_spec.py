@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import httpx
 import msgspec
 
+from kvevents.curve_keys import parse_public_key
 from kvevents.endpoints import Endpoint, PortPlan
 from kvevents.errors import ConfigError, EndpointError
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
@@ -72,6 +73,7 @@ FIELDS = (
     "block_size",
     "kind",
     "name",
+    "curve_server_key",
 )
 
 
@@ -90,6 +92,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int | None = None
     kind: EngineKind | None = None
     name: str | None = None
+    curve_server_key: str | None = None
+    """The engine's CURVE public key, when its publishers use CURVE and do not advertise it."""
 
     @classmethod
     def create(cls, url: str, **fields: Any) -> EngineSpec:
@@ -123,6 +127,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise ConfigError(f"{where}: {field}={value} must be a positive integer")
+        if self.curve_server_key is not None:
+            parse_public_key(self.curve_server_key, f"{where}: curve_server_key")
         if self.kv_endpoint is None:
             given = [f for f in ("replay_endpoint", "dp_size", "topic") if getattr(self, f)]
             if given:
@@ -161,7 +167,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             for stream in self.streams():
                 subscriber.add_stream(stream)
         else:
-            subscriber.add_engine(self.url, worker=self.worker)
+            subscriber.add_engine(
+                self.url, worker=self.worker, curve_server_key=self.curve_server_key
+            )
 
     def streams(self) -> list[StreamSpec]:
         """Every rank's stream, in rank order (empty for an engine to discover)."""
@@ -186,6 +194,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
                 replay_endpoint=None if r.replay_endpoint is None else str(r.replay_endpoint),
                 topic=self.topic or "",
                 block_size=self.block_size,
+                curve_server_key=self.curve_server_key,
             )
             for r in plan.ranks
         ]

@@ -35,6 +35,7 @@ from typing import Any
 
 import zmq
 
+from kvevents.curve_keys import CurveKeyPair
 from kvevents.errors import WireError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.handoff import Handoff
@@ -98,9 +99,13 @@ class SubscriberLoop:
         reconnect_max_ms: int,
         tail_probe: float | None,
         max_message_size: int = -1,
+        curve_key_pair: CurveKeyPair | None = None,
+        curve_server_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.handoff = handoff
+        self.curve_key_pair = curve_key_pair
+        self.curve_server_key = curve_server_key
         self.max_message_size = max_message_size
         self.context = context
         self.replay_timeout = replay_timeout
@@ -174,6 +179,8 @@ class SubscriberLoop:
         deadline = self._next_sample
         probe = self.tail_probe
         for st in self.streams.values():
+            if st.retry_at is not None:
+                deadline = min(deadline, st.retry_at)
             if st.replay is None:
                 continue
             if st.replay.deadline is not None:
@@ -185,6 +192,8 @@ class SubscriberLoop:
     def _check_deadlines(self, now: float, out: list[Item]) -> None:
         probe = self.tail_probe
         for st in self.streams.values():
+            if st.retry_at is not None and now >= st.retry_at:
+                st.retry()
             if st.replay is None:
                 continue
             if st.replay.timed_out(now):
@@ -239,6 +248,8 @@ class SubscriberLoop:
                 max_pending=self.max_pending,
                 on_replay_open=replay_opened,
                 on_replay_close=self._unregister,
+                curve_key_pair=self.curve_key_pair,
+                curve_server_key=self.curve_server_key,
             )
         except zmq.ZMQError as exc:
             out.append(
@@ -377,7 +388,7 @@ class SubscriberLoop:
             self._malformed(st, "replay", skipped, first_reason, out)
 
     def _on_monitor(self, st: StreamSockets, now: float, out: list[Item]) -> None:
-        actions, signals = st.read_monitor()
+        actions, signals = st.read_monitor(now)
         out.extend(signals)
         self._apply(st, actions, now, out)
 

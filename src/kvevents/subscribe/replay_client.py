@@ -45,8 +45,10 @@ class ReplayClient:
         on_close: SocketHook,
         reconnect_max_ms: int = 2000,
         max_message_size: int = -1,
+        secure: SocketHook | None = None,
     ) -> None:
         self._max_message_size = max_message_size
+        self._secure = secure  # sets CURVE client keys on each new socket
         self.endpoint = endpoint
         self.timeout = timeout
         self.deadline: float | None = None  # set while a request is in flight
@@ -122,6 +124,8 @@ class ReplayClient:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._reconnect_max_ms)
+            if self._secure is not None:
+                self._secure(sock)
             sock.connect(self.endpoint)
         except BaseException:
             sock.close(linger=0)

@@ -8,6 +8,9 @@ host when ``endpoint_host`` is a wildcard (``*``, ``0.0.0.0``, ``::``) and
 (ports chosen by the OS are not consecutive; ranks may live on other hosts), and the
 wildcard rule applies to its endpoints too. Upstream SGLang sends no such list.
 
+A ``curve_public_key`` (kvevents engines with CURVE keys) becomes every stream's
+``curve_server_key``.
+
 The block is absent when publishing is off, which is reported as a
 :class:`~kvevents.errors.DiscoveryError` saying how to turn it on; a malformed block is
 a DiscoveryError naming the engine and the field.
@@ -22,7 +25,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvevents.errors import DiscoveryError
+from kvevents.curve_keys import parse_public_key
+from kvevents.errors import ConfigError, DiscoveryError
 from kvevents.subscribe.stream_spec import (
     HOW_TO_ENABLE,
     StreamSpec,
@@ -115,6 +119,12 @@ def streams_from_server_info(
             f"engine (or its endpoint is not routable tcp); {HOW_TO_ENABLE}"
         )
     block = _decode_block(raw, where)
+    curve_key = None
+    if isinstance(block.curve_public_key, str):
+        try:
+            curve_key = parse_public_key(block.curve_public_key, "kv_events.curve_public_key")
+        except ConfigError as exc:
+            raise DiscoveryError(f"{where}: {exc}; the engine's block is malformed") from None
     name = worker or (normalize_engine_url(engine_url) if engine_url else "engine")
     topic = block.topic or ""
     block_size = block.block_size
@@ -141,6 +151,7 @@ def streams_from_server_info(
                     else resolve_endpoint(replay, engine_url, at),
                     topic=topic,
                     block_size=block_size,
+                    curve_server_key=curve_key,
                 )
             )
         ranks = sorted(s.dp_rank for s in specs)
@@ -166,6 +177,7 @@ def streams_from_server_info(
                 else tcp_endpoint(host, replay_base + r, engine_url, where),
                 topic=topic,
                 block_size=block_size,
+                curve_server_key=curve_key,
             )
         )
     return specs

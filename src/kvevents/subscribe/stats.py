@@ -29,13 +29,17 @@ class StreamStatus(StrEnum):
 
     ``CONNECTING`` -> ``CONNECTED`` <-> ``DISCONNECTED`` (dropped, reconnecting); a
     connection attempt that fails, at any point, makes it ``UNREACHABLE`` until one
-    succeeds. Members are their strings ("connected", ...), as JSON shows them.
+    succeeds. ``REFUSED``: the connection is made but the handshake fails (a CURVE key
+    the publisher refuses, or CURVE on one side only): no data arrives until a handshake
+    succeeds, and ``handshake_error`` in the stats says why. Members are their strings
+    ("connected", ...), as JSON shows them.
     """
 
     CONNECTING = "connecting"
     CONNECTED = "connected"
     DISCONNECTED = "disconnected"
     UNREACHABLE = "unreachable"
+    REFUSED = "refused"
 
 
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +50,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     the first delivery. ``age_s`` is the time since the last message (live or replayed)
     arrived; ``lag_s`` how far that batch's timestamp was behind the local wall clock on
     arrival. ``lost`` counts sequence numbers, the other counters batches or events.
+    ``curve``: the stream is CURVE-encrypted (it has a server key); ``handshake_failures``
+    counts refused handshakes on its live socket, ``handshake_error`` says why the last
+    one failed (None once a handshake succeeds).
     """
 
     worker: str
@@ -68,6 +75,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     replay_timeouts: int
     age_s: float | None
     lag_s: float | None
+    curve: bool = False
+    handshake_failures: int = 0
+    handshake_error: str | None = None
 
     @classmethod
     def empty(
@@ -105,6 +115,8 @@ class StreamCounters:
         "batches",
         "blocks",
         "decode_errors",
+        "handshake_error",
+        "handshake_failures",
         "last_arrival",
         "last_lag",
         "malformed",
@@ -117,6 +129,8 @@ class StreamCounters:
         self.blocks = 0
         self.decode_errors = 0
         self.malformed = 0
+        self.handshake_failures = 0
+        self.handshake_error: str | None = None
         self.status = StreamStatus.CONNECTING
         self.last_arrival: float | None = None  # monotonic clock
         self.last_lag: float | None = None

@@ -10,6 +10,13 @@ publisher: see :mod:`kvevents.subscribe.stream`) and the connection status shown
 first failed connection attempt of a streak is reported as an
 :class:`~kvevents.subscribe.items.Unreachable` signal (ZMQ itself keeps retrying with backoff
 up to ``reconnect_max_ms``).
+
+A stream with a CURVE server key (its spec's, or the subscriber's default) connects both
+sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A failed handshake
+makes the status ``REFUSED``, is counted, and the first of a streak is reported as an
+``Unreachable`` signal saying why. libzmq does not retry some refusals at all and others
+every 100 ms, so after a refused handshake the socket is connected again once,
+``reconnect_max_ms`` later (:attr:`StreamSockets.retry_at`), whatever libzmq does.
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvevents.curve_keys import CurveKeyPair
+from kvevents.subscribe.curve_client import (
+    HANDSHAKE_EVENTS,
+    handshake_failure_reason,
+    secure_client,
+)
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.replay_client import ReplayClient
@@ -29,7 +42,9 @@ from kvevents.types import Holder
 
 __all__ = ["StreamSockets"]
 
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_MONITORED = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | HANDSHAKE_EVENTS
+)
 
 SocketHook = Callable[["zmq.Socket[bytes]"], None]
 
@@ -50,8 +65,14 @@ class StreamSockets:
         max_pending: int,
         on_replay_open: SocketHook,
         on_replay_close: SocketHook,
+        curve_key_pair: CurveKeyPair | None = None,
+        curve_server_key: str | None = None,
     ) -> None:
         self.spec = spec
+        self.curve_key_pair = curve_key_pair
+        self.curve_server_key = spec.curve_server_key or curve_server_key
+        self.retry_at: float | None = None  # reconnect then, after a refused handshake
+        self._refused = False  # the last handshake failed
         self.holder = Holder(spec.worker, spec.dp_rank)
         self.topic = spec.topic.encode()
         self.tracker = StreamTracker(
@@ -75,6 +96,7 @@ class StreamSockets:
             sub.setsockopt(zmq.RECONNECT_IVL, 100)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            secure_client(sub, curve_key_pair, self.curve_server_key)
             self.monitor: zmq.Socket[bytes] = sub.get_monitor_socket(_MONITORED)
             sub.connect(spec.endpoint)
             if spec.replay_endpoint is not None:
@@ -86,13 +108,14 @@ class StreamSockets:
                     on_close=on_replay_close,
                     reconnect_max_ms=reconnect_max_ms,
                     max_message_size=max_message_size,
+                    secure=lambda sock: secure_client(sock, curve_key_pair, self.curve_server_key),
                 )
                 self.replay.open()  # a bad address fails here, not mid-replay
         except BaseException:
             self.close()
             raise
 
-    def read_monitor(self) -> tuple[list[TrackerAction], list[Signal]]:
+    def read_monitor(self, now: float) -> tuple[list[TrackerAction], list[Signal]]:
         """Every waiting monitor event, as tracker actions and signals to pass on."""
         actions: list[TrackerAction] = []
         signals: list[Signal] = []
@@ -103,14 +126,24 @@ class StreamSockets:
                 return actions, signals
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
-                self.counters.status = StreamStatus.CONNECTED
+                if not self._refused:
+                    self.counters.status = StreamStatus.CONNECTED
                 self._unreachable_reported = False
                 actions += self.tracker.on_connected()
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.counters.status = StreamStatus.CONNECTED
+                self.counters.handshake_error = None
+                self._refused = False
+            elif kind & HANDSHAKE_EVENTS:
+                signals += self._on_refused(int(kind), int(event["value"]))
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.counters.status = StreamStatus.DISCONNECTED
                 self.tracker.on_disconnected()
-                self._reconnect()
-            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                if self._refused:  # connected again later (retry_at), not at once
+                    self.retry_at = now + self._reconnect_max_ms / 1000
+                else:
+                    self.counters.status = StreamStatus.DISCONNECTED
+                    self._reconnect()
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not self._refused:
                 self.counters.status = StreamStatus.UNREACHABLE
                 if not self._unreachable_reported:
                     self._unreachable_reported = True
@@ -123,6 +156,31 @@ class StreamSockets:
                             f"up to every {self._reconnect_max_ms / 1000:g} s",
                         )
                     )
+
+    def _on_refused(self, kind: int, value: int) -> list[Signal]:
+        """A failed handshake: counted, the status and reason set, the first one reported."""
+        counters = self.counters
+        counters.handshake_failures += 1
+        counters.status = StreamStatus.REFUSED
+        reason = handshake_failure_reason(kind, value, self.curve_server_key, self.curve_key_pair)
+        first = not self._refused or counters.handshake_error != reason
+        counters.handshake_error = reason
+        self._refused = True
+        if not first:
+            return []
+        return [
+            Unreachable(
+                worker=self.spec.worker,
+                dp_rank=self.spec.dp_rank,
+                address=self.spec.endpoint,
+                reason=f"handshake refused: {reason}",
+            )
+        ]
+
+    def retry(self) -> None:
+        """Connect again after a refused handshake (the loop calls it at ``retry_at``)."""
+        self.retry_at = None
+        self._reconnect()
 
     def _reconnect(self) -> None:
         """Connect the SUB socket again after a drop.
@@ -160,6 +218,9 @@ class StreamSockets:
             replay_timeouts=0 if self.replay is None else self.replay.timeouts,
             age_s=None if c.last_arrival is None else now - c.last_arrival,
             lag_s=c.last_lag,
+            curve=self.curve_server_key is not None,
+            handshake_failures=c.handshake_failures,
+            handshake_error=c.handshake_error,
         )
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
+from kvevents.curve_keys import parse_public_key
 from kvevents.endpoints import WILDCARD_HOSTS, Endpoint
 from kvevents.errors import DiscoveryError, EndpointError
 
@@ -37,6 +38,8 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     ``worker`` and ``dp_rank`` name the holder (the KV cache) the stream describes.
     ``endpoint`` and ``replay_endpoint`` are ZMQ addresses to connect to (never wildcards).
+    ``curve_server_key``: the publisher's CURVE public key (Z85), when its sockets are
+    CURVE servers; None connects in the clear (:mod:`kvevents.subscribe.curve_client`).
 
     >>> StreamSpec.from_endpoint("tcp://127.0.0.1:5557", topic="kv").worker
     'tcp://127.0.0.1:5557'
@@ -48,6 +51,7 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     replay_endpoint: str | None = None
     topic: str = ""
     block_size: int | None = None
+    curve_server_key: str | None = None
 
     @classmethod
     def from_endpoint(
@@ -59,11 +63,12 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
         worker: str | None = None,
         dp_rank: int = 0,
         block_size: int | None = None,
+        curve_server_key: str | None = None,
     ) -> StreamSpec:
         """An explicit stream; ``worker`` defaults to the endpoint string.
 
         Raises :class:`~kvevents.errors.EndpointError` for an invalid endpoint or one
-        that can only be bound (a wildcard host).
+        that can only be bound (a wildcard host); ConfigError for a malformed server key.
         """
         live = _connectable(endpoint, "endpoint")
         replay = (
@@ -76,6 +81,9 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
             replay_endpoint=replay,
             topic=topic,
             block_size=block_size,
+            curve_server_key=None
+            if curve_server_key is None
+            else parse_public_key(curve_server_key, "curve_server_key"),
         )
 
 

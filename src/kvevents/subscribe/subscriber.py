@@ -64,8 +64,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 
+import msgspec
 import zmq
 
+from kvevents.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.errors import SubscriberStateError
 from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
@@ -121,6 +123,13 @@ class Subscriber:
     * ``http_credentials``: the API key discovery requests carry and the CA bundle
       ``https://`` engines are verified against (:class:`~kvevents.http_auth.ClientCredentials`;
       default: no key, the default trust store).
+    * ``curve_key_pair``: this subscriber's CURVE key pair
+      (:meth:`kvevents.CurveKeyPair.load` of a ``kvevents keygen`` secret key file), used
+      on every stream that has a server key; ``curve_server_key``: the publishers' public
+      key for streams that bring none of their own (an engine that advertises its key in
+      ``/server_info`` needs none here). Streams without a server key connect in the
+      clear, as SGLang's and vLLM's publish. A refused handshake shows as the status
+      ``refused`` with ``handshake_error`` in :meth:`stats`, and as an ``Unreachable``.
     * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
       seconds, for tests.
     """
@@ -142,9 +151,18 @@ class Subscriber:
         rediscover_interval: float | None = 5.0,
         resume: Mapping[Holder, int] | None = None,
         http_credentials: ClientCredentials | None = None,
+        curve_key_pair: CurveKeyPair | None = None,
+        curve_server_key: str | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if curve_server_key is not None:
+            curve_server_key = parse_public_key(curve_server_key, "Subscriber: curve_server_key")
+        if curve_key_pair is not None and not isinstance(curve_key_pair, CurveKeyPair):
+            raise TypeError(
+                f"Subscriber: curve_key_pair must be a CurveKeyPair, not "
+                f"{type(curve_key_pair).__name__}: load one with CurveKeyPair.load(path, ...)"
+            )
         for name, value in (
             ("replay_timeout", replay_timeout),
             ("discovery_timeout", discovery_timeout),
@@ -183,6 +201,8 @@ class Subscriber:
             max_message_size=max_message_size,
             reconnect_max_ms=int(retry_max * 1000),
             tail_probe=tail_probe,
+            curve_key_pair=curve_key_pair,
+            curve_server_key=curve_server_key,
             clock=clock,
         )
         self._lock = threading.Lock()
@@ -203,10 +223,33 @@ class Subscriber:
 
     # --- adding streams ------------------------------------------------------------------
 
-    def add_engine(self, url: str, *, worker: str | None = None) -> None:
-        """Follow every rank the engine at ``url`` advertises (discovered in the background)."""
+    def add_engine(
+        self, url: str, *, worker: str | None = None, curve_server_key: str | None = None
+    ) -> None:
+        """Follow every rank the engine at ``url`` advertises (discovered in the background).
+
+        ``curve_server_key``: the engine's CURVE public key, for streams whose discovery
+        document does not advertise one (an advertised key wins).
+        """
         self._check_open("add_engine")
         url = normalize_engine_url(url)
+        add_spec, replace_spec = self._add_spec, self._replace_spec
+        if curve_server_key is not None:
+            key = parse_public_key(
+                curve_server_key, f"Subscriber.add_engine({url}): curve_server_key"
+            )
+
+            def keyed(spec: StreamSpec) -> StreamSpec:
+                if spec.curve_server_key is not None:
+                    return spec
+                return msgspec.structs.replace(spec, curve_server_key=key)
+
+            def add_spec(spec: StreamSpec) -> None:
+                self._add_spec(keyed(spec))
+
+            def replace_spec(spec: StreamSpec) -> None:
+                self._replace_spec(keyed(spec))
+
         with self._lock:
             if url in self._engines:
                 raise ValueError(f"Subscriber.add_engine: {url} is already followed")
@@ -217,9 +260,9 @@ class Subscriber:
                 retry_initial=self.retry_initial,
                 retry_max=self.retry_max,
                 closing=self._closing,
-                add_spec=self._add_spec,
+                add_spec=add_spec,
                 report=lambda signal: self._loop.submit(Command.SIGNAL, signal),
-                replace_spec=self._replace_spec,
+                replace_spec=replace_spec,
                 recheck=self.rediscover_interval,
                 credentials=self.http_credentials,
             )

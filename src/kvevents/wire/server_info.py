@@ -14,8 +14,13 @@ struct. The block (docs/architecture.md, "Discovery")::
       "block_size": 16,
       "dp_size": 4,
       "ports_consecutive": true,
-      "publishers": [{"dp_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}, ...]
+      "publishers": [{"dp_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}, ...],
+      "curve_public_key": "..."             # kvevents only, when the streams use CURVE
     }
+
+``curve_public_key`` is the publishers' CURVE public key (Z85; public, safe to serve):
+a consumer with a key pair the publishers allow needs nothing else to connect. It is
+absent from plain streams' blocks (encoded only when set).
 
 Field order is the JSON's key order. Upstream SGLang sends the same block without
 ``ports_consecutive`` and ``publishers``, and may leave out ``topic``, ``block_size`` and
@@ -35,7 +40,7 @@ Which fields a consumer then needs (``endpoint_host`` and ``endpoint_port_base``
 >>> encode_kv_events_block(block)[:60]
 b'{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":'
 >>> decode_kv_events_block({"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557})
-KVEventsBlock(publisher='zmq', endpoint_host='*', endpoint_port_base=5557, replay_endpoint_port_base=UNSET, topic=None, block_size=None, dp_size=None, ports_consecutive=None, publishers=None)
+KVEventsBlock(publisher='zmq', endpoint_host='*', endpoint_port_base=5557, replay_endpoint_port_base=UNSET, topic=None, block_size=None, dp_size=None, ports_consecutive=None, publishers=None, curve_public_key=UNSET)
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class KVEventsBlock(msgspec.Struct, frozen=True, kw_only=True):
     dp_size: int | None = None
     ports_consecutive: bool | None = None
     publishers: list[AdvertisedPublisher] | None = None
+    curve_public_key: str | UnsetType | None = UNSET
 
 
 _encoder = msgspec.json.Encoder()

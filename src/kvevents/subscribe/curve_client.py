@@ -1,0 +1,84 @@
+"""CURVE on a subscriber's sockets: the client keys, and what a failed handshake means.
+
+A publisher configured with CURVE keys (:mod:`kvevents.publish.curve_server`) serves
+only clients that know its public key (the *server key*, per stream:
+:attr:`~kvevents.subscribe.stream_spec.StreamSpec.curve_server_key`, or the subscriber's
+default) and present a key pair it allows. :func:`secure_client` sets both on a SUB or
+DEALER socket before it connects. A stream with no server key connects in the clear, as
+SGLang and vLLM publish.
+
+ZeroMQ reports a refused handshake only to the socket monitor;
+:func:`handshake_failure_reason` turns the monitor event into the sentence the
+subscriber's stats and ``Unreachable`` signal show.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from kvevents.curve_keys import CurveKeyPair
+
+__all__ = ["HANDSHAKE_EVENTS", "handshake_failure_reason", "secure_client"]
+
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HOW = (
+    "give the publisher's public key (--curve-server-key, or the engine advertises it) and "
+    "a key pair it allows (--curve-secret-key-file; make one with `kvevents keygen`)"
+)
+
+
+def secure_client(
+    sock: zmq.Socket[bytes], key_pair: CurveKeyPair | None, server_key: str | None
+) -> None:
+    """Make ``sock`` (not connected yet) a CURVE client when ``server_key`` is given.
+
+    A server key without a key pair leaves the socket plain: the publisher refuses it,
+    and that refusal is reported (the reason says what is missing).
+    """
+    if server_key is None or key_pair is None:
+        return
+    sock.curve_serverkey = server_key.encode()
+    sock.curve_publickey = key_pair.public.encode()
+    sock.curve_secretkey = key_pair.secret.encode()
+
+
+def handshake_failure_reason(
+    event: int, value: int, server_key: str | None, key_pair: CurveKeyPair | None
+) -> str:
+    """Why a handshake failed, from the client's side, with what to do about it."""
+    if server_key is not None and key_pair is None:
+        return "the publisher requires CURVE but this subscriber has no key pair: no data; " + _HOW
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"the publisher refused this subscriber's key {key_pair.public if key_pair else ''} "
+            f"(status {value}: not among its allowed keys): no data; add the public key to "
+            "the engine's curve_allowed_keys or curve_allowed_keys_dir"
+        )
+    if (
+        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    ):
+        if server_key is None:
+            return (
+                f"the publisher requires CURVE and this stream has no server key: no data; {_HOW}"
+            )
+        return (
+            "this subscriber uses CURVE but the publisher does not (its config has no "
+            "curve_secret_key_file): no data; drop the server key for this engine"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"the CURVE handshake failed (protocol error {value:#x}): no data; {_HOW}"
+    if server_key is not None:
+        return (
+            f"the CURVE handshake did not complete (is {server_key} the publisher's public "
+            f"key?): no data; {_HOW}"
+        )
+    return (
+        f"the handshake did not complete (errno {value}): no data; if the publisher requires "
+        f"CURVE, this stream has no server key: {_HOW}"
+    )
