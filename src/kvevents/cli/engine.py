@@ -26,11 +26,17 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvevents.cli.options import add_log_level
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
+from kvevents.engine.models import (
+    DEFAULT_MODEL_NAME,
+    ServedModels,
+    parse_lora_modules,
+    parse_served_model_names,
+)
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
@@ -73,6 +79,7 @@ class EngineSettings:
     request_timeout: float = 60.0
     shutdown_timeout: float = 10.0
     max_body_bytes: int = 8 << 20
+    models: ServedModels = field(default_factory=ServedModels)
 
     def __post_init__(self) -> None:
         # the bounds are the ones the command line parses these options with
@@ -122,6 +129,10 @@ class EngineSettings:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
+            models=ServedModels(
+                names=parse_served_model_names(args.served_model_name),
+                loras=parse_lora_modules(args.lora_modules),
+            ),
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -213,6 +224,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="largest request body (413), 8 MiB",
     )
+    add(
+        "--served-model-name",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="model name(s) requests give as 'model' (repeatable or a comma list, as vLLM's; "
+        f"default {DEFAULT_MODEL_NAME}); the first is reported in answers",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="LoRA adapters served on top of the model, as vLLM's flag (the path may be a "
+        "dummy); a request naming one as 'model' keeps its own prefix-cache namespace",
+    )
     add_log_level(parser)
 
 
@@ -245,6 +271,7 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             max_blocks=settings.max_blocks,
             hash_scheme=settings.hash_scheme,
             kv_events_config=settings.kv_events_config,
+            models=settings.models,
         )
         limits = EngineLimits(
             max_new_tokens=settings.max_new_tokens_limit,

@@ -34,6 +34,16 @@ make room for one admission, leaf first), ``AllBlocksCleared`` on :meth:`flush`.
 Replaying the recorded events into an empty set of hashes reproduces exactly the pages
 the cache holds.
 
+LoRA adapters
+-------------
+A request run under an adapter (``admit(..., lora_name=, lora_id=)``) has its own
+namespace: its pages chain from a root of their own, so the same tokens under another
+adapter, or under the base model, never share a page. With the vLLM scheme the
+adapter's name is hashed into every block as vLLM does (``extra_keys=(name,)``); with
+SGLang's, the first page chains from a digest of the name. The adapter's
+``BlockStored`` events carry ``lora_name`` and ``lora_id`` (SGLang and vLLM both send
+them), and with the vLLM scheme ``extra_keys``, one ``[name]`` per block, as vLLM does.
+
 Complexity
 ----------
 ``admit`` is O(tokens) in C (one conversion to bytes, one hash call per page) plus
@@ -47,13 +57,15 @@ admission control for memory.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.wire.hashing import HashScheme, SGLangPageHash, tokens_to_array
+from kvevents.wire.hashing import HashScheme, SGLangPageHash, VLLMSha256CborHash, tokens_to_array
 
 __all__ = ["Admission", "CacheEvent", "CacheStats", "PrefixCache"]
 
@@ -127,6 +139,23 @@ class PrefixCache:
         self._evictable: OrderedDict[bytes, _Node] = OrderedDict()
         self._events: list[CacheEvent] = []
         self._epoch = 0
+        self._namespaces: dict[str, tuple[HashScheme, bytes | None]] = {}
+
+    def _namespace(self, lora_name: str | None) -> tuple[HashScheme, bytes | None]:
+        """The scheme and chain root of an adapter's pages (the cache's own for None)."""
+        if lora_name is None:
+            return self.scheme, None
+        found = self._namespaces.get(lora_name)
+        if found is None:
+            scheme = self.scheme
+            if isinstance(scheme, VLLMSha256CborHash):
+                adapter = VLLMSha256CborHash(seed=scheme.seed, extra_keys=(lora_name,))
+                adapter.none_hash = scheme.none_hash  # one NONE_HASH per engine, as in vLLM
+                found = (adapter, None)
+            else:
+                found = (scheme, hashlib.sha256(f"kvevents-lora\x00{lora_name}".encode()).digest())
+            self._namespaces[lora_name] = found
+        return found
 
     def __len__(self) -> int:
         """Pages cached now."""
@@ -137,9 +166,10 @@ class PrefixCache:
         """Pages pinned by running admissions."""
         return len(self._nodes) - len(self._evictable)
 
-    def match(self, token_ids: Sequence[int]) -> int:
+    def match(self, token_ids: Sequence[int], lora_name: str | None = None) -> int:
         """Tokens of the longest cached prefix of ``token_ids``, in whole pages; no side effects."""
-        digests = self.scheme.page_digests(tokens_to_array(token_ids), self.page_size)
+        scheme, root = self._namespace(lora_name)
+        digests = scheme.page_digests(tokens_to_array(token_ids), self.page_size, root)
         matched = 0
         for digest in digests:
             if digest not in self._nodes:
@@ -147,15 +177,19 @@ class PrefixCache:
             matched += 1
         return matched * self.page_size
 
-    def admit(self, token_ids: Sequence[int]) -> Admission:
+    def admit(
+        self, token_ids: Sequence[int], lora_name: str | None = None, lora_id: int | None = None
+    ) -> Admission:
         """Match the longest cached prefix, pin it, insert the remaining full pages and pin them.
 
         Evicts least-recently-used unpinned leaves when room is needed, recording one
         ``BlockRemoved`` for them, then one ``BlockStored`` for the inserted chain.
+        ``lora_name`` runs the request under that adapter (see the module docstring).
         """
         tokens = tokens_to_array(token_ids)
         page = self.page_size
-        digests = self.scheme.page_digests(tokens, page)
+        scheme, root = self._namespace(lora_name)
+        digests = scheme.page_digests(tokens, page, root)
         nodes = self._nodes
         pinned: list[_Node] = []
         for digest in digests:
@@ -170,7 +204,13 @@ class PrefixCache:
             self._evict(wanted - (self.capacity - len(nodes)))
         new = digests[matched : matched + min(wanted, self.capacity - len(nodes))]
         if new:
-            self._insert_chain(new, pinned, tokens[matched * page : (matched + len(new)) * page])
+            self._insert_chain(
+                new,
+                pinned,
+                tokens[matched * page : (matched + len(new)) * page],
+                lora_name,
+                lora_id,
+            )
         stats = self.stats
         stats.admissions += 1
         stats.prompt_tokens += len(tokens)
@@ -252,7 +292,14 @@ class PrefixCache:
             self.stats.blocks_evicted += len(removed)
             self._events.append(BlockRemoved(block_hashes=list(removed), medium=self.medium))
 
-    def _insert_chain(self, digests: list[bytes], pinned: list[_Node], tokens: array[int]) -> None:
+    def _insert_chain(
+        self,
+        digests: list[bytes],
+        pinned: list[_Node],
+        tokens: array[int],
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
         parent = pinned[-1] if pinned else None
         event_hash = self.scheme.event_hash
         nodes = self._nodes
@@ -268,13 +315,18 @@ class PrefixCache:
             parent = node
         first_parent = pinned[-len(digests) - 1] if len(pinned) > len(digests) else None
         self.stats.blocks_stored += len(digests)
+        extra: list[Any] | None = None
+        if lora_name is not None and isinstance(self.scheme, VLLMSha256CborHash):
+            extra = [[lora_name] for _ in digests]  # vLLM: each block's extra keys
         self._events.append(
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=None if first_parent is None else first_parent.event_hash,
                 token_ids=tokens.tolist(),
                 block_size=self.page_size,
-                lora_id=None,
+                lora_id=lora_id,
                 medium=self.medium,
+                lora_name=lora_name,
+                extra_keys=extra,
             )
         )

@@ -70,6 +70,8 @@ class _Request:
     max_new_tokens: int
     generated: int = 0
     admission: Admission | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +135,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def submit(self, request_id: Any, token_ids: Sequence[int], max_new_tokens: int) -> None:
-        """Queue a request; it is admitted by a later :meth:`step`."""
+    def submit(
+        self,
+        request_id: Any,
+        token_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        """Queue a request (under the LoRA adapter ``lora_name``, when given); it is
+        admitted by a later :meth:`step`."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
         if len(self._waiting) >= self.max_waiting:
@@ -142,7 +153,15 @@ class Scheduler:
                 f"dp_rank {self.dp_rank}: {len(self._waiting)} requests waiting "
                 f"(max_waiting={self.max_waiting}); retry later"
             )
-        self._waiting.append(_Request(request_id, tokens_to_array(token_ids), max_new_tokens))
+        self._waiting.append(
+            _Request(
+                request_id,
+                tokens_to_array(token_ids),
+                max_new_tokens,
+                lora_name=lora_name,
+                lora_id=lora_id,
+            )
+        )
 
     def step(self) -> StepResult:
         """Run one scheduler step (see the module docstring)."""
@@ -159,7 +178,7 @@ class Scheduler:
             self._waiting and len(still_running) < self.max_running and admitted < self.max_running
         ):
             req = self._waiting.popleft()
-            req.admission = self.cache.admit(req.tokens)
+            req.admission = self.cache.admit(req.tokens, req.lora_name, req.lora_id)
             prefill_tokens += req.admission.prompt_tokens - req.admission.cached_tokens
             admitted += 1
             if req.max_new_tokens > 0:

@@ -2,11 +2,13 @@
 
 Endpoints (JSON in and out):
 
-* ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, and
-  the ``kv_events`` discovery block (see :mod:`kvevents.engine.server_info`; absent when
-  publishing is off or not on TCP).
+* ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, the
+  models (``served_model_name``, ``served_model_names``, ``lora_modules``:
+  :mod:`kvevents.engine.models`), and the ``kv_events`` discovery block (see
+  :mod:`kvevents.engine.server_info`; absent when publishing is off or not on TCP).
 * ``POST /generate``: ``{"input_ids": [...]} | {"text": "..."}``, optional
-  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted),
+  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted), ``lora_path``
+  (SGLang's name for the adapter to run under; an unknown one answers 400),
   ``max_new_tokens`` (top level or in ``sampling_params``, default 16). Answers
   ``dp_rank``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
   ``output_ids``, ``text`` and SGLang's ``meta_info``. Without a rank, requests go
@@ -14,7 +16,7 @@ Endpoints (JSON in and out):
 * ``POST /flush_cache[?dp_rank=r]``, ``GET /health``, ``GET /load``,
   ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
   consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
-* ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
+* ``GET /v1/models``, ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
 A malformed body or query answers 400 with ``{"error": ...}`` naming the field (JSON
@@ -32,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
@@ -41,6 +43,7 @@ from fastapi.responses import JSONResponse
 
 from kvevents.config import KVEventsConfig
 from kvevents.engine.bodies import BodyError, diagnose, read_body
+from kvevents.engine.models import LoraModule, ServedModels, UnknownModel
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
@@ -69,6 +72,7 @@ class GenerateRequest(msgspec.Struct):
     data_parallel_rank: int | None = None
     max_new_tokens: NewTokens | None = None
     sampling_params: _SamplingParams | None = None
+    lora_path: str | None = None
 
 
 _GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
@@ -83,6 +87,7 @@ class EngineInfo:
     max_blocks: int
     hash_scheme: str
     kv_events_config: KVEventsConfig
+    models: ServedModels = field(default_factory=ServedModels)
 
 
 @dataclass(frozen=True)
@@ -134,8 +139,8 @@ def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
 
 
 def _parse_generate(
-    body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int
-) -> tuple[list[int], int | None, int]:
+    body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int, models: ServedModels
+) -> tuple[list[int], int | None, int, LoraModule | None]:
     try:
         req = _GENERATE_DECODER.decode(body)
     except msgspec.ValidationError as exc:
@@ -166,7 +171,16 @@ def _parse_generate(
             f"max_new_tokens={max_new} is above this engine's limit of {limit} "
             "(kvevents engine --max-new-tokens-limit): ask for fewer tokens"
         )
-    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    lora = None
+    if req.lora_path is not None:
+        try:
+            lora = models.resolve(req.lora_path)
+        except UnknownModel:
+            raise BadRequest(
+                f"lora_path={req.lora_path!r} is no adapter of this engine; its adapters: "
+                f"{', '.join(m.name for m in models.loras) or 'none (kvevents engine --lora-modules)'}"
+            ) from None
+    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new, lora
 
 
 def create_app(
@@ -203,6 +217,7 @@ def create_app(
             "hash_scheme": info.hash_scheme,
             "kv_events_config": info.kv_events_config.to_json(),
             "schedulers": [s.to_dict() for s in topo.schedulers],
+            **info.models.server_info(),
         }
         block = build_kv_events_block(
             info.kv_events_config, supervisor.bound_publishers(), dp_size, info.page_size
@@ -212,9 +227,9 @@ def create_app(
         return JSONResponse(body)
 
     async def run_generate(
-        tokens: list[int], rank: int | None, max_new: int
+        tokens: list[int], rank: int | None, max_new: int, lora: LoraModule | None = None
     ) -> tuple[int, dict[str, Any]]:
-        """Generate on ``rank`` (round-robin over the live ranks when None)."""
+        """Generate on ``rank`` (round-robin over the live ranks when None), under ``lora``."""
         if rank is None:
             live = supervisor.live_ranks()
             if not live:
@@ -226,6 +241,8 @@ def create_app(
             timeout=limits.request_timeout,
             input_ids=tokens,
             max_new_tokens=max_new,
+            lora_name=None if lora is None else lora.name,
+            lora_id=None if lora is None else lora.id,
         )
         return rank, result
 
@@ -233,19 +250,21 @@ def create_app(
         app,
         dp_size,
         run_generate,
+        models=info.models,
         max_new_tokens=limits.max_new_tokens,
         max_body_bytes=limits.max_body_bytes,
     )
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        tokens, rank, max_new = _parse_generate(
+        tokens, rank, max_new, lora = _parse_generate(
             await read_body(request, limits.max_body_bytes),
             dp_size,
             tokenizer,
             limits.max_new_tokens,
+            info.models,
         )
-        rank, result = await run_generate(tokens, rank, max_new)
+        rank, result = await run_generate(tokens, rank, max_new, lora)
         output_ids = result["output_ids"]
         meta = {
             "prompt_tokens": result["prompt_tokens"],
