@@ -26,9 +26,13 @@ Answers (JSON):
   them; the top-level ``predicted_blocks`` is the chosen holder's, and ``by_prediction``
   says whether confirmed blocks alone would have chosen another holder.
 
+Both take ``model`` (:mod:`kvevents.router.models`): only the holders of engines serving
+it are matched, scored and answered, and an adapter's name keys the request under it.
+
 Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
-JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 413 past the
-body limit, 503 before any engine rank is known, and the tokenizer's own status when
+JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 404 for a
+``model`` no engine serves (the message lists those served), 413 past the body limit,
+503 before any engine rank is known, and the tokenizer's own status when
 tokenizing text fails. The connection stays usable after every one of them.
 """
 
@@ -41,6 +45,7 @@ import msgspec
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.router.core import RouteDecision
+from kvevents.router.models import UnknownModelError
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
 
@@ -195,6 +200,8 @@ class HotPath:
             status, answer = 413, _error(str(exc))
         except TokenizeFailed as exc:
             status, answer = exc.status, _error(str(exc))
+        except UnknownModelError as exc:
+            status, answer = 404, _error(str(exc))
         except RecursionError:
             status, answer = 400, _error("request body: JSON nested too deeply")
         except UnicodeError as exc:
@@ -244,7 +251,7 @@ class HotPath:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
         matches, predicted = router.query_predicted(
-            tokens, lora=body.lora, cache_salt=body.cache_salt
+            tokens, lora=body.lora, cache_salt=body.cache_salt, model=body.model
         )
         get = predicted.get
         bs = router.index.block_size or 0
@@ -270,7 +277,9 @@ class HotPath:
     async def _route(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        decision = router.route(tokens, lora=body.lora, cache_salt=body.cache_salt)
+        decision = router.route(
+            tokens, lora=body.lora, cache_salt=body.cache_salt, model=body.model
+        )
         if body.record:
             router.record(decision)
         top = None if body.all_scores else body.top

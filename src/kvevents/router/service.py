@@ -69,6 +69,9 @@ class TokensBody(msgspec.Struct):
     messages: list[Any] | None = None
     lora: str | None = None
     cache_salt: str | None = None
+    model: str | None = None
+    """Only the engines serving this model are candidates; an adapter's name keys the
+    request under it (:mod:`kvevents.router.models`)."""
     record: bool = False
     """``/route`` only: count the choice as sent (the caller forwards the request)."""
     top: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_TOP
