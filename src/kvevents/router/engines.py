@@ -23,7 +23,7 @@ One :func:`watch_engine` task per engine, until the service stops:
 
 3. The engine's models (:mod:`kvevents.router.models`): from the description's
    ``model``, else its ``GET /v1/models``, else its ``/server_info``; read at
-   registration, again every :data:`MODELS_RECHECK_S` seconds, and at once when the
+   registration, again every :data:`MODELS_RECHECK_S` seconds (``models_interval``), and at once when the
    engine answers again after failing (it may have restarted serving another model).
    A failed read keeps what was known and is kept in :attr:`EngineState.models_error`;
    it never makes the engine unavailable.
@@ -263,8 +263,10 @@ async def watch_engine(
     client: httpx.AsyncClient,
     interval: float,
     stopping: asyncio.Event,
+    models_interval: float = MODELS_RECHECK_S,
 ) -> None:
-    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set."""
+    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set
+    (its models every ``models_interval`` s)."""
     loop = asyncio.get_running_loop()
     while not stopping.is_set():
         try:
@@ -275,7 +277,7 @@ async def watch_engine(
             if (
                 state.models_read_at is None
                 or state.error is not None  # back after failing: it may have restarted
-                or now - state.models_read_at >= MODELS_RECHECK_S
+                or now - state.models_read_at >= models_interval
             ):
                 await _refresh_models(router, state, client, now)
             state.error = None

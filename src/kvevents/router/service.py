@@ -21,7 +21,7 @@ import msgspec
 
 from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
 from kvevents.router.core import POLICIES, Policy, Router
-from kvevents.router.engines import EngineState, watch_engine
+from kvevents.router.engines import MODELS_RECHECK_S, EngineState, watch_engine
 from kvevents.router.metrics import make_registry
 from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.request_stats import RequestStats
@@ -112,6 +112,7 @@ class RouterService:
         forward_timeout: float = 600.0,
         tokenizer: TextTokenizer | None = None,
         policy: Policy = "kv-aware",
+        models_interval: float = MODELS_RECHECK_S,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -137,6 +138,8 @@ class RouterService:
         self.engines = [s.url for s in specs]
         self.subscriber = subscriber
         self.load_interval = load_interval
+        self.models_interval = models_interval
+        """Seconds between two reads of an engine's models (:mod:`kvevents.router.engines`)."""
         self.forward_timeout = forward_timeout
         self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
         self.policy = policy
@@ -217,7 +220,12 @@ class RouterService:
             self._tasks.append(
                 asyncio.create_task(
                     watch_engine(
-                        self.router, state, self._client, self.load_interval, self._stopping
+                        self.router,
+                        state,
+                        self._client,
+                        self.load_interval,
+                        self._stopping,
+                        self.models_interval,
                     )
                 )
             )
