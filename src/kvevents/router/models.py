@@ -13,7 +13,7 @@ Each engine's models come, in this order of preference, from
 An engine none of these tells about has no model information: it is a candidate for
 every request, whatever its ``model``, and a router where no engine has any behaves
 exactly as one without this module. A request's ``model`` is resolved by
-:meth:`ModelCatalog.resolve`:
+:meth:`Router.candidates <kvevents.router.core.Router.candidates>`:
 
 * no ``model``: every engine is a candidate (as today);
 * a model some engine serves: the engines serving it, plus those without information;
