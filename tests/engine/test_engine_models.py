@@ -45,9 +45,17 @@ def test_lora_modules_are_name_path_pairs_numbered_from_one() -> None:
         ServedModels(names=("sql",), loras=parse_lora_modules(["sql=/x"]))
 
 
+def test_an_engine_without_model_flags_takes_any_model() -> None:
+    """Without --served-model-name or --lora-modules any model is the base model, as before
+    models existed, and /server_info says so with null names."""
+    models = ServedModels()
+    assert models.resolve("whatever") is None
+    assert models.server_info()["served_model_names"] is None
+
+
 def test_resolve_maps_names_to_the_base_model_or_an_adapter() -> None:
     """No model or a served name is the base model; an adapter's name is it; others are unknown."""
-    models = ServedModels(names=("a", "b"), loras=parse_lora_modules(["sql=/x"]))
+    models = ServedModels(names=("a", "b"), loras=parse_lora_modules(["sql=/x"]), configured=True)
     assert models.resolve(None) is None and models.resolve("b") is None
     assert models.resolve("sql") == LoraModule("sql", "/x", 1)
     with pytest.raises(UnknownModel, match="`nope` does not exist: this engine serves a, b, sql"):

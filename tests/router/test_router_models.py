@@ -93,6 +93,8 @@ def test_server_info_names_sglang_and_simulated_engine_models() -> None:
     assert sim is not None and sim.names() == ["a", "a2", "sql"]
     assert sim.cards[-1].parent == "a"
     assert models_from_server_info({"dp_size": 1}) is None
+    unconfigured = {"served_model_name": "kvevents-sim", "served_model_names": None}
+    assert models_from_server_info(unconfigured) is None  # takes any model
     described = models_from_names(["x", "y", "x"])
     assert described is not None and described.names() == ["x", "y"]
 

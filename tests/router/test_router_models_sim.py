@@ -2,8 +2,8 @@
 
 Engine A serves ``alpha`` with the LoRA adapter ``sql`` and vLLM's hashes (its adapter
 stores carry vLLM's ``lora_name``, ``lora_id`` and ``extra_keys``); engine B serves
-``beta`` with SGLang's hashes. Both are discovered through ``/server_info``, their models
-read from their ``/v1/models``. Every process and socket is real.
+``beta`` with SGLang's hashes. Both are discovered through ``/server_info``, and their models
+read from it. Every process and socket is real.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_v1_models_is_the_union_of_the_engines_models(
     assert cards["alpha"]["parent"] is None and cards["alpha"]["object"] == "model"
     engines = {e["url"]: e for e in router.http.get("/workers").json()["engines"]}
     assert {tuple(e["models"]) for e in engines.values()} == {("alpha", "sql"), ("beta",)}
-    assert {e["models_source"] for e in engines.values()} == {"/v1/models"}
+    assert {e["models_source"] for e in engines.values()} == {"/server_info"}
 
 
 def test_two_models_never_receive_each_others_requests(

@@ -132,6 +132,7 @@ class EngineSettings:
             models=ServedModels(
                 names=parse_served_model_names(args.served_model_name),
                 loras=parse_lora_modules(args.lora_modules),
+                configured=bool(args.served_model_name or args.lora_modules),
             ),
         )
 

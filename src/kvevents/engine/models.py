@@ -10,7 +10,11 @@ the ``lora_int_id`` vLLM would give them.
 A request's ``model`` (absent: the base model) is resolved by
 :meth:`ServedModels.resolve`: a served name is the base model, an adapter's name is
 that adapter, anything else raises :class:`UnknownModel` (answered 404 in OpenAI's
-shape, ``type`` ``NotFoundError``, ``param`` ``model``, listing what is served).
+shape, ``type`` ``NotFoundError``, ``param`` ``model``, listing what is served). An
+engine started with neither flag is not :attr:`~ServedModels.configured`: it takes any
+``model`` as its base model, as it did before it knew models, and its
+``/server_info`` says ``served_model_names: null``, so a router treats it as an engine
+without model information (a candidate for every model).
 
 What each side sees:
 
@@ -60,7 +64,8 @@ class LoraModule:
 
 
 def parse_served_model_names(values: Sequence[str] | None) -> tuple[str, ...]:
-    """``--served-model-name`` values (each may be a comma list), duplicates dropped."""
+    """``--served-model-name`` values (each may be a comma list), duplicates dropped;
+    none given: :data:`DEFAULT_MODEL_NAME`."""
     names: list[str] = []
     for value in values or ():
         for name in value.split(","):
@@ -98,6 +103,9 @@ class ServedModels:
 
     names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
     loras: tuple[LoraModule, ...] = ()
+    configured: bool = False
+    """True when names or adapters were given: only they are served. False: any
+    ``model`` is the base model (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -121,6 +129,8 @@ class ServedModels:
     def resolve(self, model: Any) -> LoraModule | None:
         """The adapter ``model`` names, None for the base model; :class:`UnknownModel` else."""
         if model is None or model in self.names:
+            return None
+        if not self.configured:
             return None
         for module in self.loras:
             if module.name == model:
@@ -153,6 +163,6 @@ class ServedModels:
         """The ``/server_info`` fields describing the models."""
         return {
             "served_model_name": self.base,
-            "served_model_names": list(self.names),
+            "served_model_names": list(self.names) if self.configured else None,
             "lora_modules": [{"name": m.name, "path": m.path, "id": m.id} for m in self.loras],
         }

@@ -215,31 +215,33 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
 
 
 async def read_models(spec: EngineSpec, client: httpx.AsyncClient) -> EngineModels | None:
-    """The engine's models: described, else its ``/v1/models``, else its ``/server_info``.
-
-    None when it names none; ``httpx.HTTPError`` when neither answers.
+    """The engine's models: described, else (see :mod:`kvevents.router.models`) from its
+    ``/v1/models`` or its ``/server_info``; a ``kvevents`` engine's from ``/server_info``
+    only (one started without model flags says ``served_model_names: null``: it takes
+    any model). None when it names none; ``httpx.HTTPError`` when none answers.
     """
     if spec.models:
         return models_from_names(spec.models)
+    paths = ["/server_info"] if spec.engine_kind == "kvevents" else ["/v1/models", "/server_info"]
     failure: httpx.HTTPError | None = None
-    try:
-        response = await client.get(f"{spec.url}/v1/models", timeout=5.0)
-        if response.status_code == 200:
-            found = models_from_v1_models(response.json())
-            if found is not None:
-                return found
-    except (httpx.HTTPError, ValueError) as exc:
-        failure = exc if isinstance(exc, httpx.HTTPError) else None
-    try:
-        response = await client.get(f"{spec.url}/server_info", timeout=5.0)
-    except httpx.HTTPError:
-        if failure is not None:
-            raise failure from None
-        raise
-    try:
-        return models_from_server_info(response.json()) if response.is_success else None
-    except ValueError:
-        return None
+    for path in paths:
+        try:
+            response = await client.get(f"{spec.url}{path}", timeout=5.0)
+            body = response.json() if response.status_code == 200 else None
+        except httpx.HTTPError as exc:
+            failure = exc
+            continue
+        except ValueError:
+            continue
+        found = (
+            models_from_v1_models(body) if path == "/v1/models" else models_from_server_info(body)
+        )
+        if found is not None:
+            return found
+        failure = None
+    if failure is not None:
+        raise failure
+    return None
 
 
 async def _refresh_models(

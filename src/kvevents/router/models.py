@@ -4,11 +4,12 @@ Each engine's models come, in this order of preference, from
 
 1. ``model`` in its description (``--engine URL --model NAME[,NAME]``, or ``model`` in an
    engines file): names of base models, no adapters;
-2. its ``GET /v1/models`` (vLLM, SGLang and the simulated engine all serve it): every
-   entry's ``id``; an entry whose ``parent`` names another model is a LoRA adapter of
-   it (vLLM lists adapters that way);
+2. its ``GET /v1/models`` (vLLM and SGLang serve it): every entry's ``id``; an entry
+   whose ``parent`` names another model is a LoRA adapter of it (vLLM lists adapters
+   that way);
 3. its ``GET /server_info``: the simulated engine's ``served_model_names`` and
-   ``lora_modules``, else SGLang's ``served_model_name`` (with ``model_path`` as root).
+   ``lora_modules`` (a ``kvevents`` engine is asked only this: ``null`` names mean it
+   takes any model), else SGLang's ``served_model_name`` (with ``model_path`` as root).
 
 An engine none of these tells about has no model information: it is a candidate for
 every request, whatever its ``model``, and a router where no engine has any behaves
@@ -123,6 +124,8 @@ def models_from_server_info(info: Any) -> EngineModels | None:
     """The models a ``/server_info`` names (the simulated engine's, or SGLang's); None if none."""
     if not isinstance(info, Mapping):
         return None
+    if "served_model_names" in info and info["served_model_names"] is None:
+        return None  # a simulated engine started without model flags: it takes any model
     names = info.get("served_model_names")
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         single = info.get("served_model_name")
