@@ -212,3 +212,17 @@ def test_the_same_engine_twice_is_refused() -> None:
     args = _parser().parse_args(["--engine", "http://a:1"])
     with pytest.raises(ConfigError, match="given twice"):
         engine_specs(args, ["a:1"])
+
+
+def test_model_names_the_models_an_engine_serves() -> None:
+    """--model after an --engine (a comma list), or model in a file (a list), names its models."""
+    args = _parser().parse_args(["--engine", "http://a:8000", "--model", "llama, llama-8b"])
+    [spec] = engine_specs(args)
+    assert spec.models == ("llama", "llama-8b")
+    [listed] = parse_engines_document(
+        {"engines": [{"url": "http://b:1", "model": ["qwen", "qwen"]}]}, "file"
+    )
+    assert listed.models == ("qwen",)
+    assert EngineSpec.create("http://c:1").models == ()
+    with pytest.raises(ConfigError, match="names no model"):
+        EngineSpec.create("http://c:1", model=" , ")

@@ -15,6 +15,8 @@
   token 1 unless ``add_generation_prompt`` is false; a message whose content is
   ``"refuse"`` answers 400, as vLLM does for a conversation it cannot render.
 * ``GET /health``: 200.
+* ``GET /v1/models``: :attr:`FakeEngine.models` as vLLM answers it (404 while None, the
+  default).
 * ``GET /kv_event_sources``: :attr:`FakeEngine.kv_sources` as vLLM answers it (404
   while None, the default).
 * ``GET /metrics``: vLLM's scheduler gauges, ``vllm:num_requests_running`` and
@@ -59,6 +61,7 @@ class FakeEngine:
         self.waiting = {0: 0, 1: 0}
         self.metrics_status = 200
         self.kv_sources: dict[str, Any] | None = None
+        self.models: dict[str, Any] | None = None
         self._release = threading.Event()
         app = FastAPI()
 
@@ -112,6 +115,12 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200)
+
+        @app.get("/v1/models")
+        async def v1_models() -> Response:
+            if self.models is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse(self.models)
 
         @app.get("/kv_event_sources")
         async def kv_event_sources() -> Response:

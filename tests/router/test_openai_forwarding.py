@@ -169,11 +169,12 @@ def test_streaming_relays_each_chunk_as_it_arrives(plane: dict, router: RouterPr
 
 
 def test_bad_requests_answer_400_in_openai_shape(router: RouterProc) -> None:
-    """A batch of prompts, a missing prompt, or a non-JSON body answers 400 with an OpenAI error saying why."""
-    batch = router.post("/v1/completions", {"prompt": ["one", "two"]})
+    """A bad prompt in a batch, a missing prompt, or a non-JSON body answers 400 with an OpenAI error saying why."""
+    batch = router.post("/v1/completions", {"prompt": [[1, 2], []]})
     assert batch.status_code == 400
-    assert "batch of 2 prompts" in batch.json()["error"]["message"]
+    assert "prompt[1] must be" in batch.json()["error"]["message"]
     assert batch.json()["error"]["type"] == "invalid_request_error"
+    assert batch.json()["error"]["param"] is None
     assert (
         "no 'prompt'" in router.post("/v1/completions", {"model": "m"}).json()["error"]["message"]
     )

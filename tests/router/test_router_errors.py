@@ -20,6 +20,9 @@ class _BuggyRouter(Router):
     def route(self, token_ids: Sequence[int], **kwargs: Any) -> Any:
         raise ValueError("an internal bug, not a readiness problem")
 
+    def route_batch(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Any:
+        raise ValueError("an internal bug, not a readiness problem")
+
     def query(self, token_ids: Sequence[int], **kwargs: Any) -> Any:
         raise ValueError("an internal bug, not a readiness problem")
 

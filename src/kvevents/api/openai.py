@@ -23,6 +23,8 @@ __all__ = [
     "CompletionAnswer",
     "CompletionChoice",
     "CompletionRequest",
+    "ModelCard",
+    "ModelList",
     "OpenAIErrorAnswer",
     "OpenAIErrorDetail",
     "StreamOptions",
@@ -46,15 +48,15 @@ Prompt = Annotated[
             "anyOf": [
                 {"type": "string"},
                 _IDS,
-                {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-                {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "array", "items": _IDS, "minItems": 1},
             ]
         }
     ),
 ]
-"""One prompt. A union of several list types is more than msgspec decodes, so the
-handlers check it by hand (``prompt_of`` in the router, ``_prompt`` in the engine) and
-this schema states what they accept."""
+"""A prompt or a batch of them. A union of several list types is more than msgspec
+decodes, so the handlers check it by hand (``prompts_of`` in the router, ``_prompts`` in
+the engine) and this schema states what they accept."""
 
 
 class StreamOptions(msgspec.Struct):
@@ -75,12 +77,12 @@ class ChatMessage(msgspec.Struct):
 
 
 class CompletionRequest(msgspec.Struct):
-    """``POST /v1/completions``: one prompt, as text or token ids (or a list of one)."""
+    """``POST /v1/completions``: a prompt as text or token ids, or a batch of them."""
 
     prompt: Prompt
-    """Text, a non-empty list of token ids, or a list holding one text or one list of
-    ids (a batch of one). A batch of several prompts is refused: each may belong on
-    another rank."""
+    """Text, a non-empty list of token ids, or a batch: a list of texts or a list of
+    lists of ids. A batch runs on one rank, the one with the lowest cost summed over its
+    prompts (README, Models and LoRA adapters)."""
     model: str | None = None
     max_tokens: NonNegative | None = None
     """Tokens to generate (default 16); the engine refuses more than its limit."""
@@ -197,3 +199,24 @@ class OpenAIErrorAnswer(msgspec.Struct):
     """Every error of an OpenAI endpoint: ``{"error": {"message", "type", "code"}}``."""
 
     error: OpenAIErrorDetail
+
+
+class ModelCard(msgspec.Struct):
+    """One model of ``GET /v1/models``, in vLLM's shape (an adapter names its base in
+    ``parent``)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[Any] = []
+
+
+class ModelList(msgspec.Struct):
+    """``GET /v1/models``: every model served (base models and LoRA adapters)."""
+
+    object: str
+    data: list[ModelCard]

@@ -40,6 +40,12 @@ from kvevents.cli.options import add_log_level
 from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
+from kvevents.engine.models import (
+    DEFAULT_MODEL_NAME,
+    ServedModels,
+    parse_lora_modules,
+    parse_served_model_names,
+)
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
@@ -90,6 +96,7 @@ class EngineSettings:
     """Required of every request but ``/health`` (None: no key); never shown."""
     tls: ServerTLS | None = None
     sliding_window: int | None = None
+    models: ServedModels = field(default_factory=ServedModels)
 
     def __post_init__(self) -> None:
         # the bounds are the ones the command line parses these options with
@@ -149,6 +156,11 @@ class EngineSettings:
             api_key=engine_api_key(args),
             tls=tls_of(args),
             sliding_window=args.sliding_window,
+            models=ServedModels(
+                names=parse_served_model_names(args.served_model_name),
+                loras=parse_lora_modules(args.lora_modules),
+                configured=bool(args.served_model_name or args.lora_modules),
+            ),
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -257,6 +269,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body (413), 8 MiB",
     )
     add_engine_server_arguments(parser)
+    add(
+        "--served-model-name",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="model name(s) requests give as 'model' (repeatable or a comma list, as vLLM's; "
+        f"default {DEFAULT_MODEL_NAME}); the first is reported in answers",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="LoRA adapters served on top of the model, as vLLM's flag (the path may be a "
+        "dummy); a request naming one as 'model' keeps its own prefix-cache namespace",
+    )
     add_log_level(parser)
 
 
@@ -289,6 +316,7 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             max_blocks=settings.max_blocks,
             hash_scheme=settings.hash_scheme,
             kv_events_config=settings.kv_events_config,
+            models=settings.models,
         )
         limits = EngineLimits(
             max_new_tokens=settings.max_new_tokens_limit,

@@ -4,6 +4,7 @@
 
     --engine URL [--kv-endpoint ADDR [--replay-endpoint ADDR] [--dp-size N] [--topic T]]
                  [--block-size B] [--engine-kind vllm|sglang|kvevents] [--name NAME]
+                 [--model NAME[,NAME]]
     --engines-file FILE            (JSON, or TOML on Python 3.11+; see kvevents.subscribe.engine_spec)
     --endpoint ADDR [--replay-endpoint ADDR] [--topic T] [--name NAME] [--dp-rank R]
                                    (watch only: one explicit stream)
@@ -47,6 +48,7 @@ _AMENDS: dict[str, tuple[str, ...]] = {
     "block_size": ("engine", "endpoint"),
     "kind": ("engine",),
     "name": ("engine", "endpoint"),
+    "model": ("engine",),
     "dp_rank": ("endpoint",),
     "curve_server_key": ("engine", "endpoint"),
 }
@@ -161,6 +163,13 @@ def add_engine_arguments(
     )
     group.add_argument(
         "--name", action=Action, help="worker name (default: the engine URL or the endpoint)"
+    )
+    group.add_argument(
+        "--model",
+        action=Action,
+        metavar="NAME[,NAME]",
+        help="models the engine serves (default: read from its /v1/models or /server_info); "
+        "requests naming one are routed only among the engines serving it",
     )
     group.add_argument(
         "--engines-file",

@@ -20,6 +20,7 @@ from kvevents.api.openai import (
     ChatRequest,
     CompletionAnswer,
     CompletionRequest,
+    ModelList,
     OpenAIErrorAnswer,
     TokenizeAnswer,
     TokenizeRequest,
@@ -49,6 +50,8 @@ class GenerateRequest(msgspec.Struct):
     data_parallel_rank: int | None = None
     max_new_tokens: NewTokens | None = None
     sampling_params: SamplingParams | None = None
+    lora_path: str | None = None
+    """SGLang's name for the adapter to run under (``kvevents engine --lora-modules``)."""
     cache_salt: str | None = None
     """vLLM's cache salt: the request's blocks are cached (and published) under it."""
     extra_keys: list[list[Any] | None] | None = None
@@ -145,6 +148,12 @@ _TIMEOUT = "The rank did not answer within --request-timeout"
 _GENERATE_ERRORS = {400: _BAD, 413: _TOO_LARGE, 503: _UNAVAILABLE, 504: _TIMEOUT}
 
 OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "get",
+        "/v1/models",
+        "The served model names and LoRA adapters (--served-model-name, --lora-modules)",
+        Body(ModelList),
+    ),
     Operation(
         "post",
         "/generate",

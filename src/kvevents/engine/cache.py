@@ -44,6 +44,16 @@ When every page is pinned and the cache is full, an admission caches only the pa
 that fit (possibly none); the request still runs. A simulated engine needs no
 admission control for memory.
 
+LoRA adapters
+-------------
+A request run under an adapter (``admit(..., lora_name=, lora_id=)``) has its own
+namespace: its pages chain from a root of their own, so the same tokens under another
+adapter, or under the base model, never share a page. With the vLLM scheme the
+adapter's name is hashed into every block as vLLM does (``extra_keys=(name,)``); with
+SGLang's, the first page chains from a digest of the name. The adapter's
+``BlockStored`` events carry ``lora_name`` and ``lora_id`` (SGLang and vLLM both send
+them), and with the vLLM scheme ``extra_keys``, one ``[name]`` per block, as vLLM does.
+
 Salts, images and hybrid attention (vLLM's shapes, issue 14)
 ------------------------------------------------------------
 ``admit(..., cache_salt=, extra_keys=)`` names pages as vLLM does: the salt goes into
@@ -77,7 +87,7 @@ from typing import Any
 import msgspec
 
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvevents.wire.hashing import HashScheme, SGLangPageHash, tokens_to_array
+from kvevents.wire.hashing import HashScheme, SGLangPageHash, VLLMSha256CborHash, tokens_to_array
 
 __all__ = ["Admission", "CacheEvent", "CacheStats", "PrefixCache"]
 
@@ -164,6 +174,32 @@ class PrefixCache:
         self._evictable: OrderedDict[bytes, _Node] = OrderedDict()
         self._events: list[CacheEvent] = []
         self._epoch = 0
+        self._namespaces: dict[str, tuple[HashScheme, bytes | None]] = {}
+
+    def _namespace(self, lora_name: str | None) -> tuple[HashScheme, bytes | None]:
+        """The scheme and chain root of an adapter's pages (the cache's own for None)."""
+        if lora_name is None:
+            return self.scheme, None
+        found = self._namespaces.get(lora_name)
+        if found is None:
+            scheme = self.scheme
+            if isinstance(scheme, VLLMSha256CborHash):
+                adapter = VLLMSha256CborHash(seed=scheme.seed, extra_keys=(lora_name,))
+                adapter.none_hash = scheme.none_hash  # one NONE_HASH per engine, as in vLLM
+                found = (adapter, None)
+            else:
+                found = (scheme, hashlib.sha256(f"kvevents-lora\x00{lora_name}".encode()).digest())
+            self._namespaces[lora_name] = found
+        return found
+
+    def _event_extras(
+        self, per_page: list[Any] | None, pages: int, lora_name: str | None
+    ) -> list[Any] | None:
+        """Each page's ``extra_keys`` as vLLM publishes them: the adapter's name first."""
+        if lora_name is None or not isinstance(self.scheme, VLLMSha256CborHash):
+            return per_page
+        own = per_page if per_page is not None else [None] * pages
+        return [[lora_name, *(keys or [])] for keys in own]
 
     def __len__(self) -> int:
         """Pages cached now."""
@@ -180,10 +216,11 @@ class PrefixCache:
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        lora_name: str | None = None,
     ) -> int:
         """Tokens of the longest cached prefix of ``token_ids``, in whole pages; no side effects."""
         tokens = tokens_to_array(token_ids)
-        digests, _ = self._digests(tokens, cache_salt, extra_keys)
+        digests, _ = self._digests(tokens, cache_salt, extra_keys, lora_name)
         matched = 0
         for digest in digests:
             if digest not in self._nodes:
@@ -192,12 +229,18 @@ class PrefixCache:
         return self._window_hit(digests, matched) * self.page_size
 
     def _digests(
-        self, tokens: array[int], salt: str | None, extra_keys: Sequence[Any] | None
+        self,
+        tokens: array[int],
+        salt: str | None,
+        extra_keys: Sequence[Any] | None,
+        lora_name: str | None = None,
     ) -> tuple[list[bytes], list[Any] | None]:
-        """The pages' digests and, when any page has extra keys, each page's (vLLM's order)."""
+        """The pages' digests and, when any page has extra keys, each page's (vLLM's order;
+        the adapter's name is not among them: it picks the namespace, :meth:`_namespace`)."""
         page = self.page_size
+        scheme, root = self._namespace(lora_name)
         if salt is None and not extra_keys:
-            return self.scheme.page_digests(tokens, page), None
+            return scheme.page_digests(tokens, page, root), None
         n = len(tokens) // page
         per_page: list[Any] = [
             list(extra_keys[i]) if extra_keys and i < len(extra_keys) and extra_keys[i] else None
@@ -206,9 +249,9 @@ class PrefixCache:
         if salt is not None and n:
             per_page[0] = [*(per_page[0] or []), salt]
         digests: list[bytes] = []
-        parent: bytes | None = None
+        parent: bytes | None = root
         for i in range(n):
-            d = self.scheme.page_digests(tokens[i * page : (i + 1) * page], page, parent)[0]
+            d = scheme.page_digests(tokens[i * page : (i + 1) * page], page, parent)[0]
             if per_page[i]:
                 d = hashlib.sha256(d + msgspec.msgpack.encode(per_page[i])).digest()
             digests.append(d)
@@ -237,17 +280,22 @@ class PrefixCache:
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
     ) -> Admission:
         """Match the longest cached prefix, pin it, insert the remaining full pages and pin them.
 
         Evicts least-recently-used unpinned leaves when room is needed, recording one
         ``BlockRemoved`` for them, then one ``BlockStored`` for the inserted chain (and,
         in hybrid mode, the sliding-window group's stores; see the module docstring).
-        ``cache_salt`` and ``extra_keys`` (one entry per page) name the pages as vLLM's do.
+        ``cache_salt`` and ``extra_keys`` (one entry per page) name the pages as vLLM's do;
+        ``lora_name`` runs the request under that adapter (see the module docstring).
         """
         tokens = tokens_to_array(token_ids)
         page = self.page_size
-        digests, per_page = self._digests(tokens, cache_salt, extra_keys)
+        digests, per_page = self._digests(tokens, cache_salt, extra_keys, lora_name)
+        per_page = self._event_extras(per_page, len(digests), lora_name)
+        lora = (lora_name, lora_id)
         nodes = self._nodes
         pinned: list[_Node] = []
         for digest in digests:
@@ -265,10 +313,10 @@ class PrefixCache:
         if new:
             extras = None if per_page is None else per_page[matched : matched + len(new)]
             self._insert_chain(
-                new, pinned, tokens[matched * page : (matched + len(new)) * page], extras
+                new, pinned, tokens[matched * page : (matched + len(new)) * page], extras, lora
             )
         if self.window_pages:
-            self._store_window(digests[: matched + len(new)], hit, tokens, per_page)
+            self._store_window(digests[: matched + len(new)], hit, tokens, per_page, lora)
         stats = self.stats
         stats.admissions += 1
         stats.prompt_tokens += len(tokens)
@@ -276,7 +324,12 @@ class PrefixCache:
         return Admission(len(tokens), hit * page, len(new), pinned, self._epoch)
 
     def _store_window(
-        self, digests: list[bytes], hit: int, tokens: array[int], per_page: list[Any] | None
+        self,
+        digests: list[bytes],
+        hit: int,
+        tokens: array[int],
+        per_page: list[Any] | None,
+        lora: tuple[str | None, int | None] = (None, None),
     ) -> None:
         """The sliding-window group stores the prompt's last window pages it lacks.
 
@@ -308,7 +361,8 @@ class PrefixCache:
                     parent_block_hash=parent,
                     token_ids=tokens[tokens_from * page : j * page].tolist(),
                     block_size=page,
-                    lora_id=None,
+                    lora_id=lora[1],
+                    lora_name=lora[0],
                     medium=self.medium,
                     extra_keys=None if per_page is None else per_page[i:j],
                     group_idx=0,
@@ -417,6 +471,7 @@ class PrefixCache:
         pinned: list[_Node],
         tokens: array[int],
         extras: list[Any] | None = None,
+        lora: tuple[str | None, int | None] = (None, None),
     ) -> None:
         parent = pinned[-1] if pinned else None
         event_hash = self.scheme.event_hash
@@ -439,7 +494,8 @@ class PrefixCache:
                 parent_block_hash=None if first_parent is None else first_parent.event_hash,
                 token_ids=tokens.tolist(),
                 block_size=self.page_size,
-                lora_id=None,
+                lora_id=lora[1],
+                lora_name=lora[0],
                 medium=self.medium,
                 extra_keys=extras,
                 group_idx=1 if self.window_pages else None,

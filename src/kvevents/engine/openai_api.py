@@ -2,8 +2,13 @@
 
 Enough of vLLM's surface for a router to treat the simulated engine like a real one:
 
-* ``POST /v1/completions``: ``prompt`` (text, token ids, or a list of one of them),
-  ``max_tokens`` (default 16), ``stream``, ``stream_options.include_usage``. The rank is
+* ``GET /v1/models``: the served names and LoRA adapters in vLLM's shape
+  (:mod:`kvevents.engine.models`).
+* ``POST /v1/completions``: ``prompt`` (text, token ids, or a list of several of
+  them: a batch, each prompt answered as choice ``index`` i, all on one rank, usage
+  summed), ``max_tokens`` (default 16), ``stream``, ``stream_options.include_usage``.
+  ``model`` names a served name (the base model) or an adapter (the request runs
+  under it: its own prefix-cache namespace); any other answers 404. The rank is
   the header ``X-data-parallel-rank`` (vLLM's) or ``routed_dp_rank`` /
   ``data_parallel_rank`` in the body (SGLang's); without one, round-robin. Answers
   ``text_completion`` objects whose ``usage`` has ``prompt_tokens_details.cached_tokens``
@@ -20,11 +25,12 @@ Enough of vLLM's surface for a router to treat the simulated engine like a real 
 The byte tokenizer has no special tokens, so ``add_special_tokens`` changes nothing.
 Each body is checked against its struct in :mod:`kvevents.api.openai` (the one the
 OpenAPI document shows) before the checks above. Errors answer OpenAI's
-``{"error": {"message", "type", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -38,19 +44,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvevents.api.openai import ChatRequest, CompletionRequest, TokenizeRequest
 from kvevents.engine.bodies import BodyError, parse_json, read_body
+from kvevents.engine.models import DEFAULT_MODEL_NAME, ServedModels, UnknownModel, lora_keys
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["MODEL_NAME", "add_openai_routes"]
 
-MODEL_NAME = "kvevents-sim"
+MODEL_NAME = DEFAULT_MODEL_NAME
 MAX_MODEL_LEN = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 
 Generate = Callable[
     [list[int], int | None, int, dict[str, Any] | None], Awaitable[tuple[int, dict[str, Any]]]
 ]
-"""(token ids, rank or None, max new tokens) -> (rank used, the rank's generate result)."""
+"""(token ids, rank or None, max new tokens, what names its blocks or None: ``cache_salt``,
+``lora_name``, ``lora_id``) -> (rank used, the rank's generate result)."""
 
 
 class _Invalid(Exception):
@@ -65,9 +73,11 @@ class _Refused(Exception):
         self.status = status
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
         status_code=status,
     )
 
@@ -78,22 +88,30 @@ def _int(value: Any, name: str, low: int, high: int) -> int:
     return value
 
 
-def _prompt(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[int]:
+def _prompts(body: dict[str, Any], tokenizer: ByteTokenizer) -> list[list[int]]:
+    """The prompts of a completions body: one, or the batch a list of prompts holds."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        tokens = [_int(t, "prompt token id", 0, 2**32 - 1) for t in prompt]
-    else:
-        raise _Invalid(
-            "prompt must be text, a list of token ids, or a list of one of them "
-            "(the simulated engine takes one prompt per request)"
-        )
-    if not tokens:
-        raise _Invalid("the prompt is empty")
-    return tokens
+    batch = (
+        prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        else [prompt]
+    )
+    out = []
+    for i, one in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            tokens = tokenizer.encode(one)
+        elif isinstance(one, list) and all(isinstance(t, int) for t in one):
+            tokens = [_int(t, f"{where} token id", 0, 2**32 - 1) for t in one]
+        else:
+            raise _Invalid(
+                f"{where} must be text or a list of token ids (a list of several of them "
+                "is a batch)"
+            )
+        if not tokens:
+            raise _Invalid(f"{where} is empty")
+        out.append(tokens)
+    return out
 
 
 def _rank(request: Request, body: dict[str, Any], dp_size: int) -> int | None:
@@ -159,6 +177,7 @@ def add_openai_routes(
     *,
     max_new_tokens: int = 1_000_000,
     max_body_bytes: int = 8 << 20,
+    models: ServedModels | None = None,
 ) -> None:
     """Serve the endpoints of the module docstring on ``app``; ``max_new_tokens`` caps
     ``max_tokens`` / ``max_completion_tokens`` (more is a 400), ``max_body_bytes`` the
@@ -173,6 +192,11 @@ def add_openai_routes(
 
     tokenizer = ByteTokenizer()
     ids = itertools.count()
+    served = models or ServedModels()
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(served.v1_models(MAX_MODEL_LEN))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -204,7 +228,7 @@ def add_openai_routes(
     async def _serve(request: Request, *, chat: bool) -> Response:
         try:
             body = await body_of(request)
-            tokens = _chat_prompt(body, tokenizer) if chat else _prompt(body, tokenizer)
+            prompts = [_chat_prompt(body, tokenizer)] if chat else _prompts(body, tokenizer)
             rank = _rank(request, body, dp_size)
             key = "max_tokens"
             if chat and body.get("max_completion_tokens") is not None:
@@ -216,36 +240,51 @@ def add_openai_routes(
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
                 raise _Invalid(f"cache_salt must be a string, not {type(salt).__name__}")
+            lora = served.resolve(body.get("model"))
         except _Invalid as exc:
             return _error(400, str(exc))
         except _Refused as exc:
             return _error(exc.status, str(exc))
-        rank, result = await generate(
-            tokens, rank, max_new, None if salt is None else {"cache_salt": salt}
+        except UnknownModel as exc:
+            return _error(404, str(exc), "NotFoundError", "model")
+        keys: dict[str, Any] = {} if salt is None else {"cache_salt": salt}
+        if lora is not None:
+            keys |= lora_keys(lora)
+        # A batch runs on one rank, as one vLLM request does: the first prompt picks it
+        # when the request names none.
+        rank, first = await generate(prompts[0], rank, max_new, keys or None)
+        rest = await asyncio.gather(
+            *(generate(p, rank, max_new, keys or None) for p in prompts[1:])
         )
-        output: list[int] = result["output_ids"]
+        results = [first, *(r for _, r in rest)]
+        outputs: list[list[int]] = [r["output_ids"] for r in results]
+        prompt_tokens = sum(r["prompt_tokens"] for r in results)
+        completion_tokens = sum(map(len, outputs))
         usage = {
-            "prompt_tokens": result["prompt_tokens"],
-            "completion_tokens": len(output),
-            "total_tokens": result["prompt_tokens"] + len(output),
-            "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]},
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(r["cached_tokens"] for r in results)},
         }
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}-{next(ids)}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": body.get("model") or MODEL_NAME,
+            "model": body.get("model") or served.base,
             "dp_rank": rank,
         }
         if body.get("stream") is not True:
-            text = tokenizer.decode(output)
-            choice: dict[str, Any] = {"index": 0}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice.update(logprobs=None, finish_reason="length")
-            return JSONResponse({**head, "choices": [choice], "usage": usage})
+            choices = []
+            for index, output in enumerate(outputs):
+                text = tokenizer.decode(output)
+                choice: dict[str, Any] = {"index": index}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                choice.update(logprobs=None, finish_reason="length")
+                choices.append(choice)
+            return JSONResponse({**head, "choices": choices, "usage": usage})
         options = body.get("stream_options")
         with_usage = isinstance(options, dict) and options.get("include_usage") is True
         if chat:
@@ -259,16 +298,17 @@ def add_openai_routes(
             if chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
                 delta = {"role": "assistant", "content": ""}
                 yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-            for i, token in enumerate(output):
-                piece = tokenizer.decode([token])
-                choice: dict[str, Any] = {"index": 0}
-                if chat:
-                    choice["delta"] = {"content": piece}
-                else:
-                    choice["text"] = piece
-                last = i == len(output) - 1
-                choice.update(logprobs=None, finish_reason="length" if last else None)
-                yield chunk([choice])
+            for index, output in enumerate(outputs):
+                for i, token in enumerate(output):
+                    piece = tokenizer.decode([token])
+                    choice: dict[str, Any] = {"index": index}
+                    if chat:
+                        choice["delta"] = {"content": piece}
+                    else:
+                        choice["text"] = piece
+                    last = i == len(output) - 1
+                    choice.update(logprobs=None, finish_reason="length" if last else None)
+                    yield chunk([choice])
             if with_usage:
                 yield chunk([], usage)
             yield b"data: [DONE]\n\n"

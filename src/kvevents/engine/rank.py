@@ -14,7 +14,7 @@ loopback. Every message is one msgpack frame holding a map:
   "endpoint", "replay_endpoint"}`` with the endpoints as bound (port 0 resolved), or
   ``{"op": "failed", "token", "dp_rank", "error"}`` when the publisher cannot start;
 * parent -> rank: ``{"id", "op", ...}`` with op ``generate`` (``input_ids``,
-  ``max_new_tokens``), ``flush``, ``load``, ``kv_blocks``, ``shutdown``;
+  ``max_new_tokens``, optional ``lora_name`` and ``lora_id``), ``flush``, ``load``, ``kv_blocks``, ``shutdown``;
 * rank -> parent: ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error",
   "status"}``. A ``generate`` is answered when the request finishes, at the end of the
   simulated step that finished it.
@@ -196,6 +196,8 @@ class _RankServer:
                     int(message["max_new_tokens"]),
                     cache_salt=message.get("cache_salt"),
                     extra_keys=message.get("extra_keys"),
+                    lora_name=message.get("lora_name"),
+                    lora_id=message.get("lora_id"),
                 )
             except QueueFullError as exc:
                 self.send({"id": rid, "ok": False, "error": str(exc), "status": 503})

@@ -71,7 +71,8 @@ class _Request:
     generated: int = 0
     admission: Admission | None = None
     keys: dict[str, Any] = field(default_factory=dict)
-    """``cache_salt`` / ``extra_keys`` for :meth:`PrefixCache.admit`, when given."""
+    """``cache_salt`` / ``extra_keys`` / ``lora_name`` / ``lora_id`` for
+    :meth:`PrefixCache.admit`, when given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +144,13 @@ class Scheduler:
         *,
         cache_salt: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Queue a request; it is admitted by a later :meth:`step`.
 
-        ``cache_salt`` and ``extra_keys`` (per block) name its blocks as vLLM's do
-        (:meth:`PrefixCache.admit`).
+        ``cache_salt`` and ``extra_keys`` (per block) name its blocks as vLLM's do, and
+        ``lora_name`` runs it under that adapter (:meth:`PrefixCache.admit`).
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
@@ -157,8 +160,13 @@ class Scheduler:
                 f"(max_waiting={self.max_waiting}); retry later"
             )
         req = _Request(request_id, tokens_to_array(token_ids), max_new_tokens)
-        if cache_salt is not None or extra_keys:
-            req.keys = {"cache_salt": cache_salt, "extra_keys": extra_keys}
+        given = {
+            "cache_salt": cache_salt,
+            "extra_keys": extra_keys,
+            "lora_name": lora_name,
+            "lora_id": lora_id,
+        }
+        req.keys = {k: v for k, v in given.items() if v is not None}
         self._waiting.append(req)
 
     def step(self) -> StepResult:

@@ -2,11 +2,13 @@
 
 Endpoints (JSON in and out):
 
-* ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, and
-  the ``kv_events`` discovery block (see :mod:`kvevents.engine.server_info`; absent when
-  publishing is off or not on TCP).
+* ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, the
+  models (``served_model_name``, ``served_model_names``, ``lora_modules``:
+  :mod:`kvevents.engine.models`), and the ``kv_events`` discovery block (see
+  :mod:`kvevents.engine.server_info`; absent when publishing is off or not on TCP).
 * ``POST /generate``: ``{"input_ids": [...]} | {"text": "..."}``, optional
-  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted),
+  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted), ``lora_path``
+  (SGLang's name for the adapter to run under; an unknown one answers 400),
   ``max_new_tokens`` (top level or in ``sampling_params``, default 16), ``cache_salt``
   and ``extra_keys`` (per block, as vLLM hashes them in: the blocks are named and
   published as vLLM's, see :mod:`kvevents.engine.cache`). Answers
@@ -16,7 +18,7 @@ Endpoints (JSON in and out):
 * ``POST /flush_cache[?dp_rank=r]``, ``GET /health``, ``GET /load``,
   ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
   consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
-* ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
+* ``GET /v1/models``, ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
 Every endpoint, its body and its answers, is described in ``/openapi.json`` and
@@ -35,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -46,6 +48,7 @@ from kvevents.api import install
 from kvevents.config import KVEventsConfig
 from kvevents.engine.api_schema import OPERATIONS, GenerateRequest
 from kvevents.engine.bodies import BodyError, diagnose, read_body
+from kvevents.engine.models import ServedModels, UnknownModel, lora_keys
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
@@ -69,6 +72,7 @@ class EngineInfo:
     max_blocks: int
     hash_scheme: str
     kv_events_config: KVEventsConfig
+    models: ServedModels = field(default_factory=ServedModels)
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
 
 
 def _parse_generate(
-    body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int
+    body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int, models: ServedModels
 ) -> tuple[list[int], int | None, int, dict[str, Any]]:
     try:
         req = _GENERATE_DECODER.decode(body)
@@ -157,6 +161,16 @@ def _parse_generate(
         keys["cache_salt"] = req.cache_salt
     if req.extra_keys:
         keys["extra_keys"] = req.extra_keys
+    if req.lora_path is not None:
+        try:
+            lora = models.resolve(req.lora_path)
+        except UnknownModel:
+            raise BadRequest(
+                f"lora_path={req.lora_path!r} is no adapter of this engine; its adapters: "
+                f"{', '.join(m.name for m in models.loras) or 'none (kvevents engine --lora-modules)'}"
+            ) from None
+        if lora is not None:
+            keys |= lora_keys(lora)
     return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new, keys
 
 
@@ -194,6 +208,7 @@ def create_app(
             "hash_scheme": info.hash_scheme,
             "kv_events_config": info.kv_events_config.to_public_json(),
             "schedulers": [s.to_dict() for s in topo.schedulers],
+            **info.models.server_info(),
         }
         block = build_kv_events_block(
             info.kv_events_config, supervisor.bound_publishers(), dp_size, info.page_size
@@ -205,7 +220,7 @@ def create_app(
     async def run_generate(
         tokens: list[int], rank: int | None, max_new: int, keys: dict[str, Any] | None = None
     ) -> tuple[int, dict[str, Any]]:
-        """Generate on ``rank`` (round-robin over the live ranks when None)."""
+        """Generate on ``rank`` (round-robin over the live ranks when None), under ``lora``."""
         if rank is None:
             live = supervisor.live_ranks()
             if not live:
@@ -225,6 +240,7 @@ def create_app(
         app,
         dp_size,
         run_generate,
+        models=info.models,
         max_new_tokens=limits.max_new_tokens,
         max_body_bytes=limits.max_body_bytes,
     )
@@ -236,6 +252,7 @@ def create_app(
             dp_size,
             tokenizer,
             limits.max_new_tokens,
+            info.models,
         )
         rank, result = await run_generate(tokens, rank, max_new, keys)
         output_ids = result["output_ids"]

@@ -21,6 +21,7 @@ from kvevents.api.openai import (
     ChatRequest,
     CompletionAnswer,
     CompletionRequest,
+    ModelList,
     OpenAIErrorAnswer,
 )
 from kvevents.router.hot_path import ErrorAnswer, QueryAnswer, RouteAnswer
@@ -119,6 +120,12 @@ class RouterHealth(msgspec.Struct):
 
 
 OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "get",
+        "/v1/models",
+        "The models the engines serve (their union; adapters with their base as parent)",
+        Body(ModelList),
+    ),
     Operation(
         "post",
         "/route",

@@ -23,6 +23,7 @@ from kvevents.router.api_schema import OPERATIONS, RoutedTo
 from kvevents.router.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
+from kvevents.router.models import UnknownModelError
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
@@ -89,6 +90,10 @@ def create_fastapi_app(
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=413)
 
+    @app.exception_handler(UnknownModelError)
+    async def _unknown_model(request: Request, exc: UnknownModelError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=404)
+
     @app.exception_handler(RouterNotReadyError)
     async def _not_ready(request: Request, exc: RouterNotReadyError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
@@ -107,7 +112,11 @@ def create_fastapi_app(
         if not isinstance(payload, dict):
             raise BadRequest("request body must be a JSON object")
         decision = router.route(
-            tokens, lora=body.lora, cache_salt=body.cache_salt, policy=service.policy
+            tokens,
+            lora=body.lora,
+            cache_salt=body.cache_salt,
+            policy=service.policy,
+            model=body.model,
         )
         payload.pop("data_parallel_rank", None)
         payload["routed_dp_rank"] = decision.dp_rank
@@ -163,6 +172,9 @@ def create_fastapi_app(
                         "load_error": st.error,
                         "load_source": st.load_source,
                         "metrics_error": st.metrics_error,
+                        "models": None if st.models is None else st.models.names(),
+                        "models_source": None if st.models is None else st.models.source,
+                        "models_error": st.models_error,
                         "discovery": engines.get(st.spec.url),
                     }
                     for st in service.states.values()

@@ -32,6 +32,21 @@ removals it missed; keeping the blocks would send requests, again and again, to 
 that no longer has them, while dropping them costs at most one prefill per prefix
 until the rank stores it again.
 
+Models: :attr:`Router.models` (:class:`~kvevents.router.models.ModelCatalog`, fed by
+:mod:`kvevents.router.engines`) says which engine serves which model. ``model`` given
+to :meth:`Router.query`, :meth:`Router.route` or :meth:`Router.route_batch` limits the
+candidates to the holders of engines serving it (and of engines whose models are
+unknown); they are then matched and scored exactly as every holder is without a model.
+A model naming a LoRA adapter also keys the request under it (``lora=<name>``, unless
+``lora`` is given). An unknown model raises
+:class:`~kvevents.router.models.UnknownModelError`. Candidates per model are cached
+until the catalog or the set of holders changes, so a request with a model costs one
+dict lookup more than one without.
+
+Batches: :meth:`Router.route_batch` places several prompts (one ``/v1/completions``
+request) on one holder, the one whose summed per-prompt cost is lowest
+(:func:`~kvevents.router.batch.combine_scores`).
+
 Not thread-safe: call it from one thread (the service uses its event loop).
 
 Over 300 lines on purpose: Router is the consumer side's one in-process decision object:
@@ -52,6 +67,8 @@ from kvevents.errors import RouterNotReadyError
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.router.batch import combine_scores
+from kvevents.router.models import ModelCatalog, UnknownModelError
 from kvevents.router.scoring import (
     HolderLoad,
     HolderScore,
@@ -159,6 +176,10 @@ class Router:
         self.routes: Counter[Holder] = Counter()
         self.note_listeners: list[NoteListener] = []
         self._tickets = itertools.count(1)
+        self.models = ModelCatalog()
+        """Which engine serves which model (see the module docstring)."""
+        self._model_routes: dict[str, tuple[list[Holder], str | None]] = {}
+        self._model_routes_key = (-1, -1)
 
     # --- feeding ----------------------------------------------------------------------
 
@@ -270,21 +291,47 @@ class Router:
             token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys
         )
 
+    def candidates(self, model: str | None) -> tuple[list[Holder], str | None]:
+        """The holders that may take a request for ``model``, and the adapter it keys
+        under (None: the base model's namespace); see the module docstring.
+
+        Every holder when ``model`` is None or no engine's models are known.
+        :class:`~kvevents.router.models.UnknownModelError` when no engine serves it.
+        The list is shared: do not change it.
+        """
+        if model is None or not self.models.known:
+            return self.holders(), None
+        key = (self.models.version, len(self.loads))  # loads gain an entry per new holder
+        if key != self._model_routes_key:
+            self._model_routes.clear()
+            self._model_routes_key = key
+        found = self._model_routes.get(model)
+        if found is None:
+            serves = self.models.serves
+            holders = [h for h in self.holders() if serves(h.worker, model)]
+            if not holders and model not in self.models.names():
+                raise UnknownModelError(model, self.models.names())
+            found = (holders, model if self.models.adapter(model) else None)
+            if holders:  # only models that route are kept: unknown names never grow it
+                self._model_routes[model] = found
+        return found
+
     def query(
         self,
         token_ids: Sequence[int],
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every known holder's longest cached prefix of the request, per tier, in blocks.
+        """Every candidate holder's longest cached prefix of the request, per tier, in blocks.
 
         ``extra_keys``: per block, the keys an engine adds to its hash (images; see
         :meth:`PrefixIndex.keys_for`); ValueError when they cannot be keyed.
         """
         return self.query_predicted(
-            token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys
+            token_ids, lora=lora, cache_salt=cache_salt, model=model, extra_keys=extra_keys
         )[0]
 
     def query_predicted(
@@ -293,6 +340,7 @@ class Router:
         *,
         lora: str | int | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
         """:meth:`query`, and per holder the blocks predictions add (holders with some)."""
@@ -301,44 +349,21 @@ class Router:
                 "the block size is not known yet: no engine has advertised one or stored a "
                 "block; give the router --block-size, or retry once an engine has; see /workers"
             )
-        keys = self._keys(token_ids, lora, cache_salt, extra_keys)
+        holders, adapter = self.candidates(model)
+        keys = self._keys(token_ids, adapter if lora is None else lora, cache_salt, extra_keys)
         result = self.index.match_keys(keys)
         found = result.by_holder()
         predicted = self.index.predicted(keys, result)
-        return {h: found.get(h, HolderMatch(0, 0, 0)) for h in self.holders()}, predicted
+        return {h: found.get(h, HolderMatch(0, 0, 0)) for h in holders}, predicted
 
-    def route(
-        self,
-        token_ids: Sequence[int],
-        *,
-        lora: str | int | None = None,
-        cache_salt: str | None = None,
-        policy: Policy = "kv-aware",
-        extra_keys: Sequence[Any] | None = None,
-    ) -> RouteDecision:
-        """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
-
-        ``policy`` is one of :data:`POLICIES` (see the module docstring).
-        :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
-        """
-        if policy not in POLICIES:
-            raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
-        if not self.holders():
-            raise RouterNotReadyError(
-                "no engine rank is known yet: the router is still discovering its engines, "
-                "or none answers; see /workers"
-            )
-        if self.index.block_size is None:
-            # No engine has stored a block yet (and none advertised its block size, as a
-            # vLLM found through /kv_event_sources does not): nothing is cached anywhere,
-            # so the choice is by load alone, and the request counts as no blocks.
-            keys: list[int] = []
-        else:
-            keys = self._keys(token_ids, lora, cache_salt, extra_keys)
+    def _scored(
+        self, keys: list[int], holders: list[Holder], *, predictions: bool = True
+    ) -> tuple[list[HolderScore], bool]:
+        """Every candidate's score for a request of ``keys`` (without predictions when
+        ``predictions`` is False), and whether predictions count for some holder."""
         result = self.index.match_keys(keys)
         found = result.by_holder()
-        predicted = self.index.predicted(keys, result)
-        holders = self.holders()
+        predicted = self.index.predicted(keys, result) if predictions else None
         scores = score(
             len(keys),
             holders,
@@ -348,18 +373,81 @@ class Router:
             weights=self.weights,
             predicted=predicted,
         )
+        return scores, bool(predicted)
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        policy: Policy = "kv-aware",
+        model: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> RouteDecision:
+        """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
+
+        ``policy`` is one of :data:`POLICIES` (see the module docstring); ``model``
+        limits the candidates to the engines serving it; ``extra_keys`` as in :meth:`query`.
+        :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
+        """
+        return self.route_batch(
+            (token_ids,),
+            lora=lora,
+            cache_salt=cache_salt,
+            policy=policy,
+            model=model,
+            extra_keys=extra_keys,
+        )
+
+    def route_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        policy: Policy = "kv-aware",
+        model: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> RouteDecision:
+        """Choose one holder for every prompt of a batch: the lowest summed cost.
+
+        Each prompt is matched and scored as :meth:`route` scores one request; each
+        holder's scores are then summed (:func:`~kvevents.router.batch.combine_scores`),
+        and the decision's ``n_blocks`` and ``keys`` cover every prompt. One prompt is
+        exactly :meth:`route`.
+        """
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
+        if not prompts:
+            raise ValueError("route_batch: give at least one prompt")
+        if extra_keys is not None and len(prompts) > 1:
+            raise ValueError("extra_keys name the blocks of one prompt: route a batch without them")
+        holders, adapter = self.candidates(model)
+        if not holders:
+            raise RouterNotReadyError(
+                "no engine rank is known yet"
+                + ("" if model is None else f" for model {model!r}")
+                + ": the router is still discovering its engines, or none answers; see /workers"
+            )
+        if lora is None:
+            lora = adapter
+        # Before any engine has stored a block (and none advertised its block size, as a
+        # vLLM found through /kv_event_sources does not), nothing is cached anywhere: the
+        # choice is by load alone, and the request counts as no blocks.
+        sized = self.index.block_size is not None
+        each = [self._keys(t, lora, cache_salt, extra_keys) if sized else [] for t in prompts]
+        scored = [self._scored(k, holders) for k in each]
+        keys = each[0] if len(each) == 1 else [k for one in each for k in one]
+        scores = (
+            scored[0][0] if len(scored) == 1 else combine_scores([s for s, _ in scored], holders)
+        )
         best = choose(scores)
         by_prediction = False
-        if predicted and best.predicted_blocks:
-            plain = score(
-                len(keys),
-                holders,
-                found,
-                self.loads,
-                credits=self.index.credits,
-                weights=self.weights,
-            )
-            by_prediction = plain[0].holder != best.holder
+        if best.predicted_blocks and any(p for _, p in scored):
+            plain = [self._scored(k, holders, predictions=False)[0] for k in each]
+            first = plain[0] if len(plain) == 1 else combine_scores(plain, holders)
+            by_prediction = first[0].holder != best.holder
         if policy == "round-robin":
             turn = [s for s in sorted(scores, key=lambda s: self._order(s.holder)) if s.available]
             best = turn[self._next_turn % len(turn)]

@@ -21,6 +21,13 @@ One :func:`watch_engine` task per engine, until the service stops:
    :attr:`EngineState.load_source` says which applies. The router's own in-flight
    requests count as load for every kind.
 
+3. The engine's models (:mod:`kvevents.router.models`): from the description's
+   ``model``, else its ``GET /v1/models``, else its ``/server_info``; read at
+   registration, again every :data:`MODELS_RECHECK_S` seconds (``models_interval``), and at once when the
+   engine answers again after failing (it may have restarted serving another model).
+   A failed read keeps what was known and is kept in :attr:`EngineState.models_error`;
+   it never makes the engine unavailable.
+
 Errors never end the task: they mark the engine's ranks unavailable, are kept in
 :attr:`EngineState.error` for ``/workers`` and logged (once per new error). An engine
 that answers 401 or 403 (it requires an API key, and the router's ``--engine-api-key`` is
@@ -41,6 +48,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvevents.errors import DiscoveryError
 from kvevents.router.core import Router
+from kvevents.router.models import (
+    EngineModels,
+    models_from_names,
+    models_from_server_info,
+    models_from_v1_models,
+)
 from kvevents.subscribe.discovery import (
     StreamSpec,
     streams_from_kv_event_sources,
@@ -49,7 +62,10 @@ from kvevents.subscribe.discovery import (
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.types import Holder
 
-__all__ = ["EngineState", "LoadSource", "vllm_rank_loads", "watch_engine"]
+__all__ = ["MODELS_RECHECK_S", "EngineState", "LoadSource", "vllm_rank_loads", "watch_engine"]
+
+MODELS_RECHECK_S = 10.0
+"""Seconds between two reads of an engine's models while it answers."""
 
 LoadSource = Literal["/load", "/metrics", "router"]
 """Where an engine's rank loads come from (see :attr:`EngineState.load_source`)."""
@@ -71,6 +87,11 @@ class EngineState:
     """Where the ranks' load last came from: ``/load``, ``/metrics``, or ``router``
     (this router's in-flight requests only); ``metrics_error`` says why not metrics."""
     metrics_error: str | None = None
+    models: EngineModels | None = None
+    """The models the engine serves, when known (see the module docstring)."""
+    models_error: str | None = None
+    models_read_at: float | None = None
+    """Monotonic time of the last attempt to read the models."""
 
 
 def vllm_rank_loads(text: str) -> list[dict[str, int]]:
@@ -207,23 +228,78 @@ async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClie
         state.load_source = "router"
 
 
+async def read_models(spec: EngineSpec, client: httpx.AsyncClient) -> EngineModels | None:
+    """The engine's models: described, else (see :mod:`kvevents.router.models`) from its
+    ``/v1/models`` or its ``/server_info``; a ``kvevents`` engine's from ``/server_info``
+    only (one started without model flags says ``served_model_names: null``: it takes
+    any model). None when it names none; ``httpx.HTTPError`` when none answers.
+    """
+    if spec.models:
+        return models_from_names(spec.models)
+    paths = ["/server_info"] if spec.engine_kind == "kvevents" else ["/v1/models", "/server_info"]
+    failure: httpx.HTTPError | None = None
+    for path in paths:
+        try:
+            response = await client.get(f"{spec.url}{path}", timeout=5.0)
+            body = response.json() if response.status_code == 200 else None
+        except httpx.HTTPError as exc:
+            failure = exc
+            continue
+        except ValueError:
+            continue
+        found = (
+            models_from_v1_models(body) if path == "/v1/models" else models_from_server_info(body)
+        )
+        if found is not None:
+            return found
+        failure = None
+    if failure is not None:
+        raise failure
+    return None
+
+
+async def _refresh_models(
+    router: Router, state: EngineState, client: httpx.AsyncClient, now: float
+) -> None:
+    state.models_read_at = now
+    try:
+        models = await read_models(state.spec, client)
+    except httpx.HTTPError as exc:
+        state.models_error = f"{type(exc).__name__}: {exc}"
+        return
+    state.models, state.models_error = models, None
+    if router.models.set(state.spec.worker, models):
+        names = "none" if models is None else ", ".join(models.names())
+        log.info("engine %s serves models: %s", state.spec.url, names)
+
+
 async def watch_engine(
     router: Router,
     state: EngineState,
     client: httpx.AsyncClient,
     interval: float,
     stopping: asyncio.Event,
+    models_interval: float = MODELS_RECHECK_S,
 ) -> None:
-    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set.
+    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set
+    (its models every ``models_interval`` s).
 
     Each new error is logged once (a warning), and again only after it changed or cleared.
     """
     logged: str | None = None
+    loop = asyncio.get_running_loop()
     while not stopping.is_set():
         try:
             if not state.registered:
                 await _register(router, state, client)
             await _poll_load(router, state, client)
+            now = loop.time()
+            if (
+                state.models_read_at is None
+                or state.error is not None  # back after failing: it may have restarted
+                or now - state.models_read_at >= models_interval
+            ):
+                await _refresh_models(router, state, client, now)
             state.error = None
         except (httpx.HTTPError, ValueError, DiscoveryError) as exc:
             router.set_worker_available(state.spec.worker, False)

@@ -26,13 +26,18 @@ Answers (JSON):
   them; the top-level ``predicted_blocks`` is the chosen holder's, and ``by_prediction``
   says whether confirmed blocks alone would have chosen another holder.
 
-Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
-JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 413 past the
-body limit, 503 before any engine rank is known, and the tokenizer's own status when
-tokenizing text fails, 401 without the ``--api-key`` (any path but the open ones). The
-connection stays usable after every one of them.
+Both take ``model`` (:mod:`kvevents.router.models`): only the holders of engines serving
+it are matched, scored and answered, and an adapter's name keys the request under it.
 
-Just over 300 lines: the answers' structs and the one handler that writes them read together.
+Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
+JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 404 for a
+``model`` no engine serves (the message lists those served), 413 past the body limit,
+503 before any engine rank is known, and the tokenizer's own status when tokenizing text
+fails, 401 without the ``--api-key`` (any path but the open ones). The connection stays
+usable after every one of them.
+
+Over 300 lines: the answers' structs and the handlers that write them, on both server
+interfaces (ASGI and granian's RSGI), read together.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from kvevents.router.bodies import (
     read_rsgi_body,
 )
 from kvevents.router.core import RouteDecision
+from kvevents.router.models import UnknownModelError
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
 
@@ -258,6 +264,8 @@ class HotPath:
             return 413, _error(str(exc))
         except TokenizeFailed as exc:
             return exc.status, _error(str(exc))
+        except UnknownModelError as exc:
+            return 404, _error(str(exc))
         except RecursionError:
             return 400, _error("request body: JSON nested too deeply")
         except UnicodeError as exc:
@@ -270,7 +278,11 @@ class HotPath:
         router = self.service.router
         try:
             matches, predicted = router.query_predicted(
-                tokens, lora=body.lora, cache_salt=body.cache_salt, extra_keys=body.extra_keys
+                tokens,
+                lora=body.lora,
+                cache_salt=body.cache_salt,
+                model=body.model,
+                extra_keys=body.extra_keys,
             )
         except ValueError as exc:
             if body.extra_keys is None:
@@ -302,7 +314,11 @@ class HotPath:
         router = self.service.router
         try:
             decision = router.route(
-                tokens, lora=body.lora, cache_salt=body.cache_salt, extra_keys=body.extra_keys
+                tokens,
+                lora=body.lora,
+                cache_salt=body.cache_salt,
+                model=body.model,
+                extra_keys=body.extra_keys,
             )
         except ValueError as exc:
             if body.extra_keys is None:

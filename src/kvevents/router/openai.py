@@ -1,14 +1,22 @@
 """OpenAI-compatible routing to the engine rank holding the prefix.
 
-``POST /v1/completions``: ``prompt`` is text, a list of token ids, or a list holding one
-of either; a batch of several prompts answers 400 (send one request per prompt: each
-may belong on another rank). Text is tokenized as the engine would
-(:mod:`kvevents.router.tokenize`, honouring vLLM's ``add_special_tokens``).
+``POST /v1/completions``: ``prompt`` is text, a list of token ids, or a list of several
+of either (a batch). Text is tokenized as the engine would
+(:mod:`kvevents.router.tokenize`, honouring vLLM's ``add_special_tokens``). A batch is
+forwarded whole to the one holder with the lowest summed cost over its prompts
+(:mod:`kvevents.router.batch` says why it is not split), so the engine's answer, its
+``choices[i].index`` and usage come back as the engine gave them.
 
 ``POST /v1/chat/completions``: ``messages`` are rendered with the engine's chat template
 and tokenized (with ``--tokenize-endpoint``, by the engine's own ``/tokenize``; with the
 default byte tokenizer, the simulated engine's template; ``--tokenizer FILE`` answers
 501, as a ``tokenizer.json`` holds no template).
+
+``model`` (both endpoints) limits the candidates to the engines serving it, and a LoRA
+adapter's name keys the request under the adapter (:mod:`kvevents.router.models`); a
+model no engine serves answers 404 (``type`` ``NotFoundError``, ``param`` ``model``)
+listing the models served. ``GET /v1/models`` answers the union of the engines' models
+in vLLM's shape.
 
 The router then chooses ``(engine, rank)`` and the request goes to the same path on that
 engine:
@@ -32,10 +40,11 @@ predicted ones after them, :mod:`kvevents.index.predictions`)
 
 and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`` or
 ``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
-OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 413 for a body over
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 413 for a body over
 ``--max-body-bytes`` (refused before it is buffered whole), 400 for a bad body (the
 engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
-the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 with no rank
+the tokenizer cannot render, 404 for an unknown model, 502 when tokenizing failed
+otherwise, 503 with no rank
 available, and 502 when the engine cannot be reached.
 
 Over 300 lines on purpose: the two OpenAI endpoints share one forwarding path (routing,
@@ -58,6 +67,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.router.bodies import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, Disconnected, read_body
 from kvevents.router.core import RouteDecision
+from kvevents.router.models import UnknownModelError
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS, BadRequest
 from kvevents.router.tokenize import ChatError, TokenizeError
@@ -65,7 +75,7 @@ from kvevents.router.tokenize import ChatError, TokenizeError
 if TYPE_CHECKING:
     from kvevents.router.service import RouterService
 
-__all__ = ["RANK_HEADER", "add_openai_routes", "decision_headers", "prompt_of"]
+__all__ = ["RANK_HEADER", "add_openai_routes", "decision_headers", "prompts_of"]
 
 RANK_HEADER = "X-data-parallel-rank"
 _DROP_HEADERS = frozenset(
@@ -90,44 +100,46 @@ _MAX_TOKEN_ID = 2**32 - 1
 class OpenAIError(KVEventsError):
     """An error answered in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.param = param
 
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": str(self), "type": self.kind, "code": self.status}},
-            status_code=self.status,
-        )
+        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}
+        return JSONResponse({"error": error}, status_code=self.status)
 
 
-def prompt_of(body: Mapping[str, Any]) -> str | list[int]:
-    """The single prompt of a completions body: text or token ids (OpenAIError 400 else)."""
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        # one C-level pass over the kinds, not a Python loop per token
+        try:
+            array("I", prompt)
+        except OverflowError:
+            raise OpenAIError(400, f"{where} token ids must be in 0..{_MAX_TOKEN_ID}") from None
+        return prompt
+    raise OpenAIError(
+        400, f"{where} must be a string, a non-empty list of token ids, or a list of them"
+    )
+
+
+def prompts_of(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completions body: one, or every prompt of a batch (OpenAIError 400 else)."""
     if "prompt" not in body:
         raise OpenAIError(400, "the body has no 'prompt' (text or a list of token ids)")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        kinds = set(map(type, prompt))  # one C-level pass, not a Python loop per token
-        if kinds == {int}:
-            try:
-                array("I", prompt)
-            except OverflowError:
-                raise OpenAIError(400, f"prompt token ids must be in 0..{_MAX_TOKEN_ID}") from None
-            return prompt
-        if kinds <= {str, list}:
-            raise OpenAIError(
-                400,
-                f"prompt holds a batch of {len(prompt)} prompts; the router places one prompt "
-                "per request (each may belong on another rank): send one request per prompt",
-            )
-    raise OpenAIError(
-        400, "prompt must be a string, a non-empty list of token ids, or a list of one of them"
-    )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
 
 
 def decision_headers(decision: RouteDecision, prompt_tokens: int) -> dict[str, str]:
@@ -176,11 +188,16 @@ def add_openai_routes(
     body over ``max_body_bytes`` answers 413."""
     router = service.router
 
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(router.models.v1_models())
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
             raw, body = await _json_body(request, "completions", max_body_bytes)
-            return await _forward(request, raw, body, await _prompt_tokens(body), chat=False)
+            prompts = [await _prompt_tokens(body, p) for p in prompts_of(body)]
+            return await _forward(request, raw, body, prompts, chat=False)
         except OpenAIError as exc:
             return exc.response()
 
@@ -194,12 +211,11 @@ def add_openai_routes(
                 raise OpenAIError(400, str(exc)) from None
             except TokenizeError as exc:
                 raise _tokenize_error(exc) from None
-            return await _forward(request, raw, body, tokens, chat=True)
+            return await _forward(request, raw, body, [tokens], chat=True)
         except OpenAIError as exc:
             return exc.response()
 
-    async def _prompt_tokens(body: dict[str, Any]) -> list[int]:
-        prompt = prompt_of(body)
+    async def _prompt_tokens(body: dict[str, Any], prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return prompt
         model = body.get("model")
@@ -213,18 +229,30 @@ def add_openai_routes(
             raise _tokenize_error(exc) from None
 
     async def _forward(
-        request: Request, raw: bytes, body: dict[str, Any], tokens: list[int], *, chat: bool
+        request: Request,
+        raw: bytes,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        *,
+        chat: bool,
     ) -> Response:
         path, endpoint = (
             ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
         )
         salt = body.get("cache_salt")
+        model = body.get("model")
         try:
-            decision = router.route(
-                tokens, cache_salt=salt if isinstance(salt, str) else None, policy=service.policy
+            decision = router.route_batch(
+                prompts,
+                cache_salt=salt if isinstance(salt, str) else None,
+                policy=service.policy,
+                model=model if isinstance(model, str) else None,
             )
+        except UnknownModelError as exc:
+            raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
         except RouterNotReadyError as exc:
             raise OpenAIError(503, str(exc), "service_unavailable") from None
+        prompt_tokens = sum(map(len, prompts))
         spec = service.spec(decision.worker)
         headers = _forward_headers(request)
         headers["accept-encoding"] = "identity"  # bytes are relayed as they come, unencoded
@@ -236,14 +264,14 @@ def add_openai_routes(
             body.pop("data_parallel_rank", None)
             body["routed_dp_rank"] = decision.dp_rank
             content = msgspec.json.encode(body)
-        shown = decision_headers(decision, len(tokens))
+        shown = decision_headers(decision, prompt_tokens)
         url = f"{spec.url}{path}"
         ticket = router.begin(decision)
         try:
             upstream = await service.session.post(url, data=content, headers=headers)
         except FORWARD_ERRORS as exc:
             router.finish(ticket, failed=True)
-            service.requests.record(endpoint, decision, len(tokens), 502)
+            service.requests.record(endpoint, decision, prompt_tokens, 502)
             error = OpenAIError(
                 502,
                 f"forwarding to {spec.url} failed: {_describe(exc)}",
@@ -253,7 +281,7 @@ def add_openai_routes(
             response.headers.update(shown)
             return response
         status = upstream.status
-        service.requests.record(endpoint, decision, len(tokens), status)
+        service.requests.record(endpoint, decision, prompt_tokens, status)
         media = upstream.headers.get("content-type", "application/json")
         if body.get("stream") is not True or status != 200:
             try:
@@ -284,7 +312,9 @@ def add_openai_routes(
                     yield chunk
             except FORWARD_ERRORS as exc:
                 message = f"the engine {spec.url} failed midway: {_describe(exc)}"
-                error = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
+                error = {
+                    "error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}
+                }
                 yield b"event: error\ndata: " + json.dumps(error).encode() + b"\n\n"
             finally:
                 upstream.release()

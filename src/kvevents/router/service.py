@@ -23,7 +23,7 @@ import msgspec
 from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
 from kvevents.http_auth import ClientCredentials
 from kvevents.router.core import POLICIES, Policy, Router
-from kvevents.router.engines import EngineState, watch_engine
+from kvevents.router.engines import MODELS_RECHECK_S, EngineState, watch_engine
 from kvevents.router.metrics import make_registry
 from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.request_stats import RequestStats
@@ -75,6 +75,9 @@ class TokensBody(msgspec.Struct):
     """Per block, the keys the engine adds to its hash (vLLM's ``BlockStored.extra_keys``
     shape: image identifiers with their offsets), for gateways that know them; see
     :mod:`kvevents.index.extra_keys`."""
+    model: str | None = None
+    """Only the engines serving this model are candidates; an adapter's name keys the
+    request under it (:mod:`kvevents.router.models`)."""
     record: bool = False
     """``/route`` only: count the choice as sent (the caller forwards the request)."""
     top: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_TOP
@@ -116,6 +119,7 @@ class RouterService:
         tokenizer: TextTokenizer | None = None,
         policy: Policy = "kv-aware",
         engine_credentials: ClientCredentials | None = None,
+        models_interval: float = MODELS_RECHECK_S,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -141,6 +145,8 @@ class RouterService:
         self.engines = [s.url for s in specs]
         self.subscriber = subscriber
         self.load_interval = load_interval
+        self.models_interval = models_interval
+        """Seconds between two reads of an engine's models (:mod:`kvevents.router.engines`)."""
         self.forward_timeout = forward_timeout
         self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
         self.policy = policy
@@ -229,7 +235,12 @@ class RouterService:
             self._tasks.append(
                 asyncio.create_task(
                     watch_engine(
-                        self.router, state, self._client, self.load_interval, self._stopping
+                        self.router,
+                        state,
+                        self._client,
+                        self.load_interval,
+                        self._stopping,
+                        self.models_interval,
                     )
                 )
             )

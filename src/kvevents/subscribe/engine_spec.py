@@ -14,6 +14,10 @@ Rank ``r`` publishes on the endpoint offset for ``r`` (:meth:`Endpoint.for_rank`
 still apply (a configured block size is cross-checked against what the engine
 advertises and sends).
 
+``model`` names the models the engine serves (a name, a comma list, or in a file a list
+of names); the router then routes requests for them there without asking the engine
+(:mod:`kvevents.router.models`).
+
 ``kind`` says how a request is sent to one rank: ``vllm`` with the HTTP header
 ``X-data-parallel-rank``, ``sglang`` and ``kvevents`` (our simulated engine) with
 ``routed_dp_rank`` in the JSON body; ``kvevents`` engines also report their load at
@@ -74,6 +78,7 @@ FIELDS = (
     "kind",
     "name",
     "curve_server_key",
+    "model",
 )
 
 
@@ -94,6 +99,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
     curve_server_key: str | None = None
     """The engine's CURVE public key, when its publishers use CURVE and do not advertise it."""
+    model: str | list[str] | None = None
 
     @classmethod
     def create(cls, url: str, **fields: Any) -> EngineSpec:
@@ -123,6 +129,10 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         where = f"engine {self.url}"
         if not httpx.URL(self.url).host:
             raise ConfigError(f"{where}: cannot read a host from the URL; write http://HOST:PORT")
+        if self.model is not None and not self.models:
+            raise ConfigError(
+                f"{where}: model={self.model!r} names no model; give e.g. model=llama"
+            )
         for field in ("dp_size", "block_size"):
             value = getattr(self, field)
             if value is not None and value < 1:
@@ -144,6 +154,13 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     def worker(self) -> str:
         """The engine's name in holders, metrics and /workers: ``name``, else the URL."""
         return self.name or self.url
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The names ``model`` gives (a comma list split), in order; empty when not given."""
+        given = [self.model] if isinstance(self.model, str) else (self.model or [])
+        names = [n.strip() for value in given for n in value.split(",")]
+        return tuple(dict.fromkeys(n for n in names if n))
 
     @property
     def described(self) -> bool:
