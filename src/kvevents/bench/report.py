@@ -252,6 +252,18 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             "<= +2 ms",
             added <= 2.0,
         )
+    cost = r.get("note_cost")
+    if cost is not None:
+        ratios = cost["round_ratios_on_over_off"]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        yield Figure(
+            "router",
+            f"/route recording, --sync off / on (median of {cost['rounds']} interleaved rounds)",
+            f"{_n(cost['median_requests_per_s_off'])} / {_n(cost['median_requests_per_s_on'])} "
+            f"req/s: a note costs {cost['cost']:.1%} (on/off per round {spread})",
+            "<= 5%",
+            cost["cost"] <= 0.05,
+        )
 
 
 def _ingest(r: dict[str, Any]) -> Iterator[Figure]:

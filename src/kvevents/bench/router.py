@@ -11,7 +11,10 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
 * the bare server (:mod:`kvevents.bench.bare_server`): the same HTTP stack that only
   parses the body, the ceiling for any router on it;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
-  directly (the relay's added latency).
+  directly (the relay's added latency);
+* ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
+  without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
+  (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
 
 Every figure is from the same run on the same machine; wrk runs with one thread, which
 competes with the servers for the cores, as it would for Dynamo's indexer too.
@@ -34,6 +37,7 @@ from typing import Any
 import httpx
 
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
+from kvevents.bench.note_cost import run_note_cost
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 
@@ -149,6 +153,7 @@ def run_router_bench(
     connections: int = 32,
     workers: Sequence[int] = (1, 2),
     completions: bool = True,
+    sync_rounds: int = 3,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring)."""
     _wrk()
@@ -165,6 +170,7 @@ def run_router_bench(
             "connections": connections,
             "duration_s": duration,
             "load_generator": "wrk -t1",
+            "sync_rounds": sync_rounds,
         },
         "runs": {},
     }
@@ -187,6 +193,9 @@ def run_router_bench(
             folder,
             "completions",
             [{"model": "sim", "prompt": p, "max_tokens": 1} for p in short],
+        )
+        recorded = _write_bodies(
+            folder, "record-2048", [{"input_ids": p, "record": True} for p in short]
         )
         try:
             engine_url = engine.start(timeout=60.0)
@@ -223,6 +232,16 @@ def run_router_bench(
                         )
                 finally:
                     router.stop()
+            if sync_rounds > 0:
+                results["note_cost"] = run_note_cost(
+                    engine_url,
+                    recorded,
+                    lambda url: _wait_indexed(url, blocks),
+                    lambda url, bodies: _load(
+                        url, bodies, duration=duration, connections=connections
+                    ),
+                    rounds=sync_rounds,
+                )
         finally:
             bare.stop()
             engine.stop()
