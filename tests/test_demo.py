@@ -395,7 +395,7 @@ def test_restart_figures_count_requests_that_missed_the_prefix_the_router_counte
         Outcome(0, 64, 0, 12.0, 0.1, target=new, router_cached_blocks=4.0),  # after: not counted
     ]
     run = PolicyRun("replicas_restart", outcomes, wall_s=20.0, started=100.0, retried=2)
-    step = RestartStep("http://e", 4, [], [], at_s=4.0, startup_timeout=5.0)
+    step = RestartStep("http://e", 4, [], [], after=1, startup_timeout=5.0)
     step.killed_at, step.launched_at, step.ready_at, step.equal_at = 104.0, 104.2, 106.0, 108.0
     step.new_url, step.old_url = new.removesuffix("/generate"), old.removesuffix("/generate")
     doc = restart_figures(step, run, page_size=16)

@@ -41,6 +41,7 @@ import multiprocessing
 import shlex
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,7 @@ def _replay(
     concurrency: int,
     console: Console,
     interrupts: Interrupts,
+    answered: Callable[[], None] | None = None,
 ) -> PolicyRun:
     columns = (
         TextColumn("{task.description:<20}"),
@@ -195,6 +197,8 @@ def _replay(
         def on_done(outcome: Outcome) -> None:
             totals[0] += outcome.prompt_tokens
             totals[1] += outcome.cached_tokens
+            if answered is not None:
+                answered()
             hit = f"{100 * totals[1] / totals[0]:.1f}%" if totals[0] else "-"
             progress.update(task, advance=1, hit=hit)
 
@@ -265,13 +269,19 @@ def _run_plane(
                     args.dp_size,
                     groups["replicas_sync"],
                     generate,
-                    at_s=workload.arrival_s(len(workload) // 2),
+                    after=len(workload) // 2,
                     startup_timeout=args.startup_timeout,
                 )
                 step.start()
             try:
                 runs[name] = _replay(
-                    name, workload, generate, args.concurrency, console, interrupts
+                    name,
+                    workload,
+                    generate,
+                    args.concurrency,
+                    console,
+                    interrupts,
+                    None if step is None else step.answered,
                 )
             finally:
                 if step is not None:

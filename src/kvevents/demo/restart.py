@@ -1,7 +1,8 @@
 """The demo's restart step: one synced replica SIGKILLed mid-trace, restarted with ``--peer``.
 
 During the synced replicas' replay (``kvevents demo --routers N``, N >= 2), a thread
-waits until the middle of the trace, then:
+waits until half the trace's requests have been answered (:meth:`RestartStep.answered`
+counts them), then:
 
 1. sends SIGKILL to the last replica's process group (no clean shutdown) and takes its
    URL out of the replay's target list, as a load balancer's health check would
@@ -51,13 +52,14 @@ _POLL_S = 0.1
 @dataclass
 class RestartStep:
     """See the module docstring. ``targets``: the replay's live list of ``/generate`` URLs
-    (one per child of ``children``, in order); ``at_s``: seconds after :meth:`start`."""
+    (one per child of ``children``, in order); ``after``: answered requests before the
+    kill."""
 
     engine_url: str
     dp_size: int
     children: list[Child]
     targets: list[str]
-    at_s: float
+    after: int
     startup_timeout: float
     equal_timeout: float = 30.0
     killed_at: float | None = None
@@ -72,6 +74,14 @@ class RestartStep:
     old_url: str | None = None
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _due: threading.Event = field(default_factory=threading.Event)
+    _answered: int = 0
+
+    def answered(self) -> None:
+        """One more request of the replay was answered (called on the replay's thread)."""
+        self._answered += 1
+        if self._answered >= self.after:
+            self._due.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="demo-restart", daemon=True)
@@ -80,6 +90,8 @@ class RestartStep:
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for the step to end, then tell it to stop polling."""
         if self._thread is not None:
+            if not self._due.is_set():
+                self._stop.set()  # the replay ended before the kill was due
             self._thread.join(timeout)
             self._stop.set()
             self._thread.join(self.startup_timeout + 10.0)
@@ -91,7 +103,9 @@ class RestartStep:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _steps(self) -> None:
-        time.sleep(self.at_s)
+        while not self._due.wait(0.1):
+            if self._stop.is_set():
+                return  # the replay ended first
         victim = self.children[-1]
         gone = self.targets[-1]
         self.old_url = gone.removesuffix("/generate")
@@ -176,6 +190,9 @@ def restart_figures(step: RestartStep, run: PolicyRun, page_size: int) -> dict[s
         "killed_at_s": step.killed_at - t0,
         "down_s": (step.ready_at or end) - step.killed_at,
         "ready_after_launch_s": since(step.ready_at),
+        "equal_after_ready_s": None
+        if step.equal_at is None or step.ready_at is None
+        else step.equal_at - step.ready_at,
         "equal_after_launch_s": since(step.equal_at),
         "rank_equal_after_launch_s": {r: since(t) for r, t in sorted(step.rank_equal_at.items())},
         "index_equal": step.equal_at is not None,
