@@ -12,6 +12,7 @@ and writes them as JSON (default benchmarks/results/router.json). The work is
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -74,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
                 f" / {cost['median_cpu_us_per_request_on']:.0f} us (median); note cost "
                 f"{cost['cpu_cost']:.1%}"
             )
+        inner = cost["in_process"]
+        share = inner.get("share_of_route_cpu")
+        print(
+            f"in process, per recorded decision off / on: "
+            f"{statistics.median(inner['us_per_decision_off']):.1f} / "
+            f"{statistics.median(inner['us_per_decision_on']):.1f} us CPU: a note costs "
+            f"{inner['note_us']:.1f} us"
+            + ("" if share is None else f", {share:.1%} of a /route request's CPU")
+        )
     write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0

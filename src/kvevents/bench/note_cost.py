@@ -21,12 +21,22 @@ request: a one-process router at saturation serves about one request per that mu
 CPU, and the figure moves much less with the neighbours' load. This measures the
 sender's side; the receiving side (applying a peer's note, a dictionary update on the
 event loop) is not in it, as no other replica publishes during the runs.
+
+:func:`note_cpu_in_process` is the same question without HTTP and without the
+neighbours: one in-process :class:`~kvevents.router.core.Router` records the same
+decision ``count`` times, yielding to the event loop after each (so the publishing
+task runs as it would between requests), with a NATS :class:`LoadNotes` attached and
+without, interleaved; the difference in CPU time per decision is what one note costs,
+publishing included. Set beside the router's CPU per ``/route`` request from the wrk
+runs, it gives the cost as a share of the hot path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +45,12 @@ import httpx
 
 from kvevents.demo.procs import Child
 from kvevents.demo.replicas import NatsChild
+from kvevents.router.core import Router
+from kvevents.router.nats_sync import NatsNoteTransport
+from kvevents.router.peers import LoadNotes
+from kvevents.types import Holder
 
-__all__ = ["run_note_cost"]
+__all__ = ["note_cpu_in_process", "run_note_cost"]
 
 
 def run_note_cost(
@@ -55,7 +69,8 @@ def run_note_cost(
     off = Child("router", ["--engine", engine_url, "--port", "0", "--workers", "1"])
     on = Child("router", ["--engine", engine_url, "--port", "0", "--workers", "1"])
     try:
-        on.argv += ["--sync", nats.start(timeout=30.0)]
+        nats_url = nats.start(timeout=30.0)
+        on.argv += ["--sync", nats_url]
         urls = {"off": off.start(timeout=60.0), "on": on.start(timeout=60.0)}
         for url in urls.values():
             wait_indexed(url)
@@ -73,11 +88,61 @@ def run_note_cost(
                 runs[name].append(run)
         with httpx.Client(timeout=10.0) as client:
             after = client.get(f"{urls['on']}/workers").json()["process"]
+        in_process = note_cpu_in_process(nats_url, rounds=max(2, rounds))
     finally:
         on.stop()
         off.stop()
         nats.stop()
-    return _summary(runs, before, after)
+    doc = _summary(runs, before, after)
+    doc["in_process"] = in_process
+    per_request = doc["median_cpu_us_per_request_off"]
+    if per_request:
+        doc["in_process"]["share_of_route_cpu"] = in_process["note_us"] / per_request
+    return doc
+
+
+def note_cpu_in_process(nats_url: str, *, rounds: int, count: int = 20_000) -> dict[str, Any]:
+    """CPU microseconds per recorded decision with and without a NATS note; see above."""
+    return asyncio.run(_in_process(nats_url, rounds, count))
+
+
+async def _in_process(nats_url: str, rounds: int, count: int) -> dict[str, Any]:
+    router = Router(block_size=16)
+    for rank in range(4):
+        router.add_holder(Holder("http://engine", rank))
+    decision = router.route(list(range(1, 2049)))
+    transport = NatsNoteTransport(nats_url, "kvevents.bench.note-cost")
+    notes = LoadNotes(router, "bench", [transport])
+    notes.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not transport.connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        listeners = list(router.note_listeners)
+        us: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(rounds):
+            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                router.note_listeners[:] = listeners if name == "on" else []
+                start = time.process_time()
+                for _ in range(count):
+                    router.record(decision)
+                    await asyncio.sleep(0)
+                await asyncio.sleep(0.05)  # the last notes published
+                us[name].append((time.process_time() - start) / count * 1e6)
+        router.note_listeners[:] = listeners
+        connected = transport.connected
+    finally:
+        await notes.close()
+    off, on = statistics.median(us["off"]), statistics.median(us["on"])
+    return {
+        "decisions_per_round": count,
+        "us_per_decision_off": us["off"],
+        "us_per_decision_on": us["on"],
+        "note_us": on - off,
+        "notes_sent": notes.sent,
+        "notes_dropped": transport.dropped,
+        "connected": connected,
+    }
 
 
 def _cpu_s(pid: int | None) -> float | None:
