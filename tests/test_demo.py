@@ -399,9 +399,9 @@ def test_restart_figures_count_requests_that_missed_the_prefix_the_router_counte
     step.killed_at, step.launched_at, step.ready_at, step.equal_at = 104.0, 104.2, 106.0, 108.0
     step.new_url, step.old_url = new.removesuffix("/generate"), old.removesuffix("/generate")
     doc = restart_figures(step, run, page_size=16)
-    assert doc["done"] and doc["index_equal"]
+    assert doc["done"] and doc["index_caught_up"]
     assert doc["killed_at_s"] == pytest.approx(4.0)
-    assert doc["equal_after_launch_s"] == pytest.approx(3.8)
+    assert doc["caught_up_after_launch_s"] == pytest.approx(3.8)
     assert doc["meanwhile_requests"] == 4
     assert doc["meanwhile_missed_predicted_prefix"] == 2
     assert doc["meanwhile_missed_via_restarted"] == 1
@@ -443,4 +443,5 @@ def test_demo_with_replicas_kills_one_and_its_successor_ends_equal(tmp_path: Pat
     assert restart["killed_url"] != restart["restarted_url"]
     assert restart["warm_start"]["peer"] is not None  # it loaded the survivor's snapshot
     assert doc["index_consistency"]["restarted_replica"]["consistent"]
+    assert restart["index_exactly_equal_after_trace"] is True
     assert "restarted with --peer" in proc.stdout

@@ -295,6 +295,7 @@ def _run_plane(
                 replicas = [p for p in replicas if p.router_url != step.old_url]
                 replicas.append(Plane(engine_url, step.new_url))
                 consistency["restarted_replica"] = replicas[-1].wait_settled(timeout=30.0)
+                step.exact_check()
         return runs, consistency, plane.event_counts()
     finally:
         for p in (plane, *replicas):
@@ -374,6 +375,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         and events.lost == 0
         and all(s.consistent for s in consistency.values())
         and all(step.error is None for step in restarts.values())
+        and all(step.exact is None or all(step.exact.values()) for step in restarts.values())
     )
     doc = results_document(
         settings,

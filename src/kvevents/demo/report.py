@@ -160,14 +160,17 @@ def _render_restart(label: str, r: dict[str, Any], console: Console) -> None:
     if not r.get("done"):
         console.print(f"[red]{label}: the restart step did not run: {r.get('error')}[/red]")
         return
-    equal = r["equal_after_launch_s"]
+    equal = r["caught_up_after_launch_s"]
+    exact = r.get("index_exactly_equal_after_trace")
     warm = r.get("warm_start") or {}
     console.print(
         f"{label}: replica killed (SIGKILL) {r['killed_at_s']:.1f} s into the trace and "
         f"restarted with --peer (from {warm.get('peer')}); ready "
-        f"{r['ready_after_launch_s']:.2f} s after launch, index equal to every rank's "
-        f"/kv_blocks {'never, within the wait' if equal is None else f'{equal:.2f} s'} "
-        f"after launch. Meanwhile {r['meanwhile_requests']} requests, "
+        f"{r['ready_after_launch_s']:.2f} s after launch, its index caught up with every "
+        f"rank {'not within the wait' if equal is None else f'{equal:.2f} s after launch'}"
+        f" (after the trace, equal to every rank's /kv_blocks: "
+        f"{'not checked' if exact is None else 'yes' if exact else 'NO'}). "
+        f"Meanwhile {r['meanwhile_requests']} requests, "
         f"{r['meanwhile_missed_predicted_prefix']} on a rank without the prefix the router "
         f"counted on ({r['meanwhile_missed_via_restarted']} of them via the restarted replica); "
         f"hit rate via the restarted replica {_pct(r['meanwhile_hit_rate_via_restarted'])} "

@@ -10,15 +10,20 @@ counts them), then:
    :func:`kvevents.demo.replay.replay`);
 2. starts a new ``kvevents router`` with the same options plus ``--peer URL`` for each
    surviving replica, on a new port, and puts it in the target list once it is ready;
-3. polls until the new replica's index equals the engine's blocks, rank by rank: a rank
-   is **equal** once the blocks of its stream in the replica's ``GET /dump`` are exactly
-   the rank's ``GET /kv_blocks``, fetched just before or just after the dump (the engine
-   keeps storing blocks while the trace runs, so "the same moment" is the poll). The
-   index is equal when every rank has been; the time is counted from the new process's
-   launch (Python start-up included).
+3. polls until the new replica's index has caught up with the engine, rank by rank: a
+   rank has **caught up** at a poll where the engine's ``/load`` is the same just before
+   and just after the replica's ``/workers`` (the rank published nothing meanwhile), the
+   replica's last applied seq of that rank's stream is the rank's last published one,
+   and the replica's index holds as many of its blocks as the rank does. The index has
+   caught up when every rank has; the time is counted from the new process's launch
+   (Python start-up included). These answers are small, so the poll is cheap while the
+   trace runs; comparing whole block sets (``/dump`` against ``/kv_blocks``) costs
+   seconds of CPU at a few hundred thousand blocks, so that is done once, after the
+   trace has settled (:meth:`RestartStep.exact_check`): the replica's blocks of every
+   rank must then be exactly the rank's ``/kv_blocks``.
 
 :func:`restart_figures` then reads the replay's outcomes between the kill and that
-moment (*meanwhile*): a request **missed its predicted prefix** when the engine's
+moment (*meanwhile*; to the end of the trace if it never came): a request **missed its predicted prefix** when the engine's
 ``cached_tokens`` is below the tokens of the blocks the router counted as cached on the
 rank it chose (``router.cached_blocks`` of its answer, whole blocks, times the block
 size): the router sent it to a rank that did not hold the prefix it expected there.
@@ -46,7 +51,7 @@ from kvevents.types import Holder
 
 __all__ = ["RestartStep", "restart_figures"]
 
-_POLL_S = 0.1
+_POLL_S = 0.05
 
 
 @dataclass
@@ -68,6 +73,8 @@ class RestartStep:
     equal_at: float | None = None
     rank_equal_at: dict[int, float] = field(default_factory=dict)
     polls: int = 0
+    exact: dict[int, bool] | None = None
+    """Per rank, after the trace settled: the replica's blocks are the rank's exactly."""
     warm_start: dict[str, Any] | None = None
     error: str | None = None
     new_url: str | None = None
@@ -135,20 +142,46 @@ class RestartStep:
 
     def _poll(self, http: httpx.Client, url: str) -> None:
         self.polls += 1
-        ranks = [r for r in range(self.dp_size) if r not in self.rank_equal_at]
-        before = {r: self._kv_blocks(http, r) for r in ranks}
-        index = PrefixIndex.from_bytes(http.get(f"{url}/dump").content)
+        before = self._engine_load(http)
+        workers = http.get(f"{url}/workers").json()
         now = time.monotonic()
-        after = {r: self._kv_blocks(http, r) for r in ranks}
-        for r in ranks:
-            held = index.holder_hashes(Holder(self.engine_url, r))
-            if held in (before[r], after[r]):
+        after = self._engine_load(http)
+        seqs = {
+            int(s["dp_rank"]): s["last_seq"]
+            for s in workers["streams"]
+            if s["worker"] == self.engine_url
+        }
+        held = {
+            int(h["dp_rank"]): int(h["index_entries"])
+            for h in workers["holders"]
+            if h["worker"] == self.engine_url
+        }
+        for r, (published, blocks) in before.items():
+            if r in self.rank_equal_at or after.get(r) != (published, blocks):
+                continue
+            if seqs.get(r) == published - 1 and held.get(r) == blocks:
                 self.rank_equal_at[r] = now
 
-    def _kv_blocks(self, http: httpx.Client, rank: int) -> set[int]:
-        answer = http.get(f"{self.engine_url}/kv_blocks", params={"dp_rank": rank})
+    def _engine_load(self, http: httpx.Client) -> dict[int, tuple[int, int]]:
+        answer = http.get(f"{self.engine_url}/load")
         answer.raise_for_status()
-        return set(answer.json()["block_hashes"])
+        return {
+            int(r["dp_rank"]): (int(r["batches_published"]), int(r["blocks_used"]))
+            for r in answer.json()["ranks"]
+        }
+
+    def exact_check(self) -> None:
+        """After the trace settled: the replica's blocks of each rank against ``/kv_blocks``."""
+        if self.new_url is None:
+            return
+        with httpx.Client(timeout=120.0) as http:
+            index = PrefixIndex.from_bytes(http.get(f"{self.new_url}/dump").content)
+            self.exact = {}
+            for r in range(self.dp_size):
+                answer = http.get(f"{self.engine_url}/kv_blocks", params={"dp_rank": r})
+                answer.raise_for_status()
+                engine = set(answer.json()["block_hashes"])
+                self.exact[r] = index.holder_hashes(Holder(self.engine_url, r)) == engine
 
 
 def restart_figures(step: RestartStep, run: PolicyRun, page_size: int) -> dict[str, Any]:
@@ -190,12 +223,15 @@ def restart_figures(step: RestartStep, run: PolicyRun, page_size: int) -> dict[s
         "killed_at_s": step.killed_at - t0,
         "down_s": (step.ready_at or end) - step.killed_at,
         "ready_after_launch_s": since(step.ready_at),
-        "equal_after_ready_s": None
+        "caught_up_after_ready_s": None
         if step.equal_at is None or step.ready_at is None
         else step.equal_at - step.ready_at,
-        "equal_after_launch_s": since(step.equal_at),
-        "rank_equal_after_launch_s": {r: since(t) for r, t in sorted(step.rank_equal_at.items())},
-        "index_equal": step.equal_at is not None,
+        "caught_up_after_launch_s": since(step.equal_at),
+        "rank_caught_up_after_launch_s": {
+            r: since(t) for r, t in sorted(step.rank_equal_at.items())
+        },
+        "index_caught_up": step.equal_at is not None,
+        "index_exactly_equal_after_trace": None if step.exact is None else all(step.exact.values()),
         "meanwhile_requests": len(window),
         "meanwhile_missed_predicted_prefix": len(missed),
         "meanwhile_missed_via_restarted": sum(o.target == new for o in missed),
