@@ -7,12 +7,13 @@ The engine, router and subscriber tests' process helpers all derive from
 
 from __future__ import annotations
 
+import os
 import selectors
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 
@@ -41,7 +42,7 @@ class KVEventsProcess:
 
     Ready when it prints ``kvevents COMMAND ready URL`` within ``timeout`` seconds;
     otherwise it is stopped and an AssertionError carries its stderr. ``url`` is that
-    URL and ``http`` a client for it. With ``capture_stderr=False`` stderr goes to
+    URL and ``http`` a client for it; ``env`` adds environment variables. With ``capture_stderr=False`` stderr goes to
     /dev/null (for chatty long runs, so a full pipe cannot block the child).
     """
 
@@ -54,11 +55,13 @@ class KVEventsProcess:
         *,
         timeout: float = 60.0,
         capture_stderr: bool = True,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.command = command
         argv = [sys.executable, "-m", "kvevents.cli.main", command, *args]
         self.proc = subprocess.Popen(
             argv,
+            env=None if env is None else {**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
             text=True,

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from typing import Any
 
 import msgspec
 
-from kvevents.endpoints import Endpoint
+from kvevents.endpoints import WILDCARD_HOSTS, Endpoint
 from kvevents.errors import ConfigError, EndpointError
 
 __all__ = ["KVEventsConfig"]
+
+_HOST = re.compile(r"\*|[A-Za-z0-9._%-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.%A-Za-z]*")
+"""What ``--kv-events-host`` may be: a wildcard, a name or IPv4 address, an IPv6 address."""
 
 
 class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -102,6 +106,35 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
                 'example: \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\''
             ) from None
         return cls.from_dict(data)
+
+    def bound_to(self, host: str) -> KVEventsConfig:
+        """This config with ``host`` in place of a wildcard host on the endpoints it binds.
+
+        ``kvevents engine --kv-events-host`` (default 127.0.0.1) uses it, so an upstream
+        config such as ``tcp://*:5557`` publishes on loopback only unless told otherwise.
+        The replay endpoint is always bound; the live one when ``bind`` is true, or not
+        given and the host is a wildcard (which then becomes an explicit ``bind: true``,
+        since a named host alone would mean "connect"). A wildcard ``host`` changes nothing.
+        """
+        if not _HOST.fullmatch(host):
+            raise ConfigError(
+                f"--kv-events-host {host!r} is not a host name or address: give e.g. "
+                "127.0.0.1 (loopback), 10.0.0.5 (one interface) or '*' (every interface)"
+            )
+        if host in WILDCARD_HOSTS:
+            return self
+        changes: dict[str, Any] = {}
+        live = Endpoint.parse(self.endpoint)
+        if live.is_wildcard and self.bind is not False:
+            changes["endpoint"] = str(Endpoint(scheme="tcp", host=host, port=live.port))
+            changes["bind"] = True
+        if self.replay_endpoint is not None:
+            replay = Endpoint.parse(self.replay_endpoint)
+            if replay.is_wildcard:
+                changes["replay_endpoint"] = str(
+                    Endpoint(scheme="tcp", host=host, port=replay.port)
+                )
+        return msgspec.structs.replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.structs.asdict(self)

@@ -27,7 +27,7 @@ Hierarchy (HTTP status where a service answers with it)::
     │   └── ChatUnsupported            router.tokenize: this tokenizer has no template: 501
     ├── TokenizeFailed                 router.service: a TokenizeError, as the routes answer it
     ├── OpenAIError                    router.openai: any error in OpenAI's shape, own status
-    ├── BodyTooLarge                   router.hot_path: a body over --max-body-bytes: 413
+    ├── BodyTooLarge                   router.bodies: a body over --max-body-bytes: 413
     ├── RequestError                   a request body or parameter a service refuses: 400
     │   ├── BadRequest                 router.service: the router's
     │   └── BadRequest                 engine.server: the simulated engine's

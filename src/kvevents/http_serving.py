@@ -4,7 +4,9 @@ The listening socket is bound before uvicorn starts, so ``--port 0`` works and a
 port is an :class:`~kvevents.errors.EndpointError` naming the address. Once the app
 accepts requests the command prints one machine-readable line,
 ``{ready_prefix}http://HOST:PORT``, which tests, the demo and scripts wait for.
-uvicorn's own signal handling is off: the command owns SIGINT and SIGTERM.
+uvicorn's own signal handling is off: the command owns SIGINT and SIGTERM. With a
+:class:`~kvevents.http_auth.ServerTLS` the app is served over HTTPS and the URL says
+``https``.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import contextlib
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import uvicorn
 
 from kvevents.endpoints import WILDCARD_HOSTS
-from kvevents.errors import EndpointError
+from kvevents.errors import ConfigError, EndpointError
+from kvevents.http_auth import ServerTLS
 
 __all__ = [
     "HTTP_PARSER",
+    "HTTP_SERVERS",
+    "HttpServer",
     "bind_http",
     "http_url",
     "run_event_loop",
@@ -32,6 +37,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+HttpServer = Literal["uvicorn", "granian"]
+"""The HTTP servers :func:`serve_app` runs an app on (``kvevents router --http-server``)."""
+HTTP_SERVERS: tuple[HttpServer, ...] = get_args(HttpServer)
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -81,11 +90,13 @@ def bind_http(
     return sock
 
 
-def http_url(host: str, sock: socket.socket) -> str:
-    """The URL clients use for ``sock``: a wildcard host is shown as 127.0.0.1."""
+def http_url(host: str, sock: socket.socket, *, tls: bool = False) -> str:
+    """The URL clients use for ``sock`` (``https`` with ``tls``): a wildcard host is shown
+    as 127.0.0.1."""
     port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in WILDCARD_HOSTS or host == "" else host
-    return f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{'[' + shown + ']' if ':' in shown else shown}:{port}"
 
 
 class _QuietServer(uvicorn.Server):
@@ -102,8 +113,9 @@ async def start_http(
     *,
     lifespan: Literal["auto", "on", "off"] = "auto",
     graceful_timeout: float | None = None,
+    tls: ServerTLS | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
-    """Start serving ``app`` on ``sock``; returns once it accepts requests.
+    """Start serving ``app`` on ``sock`` (HTTPS with ``tls``); returns once it accepts requests.
 
     Stop it with ``server.should_exit = True`` and ``await task``; requests in flight
     then get ``graceful_timeout`` seconds (None: no limit) before they are cancelled. Raises
@@ -119,6 +131,8 @@ async def start_http(
         date_header=False,
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float
         timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
+        ssl_certfile=None if tls is None else tls.certfile,
+        ssl_keyfile=None if tls is None else tls.keyfile,
     )
     server = _QuietServer(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -154,17 +168,31 @@ async def serve_app(
     *,
     reuse_port: bool = False,
     announce: Callable[[str], None] | None = None,
+    tls: ServerTLS | None = None,
+    server: HttpServer = "uvicorn",
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0.
 
     The announcement is ``ready_prefix + URL`` on stdout, or ``announce(URL)`` when given.
+    ``server="granian"`` serves through granian's RSGI interface instead of uvicorn
+    (:mod:`kvevents.granian_serving`): ``app`` must then have an ``__rsgi__`` method, and
+    its ASGI lifespan still runs.
     """
+    if server not in HTTP_SERVERS:
+        raise ConfigError(f"HTTP server {server!r} is not one of {', '.join(HTTP_SERVERS)}")
     stop = asyncio.Event()
     with stop_on_signals(stop):
         sock = bind_http(host, port, what, reuse_port=reuse_port)
         try:
-            server, serving = await start_http(app, sock)
-            url = http_url(host, sock)
+            if server == "granian":
+                if tls is not None:
+                    raise ConfigError(
+                        "--http-server granian serves plain HTTP only: drop --ssl-certfile/"
+                        "--ssl-keyfile, or serve TLS with the default --http-server uvicorn"
+                    )
+                return await _serve_granian(app, host, sock, ready_prefix, announce, stop)
+            server_, serving = await start_http(app, sock, tls=tls)
+            url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
             else:
@@ -172,8 +200,31 @@ async def serve_app(
             stop_wait = asyncio.create_task(stop.wait())
             await asyncio.wait({stop_wait, serving}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()
-            server.should_exit = True
+            server_.should_exit = True
             await serving
             return 0
         finally:
             sock.close()
+
+
+async def _serve_granian(
+    app: Any,
+    host: str,
+    sock: socket.socket,
+    ready_prefix: str,
+    announce: Callable[[str], None] | None,
+    stop: asyncio.Event,
+) -> int:
+    from kvevents.granian_serving import start_granian
+
+    if not hasattr(app, "__rsgi__"):
+        raise ConfigError(f"{type(app).__name__} has no __rsgi__: it cannot be served by granian")
+    running = await start_granian(app, sock, lifespan=app)
+    url = http_url(host, sock)
+    if announce is None:
+        print(ready_prefix + url, flush=True)
+    else:
+        announce(url)
+    await stop.wait()
+    await running.stop()
+    return 0

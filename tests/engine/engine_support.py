@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,16 @@ class Engine(KVEventsProcess):
     """A `kvevents engine` subprocess on OS-chosen ports; stop() it (the fixture does)."""
 
     def __init__(
-        self, args: Sequence[str], kv_config: dict[str, Any] | None, timeout: float = 60.0
+        self,
+        args: Sequence[str],
+        kv_config: dict[str, Any] | None,
+        timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
     ):
         argv = ["--port", "0", *args]
         if kv_config is not None:
             argv += ["--kv-events-config", json.dumps(kv_config)]
-        super().__init__("engine", argv, timeout=timeout)
+        super().__init__("engine", argv, timeout=timeout, env=env)
 
     def server_info(self) -> dict[str, Any]:
         response = self.http.get("/server_info")

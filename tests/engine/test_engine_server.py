@@ -182,7 +182,8 @@ def test_null_publisher_has_no_kv_events_block() -> None:
                     }
                 ),
             ],
-            "*:6000-6003 and replay endpoints *:6002-6005 overlap",
+            # bound as --kv-events-host (loopback by default) in place of the wildcard
+            "127.0.0.1:6000-6003 and replay endpoints 127.0.0.1:6002-6005 overlap",
         ),
         (
             [

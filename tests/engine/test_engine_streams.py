@@ -167,13 +167,15 @@ def test_fixed_base_port_gives_base_plus_rank_streams(ctx: zmq.Context) -> None:
         assert block["endpoint_port_base"] == base
         assert block["replay_endpoint_port_base"] == base + 4
         assert block["ports_consecutive"] is True
+        # the config's wildcard is bound, and advertised, as --kv-events-host (loopback)
+        assert block["endpoint_host"] == "127.0.0.1"
         # Connect by the base + rank rule alone, as an SGLang-era consumer would.
         by_rule = dict(block)
         by_rule["publishers"] = [
             {
                 "dp_rank": r,
-                "endpoint": f"tcp://*:{base + r}",
-                "replay_endpoint": f"tcp://*:{base + 4 + r}",
+                "endpoint": f"tcp://127.0.0.1:{base + r}",
+                "replay_endpoint": f"tcp://127.0.0.1:{base + 4 + r}",
             }
             for r in range(4)
         ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +25,20 @@ KV_CONFIG = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tc
 class RouterProc(KVEventsProcess):
     """A `kvevents router --port 0` subprocess; stop() it (fixtures do)."""
 
-    def __init__(self, engines: Sequence[str], *extra: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        engines: Sequence[str],
+        *extra: str,
+        timeout: float = 30.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         argv = ["--port", "0"]
         for url in engines:
             argv += ["--engine", url]
         argv += list(extra)
         if "--workers" not in extra:  # one process, so every request sees the same state
             argv += ["--workers", "1"]
-        super().__init__("router", argv, timeout=timeout)
+        super().__init__("router", argv, timeout=timeout, env=env)
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return self.http.post(path, json=body)

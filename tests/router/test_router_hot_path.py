@@ -1,4 +1,7 @@
-"""The routing hot path over real HTTP: answers, errors, limits, and N processes on one port."""
+"""The routing hot path over real HTTP: answers, errors, limits, and N processes on one port.
+
+Answers, errors and limits are checked on both HTTP servers the router offers
+(``--http-server uvicorn`` and ``granian``)."""
 
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ def engine() -> Iterator[Engine]:
     eng.stop()
 
 
-@pytest.fixture(scope="module")
-def router(engine: Engine) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--max-body-bytes", "200000")
+@pytest.fixture(scope="module", params=["uvicorn", "granian"])
+def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
+    proc = RouterProc([engine.url], "--max-body-bytes", "200000", "--http-server", request.param)
     wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
     yield proc
     proc.stop()
@@ -95,6 +98,53 @@ def test_a_chunked_body_past_the_limit_is_refused(router: RouterProc) -> None:
     with httpx.Client(base_url=router.url, timeout=10.0) as client:
         answer = client.post("/query", content=chunks())
         assert answer.status_code == 413
+
+
+def test_granian_serves_every_other_route_and_stops_cleanly(engine: Engine) -> None:
+    """On granian the FastAPI routes answer through the ASGI bridge (a stream arrives as
+    server-sent events, an unknown path is a 404), and SIGTERM exits 0."""
+    proc = RouterProc([engine.url], "--http-server", "granian")
+    try:
+        wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
+        workers = proc.http.get("/workers")
+        assert workers.status_code == 200 and workers.json()["process"]["workers"] == 1
+        assert proc.http.get("/metrics").text.startswith("# HELP")
+        assert proc.http.get("/no-such-path").status_code == 404
+        body = {"prompt": "hello there", "max_tokens": 3, "stream": True}
+        with proc.http.stream("POST", "/v1/completions", json=body) as answer:
+            assert answer.status_code == 200
+            assert answer.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 2
+        plain = proc.post("/v1/completions", {"prompt": "hello there", "max_tokens": 2})
+        assert plain.status_code == 200 and plain.json()["choices"][0]["text"]
+    finally:
+        assert proc.stop() == 0
+
+
+def test_granian_asks_for_the_key_on_the_hot_path_and_behind_it(engine: Engine) -> None:
+    """With --api-key on granian, /route (answered natively) and /workers (through the
+    bridge) refuse a missing or wrong key with 401, and answer with the right one."""
+    proc = RouterProc([engine.url], "--http-server", "granian", "--api-key", "s3cret-key")
+    try:
+        good = {"authorization": "Bearer s3cret-key"}
+        body = {"input_ids": [1, 2, 3, 4]}
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            for answer in (
+                proc.http.post("/route", json=body, headers=headers),
+                proc.http.get("/workers", headers=headers),
+            ):
+                assert answer.status_code == 401, answer.text
+                assert answer.headers["www-authenticate"].startswith("Bearer")
+        wait_until(
+            lambda: proc.http.post("/route", json=body, headers=good).status_code == 200,
+            20,
+            "/route answering with the key",
+        )
+        assert proc.http.get("/workers", headers=good).status_code == 200
+        assert proc.http.get("/health").status_code == 200
+    finally:
+        assert proc.stop() == 0
 
 
 def test_workers_share_one_port_and_each_others_load(engine: Engine) -> None:

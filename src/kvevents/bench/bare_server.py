@@ -6,6 +6,8 @@ httptools parser, uvloop) that reads a POST body, decodes it with the router's o
 request decoder and answers ``{"prompt_tokens": N}``: no index, no scoring. Whatever
 this answers per second is what any router on this stack could at best; the benchmark
 reports the router's figures as a share of it. It prints ``kvevents bare ready URL``.
+``--http-server granian`` serves the same parse through granian's RSGI interface
+(:mod:`kvevents.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
-from kvevents.http_serving import run_event_loop, serve_app
+from kvevents.http_serving import HTTP_SERVERS, run_event_loop, serve_app
 from kvevents.router.hot_path import Receive, Scope, Send
 from kvevents.router.service import TokensBody
 
@@ -26,6 +29,26 @@ READY_PREFIX = "kvevents bare ready "
 
 _DECODER = msgspec.json.Decoder(TokensBody)
 _HEADERS = [(b"content-type", b"application/json")]
+_RSGI_HEADERS = [("content-type", "application/json")]
+
+
+def _answer(raw: bytes) -> tuple[int, bytes]:
+    try:
+        body = _DECODER.decode(raw)
+    except msgspec.DecodeError:
+        return 400, b'{"error": "bad body"}'
+    return 200, b'{"prompt_tokens": %d}' % len(body.input_ids or ())
+
+
+class _BareApp:
+    """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await bare_app(scope, receive, send)
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        status, answer = _answer(bytes(await proto()))
+        proto.response_bytes(status, _RSGI_HEADERS, answer)
 
 
 async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -46,11 +69,7 @@ async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
-    try:
-        body = _DECODER.decode(b"".join(chunks))
-        status, answer = 200, b'{"prompt_tokens": %d}' % len(body.input_ids or ())
-    except msgspec.DecodeError:
-        status, answer = 400, b'{"error": "bad body"}'
+    status, answer = _answer(b"".join(chunks))
     headers = [*_HEADERS, (b"content-length", b"%d" % len(answer))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
@@ -60,8 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvevents.bench.bare_server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--http-server", choices=HTTP_SERVERS, default="uvicorn")
     args = parser.parse_args(argv)
-    return run_event_loop(serve_app(bare_app, args.host, args.port, READY_PREFIX, "bare server"))
+    return run_event_loop(
+        serve_app(
+            _BareApp(), args.host, args.port, READY_PREFIX, "bare server", server=args.http_server
+        )
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,11 +10,17 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
 * ``/route`` and ``/query`` of the router, with one process and with ``--workers 2``;
 * the bare server (:mod:`kvevents.bench.bare_server`): the same HTTP stack that only
   parses the body, the ceiling for any router on it;
+* each of those on both HTTP servers the router offers (``--http-server uvicorn``, the
+  default, and ``granian``), so the two stacks are compared in the same run; granian's
+  run names end in ``_granian``;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
   directly (the relay's added latency);
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
   (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
+
+A little over 300 lines on purpose: the benchmark's one run, its loads in the order
+they run; the ceiling server and the note-cost rounds are modules of their own.
 
 Every figure is from the same run on the same machine; wrk runs with one thread, which
 competes with the servers for the cores, as it would for Dynamo's indexer too.
@@ -23,6 +29,8 @@ competes with the servers for the cores, as it would for Dynamo's indexer too.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import itertools
 import json
 import random
 import shutil
@@ -39,7 +47,9 @@ import httpx
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
 from kvevents.bench.note_cost import run_note_cost
 from kvevents.demo.procs import Child
-from kvevents.errors import KVEventsError
+from kvevents.errors import ConfigError, KVEventsError
+from kvevents.granian_serving import require_granian
+from kvevents.http_serving import HTTP_SERVERS, HttpServer
 
 __all__ = ["run_router_bench"]
 
@@ -139,8 +149,22 @@ def _write_bodies(folder: Path, name: str, docs: Sequence[dict[str, Any]]) -> Pa
     return path
 
 
-def _start_router(engine: str, workers: int) -> tuple[Child, str]:
+def _bare_child(server: HttpServer) -> Child:
+    bare = Child("bare", [])
+    bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
+    bare.argv += ["--http-server", server]
+    bare.ready_prefix = BARE_READY
+    return bare
+
+
+def _suffix(server: HttpServer) -> str:
+    """Run names of the default server stay as they were; granian's end in ``_granian``."""
+    return "" if server == "uvicorn" else f"_{server}"
+
+
+def _start_router(engine: str, workers: int, server: HttpServer) -> tuple[Child, str]:
     args = ["--engine", engine, "--port", "0", "--workers", str(workers)]
+    args += ["--http-server", server]
     router = Child("router", args)
     return router, router.start(timeout=60.0)
 
@@ -153,10 +177,25 @@ def run_router_bench(
     connections: int = 32,
     workers: Sequence[int] = (1, 2),
     completions: bool = True,
+    http_servers: Sequence[HttpServer] | None = None,
     sync_rounds: int = 3,
 ) -> dict[str, Any]:
-    """Run every load above once; results as a JSON-ready dict (see the module docstring)."""
+    """Run every load above once; results as a JSON-ready dict (see the module docstring).
+
+    ``http_servers``: None runs both when granian is installed, else uvicorn alone (the
+    results' ``setup`` then says how to add granian).
+    """
     _wrk()
+    skipped: dict[str, str] = {}
+    servers: Sequence[HttpServer] = ("uvicorn",)
+    if http_servers is not None:
+        servers = http_servers
+    else:
+        try:
+            require_granian()
+            servers = HTTP_SERVERS
+        except ConfigError as exc:
+            skipped["granian"] = str(exc)
     short = _prompts(prompts, 2048, seed=1)
     long = _prompts(long_prompts, 8192, seed=2)
     blocks = (len(short) * 2048 + len(long) * 8192) // _BLOCK
@@ -170,6 +209,8 @@ def run_router_bench(
             "connections": connections,
             "duration_s": duration,
             "load_generator": "wrk -t1",
+            "http_servers": list(servers),
+            "http_servers_skipped": skipped,
             "sync_rounds": sync_rounds,
         },
         "runs": {},
@@ -182,9 +223,7 @@ def run_router_bench(
             *("--kv-events-config", _EVENTS_CONFIG),
         ],
     )
-    bare = Child("bare", [])
-    bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
-    bare.ready_prefix = BARE_READY
+    bares = {server: _bare_child(server) for server in servers}
     with tempfile.TemporaryDirectory(prefix="kvevents-bench-router-") as tmp:
         folder = Path(tmp)
         short_ids = _write_bodies(folder, "ids-2048", [{"input_ids": p} for p in short])
@@ -200,24 +239,25 @@ def run_router_bench(
         try:
             engine_url = engine.start(timeout=60.0)
             _store(engine_url, short + long)
-            bare_url = bare.start(timeout=30.0)
-            runs["bare_2048"] = _load(
-                f"{bare_url}/route", short_ids, duration=duration, connections=connections
-            )
-            runs["bare_8192"] = _load(
-                f"{bare_url}/route", long_ids, duration=duration, connections=connections
-            )
-            bare.stop()
-            for n in workers:
-                router, url = _start_router(engine_url, n)
+            for server, bare in bares.items():
+                suffix = _suffix(server)
+                bare_url = bare.start(timeout=30.0)
+                for name, bodies in (("2048", short_ids), ("8192", long_ids)):
+                    runs[f"bare_{name}{suffix}"] = _load(
+                        f"{bare_url}/route", bodies, duration=duration, connections=connections
+                    )
+                bare.stop()
+            for server, n in itertools.product(servers, workers):
+                suffix = _suffix(server)
+                router, url = _start_router(engine_url, n, server)
                 try:
                     _wait_indexed(url, blocks)
                     for path in ("route", "query"):
                         for name, bodies in (("2048", short_ids), ("8192", long_ids)):
-                            runs[f"{path}_{name}_workers{n}"] = _load(
+                            runs[f"{path}_{name}_workers{n}{suffix}"] = _load(
                                 f"{url}/{path}", bodies, duration=duration, connections=connections
                             )
-                    if completions and n == 1:
+                    if completions and n == 1 and server == "uvicorn":
                         runs["completions_direct"] = _load(
                             f"{engine_url}/v1/completions",
                             completion_bodies,
@@ -233,17 +273,16 @@ def run_router_bench(
                 finally:
                     router.stop()
             if sync_rounds > 0:
+                wait, load = (
+                    functools.partial(_wait_indexed, blocks=blocks),
+                    functools.partial(_load, duration=duration, connections=connections),
+                )
                 results["note_cost"] = run_note_cost(
-                    engine_url,
-                    recorded,
-                    lambda url: _wait_indexed(url, blocks),
-                    lambda url, bodies: _load(
-                        url, bodies, duration=duration, connections=connections
-                    ),
-                    rounds=sync_rounds,
+                    engine_url, recorded, wait, load, rounds=sync_rounds
                 )
         finally:
-            bare.stop()
+            for bare in bares.values():
+                bare.stop()
             engine.stop()
     _summarise(results)
     return results
@@ -253,9 +292,12 @@ def _summarise(results: dict[str, Any]) -> None:
     runs = results["runs"]
     summary: dict[str, Any] = {}
     for name in ("2048", "8192"):
-        ceiling = runs.get(f"bare_{name}", {}).get("requests_per_s")
         for key, run in runs.items():
-            if key.startswith(("route_", "query_")) and f"_{name}_" in key and ceiling:
+            if not key.startswith(("route_", "query_")) or f"_{name}_" not in key:
+                continue
+            server = "_granian" if key.endswith("_granian") else ""
+            ceiling = runs.get(f"bare_{name}{server}", {}).get("requests_per_s")
+            if ceiling:
                 summary[f"{key}_share_of_bare"] = run["requests_per_s"] / ceiling
     direct = runs.get("completions_direct")
     via = runs.get("completions_via_router")

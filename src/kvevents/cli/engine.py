@@ -13,6 +13,13 @@ one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
+Publishers bind a wildcard host in ``--kv-events-config`` as ``--kv-events-host``
+(default 127.0.0.1) and ``/server_info`` advertises what they bound; ``--api-key`` closes
+every endpoint but ``/health``, ``--ssl-certfile`` serves HTTPS (README, "Security").
+
+Just over 300 lines: the settings, the options that fill them and the serving loop of
+one command read best together.
+
 Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
 still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
 cancelled and their connections closed. A rank
@@ -26,9 +33,11 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvevents.cli.options import add_log_level
+from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
 from kvevents.config import KVEventsConfig
 from kvevents.endpoints import PortPlan
 from kvevents.engine.rank import RankSpec
@@ -36,6 +45,7 @@ from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
+from kvevents.http_auth import ApiKey, ApiKeyGate, ServerTLS
 from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
 from kvevents.types import (
     NonNegativeFloat,
@@ -47,9 +57,12 @@ from kvevents.types import (
 )
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
-__all__ = ["EngineSettings", "add_arguments", "run", "serve_engine"]
+__all__ = ["OPEN_PATHS", "EngineSettings", "add_arguments", "run", "serve_engine"]
 
 READY_PREFIX = "kvevents engine ready "
+OPEN_PATHS = frozenset({"/health"})
+"""What an engine with an API key answers without it: health, for probes and SGLang-style
+routers. ``/server_info`` and ``/load`` need the key (the router sends its engine key)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,9 @@ class EngineSettings:
     request_timeout: float = 60.0
     shutdown_timeout: float = 10.0
     max_body_bytes: int = 8 << 20
+    api_key: str | None = field(default=None, repr=False)
+    """Required of every request but ``/health`` (None: no key); never shown."""
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         # the bounds are the ones the command line parses these options with
@@ -106,7 +122,9 @@ class EngineSettings:
     def from_args(cls, args: argparse.Namespace) -> EngineSettings:
         return cls(
             topology=plan_topology(args.dp_size, args.tp_size, args.enable_dp_attention),
-            kv_events_config=KVEventsConfig.from_json(args.kv_events_config),
+            kv_events_config=KVEventsConfig.from_json(args.kv_events_config).bound_to(
+                args.kv_events_host
+            ),
             page_size=args.page_size,
             max_blocks=args.max_blocks,
             host=args.host,
@@ -122,6 +140,8 @@ class EngineSettings:
             request_timeout=args.request_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
+            api_key=engine_api_key(args),
+            tls=tls_of(args),
         )
 
     def rank_specs(self) -> list[RankSpec]:
@@ -160,6 +180,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-blocks", type=bounded(PositiveInt), default=8192, help="KV blocks per rank")
     add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
+    add(
+        "--kv-events-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address publishers bind in place of a wildcard (tcp://*:PORT) in "
+        "--kv-events-config; '*' binds every interface as SGLang and vLLM do",
+    )
     add("--host", default="127.0.0.1", help="HTTP host")
     add("--port", type=bounded(Port), default=30000, help="HTTP port (0: the OS picks)")
     add("--hash-scheme", choices=HASH_SCHEMES, default="sglang", help="engine block hashes")
@@ -213,6 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8 << 20,
         help="largest request body (413), 8 MiB",
     )
+    add_engine_server_arguments(parser)
     add_log_level(parser)
 
 
@@ -251,13 +279,18 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             request_timeout=settings.request_timeout,
             max_body_bytes=settings.max_body_bytes,
         )
+        app: Any = create_app(supervisor, info, limits)
+        if settings.api_key is not None:
+            app = ApiKeyGate(app, ApiKey(settings.api_key), OPEN_PATHS)
         server, serving = await start_http(
-            create_app(supervisor, info, limits),
+            app,
             sock,
             lifespan="off",
             graceful_timeout=settings.shutdown_timeout,
+            tls=settings.tls,
         )
-        print(READY_PREFIX + http_url(settings.host, sock), flush=True)
+        url = http_url(settings.host, sock, tls=settings.tls is not None)
+        print(READY_PREFIX + url, flush=True)
         failed = asyncio.create_task(supervisor.failed.wait())
         await asyncio.wait({stop_wait, failed, serving}, return_when=asyncio.FIRST_COMPLETED)
         code = 0

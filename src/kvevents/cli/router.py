@@ -42,6 +42,14 @@ render). Before any engine is registered, routing answers 503; with engines regi
 but no block stored anywhere yet (so no block size known), requests are routed by load
 alone, and ``/query`` answers 503 until the block size is known.
 
+Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
+``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/docs``, ``/redoc`` and
+``/openapi.json`` (and ``/metrics`` unless ``--metrics-auth``) answer 401 without
+``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
+``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
+header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` verifies
+``https://`` engines. README, "Security".
+
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
 """
@@ -55,11 +63,15 @@ import os
 import socket
 import time
 
+import httpx
+
 from kvevents.cli.engine_args import add_engine_arguments, engine_specs
 from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
+from kvevents.cli.security import RouterSecurity, add_router_arguments, router_security
 from kvevents.errors import ConfigError
-from kvevents.http_serving import run_event_loop, serve_app
+from kvevents.granian_serving import require_granian
+from kvevents.http_serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
@@ -230,6 +242,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest /route or /query body; larger ones answer 413 "
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
     )
+    add_router_arguments(parser)
+    parser.add_argument(
+        "--http-server",
+        choices=HTTP_SERVERS,
+        default="uvicorn",
+        help="the HTTP server: uvicorn (httptools, uvloop) or granian, a Rust server "
+        "driven through RSGI that answers /route faster (needs 'kvevents[granian]'; "
+        "README, Performance)",
+    )
     add_log_level(parser)
 
 
@@ -271,16 +292,21 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     leave that to the parent, which checks the options once before starting them).
     """
     router, specs, tokenizer = _check(args, warn=warn)
+    secure = router_security(args)
     warm = None
     if args.peer:
-        index, warm = load_from_peers(args.peer)
+        peers = secure.peers
+        with httpx.Client(
+            timeout=httpx.Timeout(5.0), headers=peers.headers(), verify=peers.verify()
+        ) as client:
+            index, warm = load_from_peers(args.peer, client=client)
         if index is not None:
             followed = {spec.worker for spec in specs}
             for holder in index.holders():  # a peer may follow engines this router does not
                 if holder.worker not in followed:
                     index.remove_holder(holder)
             router.restore_index(index)
-    subscriber = Subscriber(resume=router.index.applied_seqs)
+    subscriber = Subscriber(resume=router.index.applied_seqs, http_credentials=secure.engines)
     try:
         for spec in specs:
             spec.follow(subscriber)
@@ -295,6 +321,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         forward_timeout=args.forward_timeout,
         tokenizer=tokenizer,
         policy=args.policy,
+        engine_credentials=secure.engines,
     )
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
@@ -337,6 +364,7 @@ def _check(
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
+    router_security(args)  # and unreadable key files, certificates or CA bundles
     tokenizer = _tokenizer(args)
     if tokenizer is None and warn:
         for spec in specs:
@@ -355,34 +383,63 @@ def _check(
 
 def run(args: argparse.Namespace) -> int:
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    if args.http_server == "granian":
+        require_granian()
     try:
         if workers > 1:
             _check(args, warn=True)  # refuse bad options once, before any process starts
         else:
             service = build_service(args)
+        secure = router_security(args)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if workers > 1:
         return serve_workers(
-            functools.partial(build_service, warn=False), args, workers, READY_PREFIX
+            functools.partial(build_service, warn=False), args, workers, READY_PREFIX, secure
         )
-    return run_event_loop(serve(service, args.host, args.port, args.max_body_bytes))
+    return run_event_loop(
+        serve(
+            service,
+            args.host,
+            args.port,
+            args.max_body_bytes,
+            secure,
+            http_server=args.http_server,
+        )
+    )
 
 
 async def serve(
-    service: RouterService, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    service: RouterService,
+    host: str,
+    port: int,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    security: RouterSecurity | None = None,
+    *,
+    http_server: HttpServer = "uvicorn",
 ) -> int:
-    """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests."""
-    app = create_app(service, max_body_bytes=max_body_bytes)
+    """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests.
+
+    ``security``: the key clients need and the TLS to serve with (default: neither).
+    """
+    security = security or RouterSecurity()
+    app = create_app(
+        service,
+        max_body_bytes=max_body_bytes,
+        api_key=security.api_key,
+        metrics_auth=security.metrics_auth,
+    )
     notes = None
     if service.sync is not None and service.peers is None:
         sender = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         notes = service.peers = LoadNotes(service.router, sender, [service.sync])
         notes.start()
     try:
-        return await serve_app(app, host, port, READY_PREFIX, "router")
+        return await serve_app(
+            app, host, port, READY_PREFIX, "router", tls=security.tls, server=http_server
+        )
     finally:
         if notes is not None:
             await notes.close()

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from kvevents.cli.security import RouterSecurity
 from kvevents.errors import KVEventsError
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
@@ -61,6 +62,7 @@ def _worker_main(
     port: int,
     folder: str,
     ready: Any,
+    security: RouterSecurity,
 ) -> None:
     """One worker process: build the router from the same options, serve the shared port."""
 
@@ -90,9 +92,22 @@ def _worker_main(
         peers.start()
         service.peers = peers
         try:
-            app = create_app(service, max_body_bytes=args.max_body_bytes)
+            app = create_app(
+                service,
+                max_body_bytes=args.max_body_bytes,
+                api_key=security.api_key,
+                metrics_auth=security.metrics_auth,
+            )
             return await serve_app(
-                app, args.host, port, "", "router", reuse_port=True, announce=ready.send
+                app,
+                args.host,
+                port,
+                "",
+                "router",
+                reuse_port=True,
+                announce=ready.send,
+                tls=security.tls,
+                server=args.http_server,
             )
         finally:
             await peers.close()
@@ -106,11 +121,15 @@ def serve_workers(
     args: argparse.Namespace,
     workers: int,
     ready_prefix: str,
+    security: RouterSecurity | None = None,
 ) -> int:
     """Run ``workers`` router processes on one port until SIGINT/SIGTERM (module docstring).
 
-    ``build_service(args)`` builds each worker's service (in the worker process).
+    ``build_service(args)`` builds each worker's service (in the worker process, which
+    reads the engine key and CA bundle from ``args`` itself); every worker serves with
+    ``security``'s key and TLS (default: neither).
     """
+    security = security or RouterSecurity()
     reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="kvevents-router-")
@@ -126,7 +145,16 @@ def serve_workers(
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_worker_main,
-            args=(build_service, args, index, workers, port, folder, child_end),
+            args=(
+                build_service,
+                args,
+                index,
+                workers,
+                port,
+                folder,
+                child_end,
+                security,
+            ),
             name=f"kvevents-router-{index}",
         )
         proc.start()

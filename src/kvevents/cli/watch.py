@@ -49,6 +49,7 @@ import msgspec
 
 from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
 from kvevents.cli.options import add_log_level
+from kvevents.cli.security import add_engine_client_arguments, engine_credentials
 from kvevents.errors import ConfigError
 from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.subscribe.engine_watcher import DiscoveryState
@@ -85,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="replay inactivity timeout",
     )
+    add_engine_client_arguments(parser, "when reading the engines' /server_info")
     add_log_level(parser)
 
 
@@ -133,7 +135,7 @@ def _subscribe(args: argparse.Namespace) -> tuple[Subscriber, _Checker]:
     streams = endpoint_specs(args)
     configured = {s.worker: s.block_size for s in engines if s.block_size is not None}
     configured |= {s.worker: s.block_size for s in streams if s.block_size is not None}
-    sub = Subscriber(replay_timeout=args.replay_timeout)
+    sub = Subscriber(replay_timeout=args.replay_timeout, http_credentials=engine_credentials(args))
     try:
         for spec in engines:
             spec.follow(sub)

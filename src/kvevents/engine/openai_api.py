@@ -18,7 +18,9 @@ Enough of vLLM's surface for a router to treat the simulated engine like a real 
   "add_generation_prompt": true}`` -> ``{"tokens", "count", "max_model_len"}``.
 
 The byte tokenizer has no special tokens, so ``add_special_tokens`` changes nothing.
-Errors answer OpenAI's ``{"error": {"message", "type", "code"}}``.
+Each body is checked against its struct in :mod:`kvevents.api.openai` (the one the
+OpenAPI document shows) before the checks above. Errors answer OpenAI's
+``{"error": {"message", "type", "code"}}``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvevents.api.openai import ChatRequest, CompletionRequest, TokenizeRequest
 from kvevents.engine.bodies import BodyError, parse_json, read_body
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
@@ -134,6 +138,18 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _conform(body: dict[str, Any], shape: type[msgspec.Struct]) -> None:
+    """Refuse a body whose fields do not have the types ``shape`` declares (the struct
+    the OpenAPI document shows for this endpoint; unknown keys are allowed). Run after
+    the hand checks, whose messages say more about the fields they know."""
+    try:
+        msgspec.convert(body, shape)
+    except msgspec.ValidationError as exc:
+        raise _Invalid(
+            f"the body does not match the {shape.__name__} schema (/docs): {exc}"
+        ) from None
+
+
 def add_openai_routes(
     app: FastAPI,
     dp_size: int,
@@ -166,6 +182,7 @@ def add_openai_routes(
                 tokens = tokenizer.encode(body["prompt"])
             else:
                 raise _Invalid('give {"prompt": "text"} or {"messages": [...]}')
+            _conform(body, TokenizeRequest)
         except _Invalid as exc:
             return _error(400, str(exc))
         except _Refused as exc:
@@ -193,6 +210,7 @@ def add_openai_routes(
             max_tokens = body.get(key)
             max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
             max_new = _int(max_new, key, 0, max_new_tokens)
+            _conform(body, ChatRequest if chat else CompletionRequest)
         except _Invalid as exc:
             return _error(400, str(exc))
         except _Refused as exc:

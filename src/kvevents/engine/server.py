@@ -17,9 +17,10 @@ Endpoints (JSON in and out):
 * ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
 
-A malformed body or query answers 400 with ``{"error": ...}`` naming the field (JSON
-nested too deeply or holding an unpaired surrogate included: :mod:`kvevents.engine.bodies`),
-a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
+Every endpoint, its body and its answers, is described in ``/openapi.json`` and
+``/docs`` (:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400
+with ``{"error": ...}`` naming the field (JSON nested too deeply or holding an unpaired
+surrogate included: :mod:`kvevents.engine.bodies`), a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
 not answer within ``--request-timeout`` 504.
 
 Over 300 lines on purpose: the engine's HTTP routes and the limits they enforce (body
@@ -33,13 +34,15 @@ import asyncio
 import itertools
 import signal
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvevents.api import install
 from kvevents.config import KVEventsConfig
+from kvevents.engine.api_schema import OPERATIONS, GenerateRequest
 from kvevents.engine.bodies import BodyError, diagnose, read_body
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
@@ -51,25 +54,6 @@ from kvevents.text.tokenizer import ByteTokenizer
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "EngineLimits", "create_app"]
 
 DEFAULT_MAX_NEW_TOKENS = 16
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-NewTokens = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class _SamplingParams(msgspec.Struct):
-    max_new_tokens: NewTokens | None = None
-
-
-class GenerateRequest(msgspec.Struct):
-    """The body of ``POST /generate`` (unknown keys are ignored, as SGLang does)."""
-
-    input_ids: list[TokenId] | None = None
-    text: str | None = None
-    routed_dp_rank: int | None = None
-    data_parallel_rank: int | None = None
-    max_new_tokens: NewTokens | None = None
-    sampling_params: _SamplingParams | None = None
-
 
 _GENERATE_DECODER = msgspec.json.Decoder(GenerateRequest)
 
@@ -174,7 +158,7 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI application serving the endpoints in the module docstring."""
     limits = limits or EngineLimits()
-    app = FastAPI(title="kvevents simulated engine", docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvevents simulated engine", redoc_url=None)
     tokenizer = ByteTokenizer()
     dp_size = info.topology.dp_size
     round_robin = itertools.count()
@@ -310,4 +294,5 @@ def create_app(
             raise BadRequest(f"query parameter signal={name!r} must be 'kill' or 'term'")
         return JSONResponse(await supervisor.restart(rank, sigs[name]))
 
+    install(app, OPERATIONS)
     return app

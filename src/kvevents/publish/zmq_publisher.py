@@ -14,6 +14,14 @@ A :class:`ZmqEventPublisher` is three parts, each on its own thread:
 * the replay thread: answers DEALER requests from the replay buffer on a ROUTER
   (:mod:`kvevents.publish.replay_server`) and never touches the PUB socket.
 
+Exposure: the default ``endpoint`` is SGLang's and vLLM's, ``tcp://*:5557``, bound on
+every interface with no authentication: anyone who can reach the port can subscribe and
+read every batch (each stored block's token ids, from which the prompt text can be
+recovered), and anyone who can reach a replay port can ask for the buffered history. Bind
+a specific address (``tcp://127.0.0.1:5557``, with ``bind=True``) to keep a stream on one
+host or network; ``kvevents engine`` binds loopback unless ``--kv-events-host`` says
+otherwise (README, "Security").
+
 Lifecycle: RUNNING from construction (sockets bound, threads started), DRAINING while
 ``shutdown()`` sends what was accepted, CLOSED after. ``shutdown()`` is idempotent and
 bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger).

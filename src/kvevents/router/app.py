@@ -1,7 +1,8 @@
-"""The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``.
+"""The router's HTTP app: the hot path in front, FastAPI for ``/generate``, ``/workers``, ``/metrics``, ``/dump``, ``/health``.
 
 The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
-command); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
+command) and described, bodies and answers, in :mod:`kvevents.router.api_schema`
+(``/openapi.json``, ``/docs``); what feeds them is :class:`~kvevents.router.service.RouterService`; the OpenAI
 endpoints live in :mod:`kvevents.router.openai`, engine polling in
 :mod:`kvevents.router.engines`.
 """
@@ -15,28 +16,55 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvevents.api import install
 from kvevents.errors import RouterNotReadyError
+from kvevents.http_auth import ApiKey
+from kvevents.router.api_schema import OPERATIONS, RoutedTo
+from kvevents.router.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.metrics import render
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
 
-__all__ = ["create_app"]
+__all__ = ["OPEN_PATHS", "create_app"]
 
 
-def create_app(service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> HotPath:
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""Paths answered without the API key: health for probes, and the API's description
+(it holds no state, and a browser opening ``/docs`` cannot send the header)."""
+
+
+def create_app(
+    service: RouterService,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: ApiKey | None = None,
+    metrics_auth: bool = False,
+) -> HotPath:
     """The router's HTTP API as one ASGI app; starting and stopping ``service`` is its lifespan.
 
     ``/route`` and ``/query`` are answered by :class:`~kvevents.router.hot_path.HotPath`;
     everything else by the FastAPI app behind it (:func:`create_fastapi_app`).
+
+    ``api_key``: every path but :data:`OPEN_PATHS` (and ``/metrics``, unless
+    ``metrics_auth``) needs ``Authorization: Bearer KEY``; the hot path checks it for all.
     """
-    return HotPath(service, create_fastapi_app(service), max_body_bytes=max_body_bytes)
+    open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+    return HotPath(
+        service,
+        create_fastapi_app(service, max_body_bytes=max_body_bytes),
+        max_body_bytes=max_body_bytes,
+        api_key=api_key,
+        open_paths=open_paths,
+    )
 
 
-def create_fastapi_app(service: RouterService) -> FastAPI:
+def create_fastapi_app(
+    service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     """The FastAPI part of the router: lifespan, ``/generate``, ``/workers``, ``/metrics``,
-    ``/dump`` and the OpenAI routes."""
+    ``/dump`` and the OpenAI routes; a body over ``max_body_bytes`` answers 413."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,13 +85,20 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
     async def _untokenized(request: Request, exc: TokenizeFailed) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=413)
+
     @app.exception_handler(RouterNotReadyError)
     async def _not_ready(request: Request, exc: RouterNotReadyError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        raw = await request.body()
+        try:
+            raw = await read_body(request.scope, request.receive, max_body_bytes)
+        except Disconnected:
+            return Response(status_code=400)  # nobody is left to read it
         tokens, body = await service.tokens(raw, chat=False)
         try:
             payload = msgspec.json.decode(raw)
@@ -90,14 +125,16 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
             router.finish(ticket, failed=status != 200)
         service.requests.record("generate", decision, len(tokens), status)
         chosen = decision.chosen
-        info = {
-            "worker": decision.worker,
-            "dp_rank": decision.dp_rank,
-            "cost": chosen.cost,
-            "cached_blocks": chosen.cached_blocks,
-            "prefill_blocks": chosen.prefill_blocks,
-            "pending_blocks": chosen.pending_blocks,
-        }
+        info = msgspec.to_builtins(
+            RoutedTo(
+                decision.worker,
+                decision.dp_rank,
+                chosen.cost,
+                chosen.cached_blocks,
+                chosen.prefill_blocks,
+                chosen.pending_blocks,
+            )
+        )
         try:
             answer = msgspec.json.decode(content)
         except msgspec.DecodeError:
@@ -150,6 +187,11 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
             }
         )
 
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the router serves; open even with an API key (for probes)."""
+        return JSONResponse({"status": "ok"})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(render(service.registry), media_type="text/plain; version=0.0.4")
@@ -158,5 +200,6 @@ def create_fastapi_app(service: RouterService) -> FastAPI:
     async def dump() -> Response:
         return Response(router.index.to_bytes(), media_type="application/octet-stream")
 
-    add_openai_routes(app, service)
+    add_openai_routes(app, service, max_body_bytes=max_body_bytes)
+    install(app, OPERATIONS)
     return app

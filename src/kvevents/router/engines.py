@@ -21,8 +21,10 @@ One :func:`watch_engine` task per engine, until the service stops:
    :attr:`EngineState.load_source` says which applies. The router's own in-flight
    requests count as load for every kind.
 
-Errors never end the task: they mark the engine's ranks unavailable and are kept in
-:attr:`EngineState.error` for ``/workers``.
+Errors never end the task: they mark the engine's ranks unavailable, are kept in
+:attr:`EngineState.error` for ``/workers`` and logged (once per new error). An engine
+that answers 401 or 403 (it requires an API key, and the router's ``--engine-api-key`` is
+missing or wrong) is such an error, worded as one.
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ def _advertised_block_size(info: Any) -> int | None:
     return None
 
 
+def _check_authorized(response: httpx.Response) -> httpx.Response:
+    """``response``, unless the engine refused the router's key (DiscoveryError saying so)."""
+    if response.status_code in (401, 403):
+        request = response.request
+        raise DiscoveryError(
+            f"{request.method} {request.url} answered HTTP {response.status_code}: the engine "
+            "requires an API key and refused the router's (missing or wrong); start the router "
+            "with --engine-api-key (or --engine-api-key-file) holding the engine's --api-key"
+        )
+    return response
+
+
 async def _register(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
     spec = state.spec
     configured = f"--block-size of engine {spec.worker}"
@@ -118,10 +132,10 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
             router.add_holder(h, block_size=spec.block_size, source="configured", origin=configured)
         state.registered = True
         try:  # best effort: only to cross-check an advertised block size
-            response = await client.get(f"{spec.url}/server_info", timeout=5.0)
+            response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=5.0))
             advertised = _advertised_block_size(response.json()) if response.is_success else None
-        except (httpx.HTTPError, ValueError):
-            advertised = None
+        except (httpx.HTTPError, ValueError, DiscoveryError):
+            advertised = None  # a refused key shows in the /load poll's error
     else:
         streams = await _discover(spec, client)
         holders = [Holder(s.worker, s.dp_rank) for s in streams]
@@ -139,7 +153,7 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
 
 async def _discover(spec: EngineSpec, client: httpx.AsyncClient) -> list[StreamSpec]:
     """The engine's streams from ``/server_info``, else (a vLLM) from ``/kv_event_sources``."""
-    response = await client.get(f"{spec.url}/server_info", timeout=5.0)
+    response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=5.0))
     try:
         return streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
     except (DiscoveryError, ValueError):
@@ -152,13 +166,13 @@ async def _discover(spec: EngineSpec, client: httpx.AsyncClient) -> list[StreamS
 async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
     spec = state.spec
     if spec.engine_kind == "kvevents":
-        response = await client.get(f"{spec.url}/load", timeout=5.0)
+        response = _check_authorized(await client.get(f"{spec.url}/load", timeout=5.0))
         # Each rank's availability is the engine's word for it (a dead, restarting or
         # stalled rank says available: false), so nothing here marks the worker available.
         router.update_load(spec.worker, response.json())
         state.load_source = "/load"
         return
-    response = await client.get(f"{spec.url}/health", timeout=5.0)
+    response = _check_authorized(await client.get(f"{spec.url}/health", timeout=5.0))
     if response.status_code != 200:
         raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status_code}")
     router.set_worker_available(spec.worker, True)
@@ -200,7 +214,11 @@ async def watch_engine(
     interval: float,
     stopping: asyncio.Event,
 ) -> None:
-    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set."""
+    """Register the engine, then poll it every ``interval`` s until ``stopping`` is set.
+
+    Each new error is logged once (a warning), and again only after it changed or cleared.
+    """
+    logged: str | None = None
     while not stopping.is_set():
         try:
             if not state.registered:
@@ -214,5 +232,9 @@ async def watch_engine(
             log.exception("polling engine %s failed unexpectedly", state.spec.url)
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"
+        if state.error != logged:
+            if state.error is not None:
+                log.warning("engine %s is unavailable: %s", state.spec.url, state.error)
+            logged = state.error
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stopping.wait(), interval)

@@ -29,31 +29,50 @@ Answers (JSON):
 Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
 JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 413 past the
 body limit, 503 before any engine rank is known, and the tokenizer's own status when
-tokenizing text fails. The connection stays usable after every one of them.
+tokenizing text fails, 401 without the ``--api-key`` (any path but the open ones). The
+connection stays usable after every one of them.
+
+Just over 300 lines: the answers' structs and the one handler that writes them read together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
 
-from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.errors import RouterNotReadyError
+from kvevents.granian_serving import AsgiOverRsgi
+from kvevents.http_auth import ApiKey, send_unauthorized
+from kvevents.router.bodies import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyTooLarge,
+    Disconnected,
+    Message,
+    Receive,
+    Scope,
+    read_body,
+    read_rsgi_body,
+)
 from kvevents.router.core import RouteDecision
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_TOP", "HotPath"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_TOP",
+    "ErrorAnswer",
+    "HotPath",
+    "QueryAnswer",
+    "Receive",
+    "RouteAnswer",
+    "Scope",
+    "Send",
+]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-"""16 MiB: a 128k-token prompt as JSON ids is under 1 MiB; its text under 2 MiB."""
 
 
 class Tiers(msgspec.Struct, gc=False):
@@ -131,16 +150,9 @@ class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
 
-class BodyTooLarge(KVEventsError):
-    """The request body passed the limit; answered with 413."""
-
-
-class _Disconnected(Exception):
-    """The client went away before its body arrived."""
-
-
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_RSGI_JSON_HEADERS = [("content-type", "application/json")]
 
 
 def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
@@ -168,39 +180,39 @@ class HotPath:
         fallback: ASGIApp,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        api_key: ApiKey | None = None,
+        open_paths: Iterable[str] = (),
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes={max_body_bytes}: must be a positive number")
+        self.api_key = api_key
+        self.open_paths = frozenset(open_paths)
         self.service = service
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
+        self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
         self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
             "/route": self._route,
             "/query": self._query,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self._handlers.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":  # the lifespan
+            await self.fallback(scope, receive, send)
+            return
+        path = scope["path"]
+        key = self.api_key
+        if key is not None and path not in self.open_paths and not key.matches(scope["headers"]):
+            await send_unauthorized(scope, send)
+            return
+        handler = self._handlers.get(path)
         if handler is None or scope["method"] != "POST":
             await self.fallback(scope, receive, send)
             return
-        try:
-            raw = await self._body(scope, receive)
-            status, answer = 200, await handler(raw)
-        except _Disconnected:
+        answered = await self._answer(handler, read_body(scope, receive, self.max_body_bytes))
+        if answered is None:
             return
-        except BadRequest as exc:
-            status, answer = 400, _error(str(exc))
-        except BodyTooLarge as exc:
-            status, answer = 413, _error(str(exc))
-        except TokenizeFailed as exc:
-            status, answer = exc.status, _error(str(exc))
-        except RecursionError:
-            status, answer = 400, _error("request body: JSON nested too deeply")
-        except UnicodeError as exc:
-            status, answer = 400, _error(f"request body: text is not valid Unicode: {exc}")
-        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
-            status, answer = 503, _error(str(exc))
+        status, answer = answered
         await send(
             {
                 "type": "http.response.start",
@@ -210,35 +222,48 @@ class HotPath:
         )
         await send({"type": "http.response.body", "body": answer})
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit():
-                    raise BadRequest(f"Content-Length {value!r} is not a number of bytes")
-                if int(value) > limit:
-                    raise BodyTooLarge(_too_large(int(value), limit))
-                break
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _Disconnected
-        body: bytes = message.get("body", b"")
-        if not message.get("more_body", False):
-            if len(body) > limit:
-                raise BodyTooLarge(_too_large(len(body), limit))
-            return body
-        chunks = [body]
-        size = len(body)
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] != "http.request":
-                raise _Disconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(_too_large(size, limit))
-            chunks.append(chunk)
-        return b"".join(chunks)
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        """The same app on granian's RSGI interface (:mod:`kvevents.granian_serving`).
+
+        ``POST /route`` and ``/query`` with the key (or no key set) are answered here
+        natively; everything else, refusals included, goes through the ASGI bridge to
+        :meth:`__call__`, so both interfaces answer alike.
+        """
+        handler = self._handlers.get(scope.path) if scope.proto == "http" else None
+        if handler is None or scope.method != "POST" or not self._rsgi_authorized(scope):
+            await self._bridge.__rsgi__(scope, proto)
+            return
+        answered = await self._answer(handler, read_rsgi_body(scope, proto, self.max_body_bytes))
+        if answered is not None:
+            proto.response_bytes(answered[0], _RSGI_JSON_HEADERS, answered[1])
+
+    def _rsgi_authorized(self, scope: Any) -> bool:
+        key = self.api_key
+        if key is None or scope.path in self.open_paths:
+            return True
+        given = scope.headers.get("authorization")
+        return given is not None and key.matches([(b"authorization", given.encode("latin-1"))])
+
+    async def _answer(
+        self, handler: Callable[[bytes], Awaitable[bytes]], body: Awaitable[bytes]
+    ) -> tuple[int, bytes] | None:
+        """Status and answer for one hot-path request; None when the client went away."""
+        try:
+            return 200, await handler(await body)
+        except Disconnected:
+            return None
+        except BadRequest as exc:
+            return 400, _error(str(exc))
+        except BodyTooLarge as exc:
+            return 413, _error(str(exc))
+        except TokenizeFailed as exc:
+            return exc.status, _error(str(exc))
+        except RecursionError:
+            return 400, _error("request body: JSON nested too deeply")
+        except UnicodeError as exc:
+            return 400, _error(f"request body: text is not valid Unicode: {exc}")
+        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
+            return 503, _error(str(exc))
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
@@ -279,10 +304,3 @@ class HotPath:
 
 def _error(message: str) -> bytes:
     return _ENCODER.encode(ErrorAnswer(message))
-
-
-def _too_large(size: int, limit: int) -> str:
-    return (
-        f"request body of {size} bytes is over the router's limit of {limit} bytes "
-        "(kvevents router --max-body-bytes)"
-    )

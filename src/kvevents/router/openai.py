@@ -17,8 +17,9 @@ engine:
 * ``sglang`` and ``kvevents`` engines: ``routed_dp_rank: r`` set in the JSON body (a
   client's ``data_parallel_rank`` removed).
 
-The client's headers go along (``Authorization`` included) except hop-by-hop ones and
-any ``X-data-parallel-rank`` of its own. ``"stream": true`` relays the engine's
+The client's headers go along except hop-by-hop ones, any ``X-data-parallel-rank`` of
+its own and its ``Authorization``: the engine gets the router's own key
+(``--engine-api-key``) instead, or none. ``"stream": true`` relays the engine's
 server-sent events chunk by chunk as they arrive; an engine failing midway ends the
 stream with an SSE ``error`` event. Every answer carries the decision::
 
@@ -31,7 +32,8 @@ predicted ones after them, :mod:`kvevents.index.predictions`)
 
 and it is counted (:mod:`kvevents.router.request_stats`, endpoint ``completions`` or
 ``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
-OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 400 for a bad body (the
+OpenAI's shape, ``{"error": {"message", "type", "code"}}``: 413 for a body over
+``--max-body-bytes`` (refused before it is buffered whole), 400 for a bad body (the
 engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
 the tokenizer cannot render, 502 when tokenizing failed otherwise, 503 with no rank
 available, and 502 when the engine cannot be reached.
@@ -54,9 +56,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.router.bodies import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, Disconnected, read_body
 from kvevents.router.core import RouteDecision
 from kvevents.router.request_stats import engine_usage
-from kvevents.router.service import FORWARD_ERRORS
+from kvevents.router.service import FORWARD_ERRORS, BadRequest
 from kvevents.router.tokenize import ChatError, TokenizeError
 
 if TYPE_CHECKING:
@@ -76,6 +79,7 @@ _DROP_HEADERS = frozenset(
         "te",
         "trailer",
         "proxy-authorization",
+        "authorization",  # the client's key is for the router; engines get the router's own
         "accept-encoding",
         RANK_HEADER.lower(),
     }
@@ -165,14 +169,17 @@ class _UsageTracker:
             return None
 
 
-def add_openai_routes(app: FastAPI, service: RouterService) -> None:
-    """Serve the OpenAI endpoints of the module docstring on ``app`` for ``service``."""
+def add_openai_routes(
+    app: FastAPI, service: RouterService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> None:
+    """Serve the OpenAI endpoints of the module docstring on ``app`` for ``service``; a
+    body over ``max_body_bytes`` answers 413."""
     router = service.router
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            raw, body = await _json_body(request, "completions")
+            raw, body = await _json_body(request, "completions", max_body_bytes)
             return await _forward(request, raw, body, await _prompt_tokens(body), chat=False)
         except OpenAIError as exc:
             return exc.response()
@@ -180,7 +187,7 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            raw, body = await _json_body(request, "chat completions")
+            raw, body = await _json_body(request, "chat completions", max_body_bytes)
             try:
                 tokens = await service.text_tokenizer.encode_chat(body)
             except ChatError as exc:
@@ -287,12 +294,21 @@ def add_openai_routes(app: FastAPI, service: RouterService) -> None:
         return StreamingResponse(relay(), status_code=status, media_type=media, headers=shown)
 
 
-async def _json_body(request: Request, what: str) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.body()
+async def _json_body(request: Request, what: str, limit: int) -> tuple[bytes, dict[str, Any]]:
+    try:
+        raw = await read_body(request.scope, request.receive, limit)
+    except BodyTooLarge as exc:
+        raise OpenAIError(413, str(exc)) from None
+    except BadRequest as exc:
+        raise OpenAIError(400, str(exc)) from None
+    except Disconnected:
+        raise OpenAIError(400, "the client went away before its body arrived") from None
     try:
         body = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "the body is nested too deeply: flatten it") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the body must be a JSON object (an OpenAI {what} request)")
     return raw, body

@@ -24,6 +24,7 @@ import httpx
 import msgspec
 
 from kvevents.errors import DiscoveryError
+from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, discover
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.types import StrEnum
@@ -81,8 +82,10 @@ class EngineWatcher:
         report: Callable[[Signal], None],
         replace_spec: Callable[[StreamSpec], None] | None = None,
         recheck: float | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         self.url = url
+        self._credentials = credentials or ClientCredentials()
         self.worker = worker
         self.state = DiscoveryState.DISCOVERING
         self.attempts = 0
@@ -116,7 +119,10 @@ class EngineWatcher:
     def _run(self) -> None:
         # One client for the watcher's life: a fresh one per attempt built a new connection
         # pool and SSL context every recheck, holding the GIL for milliseconds each time.
-        with httpx.Client(timeout=self._timeout) as client:
+        creds = self._credentials
+        with httpx.Client(
+            timeout=self._timeout, headers=creds.headers(), verify=creds.verify()
+        ) as client:
             self._watch(client)
 
     def _watch(self, client: httpx.Client) -> None:

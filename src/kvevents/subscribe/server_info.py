@@ -50,6 +50,12 @@ def fetch_server_info(
             f"GET {target} failed ({type(exc).__name__}: {exc}): is the engine running at {url}?",
             reached=False,
         ) from None
+    if response.status_code in (401, 403):
+        raise DiscoveryError(
+            f"GET {target} answered HTTP {response.status_code}: the engine requires an API "
+            "key and refused this client's (missing or wrong); give the engine's key "
+            "(kvevents router --engine-api-key, Subscriber(http_credentials=...))"
+        )
     if response.status_code != 200:
         raise DiscoveryError(
             f"GET {target} answered HTTP {response.status_code}: is {url} an SGLang, vLLM or "

@@ -67,6 +67,7 @@ from types import TracebackType
 import zmq
 
 from kvevents.errors import SubscriberStateError
+from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 from kvevents.subscribe.engine_watcher import EngineStatus, EngineWatcher
 from kvevents.subscribe.handoff import Handoff, HandoffClosed
@@ -117,6 +118,9 @@ class Subscriber:
       holder's stream, when it is added, continues from there instead of from its start
       (see :meth:`kvevents.subscribe.stream.StreamTracker.start`). Used once per holder;
       a stream replaced later (the engine moved) starts over.
+    * ``http_credentials``: the API key discovery requests carry and the CA bundle
+      ``https://`` engines are verified against (:class:`~kvevents.http_auth.ClientCredentials`;
+      default: no key, the default trust store).
     * ``context``: a ZMQ context to use (not terminated here); ``clock``: monotonic
       seconds, for tests.
     """
@@ -137,6 +141,7 @@ class Subscriber:
         retry_max: float = 5.0,
         rediscover_interval: float | None = 5.0,
         resume: Mapping[Holder, int] | None = None,
+        http_credentials: ClientCredentials | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -164,6 +169,7 @@ class Subscriber:
         self.discovery_timeout = discovery_timeout
         self.retry_initial = retry_initial
         self.retry_max = retry_max
+        self.http_credentials = http_credentials or ClientCredentials()
         self._clock = clock
         self._own_context = context is None
         self._context = zmq.Context() if context is None else context
@@ -215,6 +221,7 @@ class Subscriber:
                 report=lambda signal: self._loop.submit(Command.SIGNAL, signal),
                 replace_spec=self._replace_spec,
                 recheck=self.rediscover_interval,
+                credentials=self.http_credentials,
             )
             self._engines[url] = watcher
         watcher.thread.start()

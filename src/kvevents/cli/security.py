@@ -1,0 +1,174 @@
+"""The key and TLS options of ``kvevents engine``, ``router`` and ``watch``.
+
+* :func:`add_api_key_arguments`: ``--X`` or ``--X-file`` (one of them), else an
+  environment variable; :func:`api_key_of` reads them in that order of precedence.
+* :func:`add_tls_arguments`: ``--ssl-certfile`` / ``--ssl-keyfile`` (:func:`tls_of`).
+* :func:`add_engine_server_arguments`: ``kvevents engine``'s key and TLS.
+* :func:`add_engine_client_arguments`: what a consumer sends engines and trusts them
+  with, ``--engine-api-key`` and ``--ssl-ca-certs`` (:func:`engine_credentials`).
+* :func:`add_router_arguments` and :func:`router_security`: the router's whole set.
+
+The values are checked by :mod:`kvevents.http_auth`; every error is a
+:class:`~kvevents.errors.ConfigError` naming the option, and no message holds a key.
+README, "Security", says what each option closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from kvevents.errors import ConfigError
+from kvevents.http_auth import ApiKey, ClientCredentials, ServerTLS, resolve_secret
+
+__all__ = [
+    "API_KEY_ENV",
+    "ENGINE_API_KEY_ENV",
+    "RouterSecurity",
+    "add_api_key_arguments",
+    "add_engine_client_arguments",
+    "add_engine_server_arguments",
+    "add_router_arguments",
+    "add_tls_arguments",
+    "api_key_of",
+    "engine_api_key",
+    "engine_credentials",
+    "router_security",
+    "tls_of",
+]
+
+API_KEY_ENV = "KVEVENTS_API_KEY"
+"""The router's own key when neither ``--api-key`` nor ``--api-key-file`` is given."""
+ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
+"""The engine's key: ``kvevents engine``'s own (``--api-key``), the one ``router`` and
+``watch`` send (``--engine-api-key``). One variable, so one environment sets both ends."""
+
+
+def add_api_key_arguments(
+    parser: argparse.ArgumentParser, option: str, env: str, what: str
+) -> None:
+    """``--OPTION KEY`` or ``--OPTION-file PATH`` (one of them), else ``$ENV``.
+
+    Read them with :func:`api_key_of`. The option is visible in ``ps``; the file and
+    the variable are not.
+    """
+    group = parser.add_mutually_exclusive_group()
+    dest = option.lstrip("-").replace("-", "_")
+    group.add_argument(
+        option,
+        dest=dest,
+        metavar="KEY",
+        help=f"{what}, as 'Authorization: Bearer KEY'. Default: ${env}, else none; an "
+        f"option shows in ps, so prefer {option}-file or ${env}",
+    )
+    group.add_argument(
+        f"{option}-file",
+        dest=f"{dest}_file",
+        metavar="PATH",
+        help=f"read {option} from the first line of this file",
+    )
+
+
+def api_key_of(args: argparse.Namespace, option: str, env: str) -> str | None:
+    """The key of :func:`add_api_key_arguments`: the option, else its file, else ``$ENV``."""
+    dest = option.lstrip("-").replace("-", "_")
+    return resolve_secret(getattr(args, dest), getattr(args, f"{dest}_file"), env, option)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--ssl-certfile`` and ``--ssl-keyfile``: serve HTTPS (read with :func:`tls_of`)."""
+    parser.add_argument(
+        "--ssl-certfile", metavar="PEM", help=f"serve {what} over HTTPS with this certificate"
+    )
+    parser.add_argument("--ssl-keyfile", metavar="PEM", help="the private key of --ssl-certfile")
+
+
+def tls_of(args: argparse.Namespace) -> ServerTLS | None:
+    """The server TLS of :func:`add_tls_arguments` (None: plain HTTP); ConfigError if bad."""
+    return ServerTLS.from_options(args.ssl_certfile, args.ssl_keyfile)
+
+
+def add_engine_client_arguments(parser: argparse.ArgumentParser, sent_on: str) -> None:
+    """``--engine-api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``) and ``--ssl-ca-certs``."""
+    add_api_key_arguments(
+        parser, "--engine-api-key", ENGINE_API_KEY_ENV, f"send this key {sent_on}"
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        metavar="PEM",
+        help="verify https:// servers this command calls against this CA bundle "
+        "(default: the system's trust store)",
+    )
+
+
+def engine_credentials(args: argparse.Namespace) -> ClientCredentials:
+    """What :func:`add_engine_client_arguments` gave, checked."""
+    return ClientCredentials(
+        api_key=api_key_of(args, "--engine-api-key", ENGINE_API_KEY_ENV),
+        ca_certs=args.ssl_ca_certs,
+    )
+
+
+@dataclass(frozen=True)
+class RouterSecurity:
+    """The router's keys and TLS, from its options (:func:`router_security`)."""
+
+    api_key: ApiKey | None = None
+    metrics_auth: bool = False
+    tls: ServerTLS | None = None
+    engines: ClientCredentials = field(default_factory=ClientCredentials)
+    """What every request to an engine (and to ``--tokenize-endpoint``) carries."""
+    peers: ClientCredentials = field(default_factory=ClientCredentials)
+    """What ``GET /dump`` of a ``--peer`` carries: the router's own key (replicas share it)."""
+
+
+def add_engine_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvevents engine``'s ``--api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``) and TLS."""
+    add_api_key_arguments(
+        parser,
+        "--api-key",
+        ENGINE_API_KEY_ENV,
+        "require this key on every endpoint but /health (routing and admin alike)",
+    )
+    add_tls_arguments(parser, "the engine")
+
+
+def engine_api_key(args: argparse.Namespace) -> str | None:
+    """The key of :func:`add_engine_server_arguments` (None: no key required)."""
+    return api_key_of(args, "--api-key", ENGINE_API_KEY_ENV)
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every key and TLS option of ``kvevents router`` (read with :func:`router_security`)."""
+    add_api_key_arguments(
+        parser,
+        "--api-key",
+        API_KEY_ENV,
+        "require this key of clients on every endpoint but "
+        "/health, /docs, /redoc, /openapi.json and /metrics (see --metrics-auth)",
+    )
+    parser.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="require the --api-key on /metrics too (default: /metrics stays open to scrapers)",
+    )
+    add_engine_client_arguments(
+        parser,
+        "on every request to the engines (their --api-key); the client's own Authorization "
+        "is never forwarded. --ssl-ca-certs also verifies --tokenize-endpoint and --peer",
+    )
+    add_tls_arguments(parser, "the router")
+
+
+def router_security(args: argparse.Namespace) -> RouterSecurity:
+    """The router's keys and TLS options read and checked (ConfigError naming the option)."""
+    own = api_key_of(args, "--api-key", API_KEY_ENV)
+    if args.metrics_auth and own is None:
+        raise ConfigError(f"--metrics-auth needs --api-key (or --api-key-file, ${API_KEY_ENV})")
+    return RouterSecurity(
+        api_key=None if own is None else ApiKey(own),
+        metrics_auth=args.metrics_auth,
+        tls=tls_of(args),
+        engines=engine_credentials(args),
+        peers=ClientCredentials(api_key=own, ca_certs=args.ssl_ca_certs),
+    )

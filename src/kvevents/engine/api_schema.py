@@ -1,0 +1,242 @@
+"""The simulated engine's HTTP API as OpenAPI operations: every endpoint, body and answer.
+
+``/openapi.json`` and ``/docs`` are built from :data:`OPERATIONS` (see
+:mod:`kvevents.api.document`). :class:`GenerateRequest` is the struct ``/generate``
+decodes its body with; the OpenAI bodies, checked by hand in
+:mod:`kvevents.engine.openai_api`, are the structs of :mod:`kvevents.api.openai`; the
+answers are what :mod:`kvevents.engine.server` sends, checked against the live
+engine by the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from kvevents.api import Body, Operation, Query
+from kvevents.api.openai import (
+    ChatAnswer,
+    ChatRequest,
+    CompletionAnswer,
+    CompletionRequest,
+    OpenAIErrorAnswer,
+    TokenizeAnswer,
+    TokenizeRequest,
+)
+
+__all__ = ["OPERATIONS", "GenerateRequest"]
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+NewTokens = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SamplingParams(msgspec.Struct):
+    max_new_tokens: NewTokens | None = None
+
+
+class GenerateRequest(msgspec.Struct):
+    """The body of ``POST /generate`` (unknown keys are ignored, as SGLang does).
+
+    Exactly one of ``input_ids`` and ``text``; ``routed_dp_rank`` (SGLang's name) or
+    ``data_parallel_rank`` picks the rank, else round-robin over the live ranks;
+    ``max_new_tokens`` at the top level or in ``sampling_params`` (default 16).
+    """
+
+    input_ids: list[TokenId] | None = None
+    text: str | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    max_new_tokens: NewTokens | None = None
+    sampling_params: SamplingParams | None = None
+
+
+class FinishReason(msgspec.Struct):
+    type: str
+    length: int
+
+
+class GenerateMeta(msgspec.Struct):
+    """SGLang's ``meta_info``; the same figures are also at the answer's top level."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens the rank found in its prefix cache."""
+    completion_tokens: int
+    dp_rank: int
+    finish_reason: FinishReason
+
+
+class GenerateAnswer(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    dp_rank: int
+    finish_reason: FinishReason
+    meta_info: GenerateMeta
+
+
+class ErrorAnswer(msgspec.Struct):
+    error: str
+    """What was wrong, naming the field, parameter or limit, and how to fix it."""
+
+
+class RankStatus(msgspec.Struct):
+    dp_rank: int
+    state: str
+    alive: bool
+    pid: int | None
+    restarts: int
+    exit_code: int | None
+    endpoint: str | None
+    replay_endpoint: str | None
+
+
+class HealthAnswer(msgspec.Struct):
+    status: str
+    """``ok``, or ``unhealthy`` while a rank is dead."""
+    dead_ranks: list[int]
+    ranks: list[RankStatus]
+
+
+class LoadAnswer(msgspec.Struct):
+    dp_size: int
+    ranks: list[dict[str, Any]]
+    """Per rank: ``dp_rank``, ``available`` and the scheduler's load figures, or
+    ``available: false`` with ``error`` when the rank did not answer in time."""
+
+
+class KvBlocksAnswer(msgspec.Struct):
+    dp_rank: int
+    block_size: int
+    num_blocks: int
+    block_hashes: list[int]
+
+
+class FlushAnswer(msgspec.Struct):
+    flushed: list[int]
+    """The ranks whose caches were emptied."""
+
+
+class ServerInfoAnswer(msgspec.Struct):
+    dp_size: int
+    tp_size: int
+    enable_dp_attention: bool
+    page_size: int
+    max_blocks_per_rank: int
+    hash_scheme: str
+    kv_events_config: str
+    schedulers: list[dict[str, Any]]
+    kv_events: dict[str, Any] | None = None
+    """The discovery block (kvevents.wire.server_info); absent when not publishing on TCP."""
+
+
+_RANK = Query("dp_rank", {"type": "integer", "minimum": 0}, "The data-parallel rank")
+_BAD = "A malformed body or parameter; the message names it and how to fix it"
+_TOO_LARGE = "The body is over kvevents engine --max-body-bytes (refused before it is read whole)"
+_UNAVAILABLE = "The rank is not running (dead or restarting), or its queue is full"
+_TIMEOUT = "The rank did not answer within --request-timeout"
+_GENERATE_ERRORS = {400: _BAD, 413: _TOO_LARGE, 503: _UNAVAILABLE, 504: _TIMEOUT}
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "post",
+        "/generate",
+        "Generate tokens for a prompt (SGLang's API)",
+        Body(GenerateAnswer),
+        request=Body(GenerateRequest, example={"input_ids": [1, 2, 3, 4], "max_new_tokens": 4}),
+        errors=_GENERATE_ERRORS,
+        error_type=ErrorAnswer,
+    ),
+    Operation(
+        "post",
+        "/v1/completions",
+        "OpenAI completions (vLLM-style)",
+        Body(CompletionAnswer, also=("text/event-stream",)),
+        description="The rank is the header X-data-parallel-rank (vLLM's) or "
+        "`routed_dp_rank` in the body; without one, round-robin.",
+        request=Body(CompletionRequest, example={"prompt": "Hello", "max_tokens": 4}),
+        errors=_GENERATE_ERRORS,
+        error_type=OpenAIErrorAnswer,
+    ),
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "OpenAI chat completions (vLLM-style)",
+        Body(ChatAnswer, also=("text/event-stream",)),
+        request=Body(
+            ChatRequest,
+            example={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        ),
+        errors=_GENERATE_ERRORS,
+        error_type=OpenAIErrorAnswer,
+    ),
+    Operation(
+        "post",
+        "/tokenize",
+        "Token ids of a prompt or a chat, as generation would see them",
+        Body(TokenizeAnswer),
+        request=Body(TokenizeRequest, example={"prompt": "Hello"}),
+        errors={400: _BAD, 413: _TOO_LARGE},
+        error_type=OpenAIErrorAnswer,
+    ),
+    Operation(
+        "get",
+        "/kv_blocks",
+        "The block hashes one rank holds now (ground truth for consistency checks)",
+        Body(KvBlocksAnswer),
+        query=(Query(_RANK.name, _RANK.schema, _RANK.description, required=True),),
+        errors={400: _BAD, 503: _UNAVAILABLE, 504: _TIMEOUT},
+        error_type=ErrorAnswer,
+    ),
+    Operation(
+        "get",
+        "/load",
+        "Every rank's load; a rank that does not answer in time is reported unavailable",
+        Body(LoadAnswer),
+    ),
+    Operation(
+        "get",
+        "/server_info",
+        "Topology, block size and the KV-events discovery block",
+        Body(ServerInfoAnswer),
+    ),
+    Operation(
+        "post",
+        "/admin/restart_rank",
+        "Kill one rank and start it again on the same endpoints",
+        Body(RankStatus, description="The rank's status once it is running again"),
+        query=(
+            Query(_RANK.name, _RANK.schema, _RANK.description, required=True),
+            Query(
+                "signal",
+                {"type": "string", "enum": ["kill", "term"], "default": "kill"},
+                "How to stop it: SIGKILL or SIGTERM",
+            ),
+        ),
+        errors={
+            400: _BAD,
+            409: "The rank is already starting, stopping or restarting; try again later",
+            503: _UNAVAILABLE,
+        },
+        error_type=ErrorAnswer,
+    ),
+    Operation(
+        "post",
+        "/flush_cache",
+        "Empty the prefix cache of one rank, or of every rank",
+        Body(FlushAnswer),
+        query=(Query(_RANK.name, _RANK.schema, "Only this rank (default: every rank)"),),
+        errors={400: _BAD, 503: _UNAVAILABLE, 504: _TIMEOUT},
+        error_type=ErrorAnswer,
+    ),
+    Operation(
+        "get",
+        "/health",
+        "Whether every rank is running",
+        Body(HealthAnswer),
+        other={503: ("A rank is dead", Body(HealthAnswer))},
+    ),
+)
