@@ -2,7 +2,7 @@
 
     python benchmarks/router.py [--prompts 256] [--long-prompts 64] [--duration 10]
                                 [--connections 32] [--workers 1 2] [--no-completions]
-                                [--json OUT]
+                                [--sync-rounds 3] [--json OUT]
 
 Needs the load generator ``wrk`` (Debian: ``apt-get install wrk``). Prints the figures
 and writes them as JSON (default benchmarks/results/router.json). The work is
@@ -12,6 +12,7 @@ and writes them as JSON (default benchmarks/results/router.json). The work is
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,8 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-prompts", type=int, default=64, help="8,192-token prompts stored")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--workers", type=int, nargs="*", default=[1, 2], help="router processes (none: skip)"
+    )
     parser.add_argument("--no-completions", action="store_true", help="skip /v1/completions")
+    parser.add_argument(
+        "--sync-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of /route recording, --sync on and off (0: skip)",
+    )
     parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"output (default {DEFAULT_JSON})"
     )
@@ -42,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         connections=args.connections,
         workers=args.workers,
         completions=not args.no_completions,
+        sync_rounds=args.sync_rounds,
     )
     for name, run in result["runs"].items():
         print(
@@ -50,6 +60,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, value in result["summary"].items():
         print(f"{name:40s} {value:.3f}")
+    cost = result.get("note_cost")
+    if cost is not None:
+        ratios = ", ".join(f"{r:.3f}" for r in cost["round_ratios_on_over_off"])
+        print(
+            f"/route recording, --sync off / on: {cost['median_requests_per_s_off']:,.0f} / "
+            f"{cost['median_requests_per_s_on']:,.0f} req/s (median of {cost['rounds']}); "
+            f"note cost {cost['cost']:.1%}; per-round on/off {ratios}; "
+            f"notes sent {cost['notes_sent']:,} for {cost['requests_on']:,} requests"
+        )
+        if cost["cpu_cost"] is not None:
+            print(
+                f"router CPU per request, off / on: {cost['median_cpu_us_per_request_off']:.0f}"
+                f" / {cost['median_cpu_us_per_request_on']:.0f} us (median); note cost "
+                f"{cost['cpu_cost']:.1%}"
+            )
+        inner = cost["in_process"]
+        share = inner.get("share_of_route_cpu")
+        print(
+            f"in process, per recorded decision off / on: "
+            f"{statistics.median(inner['us_per_decision_off']):.1f} / "
+            f"{statistics.median(inner['us_per_decision_on']):.1f} us CPU: a note costs "
+            f"{inner['note_us']:.1f} us"
+            + ("" if share is None else f", {share:.1%} of a /route request's CPU")
+        )
     write_results(args.json, result)
     print(f"wrote {args.json}")
     return 0

@@ -8,6 +8,7 @@ import itertools
 import json
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ from kvevents.demo.replay import (
     replay,
 )
 from kvevents.demo.report import summarize
+from kvevents.demo.restart import RestartStep, restart_figures
 from kvevents.engine.cache import PrefixCache
 from kvevents.results import finite_json
 from kvevents.traces import request_tokens
@@ -352,3 +354,94 @@ def test_routers_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> Non
         main(["demo", "--routers", "0"])
     assert info.value.code == 2
     assert "argument --routers: 0: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_request_whose_target_is_gone_is_sent_to_the_next_one() -> None:
+    """A target that refuses connections (a killed replica) costs no failed request: each
+    request sent to it goes once more to the next target, and is counted as resent."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/generate"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CountingEngine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _CountingEngine.seen.clear()
+    try:
+        w = Workload.load(None, 6, speedup=1e9, max_new_tokens=1)
+        live = f"http://127.0.0.1:{server.server_address[1]}/generate"
+        run = asyncio.run(replay("replicas_restart", w, [live, dead], concurrency=2))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert run.failed == []
+    assert run.retried == 3
+    assert sum(_CountingEngine.seen.values()) == 6
+    assert {o.target for o in run.outcomes if o is not None} == {live}
+
+
+def test_restart_figures_count_requests_that_missed_the_prefix_the_router_counted_on() -> None:
+    """Between the kill and the moment the index is equal, a request misses when the engine
+    cached fewer tokens than the whole blocks the router counted as cached; hit rates are
+    split between the restarted replica and the others."""
+    new = "http://127.0.0.1:2/generate"
+    old = "http://127.0.0.1:1/generate"
+    outcomes: list[Outcome | None] = [
+        Outcome(0, 64, 64, 1.0, 0.1, target=old, router_cached_blocks=4.0),  # before the kill
+        Outcome(0, 64, 32, 5.0, 0.1, target=old, router_cached_blocks=4.0),  # missed
+        Outcome(1, 64, 48, 6.0, 0.1, target=new, router_cached_blocks=3.5),  # 3 whole: ok
+        Outcome(1, 64, 0, 6.5, 0.1, target=new, router_cached_blocks=1.0),  # missed
+        Outcome(2, 64, 16, 7.0, 0.1, target=old, router_cached_blocks=0.0),  # more than counted
+        Outcome(0, 64, 0, 12.0, 0.1, target=new, router_cached_blocks=4.0),  # after: not counted
+    ]
+    run = PolicyRun("replicas_restart", outcomes, wall_s=20.0, started=100.0, retried=2)
+    step = RestartStep("http://e", 4, [], [], after=1, startup_timeout=5.0)
+    step.killed_at, step.launched_at, step.ready_at, step.equal_at = 104.0, 104.2, 106.0, 108.0
+    step.new_url, step.old_url = new.removesuffix("/generate"), old.removesuffix("/generate")
+    doc = restart_figures(step, run, page_size=16)
+    assert doc["done"] and doc["index_caught_up"]
+    assert doc["killed_at_s"] == pytest.approx(4.0)
+    assert doc["caught_up_after_launch_s"] == pytest.approx(3.8)
+    assert doc["meanwhile_requests"] == 4
+    assert doc["meanwhile_missed_predicted_prefix"] == 2
+    assert doc["meanwhile_missed_via_restarted"] == 1
+    assert doc["meanwhile_requests_via_restarted"] == 2
+    assert doc["meanwhile_hit_rate_via_restarted"] == pytest.approx(48 / 128)
+    assert doc["meanwhile_hit_rate_via_others"] == pytest.approx(48 / 128)
+    assert doc["retried_requests"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_with_replicas_kills_one_and_its_successor_ends_equal(tmp_path: Path) -> None:
+    """`--routers 2`: the synced replicas, the replicas alone, and a replay in which one
+    synced replica is SIGKILLed and restarted with --peer; nothing fails, and the
+    restarted replica's index ends equal to the engine's blocks."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [
+            *DEMO,
+            *("--requests", "120", "--speedup", "40", "--dp-size", "2", "--routers", "2"),
+            *("--no-chart", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {
+        "kv_aware",
+        "replicas_sync",
+        "replicas_alone",
+        "replicas_restart",
+        "round_robin",
+    }
+    assert all(p["failed"] == 0 and p["requests"] == 120 for p in doc["policies"].values())
+    restart = doc["restart"]["replicas_restart"]
+    assert restart["done"] and restart["error"] is None
+    assert restart["killed_url"] != restart["restarted_url"]
+    assert restart["warm_start"]["peer"] is not None  # it loaded the survivor's snapshot
+    assert doc["index_consistency"]["restarted_replica"]["consistent"]
+    assert restart["index_exactly_equal_after_trace"] is True
+    assert "restarted with --peer" in proc.stdout

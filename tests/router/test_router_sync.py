@@ -141,3 +141,38 @@ def test_duplicated_and_late_notes_change_nothing_twice(engine: Engine, server: 
         assert notes(router)["duplicates"] == 4
     finally:
         router.stop()
+
+
+def test_a_batch_of_notes_in_one_message_counts_note_by_note(
+    engine: Engine, server: NatsServer
+) -> None:
+    """Replicas publish the notes of a burst as one NATS message: each note in it is
+    applied (and deduplicated) on its own, and a garbage element is counted malformed."""
+    router = RouterProc([engine.url], "--sync", server.url)
+    subject = default_subject([engine.url])
+
+    def note(kind: str, ticket: int) -> bytes:
+        return msgspec.msgpack.encode(
+            LoadNote("batcher", kind, engine.url, 0, ticket, 8, 5.0, 60.0)  # type: ignore[arg-type]
+        )
+
+    async def publish(raw: bytes) -> None:
+        nc = await nats.connect(server.url, connect_timeout=5, max_reconnect_attempts=0)
+        try:
+            await nc.publish(subject, raw)
+            await nc.flush(timeout=5)
+        finally:
+            await nc.close()
+
+    try:
+        wait_until(lambda: connected(router), 20, "the router to join NATS")
+        batch = [note("begin", 1), note("begin", 2), note("begin", 2), b"\xc1junk"]
+        asyncio.run(publish(msgspec.msgpack.encode(batch)))
+        wait_until(lambda: notes(router)["received"] == 3, 20, "the batch's three notes")
+        counts = notes(router)
+        assert counts["peer_inflight"] == 2 and counts["duplicates"] == 1
+        assert counts["malformed"] == 1
+        asyncio.run(publish(msgspec.msgpack.encode([note("finish", 1), note("finish", 2)])))
+        wait_until(lambda: notes(router)["peer_inflight"] == 0, 20, "both finishes")
+    finally:
+        router.stop()

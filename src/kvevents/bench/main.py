@@ -87,7 +87,12 @@ def _router(quick: bool) -> dict[str, Any]:
 
     if quick:
         return run_router_bench(
-            prompts=32, long_prompts=8, duration=2.0, workers=(1,), completions=False
+            prompts=32,
+            long_prompts=8,
+            duration=2.0,
+            workers=(1,),
+            completions=False,
+            sync_rounds=1,
         )
     return run_router_bench()
 

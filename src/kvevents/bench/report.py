@@ -261,6 +261,36 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             "<= +2 ms",
             added <= 2.0,
         )
+    cost = r.get("note_cost")
+    if cost is not None:
+        ratios = cost["round_ratios_on_over_off"]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        yield Figure(
+            "router",
+            f"/route recording, --sync off / on (median of {cost['rounds']} interleaved rounds)",
+            f"{_n(cost['median_requests_per_s_off'])} / {_n(cost['median_requests_per_s_on'])} "
+            f"req/s: a note costs {cost['cost']:.1%} (on/off per round {spread})",
+            "<= 5%",
+            cost["cost"] <= 0.05,
+        )
+        if cost.get("cpu_cost") is not None:
+            yield Figure(
+                "router",
+                "router CPU per /route request, --sync off / on (median)",
+                f"{cost['median_cpu_us_per_request_off']:.0f} / "
+                f"{cost['median_cpu_us_per_request_on']:.0f} us: {cost['cpu_cost']:+.1%}",
+                "",
+                None,
+            )
+        inner = cost.get("in_process")
+        if inner is not None and "share_of_route_cpu" in inner:
+            yield Figure(
+                "router",
+                "one note in process (encode, queue, publish to NATS)",
+                f"{inner['note_us']:.1f} us = {inner['share_of_route_cpu']:.1%} of a /route's CPU",
+                "",
+                None,
+            )
 
 
 def _ingest(r: dict[str, Any]) -> Iterator[Figure]:

@@ -14,7 +14,13 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
   default, and ``granian``), so the two stacks are compared in the same run; granian's
   run names end in ``_granian``;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
-  directly (the relay's added latency).
+  directly (the relay's added latency);
+* ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
+  without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
+  (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
+
+A little over 300 lines on purpose: the benchmark's one run, its loads in the order
+they run; the ceiling server and the note-cost rounds are modules of their own.
 
 Every figure is from the same run on the same machine; wrk runs with one thread, which
 competes with the servers for the cores, as it would for Dynamo's indexer too.
@@ -23,6 +29,7 @@ competes with the servers for the cores, as it would for Dynamo's indexer too.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import json
 import random
@@ -38,6 +45,7 @@ from typing import Any
 import httpx
 
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
+from kvevents.bench.note_cost import run_note_cost
 from kvevents.demo.procs import Child
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.granian_serving import require_granian
@@ -170,6 +178,7 @@ def run_router_bench(
     workers: Sequence[int] = (1, 2),
     completions: bool = True,
     http_servers: Sequence[HttpServer] | None = None,
+    sync_rounds: int = 3,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
@@ -202,6 +211,7 @@ def run_router_bench(
             "load_generator": "wrk -t1",
             "http_servers": list(servers),
             "http_servers_skipped": skipped,
+            "sync_rounds": sync_rounds,
         },
         "runs": {},
     }
@@ -222,6 +232,9 @@ def run_router_bench(
             folder,
             "completions",
             [{"model": "sim", "prompt": p, "max_tokens": 1} for p in short],
+        )
+        recorded = _write_bodies(
+            folder, "record-2048", [{"input_ids": p, "record": True} for p in short]
         )
         try:
             engine_url = engine.start(timeout=60.0)
@@ -259,6 +272,14 @@ def run_router_bench(
                         )
                 finally:
                     router.stop()
+            if sync_rounds > 0:
+                wait, load = (
+                    functools.partial(_wait_indexed, blocks=blocks),
+                    functools.partial(_load, duration=duration, connections=connections),
+                )
+                results["note_cost"] = run_note_cost(
+                    engine_url, recorded, wait, load, rounds=sync_rounds
+                )
         finally:
             for bare in bares.values():
                 bare.stop()

@@ -15,7 +15,9 @@
    (KV-aware), then, after flushing every cache and checking that the router's index
    emptied with it, straight to the engine, which spreads requests round-robin. With
    ``--routers N`` (N >= 2) the trace is also sent round-robin across N router replicas
-   synced over NATS and across N routing alone (:mod:`kvevents.demo.replicas`).
+   synced over NATS and across N routing alone (:mod:`kvevents.demo.replicas`); then,
+   unless ``--no-restart``, once more across the synced replicas while one of them is
+   SIGKILLed mid-trace and restarted with ``--peer`` (:mod:`kvevents.demo.restart`).
 3. After each replay, waits until the router has received every published batch and
    checks that its index holds as many blocks per rank as the engine's caches.
 4. Prints the results (:mod:`kvevents.demo.report`), draws the chart
@@ -39,6 +41,7 @@ import multiprocessing
 import shlex
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,7 @@ from kvevents.demo.report import (
     results_document,
     summarize,
 )
+from kvevents.demo.restart import RestartStep, restart_figures
 from kvevents.demo.signals import Interrupts
 from kvevents.errors import ConfigError
 from kvevents.results import finite_json, write_results
@@ -124,6 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also replay across N router replicas (default 1: no)",
     )
     add("--no-sync", action="store_true", help="with --routers: leave out the NATS-synced group")
+    add(
+        "--no-restart",
+        action="store_true",
+        help="with --routers: no replay with a synced replica killed and restarted mid-trace",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,6 +181,7 @@ def _replay(
     concurrency: int,
     console: Console,
     interrupts: Interrupts,
+    answered: Callable[[], None] | None = None,
 ) -> PolicyRun:
     columns = (
         TextColumn("{task.description:<20}"),
@@ -187,6 +197,8 @@ def _replay(
         def on_done(outcome: Outcome) -> None:
             totals[0] += outcome.prompt_tokens
             totals[1] += outcome.cached_tokens
+            if answered is not None:
+                answered()
             hit = f"{100 * totals[1] / totals[0]:.1f}%" if totals[0] else "-"
             progress.update(task, advance=1, hit=hit)
 
@@ -202,8 +214,11 @@ def _run_plane(
     interrupts: Interrupts,
     groups: dict[str, list[Child]],
     nats: NatsChild | None,
+    restarts: dict[str, RestartStep],
 ) -> tuple[dict[str, PolicyRun], dict[str, Settled], EventCounts]:
-    """Start engine and router, replay each policy, settle; the caller stops the children."""
+    """Start engine and router, replay each policy, settle; the caller stops the children.
+
+    ``restarts`` gets the restart step, when there is one (see the module docstring)."""
     mode = "DP attention" if args.enable_dp_attention else "pure DP"
     say = console.print
     say(
@@ -225,6 +240,8 @@ def _run_plane(
             child.argv += ["--engine", engine_url, *sync]
         targets.append((name, [child.start(args.startup_timeout) for child in children]))
         say(f"{len(children)} replicas ready ({name}): {', '.join(targets[-1][1])}")
+    if "replicas_sync" in groups and not args.no_restart:
+        targets.append(("replicas_restart", list(targets[1][1])))
     targets.append(("round_robin", [engine_url]))
     runs: dict[str, PolicyRun] = {}
     consistency: dict[str, Settled] = {}
@@ -245,8 +262,40 @@ def _run_plane(
                 for p in replicas:
                     p.wait_settled(timeout=30.0)
             generate = [f"{url}/generate" for url in urls]
-            runs[name] = _replay(name, workload, generate, args.concurrency, console, interrupts)
+            step = None
+            if name == "replicas_restart":
+                step = restarts[name] = RestartStep(
+                    engine_url,
+                    args.dp_size,
+                    groups["replicas_sync"],
+                    generate,
+                    after=len(workload) // 2,
+                    startup_timeout=args.startup_timeout,
+                )
+                step.start()
+            try:
+                runs[name] = _replay(
+                    name,
+                    workload,
+                    generate,
+                    args.concurrency,
+                    console,
+                    interrupts,
+                    None if step is None else step.answered,
+                )
+            finally:
+                if step is not None:
+                    step.join(timeout=step.equal_timeout)
             consistency[name] = plane.wait_settled(timeout=30.0)
+            if step is not None and step.new_url is not None:
+                say(f"replica {step.old_url} killed and restarted as {step.new_url}")
+                for p in replicas:
+                    if p.router_url == step.old_url:
+                        p.close()
+                replicas = [p for p in replicas if p.router_url != step.old_url]
+                replicas.append(Plane(engine_url, step.new_url))
+                consistency["restarted_replica"] = replicas[-1].wait_settled(timeout=30.0)
+                step.exact_check()
         return runs, consistency, plane.event_counts()
     finally:
         for p in (plane, *replicas):
@@ -269,6 +318,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     router = Child("router", ["--port", "0", "--workers", "1", *router_extra])
     groups = replica_groups(args.routers, not args.no_sync, router_extra)
     nats = NatsChild() if "replicas_sync" in groups else None
+    restarts: dict[str, RestartStep] = {}
     with Interrupts() as interrupts:  # Ctrl-C and SIGTERM: see kvevents.demo.signals
         pool = multiprocessing.get_context("spawn").Pool(1, initializer=_ignore_sigint)
         try:
@@ -276,7 +326,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 pooled_upper_bound, (workload, args.page_size, args.max_blocks * args.dp_size)
             )
             runs, consistency, events = _run_plane(
-                args, workload, engine, router, console, interrupts, groups, nats
+                args, workload, engine, router, console, interrupts, groups, nats, restarts
             )
             upper = bound.get(timeout=600.0)
         finally:
@@ -317,9 +367,16 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         "router_args": router_extra,
         "routers": args.routers,
         "sync": args.routers > 1 and not args.no_sync,
+        "restart": bool(restarts),
     }
     failed = sum(p["failed"] for p in policies.values())
-    ok = failed == 0 and events.lost == 0 and all(s.consistent for s in consistency.values())
+    ok = (
+        failed == 0
+        and events.lost == 0
+        and all(s.consistent for s in consistency.values())
+        and all(step.error is None for step in restarts.values())
+        and all(step.exact is None or all(step.exact.values()) for step in restarts.values())
+    )
     doc = results_document(
         settings,
         policies,
@@ -330,6 +387,11 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "processes": processes,
             "chart": None if chart is None else str(chart),
             "elapsed_s": time.monotonic() - started,
+            "restart": {
+                name: restart_figures(step, runs[name], args.page_size)
+                for name, step in restarts.items()
+                if name in runs
+            },
             "ok": ok,
         },
     )

@@ -6,8 +6,13 @@ request ``i`` at its compressed arrival time, or as soon as one of ``concurrency
 slots frees up if the target is behind, so the load follows the trace's own bursts
 while never exceeding ``concurrency`` requests in flight. Every request is a real
 ``POST /generate`` with the request's token ids; what the target answers
-(``dp_rank``, ``prompt_tokens``, ``cached_tokens``) is recorded per request, in
-arrival order.
+(``dp_rank``, ``prompt_tokens``, ``cached_tokens``, and through a router the blocks it
+counted as cached on the rank it chose) is recorded per request, in arrival order.
+
+Several targets are taken in turn, from a list the caller may change while the replay
+runs (the demo's restart step takes a killed replica out and puts its successor in).
+A request whose connection fails (the target is gone) is sent once more, to the next
+target, as a load balancer would; :attr:`PolicyRun.retried` counts those.
 
 :func:`pooled_upper_bound` replays the same requests, in the same order, on one
 in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all
@@ -94,6 +99,11 @@ class Outcome:
     sent_s: float
     latency_s: float
     error: str | None = None
+    target: str = ""
+    """The URL the request was answered by."""
+    router_cached_blocks: float | None = None
+    """Blocks the router counted as cached on the chosen rank (its answer's
+    ``router.cached_blocks``); None when the target is not a router."""
 
 
 @dataclass
@@ -103,10 +113,18 @@ class PolicyRun:
     name: str
     outcomes: list[Outcome | None] = field(default_factory=list)
     wall_s: float = 0.0
+    started: float = 0.0
+    """``time.monotonic()`` when the replay began (``Outcome.sent_s`` counts from it)."""
+    retried: int = 0
+    """Requests sent again to another target after their connection failed."""
 
     @property
     def failed(self) -> list[str]:
         return [o.error for o in self.outcomes if o is not None and o.error is not None]
+
+
+class _Gone(Exception):
+    """The connection to the target failed: worth sending to another one."""
 
 
 async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> Outcome:
@@ -116,6 +134,8 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> 
             url, content=body, headers={"content-type": "application/json"}
         )
         answer = response.json() if response.status_code == 200 else None
+    except httpx.TransportError as exc:
+        raise _Gone(f"{type(exc).__name__}: {exc}") from None
     except (httpx.HTTPError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
@@ -129,21 +149,32 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> 
     except (KeyError, TypeError, ValueError):
         error = f"answer lacks dp_rank, prompt_tokens or cached_tokens: {response.text[:200]}"
         return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
-    return Outcome(rank, prompt, cached, sent - t0, time.monotonic() - sent)
+    routed = answer.get("router")
+    counted = routed.get("cached_blocks") if isinstance(routed, dict) else None
+    return Outcome(
+        rank,
+        prompt,
+        cached,
+        sent - t0,
+        time.monotonic() - sent,
+        target=url,
+        router_cached_blocks=float(counted) if isinstance(counted, int | float) else None,
+    )
 
 
 async def replay(
     name: str,
     workload: Workload,
-    url: str | Sequence[str],
+    url: str | list[str],
     *,
     concurrency: int,
     on_done: Callable[[Outcome], None] | None = None,
     timeout: float = 120.0,
 ) -> PolicyRun:
     """Send every request of ``workload`` to ``url`` (a ``/generate`` endpoint, or several,
-    taken in turn: request ``i`` goes to ``url[i % len(url)]``); see the module docstring."""
-    urls = [url] if isinstance(url, str) else list(url)
+    taken in turn: request ``i`` goes to ``url[i % len(url)]``, the list as it is when
+    the request is sent); see the module docstring."""
+    urls = [url] if isinstance(url, str) else url
     if concurrency < 1:
         raise ConfigError(f"--concurrency {concurrency}: must be at least 1")
     run = PolicyRun(name, [None] * len(workload))
@@ -153,11 +184,24 @@ async def replay(
         max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
     )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        t0 = time.monotonic()
+        t0 = run.started = time.monotonic()
+
+        async def send(i: int) -> Outcome:
+            body = workload.body(i)
+            now = tuple(urls)  # one copy: another thread may change the list
+            try:
+                return await _send(client, now[i % len(now)], body, t0)
+            except _Gone:
+                run.retried += 1
+            now = tuple(urls)
+            try:
+                return await _send(client, now[(i + 1) % len(now)], body, t0)
+            except _Gone as exc:
+                return Outcome(-1, 0, 0, time.monotonic() - t0, 0.0, str(exc))
 
         async def one(i: int) -> None:
             try:
-                outcome = await _send(client, urls[i % len(urls)], workload.body(i), t0)
+                outcome = await send(i)
             finally:
                 slots.release()
             run.outcomes[i] = outcome

@@ -10,6 +10,8 @@ Definitions (the same in the table, the JSON and the README):
   replaying the same requests in the same order (:func:`~kvevents.demo.replay.pooled_upper_bound`).
 * events: batches and events the ranks published, batches the router received, events
   its index applied, batches recovered by replay, sequence numbers lost for good.
+* restart (``--routers N``): see :mod:`kvevents.demo.restart` for "equal" and for a
+  request that "missed its predicted prefix".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ POLICY_LABELS = {
     "kv_aware": "KV-aware (router)",
     "replicas_sync": "KV-aware, replicas synced",
     "replicas_alone": "KV-aware, replicas alone",
+    "replicas_restart": "KV-aware, synced, one restarted",
     "round_robin": "round-robin",
 }
 UPPER_BOUND_LABEL = "pooled cache (bound)"
@@ -149,3 +152,30 @@ def render_table(doc: dict[str, Any], console: Console) -> None:
         "yes" if consistent else "NO",
     )
     console.print(plane)
+    for name, r in doc.get("restart", {}).items():
+        _render_restart(POLICY_LABELS.get(name, name), r, console)
+
+
+def _render_restart(label: str, r: dict[str, Any], console: Console) -> None:
+    if not r.get("done"):
+        console.print(f"[red]{label}: the restart step did not run: {r.get('error')}[/red]")
+        return
+    equal = r["caught_up_after_launch_s"]
+    exact = r.get("index_exactly_equal_after_trace")
+    warm = r.get("warm_start") or {}
+    console.print(
+        f"{label}: replica killed (SIGKILL) {r['killed_at_s']:.1f} s into the trace and "
+        f"restarted with --peer (from {warm.get('peer')}); ready "
+        f"{r['ready_after_launch_s']:.2f} s after launch, its index caught up with every "
+        f"rank {'not within the wait' if equal is None else f'{equal:.2f} s after launch'}"
+        f" (after the trace, equal to every rank's /kv_blocks: "
+        f"{'not checked' if exact is None else 'yes' if exact else 'NO'}). "
+        f"Meanwhile {r['meanwhile_requests']} requests, "
+        f"{r['meanwhile_missed_predicted_prefix']} on a rank without the prefix the router "
+        f"counted on ({r['meanwhile_missed_via_restarted']} of them via the restarted replica); "
+        f"hit rate via the restarted replica {_pct(r['meanwhile_hit_rate_via_restarted'])} "
+        f"({r['meanwhile_requests_via_restarted']} requests), via the others "
+        f"{_pct(r['meanwhile_hit_rate_via_others'])}; {r['retried_requests']} requests "
+        "resent after hitting the killed replica.",
+        soft_wrap=True,
+    )
