@@ -62,6 +62,21 @@ def test_resolve_maps_names_to_the_base_model_or_an_adapter() -> None:
         models.resolve("nope")
 
 
+def test_an_adapter_and_a_salt_together_name_pages_as_vllm_does() -> None:
+    """Under an adapter and a salt, pages match neither the adapter alone nor the salt alone,
+    and the store's extra_keys are vLLM's: the adapter's name on every block, the salt
+    after it on the first."""
+    cache = PrefixCache(PAGE, 64, get_hash_scheme("vllm"))
+    tokens = list(range(8))
+    assert cache.admit(tokens, lora_name="sql", lora_id=1, cache_salt="s").cached_tokens == 0
+    assert cache.match(tokens, lora_name="sql") == 0
+    assert cache.match(tokens, cache_salt="s") == 0
+    assert cache.match(tokens, lora_name="sql", cache_salt="s") == 8
+    (store,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+    assert (store.lora_name, store.lora_id) == ("sql", 1)
+    assert store.extra_keys == [["sql", "s"], ["sql"]]
+
+
 @pytest.mark.parametrize("scheme", ["sglang", "vllm"])
 def test_adapter_pages_live_in_their_own_namespace(scheme: str) -> None:
     """The same tokens under an adapter, another adapter and the base model share no page, and
@@ -69,11 +84,11 @@ def test_adapter_pages_live_in_their_own_namespace(scheme: str) -> None:
     cache = PrefixCache(PAGE, 64, get_hash_scheme(scheme))
     tokens = list(range(8))
     assert cache.admit(tokens).cached_tokens == 0
-    assert cache.admit(tokens, "sql", 1).cached_tokens == 0
-    assert cache.admit(tokens, "chat", 2).cached_tokens == 0
-    assert cache.admit(tokens, "sql", 1).cached_tokens == 8
-    assert cache.match(tokens) == 8 and cache.match(tokens, "sql") == 8
-    assert cache.match(tokens, "other") == 0
+    assert cache.admit(tokens, lora_name="sql", lora_id=1).cached_tokens == 0
+    assert cache.admit(tokens, lora_name="chat", lora_id=2).cached_tokens == 0
+    assert cache.admit(tokens, lora_name="sql", lora_id=1).cached_tokens == 8
+    assert cache.match(tokens) == 8 and cache.match(tokens, lora_name="sql") == 8
+    assert cache.match(tokens, lora_name="other") == 0
     stores = [e for e in cache.take_events() if isinstance(e, BlockStored)]
     assert len(stores) == 3
     base, sql, chat = stores
