@@ -169,6 +169,9 @@ class _Lifespan:
                 self._inbox.get,
                 self._send,
             )
+        except Exception as exc:  # an app that raises instead of answering *.failed
+            if not self._started.is_set() and self._failed is None:
+                self._failed = f"{type(exc).__name__}: {exc}"
         finally:
             self._started.set()
             self._stopped.set()

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Literal, TypeVar, get_args
 
 import uvicorn
@@ -184,47 +184,52 @@ async def serve_app(
     with stop_on_signals(stop):
         sock = bind_http(host, port, what, reuse_port=reuse_port)
         try:
+            finished: asyncio.Future[Any]
+            halt: Callable[[], Awaitable[None]]
             if server == "granian":
-                if tls is not None:
-                    raise ConfigError(
-                        "--http-server granian serves plain HTTP only: drop --ssl-certfile/"
-                        "--ssl-keyfile, or serve TLS with the default --http-server uvicorn"
-                    )
-                return await _serve_granian(app, host, sock, ready_prefix, announce, stop)
-            server_, serving = await start_http(app, sock, tls=tls)
+                finished, halt = await _start_granian(app, sock, tls)
+            else:
+                finished, halt = await _start_uvicorn(app, sock, tls)
             url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
             else:
                 announce(url)
             stop_wait = asyncio.create_task(stop.wait())
-            await asyncio.wait({stop_wait, serving}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({stop_wait, finished}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()
-            server_.should_exit = True
-            await serving
+            await halt()
             return 0
         finally:
             sock.close()
 
 
-async def _serve_granian(
-    app: Any,
-    host: str,
-    sock: socket.socket,
-    ready_prefix: str,
-    announce: Callable[[str], None] | None,
-    stop: asyncio.Event,
-) -> int:
+async def _start_uvicorn(
+    app: Any, sock: socket.socket, tls: ServerTLS | None
+) -> tuple[asyncio.Future[Any], Callable[[], Awaitable[None]]]:
+    """Serve on uvicorn: what ends when it stops, and how to stop it."""
+    server, serving = await start_http(app, sock, tls=tls)
+
+    async def halt() -> None:
+        server.should_exit = True
+        await serving
+
+    return serving, halt
+
+
+async def _start_granian(
+    app: Any, sock: socket.socket, tls: ServerTLS | None
+) -> tuple[asyncio.Future[Any], Callable[[], Awaitable[None]]]:
+    """Serve on granian (:mod:`kvevents.granian_serving`): what ends when it stops, and
+    how to stop it (its lifespan's shutdown included)."""
     from kvevents.granian_serving import start_granian
 
+    if tls is not None:
+        raise ConfigError(
+            "--http-server granian serves plain HTTP only: drop --ssl-certfile/"
+            "--ssl-keyfile, or serve TLS with the default --http-server uvicorn"
+        )
     if not hasattr(app, "__rsgi__"):
         raise ConfigError(f"{type(app).__name__} has no __rsgi__: it cannot be served by granian")
     running = await start_granian(app, sock, lifespan=app)
-    url = http_url(host, sock)
-    if announce is None:
-        print(ready_prefix + url, flush=True)
-    else:
-        announce(url)
-    await stop.wait()
-    await running.stop()
-    return 0
+    return running.finished, running.stop
