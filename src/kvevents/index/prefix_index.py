@@ -308,15 +308,19 @@ class PrefixIndex(GroupedMaskTable):
         self._store(slot, keys, tier, hashes)
         stats.count_event("BlockStored", outcome)
 
+    def _removal_tier(self, ev: BlockRemoved) -> tuple[Tier | None, str]:
+        """The tier a removal names (None: every tier) and its outcome so far."""
+        if ev.medium is None:
+            return None, "ok"
+        tier, known = normalize_medium(ev.medium)
+        if known:
+            return tier, "ok"
+        self.stats.unknown_medium += 1
+        return tier, "unknown_medium"
+
     def _apply_removed(self, slot: int, ev: BlockRemoved) -> None:
         stats = self.stats
-        outcome = "ok"
-        tier: Tier | None = None
-        if ev.medium is not None:
-            tier, known = normalize_medium(ev.medium)
-            if not known:
-                stats.unknown_medium += 1
-                outcome = "unknown_medium"
+        tier, outcome = self._removal_tier(ev)
         hashes = self._hashes
         for h in ev.block_hashes:
             k = hashes.get(h)
@@ -443,13 +447,7 @@ class PrefixIndex(GroupedMaskTable):
 
     def _apply_side_removed(self, slot: int, ev: BlockRemoved) -> None:
         stats = self.stats
-        outcome = "ok"
-        tier: Tier | None = None
-        if ev.medium is not None:
-            tier, known = normalize_medium(ev.medium)
-            if not known:
-                stats.unknown_medium += 1
-                outcome = "unknown_medium"
+        tier, outcome = self._removal_tier(ev)
         missed = self._side_remove(slot, ev.group_idx, ev.block_hashes, tier)
         if missed:
             stats.unknown_hash += missed

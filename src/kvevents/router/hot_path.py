@@ -42,8 +42,8 @@ interfaces (ASGI and granian's RSGI), read together.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -63,7 +63,13 @@ from kvevents.router.bodies import (
 from kvevents.router.core import RouteDecision
 from kvevents.router.models import UnknownModelError
 from kvevents.router.scoring import HolderScore
-from kvevents.router.service import DEFAULT_TOP, BadRequest, RouterService, TokenizeFailed
+from kvevents.router.service import (
+    DEFAULT_TOP,
+    BadRequest,
+    RouterService,
+    TokenizeFailed,
+    TokensBody,
+)
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -155,6 +161,8 @@ class RouteAnswer(msgspec.Struct, gc=False):
 class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
+
+T = TypeVar("T")
 
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -276,18 +284,7 @@ class HotPath:
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        try:
-            matches, predicted = router.query_predicted(
-                tokens,
-                lora=body.lora,
-                cache_salt=body.cache_salt,
-                model=body.model,
-                extra_keys=body.extra_keys,
-            )
-        except ValueError as exc:
-            if body.extra_keys is None:
-                raise
-            raise BadRequest(f"request body: {exc}") from None
+        matches, predicted = _keyed(router.query_predicted, tokens, body)
         get = predicted.get
         bs = router.index.block_size or 0
         return _ENCODER.encode(
@@ -312,22 +309,28 @@ class HotPath:
     async def _route(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
         router = self.service.router
-        try:
-            decision = router.route(
-                tokens,
-                lora=body.lora,
-                cache_salt=body.cache_salt,
-                model=body.model,
-                extra_keys=body.extra_keys,
-            )
-        except ValueError as exc:
-            if body.extra_keys is None:
-                raise
-            raise BadRequest(f"request body: {exc}") from None
+        decision = _keyed(router.route, tokens, body)
         if body.record:
             router.record(decision)
         top = None if body.all_scores else body.top
         return _ENCODER.encode(route_answer(decision, recorded=body.record, top=top))
+
+
+def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody) -> T:
+    """``decide`` (``Router.route`` or ``query_predicted``) for the body's request; extra
+    keys that cannot be keyed (ValueError) are the body's fault: 400."""
+    try:
+        return decide(
+            tokens,
+            lora=body.lora,
+            cache_salt=body.cache_salt,
+            model=body.model,
+            extra_keys=body.extra_keys,
+        )
+    except ValueError as exc:
+        if body.extra_keys is None:
+            raise
+        raise BadRequest(f"request body: {exc}") from None
 
 
 def _error(message: str) -> bytes:
