@@ -195,8 +195,14 @@ def test_router_without_the_engine_key_says_the_engine_refused_it(
         key = bearer(ROUTER_KEY)
 
         def refused() -> bool:
-            error = proc.http.get("/workers", headers=key).json()["engines"][0]["load_error"]
-            return error is not None and "--engine-api-key" in error
+            # the load poller and discovery learn it independently: wait for both
+            engine_info = proc.http.get("/workers", headers=key).json()["engines"][0]
+            error = engine_info["load_error"]
+            return (
+                error is not None
+                and "--engine-api-key" in error
+                and engine_info["discovery"]["last_error"] is not None
+            )
 
         wait_until(refused, 20, "/workers to report the engine refused the router's key")
         workers = proc.http.get("/workers", headers=key).json()
