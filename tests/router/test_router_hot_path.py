@@ -5,6 +5,7 @@ Answers, errors and limits are checked on both HTTP servers the router offers
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,16 @@ def engine() -> Iterator[Engine]:
 def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
     proc = RouterProc([engine.url], "--max-body-bytes", "200000", "--http-server", request.param)
     wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
+    # every request below takes the compiled path (kvevents.kernels), once it is loaded
+    wait_until(lambda: _kernels(proc) != "loading", 60, "the router's kernels loaded")
+    assert _kernels(proc) == "compiled"
     yield proc
     proc.stop()
+
+
+def _kernels(router: RouterProc) -> str:
+    state: str = router.http.get("/workers").json()["process"]["kernels"]
+    return state
 
 
 def _stored(router: RouterProc, engine: Engine, prompt: list[int], rank: int) -> None:
@@ -90,6 +99,52 @@ def test_bad_bodies_answer_4xx_and_the_connection_stays_usable(
             assert says in bad.json()["error"]
             good = client.post(path, json={"input_ids": [1, 2, 3, 4]})
             assert good.status_code == 200, good.text
+
+
+def test_a_router_without_kernels_answers_alike(engine: Engine, router: RouterProc) -> None:
+    """KVEVENTS_KERNELS=0 turns the compiled path off (and /workers and /metrics say
+    so); the answers are the same, bodies on and off the compiled path alike."""
+    plain = RouterProc([engine.url], env={"KVEVENTS_KERNELS": "0"})
+    try:
+        wait_until(lambda: plain.connected() == 4, 20, "all four streams connected")
+        assert _kernels(plain) == "off: KVEVENTS_KERNELS=0"
+        assert 'kernels="off"' in plain.http.get("/metrics").text
+        assert 'kernels="compiled"' in router.http.get("/metrics").text
+        # a first prompt seen by the new router proves its subscriptions are live
+        _stored(plain, engine, list(range(650, 666)), rank=0)
+        prompt = list(range(700, 764))
+        _stored(router, engine, prompt, rank=1)
+        wait_until(
+            lambda: (
+                plain.post("/query", {"input_ids": prompt}).json()
+                == router.post("/query", {"input_ids": prompt}).json()
+            ),
+            10,
+            "both routers' indexes hold the prompt",
+        )
+        bodies = [
+            json.dumps({"input_ids": prompt}).encode(),
+            json.dumps({"input_ids": prompt[:40], "top": 2}, separators=(",", ":")).encode(),
+            b'{"input_ids": [' + b" , ".join(b"%d" % t for t in prompt) + b"], \n}",
+            b'{"input_ids": [1, 2, 3, 4], "top": 0}',
+            b'{"input_ids": [1, 2, 3, 4.5]}',
+            b'{"input_ids": [1], "input_ids": ' + json.dumps(prompt).encode() + b"}",
+        ]
+        for path in ("/query", "/route"):
+            for body in bodies:
+                answers = [
+                    proc.http.post(path, content=body, headers={"content-type": "application/json"})
+                    for proc in (router, plain)
+                ]
+                assert answers[0].status_code == answers[1].status_code, body
+                if path == "/route" and answers[0].status_code == 200:  # loads differ: the choice
+                    ours, theirs = (a.json() for a in answers)
+                    assert ours["n_blocks"] == theirs["n_blocks"]
+                    assert ours["scores"][0]["matched"] == theirs["scores"][0]["matched"]
+                else:
+                    assert answers[0].json() == answers[1].json(), body
+    finally:
+        plain.stop()
 
 
 def test_a_chunked_body_past_the_limit_is_refused(router: RouterProc) -> None:

@@ -3,7 +3,9 @@
 ``python -m kvevents.bench.bare_server --port 0`` serves one ASGI app on exactly the
 stack ``kvevents router`` uses (:func:`kvevents.http_serving.serve_app`: uvicorn, its
 httptools parser, uvloop) that reads a POST body, decodes it with the router's own
-request decoder and answers ``{"prompt_tokens": N}``: no index, no scoring. Whatever
+request decoder (:func:`~kvevents.router.token_body.decode_tokens_body`, with the
+compiled kernels loaded as the router loads them) and answers ``{"prompt_tokens": N}``:
+no keys, no index, no scoring. Whatever
 this answers per second is what any router on this stack could at best; the benchmark
 reports the router's figures as a share of it. It prints ``kvevents bare ready URL``.
 ``--http-server granian`` serves the same parse through granian's RSGI interface
@@ -17,27 +19,25 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
+from kvevents import kernels
 from kvevents.http_serving import HTTP_SERVERS, run_event_loop, serve_app
 from kvevents.router.hot_path import Receive, Scope, Send
-from kvevents.router.service import TokensBody
+from kvevents.router.token_body import BadRequest, decode_tokens_body
 
 __all__ = ["READY_PREFIX", "bare_app", "main"]
 
 READY_PREFIX = "kvevents bare ready "
 
-_DECODER = msgspec.json.Decoder(TokensBody)
 _HEADERS = [(b"content-type", b"application/json")]
 _RSGI_HEADERS = [("content-type", "application/json")]
 
 
 def _answer(raw: bytes) -> tuple[int, bytes]:
     try:
-        body = _DECODER.decode(raw)
-    except msgspec.DecodeError:
+        tokens, _ = decode_tokens_body(raw)
+    except BadRequest:
         return 400, b'{"error": "bad body"}'
-    return 200, b'{"prompt_tokens": %d}' % len(body.input_ids or ())
+    return 200, b'{"prompt_tokens": %d}' % len(tokens or ())
 
 
 class _BareApp:
@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--http-server", choices=HTTP_SERVERS, default="uvicorn")
     args = parser.parse_args(argv)
+    kernels.load()  # before serving: the ceiling parses as a router with its kernels does
     return run_event_loop(
         serve_app(
             _BareApp(), args.host, args.port, READY_PREFIX, "bare server", server=args.http_server

@@ -102,8 +102,10 @@ def _wait_indexed(router: str, blocks: int, timeout: float = 120.0) -> None:
     seen = -1
     with httpx.Client(timeout=10.0) as client:
         while time.monotonic() < deadline:
-            seen = client.get(f"{router}/workers").json()["index"]["blocks"]
-            if seen >= blocks:
+            workers = client.get(f"{router}/workers").json()
+            seen = workers["index"]["blocks"]
+            # measured once the compiled kernels are in (or known off), not while they load
+            if seen >= blocks and workers["process"].get("kernels") != "loading":
                 return
             time.sleep(0.2)
     raise KVEventsError(f"the router indexed {seen} of {blocks} blocks within {timeout:g} s")

@@ -58,6 +58,8 @@ block costs measurably).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate, repeat
+from operator import and_
 
 from kvevents.index.predictions import Predictions
 from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
@@ -207,27 +209,34 @@ class MaskTable:
     def match_keys(self, keys: Sequence[int]) -> PrefixMatch:
         """Every holder's longest cached prefix of a request given as content keys.
 
-        O(blocks matched): stops at the first block no holder has.
+        One dict lookup per block, all of them in C (no Python step per block), then
+        O(distinct matched lengths); the tiered match stops at the first block no holder has.
         """
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)
-        get = self._blocks.get
-        m = self._live
+        # Running AND of the holder masks, in C: prefix[j] holds the holders that have
+        # blocks 0..j-1. It changes at few places (one per distinct matched length), found
+        # by C-level scans too; no Python step per block.
+        prefix = list(accumulate(map(self._blocks.get, keys, repeat(0)), and_, initial=self._live))
         segs: list[tuple[int, int]] = []
-        i = 0
-        for i, k in enumerate(keys):  # i is the matched length after a break
-            nm = m & get(k, 0)
-            if nm != m:
-                if i:
-                    segs.append((m ^ nm, i))
-                if not nm:
-                    break
-                m = nm
+        before = prefix[0]
+        i = len(keys)
+        for mask in dict.fromkeys(prefix):
+            if mask == before:
+                continue
+            length = prefix.index(mask) - 1  # the holders dropped here hold exactly this
+            if length:
+                segs.append((before ^ mask, length))
+            if not mask:
+                i = length
+                break
+            before = mask
         else:
-            i = len(keys)
-            if i:
-                segs.append((m, i))
+            if i and before:
+                segs.append((before, i))
+            elif not before:
+                i = 0
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
             self._touch_log.append((keys, i))
         if self._hybrid:

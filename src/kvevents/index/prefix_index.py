@@ -25,7 +25,7 @@ every engine hash seen for its content.
 
 Complexity
 ----------
-``match``: O(blocks matched), one dict lookup and one AND per block, independent of
+``match``: O(blocks), one dict lookup and one AND per block (in C), independent of
 the number of holders (a mask AND is one machine word for up to 60 holders). ``store``
 and ``remove``: O(blocks). ``clear_holder``: O(distinct blocks) (a scan: flushes and
 resets are rare, and a per-holder key set would cost about 50 bytes per (block, holder)

@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-from array import array
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
 import aiohttp
 import httpx
 import msgspec
 
-from kvevents.errors import KVEventsError, RequestError, SubscriberStateError
+from kvevents import kernels
+from kvevents.errors import KVEventsError, SubscriberStateError
 from kvevents.http_auth import ClientCredentials
 from kvevents.router.core import POLICIES, Policy, Router
 from kvevents.router.engines import MODELS_RECHECK_S, EngineState, watch_engine
 from kvevents.router.metrics import make_registry
 from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.request_stats import RequestStats
+from kvevents.router.token_body import DEFAULT_TOP, BadRequest, TokensBody, decode_tokens_body
 from kvevents.router.tokenize import (
     ByteTextTokenizer,
     ChatError,
@@ -50,47 +51,6 @@ __all__ = [
     "TokenizeFailed",
     "TokensBody",
 ]
-
-DEFAULT_TOP = 4
-"""Scores in a ``/route`` answer unless the body asks otherwise: the choice and 3 more."""
-
-
-class TokensBody(msgspec.Struct):
-    """A request given as token ids, text or chat messages (unknown keys are ignored).
-
-    ``messages`` are rendered as ``/v1/chat/completions`` renders them (the body's
-    template fields included), so a gateway asking ``/route`` about a chat gets the rank
-    the chat endpoint would choose.
-    """
-
-    input_ids: list[int] | None = None
-    """Token ids, each in 0..2**32-1: checked by the conversion to ``array("I")`` in
-    :meth:`RouterService.tokens`, which the keys need anyway (a Meta bound per id would
-    check each twice)."""
-    text: str | None = None
-    messages: list[Any] | None = None
-    lora: str | None = None
-    cache_salt: str | None = None
-    extra_keys: list[list[Any] | None] | None = None
-    """Per block, the keys the engine adds to its hash (vLLM's ``BlockStored.extra_keys``
-    shape: image identifiers with their offsets), for gateways that know them; see
-    :mod:`kvevents.index.extra_keys`."""
-    model: str | None = None
-    """Only the engines serving this model are candidates; an adapter's name keys the
-    request under it (:mod:`kvevents.router.models`)."""
-    record: bool = False
-    """``/route`` only: count the choice as sent (the caller forwards the request)."""
-    top: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_TOP
-    """``/route`` only: how many scores to answer, the chosen holder's first."""
-    all_scores: bool = False
-    """``/route`` only: answer every holder's score (``top`` is then ignored)."""
-
-
-_TOKENS_DECODER = msgspec.json.Decoder(TokensBody)
-
-
-class BadRequest(RequestError):
-    """A request body the router cannot use; answered with 400."""
 
 
 class TokenizeFailed(KVEventsError):
@@ -198,12 +158,16 @@ class RouterService:
             "pid": os.getpid(),
             "notes": None if peers is None else peers.summary(),
             "sync": None if self.sync is None else self.sync.status(),
+            "kernels": kernels.status(),
         }
 
     def _stream_stats(self) -> dict[Holder, Any]:
         return {} if self.subscriber is None else dict(self.subscriber.stats())
 
     async def start(self) -> None:
+        # The compiled request-keying kernels load beside serving: until they are ready
+        # (a fraction of a second from numba's cache), requests take the plain path.
+        kernels.load_in_background()
         # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
         # request never goes out on a connection the server is closing (a ReadError, 502).
         creds = self.engine_credentials
@@ -270,26 +234,9 @@ class RouterService:
     async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[Sequence[int], TokensBody]:
         """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
         refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
-        try:
-            body = _TOKENS_DECODER.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(f"request body: {exc}") from None
-        except RecursionError:  # a 500 on /generate otherwise (found by test_http_api.py)
-            raise BadRequest("request body: JSON nested too deeply") from None
-        if body.messages is not None and not chat:
-            raise BadRequest('"messages" is for chats: send them to /v1/chat/completions')
-        given = [body.input_ids, body.text, body.messages]
-        if sum(x is not None for x in given) != 1:
-            raise BadRequest(
-                'give exactly one of "input_ids" (token ids), "text" or "messages" (a chat)'
-            )
-        if body.input_ids is not None:
-            try:
-                return array("I", body.input_ids), body
-            except OverflowError:
-                raise BadRequest(
-                    f"input_ids: every token id must be an int in 0..{2**32 - 1}"
-                ) from None
+        tokens, body = decode_tokens_body(raw, chat=chat)
+        if tokens is not None:
+            return tokens, body
         try:
             if body.text is not None:
                 return await self.text_tokenizer.encode(body.text), body

@@ -7,7 +7,9 @@ token ids alone, so a router and a request agree on it without sharing any seed 
 an engine: ``key(block i) = xxh3_64(tokens of block i as little-endian uint32, seed=key(block i-1))``
 with ``ROOT_KEY`` as the seed of the first block. Chaining by seed costs no
 concatenation, and xxh3 runs at memory speed, so keying a request is one C call per
-block after a single conversion of the whole token list to bytes.
+block after a single conversion of the whole token list to bytes. In a process that
+has loaded the compiled kernels (:mod:`kvevents.kernels`: the router does), a request's
+whole chain is one call instead, with the same keys.
 
 Engine hashes
 -------------
@@ -40,6 +42,8 @@ from typing import Any, Protocol
 
 import xxhash
 
+from kvevents import kernels
+
 __all__ = [
     "HASH_SCHEMES",
     "ROOT_KEY",
@@ -47,6 +51,7 @@ __all__ = [
     "SGLangPageHash",
     "VLLMSha256CborHash",
     "content_keys",
+    "content_keys_per_block",
     "get_hash_scheme",
     "sglang_block_hashes",
     "tokens_to_array",
@@ -84,6 +89,21 @@ def content_keys(
     """
     if block_size <= 0:
         raise ValueError(f"content_keys: block_size={block_size} must be a positive int")
+    compiled = kernels.loaded()
+    if compiled is not None:
+        arr = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+        if arr.itemsize == 4:
+            keys = compiled.chain_keys(arr, block_size, parent_key)
+            if keys is not None:
+                return keys
+        token_ids = arr
+    return content_keys_per_block(token_ids, block_size, parent_key)
+
+
+def content_keys_per_block(
+    token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY
+) -> list[int]:
+    """:func:`content_keys` one xxhash call per block (what the compiled kernel must equal)."""
     data = tokens_to_bytes(token_ids)
     step = 4 * block_size
     keys: list[int] = []

@@ -1,0 +1,193 @@
+"""The compiled kernels answer exactly as the plain path: keys, token ids, and errors.
+
+:mod:`kvevents.kernels` is only ever an acceleration, so every test here compares the
+kernel with the plain Python it replaces, on random and on hand-picked inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from array import array
+
+import msgspec
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvevents import kernels
+from kvevents.router.token_body import BadRequest, TokensBody, decode_tokens_body
+from kvevents.wire.hashing import content_keys, content_keys_per_block
+
+U32 = 2**32 - 1
+
+
+@pytest.fixture(scope="module")
+def compiled() -> kernels.Kernels:
+    loaded = kernels.load()
+    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
+    assert kernels.status() == "compiled"
+    return loaded
+
+
+def _xxh3_chain(tokens: array[int], block_size: int, parent: int) -> list[int]:
+    """The definition, spelled out: XXH3-64 of each block's bytes, seeded by the last key."""
+    data, step, key, out = tokens.tobytes(), 4 * block_size, parent, []
+    for start in range(0, len(data) - step + 1, step):
+        key = xxhash.xxh3_64_intdigest(data[start : start + step], key)
+        out.append(key)
+    return out
+
+
+@pytest.mark.parametrize("block_size", range(1, 61))
+def test_chain_keys_equal_xxh3_for_every_block_size_it_takes(
+    compiled: kernels.Kernels, block_size: int
+) -> None:
+    rng = random.Random(block_size)
+    for parent in (0, 1, 2**64 - 1, rng.getrandbits(64)):
+        n = block_size * rng.randrange(8, 40) + rng.randrange(block_size)  # a partial tail
+        tokens = array("I", [rng.choice((0, U32, rng.getrandbits(32))) for _ in range(n)])
+        assert compiled.chain_keys(tokens, block_size, parent) == _xxh3_chain(
+            tokens, block_size, parent
+        )
+
+
+def test_chain_keys_leave_what_they_do_not_take_to_the_loop(compiled: kernels.Kernels) -> None:
+    """Blocks past 60 tokens (XXH3's long inputs) and short requests are not theirs."""
+    tokens = array("I", range(64 * 10))
+    assert compiled.chain_keys(tokens, 64, 0) is None
+    assert compiled.chain_keys(array("I", range(16 * 7)), 16, 0) is None
+    # content_keys answers the same either way
+    for size in (16, 64):
+        assert content_keys(tokens, size) == content_keys_per_block(tokens, size)
+        assert content_keys(tokens, size) == _xxh3_chain(tokens, size, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, U32), max_size=600),
+    block_size=st.integers(1, 70),
+    parent=st.integers(0, 2**64 - 1),
+)
+def test_content_keys_with_kernels_equal_the_per_block_loop(
+    compiled: kernels.Kernels, tokens: list[int], block_size: int, parent: int
+) -> None:
+    assert content_keys(tokens, block_size, parent) == content_keys_per_block(
+        tokens, block_size, parent
+    )
+
+
+Outcome = tuple[str, object, object]
+
+
+def _outcome(raw: bytes) -> Outcome:
+    try:
+        tokens, body = decode_tokens_body(raw, chat=False)
+    except BadRequest as exc:
+        return ("refused", str(exc), None)
+    return ("decoded", None if tokens is None else list(tokens), body)
+
+
+def _outcome_without_kernels(raw: bytes) -> Outcome:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_kernels", None)
+        assert kernels.loaded() is None
+        return _outcome(raw)
+
+
+def _same(raw: bytes) -> Outcome:
+    """The outcome with the kernels, asserted equal to the one without."""
+    with_kernels = _outcome(raw)
+    without = _outcome_without_kernels(raw)
+    # the compiled path hands the ids apart: compare the rest of the body
+    if with_kernels[0] == without[0] == "decoded":
+        assert with_kernels[1] == without[1], raw
+        assert isinstance(with_kernels[2], TokensBody) and isinstance(without[2], TokensBody)
+        assert msgspec.structs.replace(with_kernels[2], input_ids=None) == (
+            msgspec.structs.replace(without[2], input_ids=None)
+        ), raw
+    else:
+        assert with_kernels == without, raw
+    return with_kernels
+
+
+def _fast(compiled: kernels.Kernels, raw: bytes) -> tuple[list[int], int] | None:
+    parsed = compiled.parse_input_ids(raw)
+    return None if parsed is None else (parsed[0].tolist(), parsed[1])
+
+
+ids_lists = st.lists(st.integers(0, U32), max_size=300)
+spaces = st.sampled_from(["", " ", "\n", "\t ", "\r\n  "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=ids_lists, sep=spaces, pad=spaces, record=st.booleans(), top=st.integers(1, 9))
+def test_parse_reads_any_plain_ids_array_as_msgspec_does(
+    compiled: kernels.Kernels, ids: list[int], sep: str, pad: str, record: bool, top: int
+) -> None:
+    array_text = "[" + pad + ("," + sep).join(map(str, ids)) + pad + "]"
+    tail = f',{sep}"record": {json.dumps(record)}, "top": {top}' if record else ""
+    raw = f'{pad}{{{pad}"input_ids"{pad}:{sep}{array_text}{pad}{tail}}}{pad}'.encode()
+    parsed = _fast(compiled, raw)
+    assert parsed is not None, raw  # the plain case: the kernel reads it
+    assert parsed[0] == ids
+    assert _same(raw)[:2] == ("decoded", ids)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"input_ids": [01]}',  # a leading zero: not JSON
+        b'{"input_ids": [1.0]}',
+        b'{"input_ids": [1e3]}',
+        b'{"input_ids": [-1]}',
+        b'{"input_ids": [4294967296]}',
+        b'{"input_ids": [99999999999999999999999]}',
+        b'{"input_ids": [1,]}',
+        b'{"input_ids": [1,,2]}',
+        b'{"input_ids": [1 2]}',
+        b'{"input_ids": [1], }',
+        b'{"input_ids": [1]} }',
+        b'{"input_ids": [1]} x',
+        b'{"input_ids": [1], "input_ids": [2]}',  # msgspec keeps the last
+        b'{"input_ids": [1], "text": "hi"}',
+        b'{"input_ids": [1], "top": 0}',
+        b'{"input_ids": [1], "record": "yes"}',
+        b'{"input_ids": [1], "messages": []}',
+        b'{"input_ids": [[1]]}',
+        b'{"input_ids": null}',
+        b'{"input_ids": "abc"}',
+        b'{"input_ids": [1, 2',
+        b'{"input_ids": [1, 2]',
+        b'{"input_ids" [1]}',
+        b'{"input_idsx": [1]}',
+        b'{"text": "a", "input_ids": [1]}',
+        b'{"input_ids": [1], "extra_keys": "x"}',
+        b'{"input_ids": [1, 2], "lora": "a", "cache_salt": "s", "model": "m"}',
+        b'{"input_ids": [1], "unknown": {"deep": [1, 2, {"x": null}]}}',
+        b'{"input_ids": [1], "text": null}',
+        b"[1, 2]",
+        b"",
+        b"{}",
+    ],
+)
+def test_bodies_off_the_plain_case_answer_as_without_kernels(
+    compiled: kernels.Kernels, raw: bytes
+) -> None:
+    """The kernel gives up on anything but the plain case, and the body then decodes
+    whole: the same ids, body or error (its words too) as a process without kernels."""
+    _same(raw)
+
+
+def test_a_body_that_fails_in_the_rest_is_worded_by_the_whole_decode(
+    compiled: kernels.Kernels,
+) -> None:
+    with pytest.raises(BadRequest, match=r"Expected `int` >= 1.*\$\.top"):
+        decode_tokens_body(b'{"input_ids": [1, 2], "top": 0}')
+    with pytest.raises(BadRequest, match=r"every token id must be an int in 0\.\.4294967295"):
+        decode_tokens_body(b'{"input_ids": [1, 4294967296]}')
+
+
+def test_status_names_the_state() -> None:
+    assert kernels.status() in {"compiled", "loading"} or kernels.status().startswith("off: ")
