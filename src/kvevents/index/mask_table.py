@@ -57,7 +57,7 @@ block costs measurably).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat
 from operator import and_
 
@@ -215,13 +215,24 @@ class MaskTable:
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)
-        # Running AND of the holder masks, in C: prefix[j] holds the holders that have
-        # blocks 0..j-1. It changes at few places (one per distinct matched length), found
-        # by C-level scans too; no Python step per block.
-        prefix = list(accumulate(map(self._blocks.get, keys, repeat(0)), and_, initial=self._live))
+        segs, i = self._segments(map(self._blocks.get, keys, repeat(0)), len(keys))
+        if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
+            self._touch_log.append((keys, i))
+        if self._hybrid:
+            return self._apply_groups(keys, (segs, segs, segs))
+        return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
+
+    def _segments(self, masks: Iterable[int], n: int) -> tuple[list[tuple[int, int]], int]:
+        """``(slot_mask, length)`` pairs (the holders in ``slot_mask`` have exactly
+        ``length`` leading blocks) from each block's holder mask, and the longest length.
+
+        The running AND is computed in C: ``prefix[j]`` holds the holders that have
+        blocks ``0..j-1``. It changes at few places (one per distinct length), found by
+        C-level scans too, so no Python step runs per block.
+        """
+        prefix = list(accumulate(masks, and_, initial=self._live))
         segs: list[tuple[int, int]] = []
         before = prefix[0]
-        i = len(keys)
         for mask in dict.fromkeys(prefix):
             if mask == before:
                 continue
@@ -229,19 +240,12 @@ class MaskTable:
             if length:
                 segs.append((before ^ mask, length))
             if not mask:
-                i = length
-                break
+                return segs, length
             before = mask
-        else:
-            if i and before:
-                segs.append((before, i))
-            elif not before:
-                i = 0
-        if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
-            self._touch_log.append((keys, i))
-        if self._hybrid:
-            return self._apply_groups(keys, (segs, segs, segs))
-        return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
+        if n and before:
+            segs.append((before, n))
+            return segs, n
+        return segs, 0
 
     def _match_tiered(self, keys: Sequence[int]) -> PrefixMatch:
         get = self._blocks.get

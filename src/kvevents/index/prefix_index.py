@@ -43,6 +43,8 @@ more modules would scatter one class's methods without naming a new concept.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import or_
 from typing import Any
 
 import xxhash
@@ -583,23 +585,16 @@ class PrefixIndex(GroupedMaskTable):
             return {}
         pget = self._predicted.get
         bget = self._blocks.get
-        w = self._width
-        low = (1 << w) - 1
-        m = self._live
-        segs: list[tuple[int, int]] = []
-        i = 0
-        for i, k in enumerate(keys):
-            v = bget(k, 0)
-            nm = m & (((v | v >> w | v >> 2 * w) & low) | pget(k, 0))
-            if nm != m:
-                if i:
-                    segs.append((m ^ nm, i))
-                if not nm:
-                    break
-                m = nm
-        else:
-            i = len(keys)
-            segs.append((m, i))
+        if self._offloaded:  # a block held in any tier counts: fold the tiers' bits
+            w = self._width
+            low = (1 << w) - 1
+            masks: Iterable[int] = (
+                ((v | v >> w | v >> 2 * w) & low) | pget(k, 0)
+                for k, v in ((k, bget(k, 0)) for k in keys)
+            )
+        else:  # GPU bits only: held or predicted is one OR, in C
+            masks = map(or_, map(bget, keys, repeat(0)), map(pget, keys, repeat(0)))
+        segs, _ = self._segments(masks, len(keys))
         out: dict[Holder, int] = {}
         holders = self._holders
         for mask, length in segs:

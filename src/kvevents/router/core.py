@@ -357,15 +357,24 @@ class Router:
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in holders}, predicted
 
     def _scored(
-        self, keys: list[int], holders: list[Holder], *, predictions: bool = True
-    ) -> tuple[list[HolderScore], bool]:
-        """Every candidate's score for a request of ``keys`` (without predictions when
-        ``predictions`` is False), and whether predictions count for some holder."""
+        self, keys: list[int], holders: list[Holder]
+    ) -> tuple[list[HolderScore], dict[Holder, int], dict[Holder, HolderMatch]]:
+        """Every candidate's score for a request of ``keys``, the blocks predictions add
+        per holder (empty when none count), and the confirmed matches it scored."""
         result = self.index.match_keys(keys)
         found = result.by_holder()
-        predicted = self.index.predicted(keys, result) if predictions else None
-        scores = score(
-            len(keys),
+        predicted = self.index.predicted(keys, result)
+        return self._score(len(keys), holders, found, predicted), predicted, found
+
+    def _score(
+        self,
+        n_blocks: int,
+        holders: list[Holder],
+        found: dict[Holder, HolderMatch],
+        predicted: dict[Holder, int] | None,
+    ) -> list[HolderScore]:
+        return score(
+            n_blocks,
             holders,
             found,
             self.loads,
@@ -373,7 +382,6 @@ class Router:
             weights=self.weights,
             predicted=predicted,
         )
-        return scores, bool(predicted)
 
     def route(
         self,
@@ -440,12 +448,16 @@ class Router:
         scored = [self._scored(k, holders) for k in each]
         keys = each[0] if len(each) == 1 else [k for one in each for k in one]
         scores = (
-            scored[0][0] if len(scored) == 1 else combine_scores([s for s, _ in scored], holders)
+            scored[0][0] if len(scored) == 1 else combine_scores([s for s, _, _ in scored], holders)
         )
         best = choose(scores)
         by_prediction = False
-        if best.predicted_blocks and any(p for _, p in scored):
-            plain = [self._scored(k, holders, predictions=False)[0] for k in each]
+        if best.predicted_blocks and any(p for _, p, _ in scored):
+            # the same matches scored without predictions: no second lookup
+            plain = [
+                self._score(len(k), holders, f, None)
+                for k, (_, _, f) in zip(each, scored, strict=True)
+            ]
             first = plain[0] if len(plain) == 1 else combine_scores(plain, holders)
             by_prediction = first[0].holder != best.holder
         if policy == "round-robin":
