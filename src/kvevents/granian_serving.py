@@ -63,6 +63,16 @@ def require_granian() -> None:
     _granian_internals()
 
 
+async def drain(chunks: Any) -> None:
+    """Read what is left of an RSGI request body (an iterator over its chunks) and drop
+    it: granian would otherwise close a connection whose body was not read (a 413)."""
+    while True:
+        try:
+            await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+
+
 class AsgiOverRsgi:
     """Serve an ASGI app over RSGI (HTTP only; granian is started without websockets).
 
@@ -128,6 +138,8 @@ class AsgiOverRsgi:
                 data = message.get("body", b"")
                 more = message.get("more_body", False)
                 if stream is None and not more:
+                    if not body_done:  # as uvicorn does: the unread body is read and
+                        await drain(body)  # dropped, so the connection stays usable
                     proto.response_bytes(status, headers, data)
                     responded = True
                     return

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvevents.errors import KVEventsError
+from kvevents.granian_serving import drain
 from kvevents.router.service import BadRequest
 
 __all__ = [
@@ -91,15 +92,18 @@ async def read_rsgi_body(scope: Any, proto: Any, limit: int) -> bytes:
             if not length.isdigit():
                 raise BadRequest(f"Content-Length {length[:40]!r} is not a number of bytes")
             if int(length) > limit:
+                await drain(proto.__aiter__())  # read and dropped, as uvicorn does: granian
+                # would otherwise close the connection after the 413
                 raise BodyTooLarge(_too_large(f"Content-Length {int(length)}", limit))
             return bytes(await proto())
         chunks = []
         size = 0
-        async for chunk in proto:
+        async for chunk in proto:  # past the limit, read on and drop (see above)
             size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
-            chunks.append(bytes(chunk))
+            if size <= limit:
+                chunks.append(bytes(chunk))
+        if size > limit:
+            raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
         return b"".join(chunks)
     except (BadRequest, BodyTooLarge):
         raise
