@@ -299,6 +299,24 @@ def test_snapshot_restores_internal_state_exactly() -> None:
     assert len(masks) == len(set(copy._blocks.values()))
 
 
+def test_freeze_encodes_the_state_at_the_time_it_was_called() -> None:
+    """The encoder freeze() returns reads only its copy: changes made after it (as the
+    router applies events while /dump encodes on a thread) are not in that snapshot."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
+    index.applied_seqs[A] = 3
+    before = index.to_bytes()
+    encode = index.freeze()
+    index.apply(A, batch(stored([5], [7, 7], parent=2), BlockRemoved(block_hashes=[1])))
+    index.apply(B, batch(stored([9], [5, 5])))
+    index.applied_seqs[A] = 4
+    assert encode() == before
+    frozen = PrefixIndex.from_bytes(encode())
+    assert frozen.holder_hashes(A) == {1, 2} and frozen.holders() == [A]
+    assert frozen.applied_seqs == {A: 3}
+    assert frozen.stats.stored_blocks == 2
+
+
 def test_snapshot_columns_that_disagree_are_refused() -> None:
     """Damaged columns (a mask number out of range, keys without masks, hashes without
     keys, a mask naming a slot that does not exist) are errors, not a wrong index."""
