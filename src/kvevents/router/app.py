@@ -171,6 +171,8 @@ def create_fastapi_app(
                         "registered": st.registered,
                         "advertised_block_size": st.advertised_block_size,
                         "load_error": st.error,
+                        "load_slow_polls": st.slow_polls,
+                        "load_slow": st.slow,
                         "load_source": st.load_source,
                         "metrics_error": st.metrics_error,
                         "models": None if st.models is None else st.models.names(),
