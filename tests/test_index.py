@@ -252,25 +252,90 @@ def test_snapshot_round_trip_and_bad_bytes() -> None:
         PrefixIndex.from_bytes(b"\x93garbage")
 
 
-def test_snapshot_carries_applied_seqs_and_reads_version_1() -> None:
-    """Version 2 and later carry each holder's last applied seq; version 1 and 2 snapshots
-    still load (with no seqs, with no groups), and an unknown version is refused by name."""
+def test_snapshot_carries_applied_seqs_and_refuses_old_versions() -> None:
+    """A snapshot carries each holder's last applied seq; a snapshot of an older layout
+    (versions 1 to 3) or an unknown version is refused by name, saying what to do."""
     index = PrefixIndex(block_size=2)
     index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
     index.applied_seqs[A] = 41
     copy = PrefixIndex.from_bytes(index.to_bytes())
     assert copy.applied_seqs == {A: 41}
     snap = msgspec.msgpack.decode(index.to_bytes())
-    assert snap[0] == SNAPSHOT_VERSION == 3
-    v2 = msgspec.msgpack.encode([2, *snap[1:-3]])  # version 2: no group fields
-    assert PrefixIndex.from_bytes(v2).applied_seqs == {A: 41}
-    old = msgspec.msgpack.encode([1, *snap[1:-4]])  # version 1: no seqs field
-    restored = PrefixIndex.from_bytes(old)
-    assert restored.applied_seqs == {} and restored.holder_hashes(A) == {1, 2}
-    with pytest.raises(ValueError, match="snapshot version 9 is not supported"):
+    assert snap[0] == SNAPSHOT_VERSION == 4
+    # version 3's layout: a list of (key, mask) pairs, hashes as (hash, key) pairs
+    v3 = [3, *snap[1:7], [[k, b"\x01"] for k in snap[7][0]], [[1, 9]], *snap[10:]]
+    for version, raw in ((3, v3), (2, [2, *v3[1:-3]]), (1, [1, *v3[1:-4]])):
+        with pytest.raises(ValueError, match=f"snapshot version {version} is not supported") as e:
+            PrefixIndex.from_bytes(msgspec.msgpack.encode(raw))
+        assert "older kvevents" in str(e.value) and "--peer" in str(e.value)
+    with pytest.raises(ValueError, match=r"snapshot version 9 is not supported.*newer"):
         PrefixIndex.from_bytes(msgspec.msgpack.encode([9, *snap[1:]]))
     index.remove_holder(A)
     assert index.applied_seqs == {}
+
+
+def test_snapshot_restores_internal_state_exactly() -> None:
+    """Every derived figure the load recomputes per distinct mask (entries per slot, the
+    offloaded count, the live and free slots) and the recency order equal the original's,
+    over 64 holders (two-word masks) and three tiers."""
+    index = PrefixIndex(block_size=1)
+    holders = [Holder("w", r) for r in range(70)]
+    for r, h in enumerate(holders):
+        keys = index.keys_for(list(range(r % 7 + 2)))
+        index.store_keys(h, keys, hashes=[r * 100 + i for i in range(len(keys))])
+        index.store_keys(h, keys[:1], tier=Tier(r % 3))
+    index.remove_holder(holders[5])
+    index.match(list(range(3)))  # a deferred touch: flushed into the snapshot's order
+    copy = PrefixIndex.from_bytes(index.to_bytes())
+    index._flush_touches()
+    assert list(copy._blocks.items()) == list(index._blocks.items())
+    assert copy._held == index._held and copy._width == index._width == 128
+    assert (copy._entries, copy._offloaded) == (index._entries, index._offloaded)
+    assert (copy._live, copy._free, copy._slots) == (index._live, index._free, index._slots)
+    assert copy._hashes == index._hashes and copy._refs == index._refs
+    assert copy.stats == index.stats
+    # equal masks share one int, as stores make them
+    masks = {id(v) for v in copy._blocks.values()}
+    assert len(masks) == len(set(copy._blocks.values()))
+
+
+def test_freeze_encodes_the_state_at_the_time_it_was_called() -> None:
+    """The encoder freeze() returns reads only its copy: changes made after it (as the
+    router applies events while /dump encodes on a thread) are not in that snapshot."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
+    index.applied_seqs[A] = 3
+    before = index.to_bytes()
+    encode = index.freeze()
+    index.apply(A, batch(stored([5], [7, 7], parent=2), BlockRemoved(block_hashes=[1])))
+    index.apply(B, batch(stored([9], [5, 5])))
+    index.applied_seqs[A] = 4
+    assert encode() == before
+    frozen = PrefixIndex.from_bytes(encode())
+    assert frozen.holder_hashes(A) == {1, 2} and frozen.holders() == [A]
+    assert frozen.applied_seqs == {A: 3}
+    assert frozen.stats.stored_blocks == 2
+
+
+def test_snapshot_columns_that_disagree_are_refused() -> None:
+    """Damaged columns (a mask number out of range, keys without masks, hashes without
+    keys, a mask naming a slot that does not exist) are errors, not a wrong index."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1, 2], [1, 2, 3, 4])))
+    snap = msgspec.msgpack.decode(index.to_bytes())
+    keys, ids, masks = snap[7]
+    damaged = {
+        "mask number": [keys, [0, 5], masks],
+        "negative mask number": [keys, [0, -1], masks],
+        "mask numbers": [keys, [0], masks],
+        "slot 3 of 1": [keys, ids, [(1 << 3).to_bytes(1, "little")]],
+        "empty": [keys, ids, [b""]],
+    }
+    for columns in damaged.values():  # keyed by the damage each makes
+        with pytest.raises(ValueError, match="damaged"):
+            PrefixIndex.from_bytes(msgspec.msgpack.encode([*snap[:7], columns, *snap[8:]]))
+    with pytest.raises(ValueError, match="engine hashes but 1 keys"):
+        PrefixIndex.from_bytes(msgspec.msgpack.encode([*snap[:9], snap[9][:1], *snap[10:]]))
 
 
 def test_medium_names_and_credit_validation() -> None:

@@ -1,10 +1,29 @@
-"""Reading a vLLM's per-rank load from its Prometheus /metrics text."""
+"""Reading a vLLM's per-rank load from its Prometheus /metrics text; the load poll's
+tolerance of slow answers against a real HTTP server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
 import pytest
 
-from kvevents.router.engines import vllm_rank_loads
+from kvevents.router.core import Router
+from kvevents.router.engines import (
+    SLOW_POLLS_TOLERATED,
+    EngineState,
+    vllm_rank_loads,
+    watch_engine,
+)
+from kvevents.subscribe.engine_spec import EngineSpec
+from kvevents.types import Holder
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -51,3 +70,117 @@ def test_values_that_are_not_finite_counts_are_skipped() -> None:
         'vllm:num_requests_waiting{engine="1"} -1.0\n'
     )
     assert vllm_rank_loads(text) == [{"dp_rank": 0, "running": 0, "waiting": 4}]
+
+
+class _SlowLoadEngine(BaseHTTPRequestHandler):
+    """A kvevents engine's /load (two ranks, both available), answered after ``delay`` s."""
+
+    delay = 0.0
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:
+        if self.path == "/load":
+            time.sleep(type(self).delay)
+            body = json.dumps(
+                {
+                    "dp_size": 2,
+                    "ranks": [{"dp_rank": r, "running": 1, "waiting": 0} for r in (0, 1)],
+                }
+            ).encode()
+            self.send_response(200)
+        else:
+            body = b"{}"
+            self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the poller may have given up on the answer
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+async def _until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
+    """A /load that answers after the poll's timeout is a slow engine, not a dead one: its
+    ranks stay available (and /workers' fields say why) for SLOW_POLLS_TOLERATED polls in
+    a row; one more is an error that marks them unavailable; the next answer clears both."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowLoadEngine)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    spec = EngineSpec.create(url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents")
+    router = Router(block_size=4)
+    state = EngineState(spec)
+    holders = [Holder(spec.worker, r) for r in (0, 1)]
+
+    def available() -> list[bool]:
+        return [router.loads[h].available for h in holders if h in router.loads]
+
+    async def run() -> None:
+        stopping = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(
+                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
+            )
+            try:
+                await _until("both ranks available", lambda: available() == [True, True])
+                _SlowLoadEngine.delay = 0.6
+                await _until("a slow poll", lambda: state.slow_polls >= 1)
+                assert available() == [True, True] and state.error is None
+                assert state.slow is not None and "keep their last known state" in state.slow
+                await _until("the threshold", lambda: state.error is not None)
+                assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
+                assert available() == [False, False] and state.slow is None
+                assert "ReadTimeout" in state.error and "4 load polls in a row" in state.error
+                _SlowLoadEngine.delay = 0.0
+                await _until("the engine back", lambda: state.error is None)
+                assert state.slow_polls == 0 and available() == [True, True]
+            finally:
+                stopping.set()
+                await asyncio.wait_for(task, 10.0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        _SlowLoadEngine.delay = 0.0
+        server.shutdown()
+        thread.join(10.0)
+        server.server_close()
+
+
+def test_a_refused_connection_is_an_error_at_once() -> None:
+    """An engine that is gone (connection refused) is not tolerated like a slow one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = EngineSpec.create(
+        f"http://127.0.0.1:{port}", kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
+    )
+    router = Router(block_size=4)
+    state = EngineState(spec)
+
+    async def run() -> None:
+        stopping = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(
+                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
+            )
+            try:
+                await _until("the error", lambda: state.error is not None)
+                assert state.slow_polls == 0 and "ConnectError" in state.error
+                assert not any(load.available for load in router.loads.values())
+            finally:
+                stopping.set()
+                await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(run())

@@ -7,12 +7,16 @@ from __future__ import annotations
 import random
 import signal
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
 import pytest
 from router_support import Engine, RouterProc, wait_until
 
 from kvevents.index.prefix_index import PrefixIndex
+from kvevents.router.warm_start import load_from_peers
 from kvevents.types import Holder
 
 DP = 2
@@ -72,7 +76,8 @@ def test_a_router_restarted_with_a_peer_ends_equal_to_every_rank(config: str) ->
             restarted = RouterProc([engine.url], "--peer", peer.url)
             warm = restarted.http.get("/workers").json()["warm_start"]
             assert warm["peer"] == peer.url and warm["streams"] == DP, warm
-            assert warm["blocks"] > 0
+            assert warm["blocks"] > 0 and warm["snapshot_bytes"] > 0
+            assert 0 < warm["fetch_seconds"] + warm["load_seconds"] <= warm["seconds"]
             wait_until(lambda: settled(engine, restarted), 20, "the restarted router to match")
             assert all(h["signals"].get("loss", 0) == 0 for h in holders(restarted))
 
@@ -109,3 +114,34 @@ def test_with_no_reachable_peer_the_router_starts_empty_and_says_why() -> None:
             router.stop()
     finally:
         engine.stop()
+
+
+def test_a_peer_with_an_older_snapshot_version_is_refused_by_name() -> None:
+    """A peer running an older kvevents answers a version 3 snapshot: it is not loaded,
+    and the error names the version and what to do (the router then starts empty)."""
+    v3 = msgspec.msgpack.encode([3, 4, 100, [1.0, 0.5, 0.25], 64, [["e", 0]], [4], [[7, b"\x01"]]])
+
+    class OldPeer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(v3)))
+            self.end_headers()
+            self.wfile.write(v3)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OldPeer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        index, warm = load_from_peers([url], timeout=10.0)
+    finally:
+        server.shutdown()
+        thread.join(10.0)
+        server.server_close()
+    assert index is None and warm.peer is None
+    assert len(warm.errors) == 1 and warm.errors[0].startswith(url)
+    assert "snapshot version 3 is not supported" in warm.errors[0]
+    assert "older kvevents" in warm.errors[0] and "without --peer" in warm.errors[0]

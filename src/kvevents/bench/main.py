@@ -2,13 +2,15 @@
 
 ::
 
-    kvevents bench [publisher|subscriber|index|engine|routing|router|ingest|burst|all]
+    kvevents bench [publisher|subscriber|index|engine|routing|router|ingest|burst|
+                    warm_start|all]
                    [--json OUT] [--quick]
     kvevents bench --markdown [--json FILE]     # the README section, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
 (``run_publisher_bench``, ``run_subscriber_bench``, ``run_index_bench``,
-``run_engine_bench``, ``run_burst_bench`` (sibling bursts, predictions off and on), and
+``run_engine_bench``, ``run_burst_bench`` (sibling bursts, predictions off and on),
+``run_warm_start_bench`` (a replica restarted from a peer at 250,000+ blocks), and
 for routing the demo itself, :func:`kvevents.demo.main.run_routing_bench`),
 with the settings the script uses by default, or much smaller ones with ``--quick``
 (a smoke run of a few seconds each; its figures are not comparable to the targets).
@@ -113,6 +115,14 @@ def _burst(quick: bool) -> dict[str, Any]:
     return run_burst_bench()
 
 
+def _warm_start(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.warm_start import run_warm_start_bench
+
+    if quick:
+        return run_warm_start_bench(prompts=100, repeat=1, restarts=1)
+    return run_warm_start_bench()
+
+
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "publisher": _publisher,
     "subscriber": _subscriber,
@@ -122,6 +132,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "router": _router,
     "ingest": _ingest,
     "burst": _burst,
+    "warm_start": _warm_start,
 }
 
 

@@ -41,6 +41,7 @@ TITLES = {
     "ingest": "Ingest capacity (M engines at 3,000 block ops/s each, /route at 200 req/s)",
     "router": "Router under load (wrk, 32 connections, dp 4, prompts stored on the engine)",
     "burst": "Sibling bursts (groups sharing a new 2,048-token prefix, dp 4, 100 ms prefills)",
+    "warm_start": "Warm restart from a peer (`--peer`, dp 4, prompts stored on the engine)",
 }
 
 
@@ -330,6 +331,39 @@ def _burst(r: dict[str, Any]) -> Iterator[Figure]:
         )
 
 
+def _warm_start(r: dict[str, Any]) -> Iterator[Figure]:
+    yield Figure(
+        "warm_start",
+        "index blocks; snapshot size",
+        f"{r['index_blocks']:,}; {r['snapshot_bytes'] / 1e6:.1f} MB",
+        "",
+        None,
+    )
+    yield Figure(
+        "warm_start",
+        "snapshot encode / decode and load",
+        f"{r['encode_s']:.2f} / {r['decode_load_s']:.2f} s",
+        "",
+        None,
+    )
+    yield Figure("warm_start", "launch to ready", f"{r['ready_after_launch_s']:.2f} s", "", None)
+    equal = r["equal_after_launch_s"]
+    yield Figure(
+        "warm_start",
+        "launch to index equal to the engine's (exact after the run)",
+        "never" if equal is None else f"{equal:.2f} s" + ("" if r["all_exact"] else " (not exact)"),
+        "<= 2 s",
+        equal is not None and equal <= 2.0 and bool(r["all_exact"]),
+    )
+    yield Figure(
+        "warm_start",
+        "peer's slowest /route while serving the snapshot (idle)",
+        f"{r['peer_route_max_ms']:.0f} ms ({r['peer_route_idle_max_ms']:.0f} ms)",
+        "",
+        None,
+    )
+
+
 _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "routing": _routing,
     "publisher": _publisher,
@@ -339,6 +373,7 @@ _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "router": _router,
     "ingest": _ingest,
     "burst": _burst,
+    "warm_start": _warm_start,
 }
 
 

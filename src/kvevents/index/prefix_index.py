@@ -47,18 +47,20 @@ from itertools import repeat
 from operator import or_
 from typing import Any
 
+import msgspec
 import xxhash
 
 from kvevents.index.extra_keys import keys_with_extras, split_extra_keys
 from kvevents.index.groups import FULL_ATTENTION, SLIDING_WINDOW, GroupedMaskTable, GroupTable
+from kvevents.index.mask_table import MaskTable
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S, Predictions
 from kvevents.index.snapshot import (
     SNAPSHOT_VERSION,
     GroupSnapshot,
     IndexSnapshot,
+    MaskColumns,
     decode_snapshot,
     encode_snapshot,
-    mask_bytes,
 )
 from kvevents.index.types import (
     DEFAULT_CREDITS,
@@ -659,8 +661,22 @@ class PrefixIndex(GroupedMaskTable):
     # --- snapshot -------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        """The whole index as bytes (msgpack); see :mod:`kvevents.index.snapshot`."""
+        """The whole index as bytes (msgpack); see :mod:`kvevents.index.snapshot`.
+
+        O(blocks + hashes), in C-level passes (no Python loop per block).
+        """
+        return self.freeze()()
+
+    def freeze(self) -> Callable[[], bytes]:
+        """Copy the index's state now; the function returned encodes that copy.
+
+        The copy is a few C-level dict copies (milliseconds at a few hundred thousand
+        blocks); the encoding, the longer part, touches only the copy, so it may run on
+        another thread while this index goes on changing (the router's ``/dump``).
+        """
         self._flush_touches()
+        blocks = self._blocks.copy()
+        hashes = self._hashes.copy()
         snap = IndexSnapshot(
             version=SNAPSHOT_VERSION,
             block_size=self.block_size,
@@ -669,34 +685,75 @@ class PrefixIndex(GroupedMaskTable):
             width=self._width,
             holders=[None if h is None else (h.worker, h.dp_rank) for h in self._holders],
             slot_block_size=list(self._slot_block_size),
-            blocks=[(k, mask_bytes(v)) for k, v in self._blocks.items()],
-            hashes=list(self._hashes.items()),
+            blocks=MaskColumns([], [], []),
+            hashes=[],
+            hash_keys=[],
             refs=[(k, s, t, n) for (k, s, t), n in self._refs.items()],
-            stats=self.stats,
+            stats=msgspec.structs.replace(self.stats, events=dict(self.stats.events)),
             seqs=[(h.worker, h.dp_rank, seq) for h, seq in self.applied_seqs.items()],
+            groups=[],
+            main_groups=list(self._main_group.items()),
+            slot_groups=[],
         )
+        sides: list[tuple[GroupSnapshot, dict[int, int]]] = []
         if self._groups:
             tables = list(self._groups.values())
             number = {id(t): i for i, t in enumerate(tables)}
-            snap.groups = [
-                GroupSnapshot(
+            for t in tables:
+                t._flush_touches()
+                group = GroupSnapshot(
                     kind=t.key[0],
                     group_idx=t.key[1],
                     sliding_window=t.key[2],
-                    blocks=[(k, mask_bytes(v)) for k, v in t._blocks.items()],
+                    blocks=MaskColumns([], [], []),
                     refs=[(k, s, r, n) for (k, s, r), n in t._refs.items()],
                 )
-                for t in tables
-            ]
+                sides.append((group, t._blocks.copy()))
+            snap.groups = [group for group, _ in sides]
             snap.slot_groups = [
                 (slot, number[id(t)]) for slot, ts in self._slot_tables.items() for t in ts
             ]
-        snap.main_groups = list(self._main_group.items())
-        return encode_snapshot(snap)
+
+        def encode() -> bytes:
+            snap.blocks = MaskColumns.pack(blocks)
+            snap.hashes = list(hashes)
+            snap.hash_keys = list(hashes.values())
+            for group, copied in sides:
+                group.blocks = MaskColumns.pack(copied)
+            return encode_snapshot(snap)
+
+        return encode
+
+    @staticmethod
+    def _load_columns(table: MaskTable, columns: MaskColumns) -> None:
+        """Fill ``table``'s blocks and counters from snapshot columns (per distinct mask)."""
+        width = table._width
+        blocks, masks, counts = columns.unpack(width)
+        table._blocks = blocks
+        held = table._held
+        entries = offloaded = 0
+        for number, n in counts.items():
+            v = masks[number]
+            entries += n * v.bit_count()
+            offloaded += n * (v >> width).bit_count()
+            for bitpos in iter_bits(v):
+                slot = bitpos % width
+                if slot >= len(held):
+                    raise ValueError(
+                        f"PrefixIndex.from_bytes: a mask names slot {slot} of "
+                        f"{len(held)}; the snapshot is damaged"
+                    )
+                held[slot] += n
+        table._entries = entries
+        table._offloaded = offloaded
+        table._canon = {v: v for v in masks}  # later stores share these ints
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PrefixIndex:
-        """Rebuild an index from :meth:`to_bytes` output; ValueError names what is wrong."""
+        """Rebuild an index from :meth:`to_bytes` output; ValueError names what is wrong.
+
+        O(blocks + hashes), in C-level passes: see :mod:`kvevents.index.snapshot`.
+        """
         snap = decode_snapshot(data)
         gpu, cpu, disk = snap.credits
         index = cls(
@@ -705,6 +762,11 @@ class PrefixIndex(GroupedMaskTable):
             credits=TierCredits(gpu=gpu, cpu=cpu, disk=disk),
         )
         width = index._width = snap.width
+        if len(snap.slot_block_size) != len(snap.holders):
+            raise ValueError(
+                f"PrefixIndex.from_bytes: {len(snap.holders)} holder slots but "
+                f"{len(snap.slot_block_size)} block sizes; the snapshot is damaged"
+            )
         for slot, pair in enumerate(snap.holders):
             holder = None if pair is None else Holder(*pair)
             index._holders.append(holder)
@@ -715,20 +777,8 @@ class PrefixIndex(GroupedMaskTable):
             else:
                 index._slots[holder] = slot
                 index._live |= 1 << slot
-        held = index._held
-        entries = offloaded = 0
-        for key, raw in snap.blocks:
-            v = int.from_bytes(raw, "little")
-            index._blocks[key] = v
-            entries += v.bit_count()
-            offloaded += (v >> width).bit_count()
-            while v:
-                low = v & -v
-                held[(low.bit_length() - 1) % width] += 1
-                v ^= low
-        index._entries = entries
-        index._offloaded = offloaded
-        index._hashes = dict(snap.hashes)
+        cls._load_columns(index, snap.blocks)
+        index._hashes = dict(zip(snap.hashes, snap.hash_keys, strict=True))
         index._refs = {(k, s, t): n for k, s, t, n in snap.refs}
         index.stats = snap.stats
         index.applied_seqs = {Holder(w, r): seq for w, r, seq in snap.seqs}
@@ -742,13 +792,7 @@ class PrefixIndex(GroupedMaskTable):
                 max_entries=index.max_entries,
             )
             table._refs = {(k, s, t): n for k, s, t, n in g.refs}
-            for key, raw in g.blocks:
-                v = int.from_bytes(raw, "little")
-                table._blocks[key] = v
-                table._entries += v.bit_count()
-                table._offloaded += (v >> width).bit_count()
-                for bitpos in iter_bits(v):
-                    table._held[bitpos % width] += 1
+            cls._load_columns(table, g.blocks)
             index._groups[table.key] = table
             tables.append(table)
         for slot, number in snap.slot_groups:

@@ -58,6 +58,10 @@ class EngineStatus(msgspec.Struct):
     registered: bool
     advertised_block_size: int | None
     load_error: str | None
+    load_slow_polls: int
+    """Load polls in a row that got no answer in time; up to 3 keep the ranks as last known."""
+    load_slow: str | None
+    """Why the last known state is kept while those slow polls are tolerated."""
     load_source: str | None
     metrics_error: str | None
     discovery: Any

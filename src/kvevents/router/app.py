@@ -27,6 +27,7 @@ from kvevents.router.models import UnknownModelError
 from kvevents.router.openai import add_openai_routes
 from kvevents.router.request_stats import engine_usage
 from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
+from kvevents.router.warm_start import dump_bytes
 
 __all__ = ["OPEN_PATHS", "create_app"]
 
@@ -170,6 +171,8 @@ def create_fastapi_app(
                         "registered": st.registered,
                         "advertised_block_size": st.advertised_block_size,
                         "load_error": st.error,
+                        "load_slow_polls": st.slow_polls,
+                        "load_slow": st.slow,
                         "load_source": st.load_source,
                         "metrics_error": st.metrics_error,
                         "models": None if st.models is None else st.models.names(),
@@ -210,7 +213,7 @@ def create_fastapi_app(
 
     @app.get("/dump")
     async def dump() -> Response:
-        return Response(router.index.to_bytes(), media_type="application/octet-stream")
+        return Response(await dump_bytes(router.index), media_type="application/octet-stream")
 
     add_openai_routes(app, service, max_body_bytes=max_body_bytes)
     install(app, OPERATIONS)

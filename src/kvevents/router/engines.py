@@ -28,10 +28,20 @@ One :func:`watch_engine` task per engine, until the service stops:
    A failed read keeps what was known and is kept in :attr:`EngineState.models_error`;
    it never makes the engine unavailable.
 
+A slow answer is not a dead engine: a load poll that times out *after the engine accepted
+the request* (a read timeout: a loaded engine, or one whose ``/load`` waits on a busy
+rank) keeps the ranks as last known, up to :data:`SLOW_POLLS_TOLERATED` polls in a row;
+:attr:`EngineState.slow_polls` and :attr:`EngineState.slow` say so in ``/workers``. One
+more in a row is an error like any other. A refused or reset connection, or a connect
+timeout, is an error at once.
+
 Errors never end the task: they mark the engine's ranks unavailable, are kept in
 :attr:`EngineState.error` for ``/workers`` and logged (once per new error). An engine
 that answers 401 or 403 (it requires an API key, and the router's ``--engine-api-key`` is
 missing or wrong) is such an error, worded as one.
+
+Over 300 lines on purpose: registration, the load poll of each engine kind, the models
+and the poll loop's error handling are one conversation with one engine, read together.
 """
 
 from __future__ import annotations
@@ -62,10 +72,25 @@ from kvevents.subscribe.discovery import (
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.types import Holder
 
-__all__ = ["MODELS_RECHECK_S", "EngineState", "LoadSource", "vllm_rank_loads", "watch_engine"]
+__all__ = [
+    "LOAD_TIMEOUT_S",
+    "MODELS_RECHECK_S",
+    "SLOW_POLLS_TOLERATED",
+    "EngineState",
+    "LoadSource",
+    "vllm_rank_loads",
+    "watch_engine",
+]
 
 MODELS_RECHECK_S = 10.0
 """Seconds between two reads of an engine's models while it answers."""
+
+LOAD_TIMEOUT_S = 5.0
+"""Seconds a load poll (``/load``, ``/health``) waits for the engine's answer."""
+
+SLOW_POLLS_TOLERATED = 3
+"""Load polls in a row that may time out waiting for an answer before the engine's ranks
+are marked unavailable (until then they keep their last known state)."""
 
 LoadSource = Literal["/load", "/metrics", "router"]
 """Where an engine's rank loads come from (see :attr:`EngineState.load_source`)."""
@@ -92,6 +117,10 @@ class EngineState:
     models_error: str | None = None
     models_read_at: float | None = None
     """Monotonic time of the last attempt to read the models."""
+    slow_polls: int = 0
+    """Load polls in a row that timed out waiting for the answer (0 once one answers)."""
+    slow: str | None = None
+    """Why the last known state is kept, while ``slow_polls`` is tolerated."""
 
 
 def vllm_rank_loads(text: str) -> list[dict[str, int]]:
@@ -184,16 +213,18 @@ async def _discover(spec: EngineSpec, client: httpx.AsyncClient) -> list[StreamS
     return streams_from_kv_event_sources(sources.json(), engine_url=spec.url, worker=spec.worker)
 
 
-async def _poll_load(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
+async def _poll_load(
+    router: Router, state: EngineState, client: httpx.AsyncClient, timeout: float
+) -> None:
     spec = state.spec
     if spec.engine_kind == "kvevents":
-        response = _check_authorized(await client.get(f"{spec.url}/load", timeout=5.0))
+        response = _check_authorized(await client.get(f"{spec.url}/load", timeout=timeout))
         # Each rank's availability is the engine's word for it (a dead, restarting or
         # stalled rank says available: false), so nothing here marks the worker available.
         router.update_load(spec.worker, response.json())
         state.load_source = "/load"
         return
-    response = _check_authorized(await client.get(f"{spec.url}/health", timeout=5.0))
+    response = _check_authorized(await client.get(f"{spec.url}/health", timeout=timeout))
     if response.status_code != 200:
         raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status_code}")
     router.set_worker_available(spec.worker, True)
@@ -280,9 +311,10 @@ async def watch_engine(
     interval: float,
     stopping: asyncio.Event,
     models_interval: float = MODELS_RECHECK_S,
+    load_timeout: float = LOAD_TIMEOUT_S,
 ) -> None:
     """Register the engine, then poll it every ``interval`` s until ``stopping`` is set
-    (its models every ``models_interval`` s).
+    (its models every ``models_interval`` s; each load poll waits ``load_timeout`` s).
 
     Each new error is logged once (a warning), and again only after it changed or cleared.
     """
@@ -292,7 +324,8 @@ async def watch_engine(
         try:
             if not state.registered:
                 await _register(router, state, client)
-            await _poll_load(router, state, client)
+            await _poll_load(router, state, client, load_timeout)
+            state.slow_polls, state.slow = 0, None
             now = loop.time()
             if (
                 state.models_read_at is None
@@ -301,7 +334,25 @@ async def watch_engine(
             ):
                 await _refresh_models(router, state, client, now)
             state.error = None
+        except httpx.ReadTimeout as exc:
+            state.slow_polls += 1
+            if state.registered and state.slow_polls <= SLOW_POLLS_TOLERATED:
+                state.slow = (
+                    f"the load poll got no answer within {load_timeout:g} s "
+                    f"({state.slow_polls} in a row, {SLOW_POLLS_TOLERATED} tolerated): "
+                    "the ranks keep their last known state"
+                )
+                if state.slow_polls == 1:
+                    log.warning("engine %s is slow to answer: %s", state.spec.url, state.slow)
+            else:
+                router.set_worker_available(state.spec.worker, False)
+                state.slow = None
+                state.error = (
+                    f"{type(exc).__name__}: no answer to {state.slow_polls} load polls in a "
+                    f"row within {load_timeout:g} s each"
+                )
         except (httpx.HTTPError, ValueError, DiscoveryError) as exc:
+            state.slow_polls, state.slow = 0, None
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # a bug must not end the poller: it would freeze availability

@@ -11,6 +11,13 @@ that index and follows each stream from there
 the peer had not applied yet; see :meth:`kvevents.subscribe.stream.StreamTracker.start`
 for what happens when the engine's buffer no longer reaches back that far.
 
+Serving the snapshot (:func:`dump_bytes`): the peer copies its index's dicts on its
+event loop (:meth:`~kvevents.index.prefix_index.PrefixIndex.freeze`, milliseconds) and
+encodes the copy on a worker thread, so it goes on routing meanwhile; the copy is one
+consistent state, seqs included. Loading it costs a few C-level passes over columns of
+ints (:mod:`kvevents.index.snapshot`), about 0.2 s at 270,000 blocks; ``kvevents bench
+warm_start`` measures every step.
+
 Peers are tried in the order given, each with a bounded timeout; the first snapshot
 that loads wins. None reachable: the router starts empty, as without ``--peer``.
 
@@ -22,6 +29,7 @@ any loss).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -31,7 +39,7 @@ import msgspec
 
 from kvevents.index.prefix_index import PrefixIndex
 
-__all__ = ["WarmStart", "load_from_peers"]
+__all__ = ["WarmStart", "dump_bytes", "load_from_peers"]
 
 log = logging.getLogger("kvevents.router")
 
@@ -45,7 +53,12 @@ class WarmStart(msgspec.Struct, frozen=True, kw_only=True):
     streams: int = 0
     """Streams resumed at the peer's seq."""
     seconds: float = 0.0
-    """Time spent asking peers."""
+    """Time spent asking peers, in all."""
+    fetch_seconds: float = 0.0
+    """Of which: the adopted peer's ``/dump`` answer (its encoding and the transfer)."""
+    load_seconds: float = 0.0
+    """Of which: decoding and loading that snapshot."""
+    snapshot_bytes: int = 0
     errors: list[str] = []
     """Why each peer tried before (or instead of) the one adopted failed."""
 
@@ -62,8 +75,10 @@ def load_from_peers(
         for url in peers:
             base = url.rstrip("/")
             try:
+                asked = time.monotonic()
                 r = http.get(f"{base}/dump")
                 r.raise_for_status()
+                fetched = time.monotonic()
                 index = PrefixIndex.from_bytes(r.content)
             except httpx.HTTPError as exc:
                 errors.append(f"{base}: {type(exc).__name__}: {exc}")
@@ -75,13 +90,20 @@ def load_from_peers(
                     blocks=index.num_blocks,
                     streams=len(index.applied_seqs),
                     seconds=time.monotonic() - started,
+                    fetch_seconds=fetched - asked,
+                    load_seconds=time.monotonic() - fetched,
+                    snapshot_bytes=len(r.content),
                     errors=errors,
                 )
                 log.info(
-                    "warm start from peer %s: %d blocks, %d streams resumed at the peer's seq",
+                    "warm start from peer %s: %d blocks, %d streams resumed at the peer's seq "
+                    "(%d bytes fetched in %.3f s, loaded in %.3f s)",
                     base,
                     info.blocks,
                     info.streams,
+                    info.snapshot_bytes,
+                    info.fetch_seconds,
+                    info.load_seconds,
                 )
                 return index, info
     finally:
@@ -92,3 +114,8 @@ def load_from_peers(
     if peers:
         log.warning("no peer answered with an index snapshot: starting with an empty index")
     return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)
+
+
+async def dump_bytes(index: PrefixIndex) -> bytes:
+    """``index``'s snapshot as it is now, encoded off the event loop (the ``/dump`` answer)."""
+    return await asyncio.to_thread(index.freeze())
