@@ -2,7 +2,8 @@
 
     python benchmarks/router.py [--prompts 256] [--long-prompts 64] [--duration 10]
                                 [--connections 32] [--workers 1 2] [--no-completions]
-                                [--sync-rounds 3] [--json OUT]
+                                [--sync-rounds 3] [--completions-rounds 1]
+                                [--completions-only] [--json OUT]
 
 Needs the load generator ``wrk`` (Debian: ``apt-get install wrk``). Prints the figures
 and writes them as JSON (default benchmarks/results/router.json). The work is
@@ -35,6 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-completions", action="store_true", help="skip /v1/completions")
     parser.add_argument(
+        "--completions-rounds",
+        type=int,
+        default=1,
+        help="alternating rounds of /v1/completions, engine direct and through the router",
+    )
+    parser.add_argument(
+        "--completions-only",
+        action="store_true",
+        help="run only the /v1/completions comparison (one uvicorn router)",
+    )
+    parser.add_argument(
         "--sync-rounds",
         type=int,
         default=3,
@@ -52,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         completions=not args.no_completions,
         sync_rounds=args.sync_rounds,
+        completions_rounds=args.completions_rounds,
+        completions_only=args.completions_only,
     )
     for name, run in result["runs"].items():
         print(
@@ -60,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, value in result["summary"].items():
         print(f"{name:40s} {value:.3f}")
+    compared = result.get("completions")
+    if compared is not None:
+        added = ", ".join(f"{a:+.2f}" for a in compared["added_p50_ms"])
+        print(
+            f"/v1/completions through the router adds {compared['added_p50_ms_median']:+.2f} ms"
+            f" at p50 (median of {len(compared['rounds'])} rounds: {added})"
+        )
     cost = result.get("note_cost")
     if cost is not None:
         ratios = ", ".join(f"{r:.3f}" for r in cost["round_ratios_on_over_off"])

@@ -26,7 +26,7 @@ Hierarchy (HTTP status where a service answers with it)::
     │   │                              or the engine's own 400/413/422
     │   └── ChatUnsupported            router.tokenize: this tokenizer has no template: 501
     ├── TokenizeFailed                 router.service: a TokenizeError, as the routes answer it
-    ├── OpenAIError                    router.openai: any error in OpenAI's shape, own status
+    ├── OpenAIError                    router.openai_relay: any error in OpenAI's shape, own status
     ├── UnknownModelError              router.models: a model no engine serves: 404
     ├── UnknownModel                   engine.models: a model the simulated engine does not serve: 404
     ├── BodyTooLarge                   router.bodies: a body over --max-body-bytes: 413

@@ -147,6 +147,31 @@ def test_sglang_engine_gets_routed_dp_rank_in_the_body(plane: dict, router: Rout
     assert json.loads(body) == {"prompt": [prefix], "max_tokens": 1, "routed_dp_rank": 0}
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1}  \n',  # no rank key: appended
+        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1, "routed_dp_rank": 1}',
+        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1, "data\\u005fparallel_rank": 1}',
+    ],
+)
+def test_sglang_body_gets_exactly_one_rank_however_the_client_spelled_its_own(
+    plane: dict, router: RouterProc, raw: bytes
+) -> None:
+    """The SGLang body the engine receives is the client's, with the router's rank as the
+    one rank key: a client's rank key is dropped even when written with a JSON escape."""
+    b = plane["b"]
+    prefix = [300, 301, 302, 303]
+    held(router, plane["pubs_b"], b.url, 0, prefix)
+    response = router.http.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvevents-dp-rank"] == "0"
+    _, body = b.received[-1]
+    assert json.loads(body) == {"prompt": [prefix], "max_tokens": 1, "routed_dp_rank": 0}
+
+
 def test_streaming_relays_each_chunk_as_it_arrives(plane: dict, router: RouterProc) -> None:
     """A streamed answer's first chunk reaches the client while the engine still holds the rest; all arrive in order."""
     a = plane["a"]
@@ -435,3 +460,36 @@ def test_an_engine_error_withdraws_the_requests_prediction(plane: dict) -> None:
         rank = int(answered.headers["x-kvevents-dp-rank"])
         query = router.post("/query", {"input_ids": prompt}).json()
         assert {m["dp_rank"]: m.get("predicted_blocks", 0) for m in query["matches"]}[rank] == 4
+
+
+def _inflight(router: RouterProc) -> int:
+    holders = router.http.get("/workers").json()["holders"]
+    return sum(h["load"]["inflight_requests"] for h in holders)
+
+
+def test_a_client_leaving_a_stream_ends_the_request_on_the_router(ctx: zmq.Context) -> None:
+    """A client that closes its connection mid-stream ends the relay: the request stops
+    counting as in flight while the engine still holds the rest of its answer."""
+    engine, pubs = FakeEngine(), _publishers(ctx)
+    try:
+        proc = RouterProc([], *described(engine, pubs), "--load-interval", "0.2")
+        try:
+            wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
+            prefix = list(range(500, 508))
+            held(proc, pubs, engine.url, 0, prefix)
+            request = {"prompt": prefix, "stream": True, "max_tokens": 5}
+            with proc.http.stream("POST", "/v1/completions", json=request) as response:
+                assert response.status_code == 200
+                chunks = response.iter_raw()
+                first = b""
+                while b"\n\n" not in first:  # bounded by the client's 30 s read timeout
+                    first += next(chunks)
+                assert first == b'data: {"i": 0}\n\n'  # the engine holds the rest
+                assert _inflight(proc) == 1
+            wait_until(lambda: _inflight(proc) == 0, 10, "the router to end the left request")
+        finally:
+            proc.stop()
+    finally:
+        engine.release()
+        pubs.close()
+        engine.close()

@@ -5,6 +5,7 @@
     kvevents bench [publisher|subscriber|index|engine|routing|router|ingest|burst|
                     warm_start|all]
                    [--json OUT] [--quick]
+    kvevents bench router --completions-only [--rounds N]  # the relay's added latency
     kvevents bench --markdown [--json FILE]     # the README section, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
@@ -99,6 +100,15 @@ def _router(quick: bool) -> dict[str, Any]:
     return run_router_bench()
 
 
+def _router_completions(quick: bool, rounds: int) -> dict[str, Any]:
+    """Only the router's ``/v1/completions`` comparison, ``rounds`` alternating rounds."""
+    from kvevents.bench.router import run_router_bench
+
+    if quick:
+        return run_router_bench(prompts=32, duration=2.0, completions_only=True)
+    return run_router_bench(completions_only=True, completions_rounds=rounds)
+
+
 def _ingest(quick: bool) -> dict[str, Any]:
     from kvevents.bench.ingest import run_ingest_bench
 
@@ -153,6 +163,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke run")
     parser.add_argument(
+        "--completions-only",
+        action="store_true",
+        help="with router: only /v1/completions, engine direct against through the router",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --completions-only: alternating rounds of the comparison (default 3)",
+    )
+    parser.add_argument(
         "--markdown",
         action="store_true",
         help="print the README performance section from the results file; run nothing",
@@ -169,16 +191,24 @@ def _machine() -> dict[str, Any]:
 
 
 def run_benchmarks(
-    names: list[str], *, quick: bool, command: str, console: Console
+    names: list[str],
+    *,
+    quick: bool,
+    command: str,
+    console: Console,
+    runners: dict[str, Callable[[bool], dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """Run the named benchmarks in order; returns the JSON document (see the module docstring)."""
+    """Run the named benchmarks in order; returns the JSON document (see the module docstring).
+
+    ``runners``: functions to run instead of :data:`BENCHMARKS`' for some names."""
+    chosen = {**BENCHMARKS, **(runners or {})}
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for name in names:
         console.print(f"[bold]bench {name}[/bold]{' (quick)' if quick else ''} ...")
         t0 = time.monotonic()
         try:
-            results[name] = BENCHMARKS[name](quick)
+            results[name] = chosen[name](quick)
         except (KVEventsError, RuntimeError, OSError, ValueError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
             console.print(f"[red]bench {name} failed: {errors[name]}[/red]")
@@ -210,9 +240,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     command = f"kvevents bench {args.which}" + (" --quick" if args.quick else "")
+    runners: dict[str, Callable[[bool], dict[str, Any]]] = {}
+    if args.completions_only:
+        if args.which != "router":
+            raise ConfigError(
+                f"--completions-only is an option of `kvevents bench router`, not of "
+                f"{args.which!r}: run `kvevents bench router --completions-only`"
+            )
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds {args.rounds}: give at least 1")
+        rounds = args.rounds
+        runners["router"] = lambda quick: _router_completions(quick, rounds)
+        command += f" --completions-only --rounds {rounds}"
     if args.json is not None:
         command += f" --json {args.json}"
-    doc = run_benchmarks(names, quick=args.quick, command=command, console=console)
+    doc = run_benchmarks(names, quick=args.quick, command=command, console=console, runners=runners)
     write_results(path, doc)
     render_table(doc, console)
     console.print(f"results: {path}")

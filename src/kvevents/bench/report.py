@@ -262,6 +262,17 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             "<= +2 ms",
             added <= 2.0,
         )
+    compared = r.get("completions")
+    if compared is not None and len(compared["rounds"]) > 1:
+        rounds = ", ".join(f"{a:+.1f}" for a in compared["added_p50_ms"])
+        median = compared["added_p50_ms_median"]
+        yield Figure(
+            "router",
+            f"/v1/completions added p50, median of {len(compared['rounds'])} alternating rounds",
+            f"{median:+.1f} ms (rounds: {rounds})",
+            "<= +2 ms",
+            median <= 2.0,
+        )
     cost = r.get("note_cost")
     if cost is not None:
         ratios = cost["round_ratios_on_over_off"]

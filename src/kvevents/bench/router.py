@@ -14,7 +14,9 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
   default, and ``granian``), so the two stacks are compared in the same run; granian's
   run names end in ``_granian``;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
-  directly (the relay's added latency);
+  directly, alternating over ``completions_rounds`` rounds (the relay's added latency:
+  :mod:`kvevents.bench.completions`; ``results["completions"]``); ``completions_only``
+  runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
   (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
@@ -45,6 +47,7 @@ from typing import Any
 import httpx
 
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
+from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
 from kvevents.demo.procs import Child
 from kvevents.errors import ConfigError, KVEventsError
@@ -181,13 +184,20 @@ def run_router_bench(
     completions: bool = True,
     http_servers: Sequence[HttpServer] | None = None,
     sync_rounds: int = 3,
+    completions_rounds: int = 1,
+    completions_only: bool = False,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
     ``http_servers``: None runs both when granian is installed, else uvicorn alone (the
-    results' ``setup`` then says how to add granian).
+    results' ``setup`` then says how to add granian). ``completions_only``: only the
+    ``/v1/completions`` comparison (one uvicorn router process, the 2,048-token prompts
+    stored; no bare server, no ``/route`` or ``/query`` loads, no note-cost rounds).
     """
     _wrk()
+    if completions_only:
+        completions, workers, http_servers, sync_rounds = True, (1,), ("uvicorn",), 0
+        long_prompts = 0
     skipped: dict[str, str] = {}
     servers: Sequence[HttpServer] = ("uvicorn",)
     if http_servers is not None:
@@ -214,6 +224,8 @@ def run_router_bench(
             "http_servers": list(servers),
             "http_servers_skipped": skipped,
             "sync_rounds": sync_rounds,
+            "completions_rounds": completions_rounds if completions else 0,
+            "completions_only": completions_only,
         },
         "runs": {},
     }
@@ -225,7 +237,7 @@ def run_router_bench(
             *("--kv-events-config", _EVENTS_CONFIG),
         ],
     )
-    bares = {server: _bare_child(server) for server in servers}
+    bares = {} if completions_only else {server: _bare_child(server) for server in servers}
     with tempfile.TemporaryDirectory(prefix="kvevents-bench-router-") as tmp:
         folder = Path(tmp)
         short_ids = _write_bodies(folder, "ids-2048", [{"input_ids": p} for p in short])
@@ -254,24 +266,23 @@ def run_router_bench(
                 router, url = _start_router(engine_url, n, server)
                 try:
                     _wait_indexed(url, blocks)
-                    for path in ("route", "query"):
+                    for path in () if completions_only else ("route", "query"):
                         for name, bodies in (("2048", short_ids), ("8192", long_ids)):
                             runs[f"{path}_{name}_workers{n}{suffix}"] = _load(
                                 f"{url}/{path}", bodies, duration=duration, connections=connections
                             )
                     if completions and n == 1 and server == "uvicorn":
-                        runs["completions_direct"] = _load(
-                            f"{engine_url}/v1/completions",
+                        compared = run_completions(
+                            engine_url,
+                            url,
                             completion_bodies,
-                            duration=duration,
-                            connections=connections,
+                            functools.partial(_load, duration=duration, connections=connections),
+                            pids={"engine": engine.pid, "router": router.pid},
+                            rounds=completions_rounds,
                         )
-                        runs["completions_via_router"] = _load(
-                            f"{url}/v1/completions",
-                            completion_bodies,
-                            duration=duration,
-                            connections=connections,
-                        )
+                        results["completions"] = compared
+                        runs["completions_direct"] = compared["rounds"][0]["direct"]
+                        runs["completions_via_router"] = compared["rounds"][0]["via"]
                 finally:
                     router.stop()
             if sync_rounds > 0:
@@ -305,4 +316,6 @@ def _summarise(results: dict[str, Any]) -> None:
     via = runs.get("completions_via_router")
     if direct and via:
         summary["completions_added_p50_ms"] = via["p50_ms"] - direct["p50_ms"]
+    if "completions" in results:
+        summary["completions_added_p50_ms_median"] = results["completions"]["added_p50_ms_median"]
     results["summary"] = summary

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 __all__ = ["BodyError", "diagnose", "parse_json", "read_body"]
@@ -67,7 +68,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def parse_json(raw: bytes) -> Any:
-    """``raw`` parsed as JSON; :class:`BodyError` (400) when it is not usable JSON."""
+    """``raw`` parsed as JSON; :class:`BodyError` (400) when it is not usable JSON.
+
+    msgspec parses first: what it accepts is valid UTF-8 throughout (it refuses unpaired
+    surrogates) and decodes to the values ``json`` gives, so the Unicode walk is not
+    needed. What it refuses (and ``json`` may still take: ``NaN``, ``1e400``, integers
+    past 64 bits) goes the slower way below, with its messages. Measured on 2,048-token
+    completions: ``json.loads`` plus the walk's ``json.dumps`` were a sixth of the
+    engine's CPU per request, msgspec a small fraction of that."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        pass
     try:
         value = json.loads(raw)
     except RecursionError:

@@ -6,8 +6,9 @@ no middleware stack, no request object, no dict built for the answer. A body is 
 chunked body is counted as it arrives), decoded by a msgspec decoder built once, matched
 and scored by the in-process :class:`~kvevents.router.core.Router`, and answered with a
 msgspec struct encoded by one reused encoder. Every other path, and the app's lifespan,
-go to the FastAPI app behind it (``/workers``, ``/metrics``, ``/docs``, the OpenAI routes),
-where a framework costs nothing that matters.
+go to the FastAPI app behind it (``/workers``, ``/metrics``, ``/docs``), where a framework
+costs nothing that matters, except ``POST /v1/completions`` and ``/v1/chat/completions``,
+which go to the OpenAI relay (:mod:`kvevents.router.openai_relay`) on both interfaces.
 
 Answers (JSON):
 
@@ -62,6 +63,7 @@ from kvevents.router.bodies import (
 )
 from kvevents.router.core import RouteDecision
 from kvevents.router.models import UnknownModelError
+from kvevents.router.openai_relay import RELAYED, OpenAIRelay
 from kvevents.router.scoring import HolderScore
 from kvevents.router.service import (
     DEFAULT_TOP,
@@ -205,6 +207,8 @@ class HotPath:
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
         self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
+        self.relay = OpenAIRelay(service, max_body_bytes=max_body_bytes)
+        """``POST`` of :data:`~kvevents.router.openai_relay.RELAYED` paths (the OpenAI routes)."""
         self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
             "/route": self._route,
             "/query": self._query,
@@ -218,6 +222,9 @@ class HotPath:
         key = self.api_key
         if key is not None and path not in self.open_paths and not key.matches(scope["headers"]):
             await send_unauthorized(scope, send)
+            return
+        if path in RELAYED and scope["method"] == "POST":
+            await self.relay.asgi(scope, receive, send)
             return
         handler = self._handlers.get(path)
         if handler is None or scope["method"] != "POST":
@@ -243,6 +250,14 @@ class HotPath:
         natively; everything else, refusals included, goes through the ASGI bridge to
         :meth:`__call__`, so both interfaces answer alike.
         """
+        if (
+            scope.path in RELAYED
+            and scope.proto == "http"
+            and scope.method == "POST"
+            and self._rsgi_authorized(scope)
+        ):
+            await self.relay.rsgi(scope, proto)
+            return
         handler = self._handlers.get(scope.path) if scope.proto == "http" else None
         if handler is None or scope.method != "POST" or not self._rsgi_authorized(scope):
             await self._bridge.__rsgi__(scope, proto)

@@ -1,0 +1,447 @@
+"""The OpenAI relay: ``/v1/completions`` and ``/v1/chat/completions`` without a framework.
+
+What the endpoints do, for clients, is :mod:`kvevents.router.openai`'s docstring. This
+module is how: :class:`OpenAIRelay` reads the body (bounded: :mod:`kvevents.router.bodies`),
+decodes it once with msgspec, tokenizes what is text, routes, and forwards the body
+bytes with the service's long-lived aiohttp session; the engine's answer comes back as
+the engine sent it, never decoded and encoded again (a complete answer is decoded only
+to read its ``usage`` for the metrics). :class:`~kvevents.router.hot_path.HotPath`
+hands it these two paths on both server interfaces, ASGI (:meth:`OpenAIRelay.asgi`) and
+granian's RSGI (:meth:`OpenAIRelay.rsgi`), before FastAPI sees them; FastAPI's own
+routes for them hand the request over unread, so the app alone (its OpenAPI document,
+the tests that build it) answers the same.
+
+Why not FastAPI: measured with ``kvevents bench router --completions-only`` (2,048-token
+prompts, 32 requests in flight), the framework's middleware stack, request object and
+response classes were about a third of the router's CPU per relayed request.
+
+A stream (``"stream": true`` answered 200) is relayed chunk by chunk as the engine sends
+it; when the client goes away the relay stops, releases the engine's connection and
+ends the request's in-flight count, as it does when the stream ends.
+
+Over 300 lines on purpose: the forwarding path (routing, headers, relay, usage, errors
+in OpenAI's shape) and its two server interfaces read best in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import msgspec
+
+from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.router.bodies import (
+    BodyTooLarge,
+    Disconnected,
+    Message,
+    Receive,
+    Scope,
+    read_body,
+    read_rsgi_body,
+)
+from kvevents.router.core import RouteDecision
+from kvevents.router.models import UnknownModelError
+from kvevents.router.request_stats import engine_usage
+from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService
+from kvevents.router.tokenize import ChatError, TokenizeError
+
+__all__ = [
+    "RANK_HEADER",
+    "RELAYED",
+    "OpenAIError",
+    "OpenAIRelay",
+    "decision_headers",
+    "prompts_of",
+]
+
+Send = Callable[[Message], Awaitable[None]]
+
+RANK_HEADER = "X-data-parallel-rank"
+RELAYED: Mapping[str, bool] = {"/v1/completions": False, "/v1/chat/completions": True}
+"""The paths the relay answers (``POST``), each with whether it is a chat."""
+
+_DROP_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-authorization",
+        "authorization",  # the client's key is for the router; engines get the router's own
+        "accept-encoding",
+        RANK_HEADER.lower(),
+    }
+)
+_MAX_TOKEN_ID = 2**32 - 1
+_ENCODER = msgspec.json.Encoder()
+_JSON = "application/json"
+
+
+class OpenAIError(KVEventsError):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = param
+
+    def body(self) -> bytes:
+        """``{"error": {"message", "type", "param", "code"}}`` as JSON."""
+        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}
+        return _ENCODER.encode({"error": error})
+
+
+class Answer:
+    """What the relay answers: a status, headers, and a body or a stream of chunks."""
+
+    __slots__ = ("body", "headers", "status", "stream")
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[str, str]],
+        body: bytes = b"",
+        stream: AsyncIterator[bytes] | None = None,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.stream = stream
+
+    @classmethod
+    def error(cls, exc: OpenAIError, shown: Iterable[tuple[str, str]] = ()) -> Answer:
+        return cls(exc.status, [("content-type", _JSON), *shown], exc.body())
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        # one C-level pass over the kinds, not a Python loop per token
+        try:
+            array("I", prompt)
+        except OverflowError:
+            raise OpenAIError(400, f"{where} token ids must be in 0..{_MAX_TOKEN_ID}") from None
+        return prompt
+    raise OpenAIError(
+        400, f"{where} must be a string, a non-empty list of token ids, or a list of them"
+    )
+
+
+def prompts_of(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completions body: one, or every prompt of a batch (OpenAIError 400 else)."""
+    if "prompt" not in body:
+        raise OpenAIError(400, "the body has no 'prompt' (text or a list of token ids)")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def decision_headers(decision: RouteDecision, prompt_tokens: int) -> dict[str, str]:
+    """The response headers that show where a request went and why."""
+    return {
+        "x-kvevents-worker": quote(decision.worker, safe=":/?&=@[]+,;~!$'()*"),
+        "x-kvevents-dp-rank": str(decision.dp_rank),
+        "x-kvevents-matched-tokens": str(decision.matched_tokens),
+        "x-kvevents-prompt-tokens": str(prompt_tokens),
+        "x-kvevents-policy": decision.policy,
+        "x-kvevents-predicted-tokens": str(decision.predicted_tokens),
+    }
+
+
+class _UsageTracker:
+    """Remembers the last SSE ``data:`` line that carries usage (``include_usage``)."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.last: bytes | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()[-65536:]
+        for line in lines:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                self.last = line[5:].strip()
+
+    def usage(self) -> tuple[int, int] | None:
+        if self.last is None:
+            return None
+        try:
+            return engine_usage(msgspec.json.decode(self.last))
+        except msgspec.DecodeError:
+            return None
+
+
+class OpenAIRelay:
+    """Answers :data:`RELAYED` for ``service``; a body over ``max_body_bytes`` is a 413."""
+
+    def __init__(self, service: RouterService, *, max_body_bytes: int) -> None:
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer one ASGI request for a path of :data:`RELAYED`."""
+        headers = {}
+        for k, v in scope["headers"]:
+            name = k.decode("latin-1")
+            if name not in _DROP_HEADERS:
+                headers[name] = v.decode("latin-1")
+        try:
+            raw = await read_body(scope, receive, self.max_body_bytes)
+            answer = await self.answer(RELAYED[scope["path"]], headers, raw)
+        except _BODY_ERRORS as exc:
+            answer = Answer.error(_body_error(exc))
+        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+        start = {"type": "http.response.start", "status": answer.status, "headers": raw_headers}
+        if answer.stream is None:
+            raw_headers.append((b"content-length", b"%d" % len(answer.body)))
+            await send(start)
+            await send({"type": "http.response.body", "body": answer.body})
+            return
+        stream = answer.stream
+
+        async def relay() -> None:
+            await send(start)
+            async for chunk in stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        await _until_gone(relay(), gone(), stream)
+
+    async def rsgi(self, scope: Any, proto: Any) -> None:
+        """Answer one granian RSGI request for a path of :data:`RELAYED`."""
+        headers = {k.lower(): v for k, v in scope.headers.items() if k.lower() not in _DROP_HEADERS}
+        try:
+            raw = await read_rsgi_body(scope, proto, self.max_body_bytes)
+            answer = await self.answer(RELAYED[scope.path], headers, raw)
+        except _BODY_ERRORS as exc:
+            answer = Answer.error(_body_error(exc))
+        if answer.stream is None:
+            proto.response_bytes(answer.status, answer.headers, answer.body)
+            return
+        stream = answer.stream
+
+        async def relay() -> None:
+            transport = proto.response_stream(answer.status, answer.headers)
+            async for chunk in stream:
+                await transport.send_bytes(chunk)
+
+        await _until_gone(relay(), proto.client_disconnect(), stream)
+
+    async def answer(self, chat: bool, headers: dict[str, str], raw: bytes) -> Answer:
+        """The answer to one request: ``headers`` are the client's to forward (hop-by-hop,
+        ``Authorization`` and any rank header already dropped), ``raw`` its body."""
+        try:
+            body = _json_object(raw, "chat completions" if chat else "completions")
+            if chat:
+                prompts = [await self._chat_tokens(body)]
+            else:
+                prompts = [await self._prompt_tokens(body, p) for p in prompts_of(body)]
+            return await self._forward(chat, headers, raw, body, prompts)
+        except OpenAIError as exc:
+            return Answer.error(exc)
+
+    async def _chat_tokens(self, body: dict[str, Any]) -> list[int]:
+        try:
+            return await self.service.text_tokenizer.encode_chat(body)
+        except ChatError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        except TokenizeError as exc:
+            raise _tokenize_error(exc) from None
+
+    async def _prompt_tokens(self, body: dict[str, Any], prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        model = body.get("model")
+        try:
+            return await self.service.text_tokenizer.encode(
+                prompt,
+                add_special_tokens=body.get("add_special_tokens", True) is not False,
+                model=model if isinstance(model, str) else None,
+            )
+        except TokenizeError as exc:
+            raise _tokenize_error(exc) from None
+
+    async def _forward(
+        self,
+        chat: bool,
+        headers: dict[str, str],
+        raw: bytes,
+        body: dict[str, Any],
+        prompts: list[list[int]],
+    ) -> Answer:
+        service = self.service
+        router = service.router
+        path, endpoint = (
+            ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
+        )
+        salt, model = body.get("cache_salt"), body.get("model")
+        try:
+            decision = router.route_batch(
+                prompts,
+                cache_salt=salt if isinstance(salt, str) else None,
+                policy=service.policy,
+                model=model if isinstance(model, str) else None,
+            )
+        except UnknownModelError as exc:
+            raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
+        except RouterNotReadyError as exc:
+            raise OpenAIError(503, str(exc), "service_unavailable") from None
+        prompt_tokens = sum(map(len, prompts))
+        spec = service.spec(decision.worker)
+        headers["accept-encoding"] = "identity"  # bytes are relayed as they come, unencoded
+        headers["content-type"] = _JSON  # the body was parsed as JSON
+        if spec.engine_kind == "vllm":
+            headers[RANK_HEADER] = str(decision.dp_rank)
+            content = raw
+        else:
+            content = _with_rank(raw, body, decision.dp_rank)
+        shown = list(decision_headers(decision, prompt_tokens).items())
+        ticket = router.begin(decision)
+        try:
+            upstream = await service.session.post(
+                f"{spec.url}{path}", data=content, headers=headers
+            )
+        except FORWARD_ERRORS as exc:
+            router.finish(ticket, failed=True)
+            service.requests.record(endpoint, decision, prompt_tokens, 502)
+            failed = f"forwarding to {spec.url} failed: {_describe(exc)}"
+            return Answer.error(OpenAIError(502, failed, "bad_gateway"), shown)
+        status = upstream.status
+        service.requests.record(endpoint, decision, prompt_tokens, status)
+        media = upstream.headers.get("content-type", _JSON)
+        if body.get("stream") is not True or status != 200:
+            try:
+                payload = await upstream.read()
+            except FORWARD_ERRORS as exc:
+                midway = f"the engine {spec.url} failed midway: {_describe(exc)}"
+                return Answer.error(OpenAIError(502, midway, "bad_gateway"), shown)
+            finally:
+                upstream.release()
+                router.finish(ticket, failed=status != 200)
+            if status == 200:
+                try:
+                    usage = engine_usage(msgspec.json.decode(payload))
+                except msgspec.DecodeError:
+                    usage = None
+                service.requests.record_usage(decision.holder, usage)
+            return Answer(status, [("content-type", media), *shown], payload)
+
+        async def relay() -> AsyncIterator[bytes]:
+            tracker = _UsageTracker()
+            try:
+                async for chunk in upstream.content.iter_any():
+                    tracker.feed(chunk)
+                    yield chunk
+            except FORWARD_ERRORS as exc:
+                midway = f"the engine {spec.url} failed midway: {_describe(exc)}"
+                yield b"event: error\ndata: " + OpenAIError(502, midway, "bad_gateway").body()
+                yield b"\n\n"
+            finally:
+                upstream.release()
+                router.finish(ticket)
+                service.requests.record_usage(decision.holder, tracker.usage())
+
+        return Answer(status, [("content-type", media), *shown], stream=relay())
+
+
+async def _until_gone(
+    relay: Awaitable[None], gone: Awaitable[Any], stream: AsyncIterator[bytes]
+) -> None:
+    """Run ``relay`` until it ends or ``gone`` (the client left) does, whichever is first;
+    then close ``stream``, so the engine's connection and the in-flight count are freed."""
+    relaying, watching = asyncio.ensure_future(relay), asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait((relaying, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (relaying, watching):
+            task.cancel()
+        results = await asyncio.gather(relaying, watching, return_exceptions=True)
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            with contextlib.suppress(RuntimeError):  # already closed by its own end
+                await close()
+    error = results[0]
+    if isinstance(error, BaseException) and not isinstance(
+        error, (asyncio.CancelledError, OSError, RuntimeError)
+    ):
+        raise error  # a bug, not the client leaving: let the server log it
+
+
+def _with_rank(raw: bytes, body: dict[str, Any], rank: int) -> bytes:
+    """The body for an SGLang or kvevents engine: ``routed_dp_rank: rank`` set, a client's
+    ``data_parallel_rank`` removed. When the raw body names no rank key and holds no
+    ``\\u`` escape (so no key can name one unseen), the key is appended to its bytes;
+    else the decoded body is changed and encoded again (2,048 token ids: tens of µs)."""
+    end = raw.rstrip()
+    if (
+        body
+        and end.endswith(b"}")
+        and b"dp_rank" not in raw
+        and b"data_parallel_rank" not in raw
+        and b"\\u" not in raw
+    ):
+        return b'%s,"routed_dp_rank":%d}' % (end[:-1], rank)
+    body.pop("data_parallel_rank", None)
+    body["routed_dp_rank"] = rank
+    return _ENCODER.encode(body)
+
+
+_BODY_ERRORS = (BodyTooLarge, BadRequest, Disconnected)
+
+
+def _body_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, BodyTooLarge):
+        return OpenAIError(413, str(exc))
+    if isinstance(exc, BadRequest):
+        return OpenAIError(400, str(exc))
+    return OpenAIError(400, "the client went away before its body arrived")
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise OpenAIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise OpenAIError(400, "the body is nested too deeply: flatten it") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the body must be a JSON object (an OpenAI {what} request)")
+    return body
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of a forwarding failure (a timeout has no message of its own)."""
+    text = str(exc) or "no answer within the forward timeout"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _tokenize_error(exc: TokenizeError) -> OpenAIError:
+    if exc.status == 501:
+        kind = "not_implemented"
+    elif 400 <= exc.status < 500:
+        kind = "invalid_request_error"  # the engine's /tokenize refused the client's input
+    else:
+        kind = "tokenizer_error"
+    return OpenAIError(exc.status, str(exc), kind)
