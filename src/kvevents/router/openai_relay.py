@@ -377,7 +377,10 @@ async def _until_gone(
     finally:
         for task in (relaying, watching):
             task.cancel()
-        results = await asyncio.gather(relaying, watching, return_exceptions=True)
+        # Only the relay is awaited: granian's client_disconnect() does not give way to a
+        # cancel and ends only with the connection, so waiting for it here kept a kept-alive
+        # connection's handler, and with it the server's shutdown, waiting for ever.
+        results = await asyncio.gather(relaying, return_exceptions=True)
         close = getattr(stream, "aclose", None)
         if close is not None:
             with contextlib.suppress(RuntimeError):  # already closed by its own end
