@@ -88,7 +88,8 @@ Policy = Literal["kv-aware", "round-robin"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 
-class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+# gc=False: one per request and free of reference cycles, so the collector never tracks it
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The chosen holder for a request, with every holder's score (best first)."""
 
     worker: str
@@ -123,7 +124,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
         return self.chosen.predicted_blocks * self.block_size
 
 
-class Ticket(msgspec.Struct, frozen=True):
+class Ticket(msgspec.Struct, frozen=True, gc=False):
     """An in-flight request: what :meth:`Router.finish` takes back off the holder's load."""
 
     holder: Holder

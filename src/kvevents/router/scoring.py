@@ -142,7 +142,8 @@ class HolderLoad(msgspec.Struct, kw_only=True):
     """Prompt blocks this router sent the holder, decayed (``recent`` in the module docstring)."""
 
 
-class HolderScore(msgspec.Struct, frozen=True, kw_only=True):
+# gc=False: one per request and free of reference cycles, so the collector never tracks it
+class HolderScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One holder's figures for one request."""
 
     worker: str
