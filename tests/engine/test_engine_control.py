@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from engine_support import Engine
 from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.config import KVEventsConfig
@@ -180,4 +181,18 @@ def test_a_rank_started_with_a_spec_on_argv_refuses() -> None:
         text=True,
         timeout=30,
     )
-    assert done.returncode == 2 and "SPEC_JSON" in done.stderr
+    assert done.returncode == 2 and "SPEC_MSGPACK" in done.stderr
+
+
+def test_an_engine_without_simulated_delays_starts_and_answers() -> None:
+    """`--prefill-tokens-per-s inf --decode-steps-per-s inf` ("no delay", as the help says)
+    reach the ranks intact: the spec travels as msgpack, which has an infinity (JSON has
+    none, and every rank used to die at start with "Expected `float`, got `null`")."""
+    engine = Engine(
+        ["--dp-size", "2", "--prefill-tokens-per-s", "inf", "--decode-steps-per-s", "inf"], None
+    )
+    try:
+        answer = engine.generate(list(range(64)), rank=1)
+        assert answer["dp_rank"] == 1 and answer["prompt_tokens"] == 64
+    finally:
+        engine.stop()

@@ -1,6 +1,6 @@
 """One data-parallel rank of the simulated engine, run as its own process.
 
-``python -m kvevents.engine.rank`` with the spec as JSON on stdin (started by
+``python -m kvevents.engine.rank`` with the spec as msgpack on stdin (started by
 :class:`~kvevents.engine.supervisor.RankSupervisor`, never by hand) builds the rank's
 prefix cache, scheduler and KV-event publisher, then serves the parent over a control
 channel while stepping the scheduler at its simulated speed.
@@ -51,7 +51,7 @@ _IDLE_POLL_S = 0.25
 
 
 class RankSpec(msgspec.Struct, kw_only=True, frozen=True):
-    """Everything a rank process needs, passed as JSON on its stdin (it holds the
+    """Everything a rank process needs, passed as msgpack on its stdin (it holds the
     control token, which must not show in ``ps``)."""
 
     dp_rank: int
@@ -232,10 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = list(sys.argv[1:] if argv is None else argv)
     if args:
-        print("usage: python -m kvevents.engine.rank < SPEC_JSON", file=sys.stderr)
+        print("usage: python -m kvevents.engine.rank < SPEC_MSGPACK", file=sys.stderr)
         return 2
     try:
-        spec = msgspec.json.decode(sys.stdin.buffer.read(), type=RankSpec)
+        spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RankSpec)
     except msgspec.DecodeError as exc:
         print(f"kvevents.engine.rank: the spec on stdin is not valid: {exc}", file=sys.stderr)
         return 2

@@ -282,7 +282,7 @@ class RankSupervisor:
         rank.pid = rank.process.pid
         assert rank.process.stdin is not None
         with rank.process.stdin as pipe, contextlib.suppress(BrokenPipeError):
-            pipe.write(msgspec.json.encode(rank.spec))
+            pipe.write(msgspec.msgpack.encode(rank.spec))  # msgpack: JSON has no inf
 
     async def _await_hello(self, rank: _Rank) -> None:
         assert rank.hello is not None
