@@ -153,8 +153,11 @@ async def _route_at_rate(url: str, rate: float, seconds: float) -> list[float]:
 def _wait_connected(client: httpx.Client, engines: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        streams = client.get("/workers").json()["streams"]
-        if sum(s["status"] == "connected" for s in streams) == engines:
+        workers = client.get("/workers").json()
+        streams = workers["streams"]
+        # measured once the compiled kernels are in (or known off), not while they load
+        settled = workers["process"].get("kernels") != "loading"
+        if settled and sum(s["status"] == "connected" for s in streams) == engines:
             return
         time.sleep(0.1)
     raise KVEventsError(f"the router did not connect to {engines} streams within {timeout:g} s")

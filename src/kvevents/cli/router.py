@@ -62,7 +62,6 @@ import logging
 import os
 import socket
 import time
-from typing import cast
 
 import httpx
 
@@ -246,11 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser)
     parser.add_argument(
         "--http-server",
-        choices=("auto", *HTTP_SERVERS),
-        default="auto",
-        help="the HTTP server: granian, a Rust server driven through RSGI that answers "
-        "/route faster, or uvicorn (httptools, uvloop); auto: granian, unless it is not "
-        "installed or TLS is asked for (granian here serves plain HTTP only; README, Performance)",
+        choices=HTTP_SERVERS,
+        default="uvicorn",
+        help="the HTTP server: uvicorn (httptools, uvloop) or granian, a Rust server driven "
+        "through RSGI that answers /route faster but keeps a worse p99 while events are "
+        "applied (needs 'kvevents[granian]'; README, Performance)",
     )
     add_log_level(parser)
 
@@ -385,23 +384,8 @@ def _check(
     return router, specs, tokenizer
 
 
-def _http_server(args: argparse.Namespace) -> HttpServer:
-    """The server ``--http-server`` names; ``auto`` picks the faster one that can serve."""
-    if args.http_server != "auto":
-        return cast(HttpServer, args.http_server)
-    if args.ssl_certfile or args.ssl_keyfile:
-        return "uvicorn"
-    try:
-        require_granian()
-    except ConfigError as exc:
-        log.info("serving on uvicorn: %s", exc)
-        return "uvicorn"
-    return "granian"
-
-
 def run(args: argparse.Namespace) -> int:
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
-    args.http_server = _http_server(args)
     if args.http_server == "granian":
         require_granian()
     try:
