@@ -54,12 +54,13 @@ from kvevents.errors import ConfigError, KVEventsError
 from kvevents.granian_serving import require_granian
 from kvevents.http_serving import HTTP_SERVERS, HttpServer
 
-__all__ = ["run_router_bench"]
+__all__ = ["EVENTS_CONFIG_WITH_REPLAY", "run_router_bench"]
 
 _DP_SIZE = 4
 _BLOCK = 16
-# Replay on, so that each router started after the prompts were stored replays them all.
-_EVENTS_CONFIG = json.dumps(
+# Replay on, so that each router started after the prompts were stored replays them all
+# (the warm-start benchmark runs its engine the same way).
+EVENTS_CONFIG_WITH_REPLAY = json.dumps(
     {
         "publisher": "zmq",
         "endpoint": "tcp://127.0.0.1:0",
@@ -234,7 +235,7 @@ def run_router_bench(
         "engine",
         [
             *("--dp-size", str(_DP_SIZE), "--port", "0", "--max-blocks", "65536"),
-            *("--kv-events-config", _EVENTS_CONFIG),
+            *("--kv-events-config", EVENTS_CONFIG_WITH_REPLAY),
         ],
     )
     bares = {} if completions_only else {server: _bare_child(server) for server in servers}

@@ -32,7 +32,6 @@ Speed figures, so they are not asserted by tests; ``--quick`` runs a small index
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import random
 import statistics
 import threading
@@ -42,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from kvevents.bench.router import EVENTS_CONFIG_WITH_REPLAY
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 from kvevents.index.prefix_index import PrefixIndex
@@ -50,16 +50,6 @@ from kvevents.types import Holder
 __all__ = ["run_warm_start_bench"]
 
 _BLOCK = 16
-# With a replay endpoint, as the demo runs the engine: what the peer had not applied yet
-# when it answered comes back by replay.
-_EVENTS_CONFIG = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:0",
-        "replay_endpoint": "tcp://127.0.0.1:0",
-        "bind": True,
-    }
-)
 
 
 def _prompt(rng: random.Random, blocks: int) -> list[int]:
@@ -281,7 +271,7 @@ def run_warm_start_bench(
             "--port", "0", "--dp-size", str(dp_size), "--block-size", str(_BLOCK),
             "--max-blocks", str(per_rank), "--prefill-tokens-per-s", "1e12",
             "--decode-steps-per-s", "1e12", "--max-running", "256",
-            "--kv-events-config", _EVENTS_CONFIG,
+            "--kv-events-config", EVENTS_CONFIG_WITH_REPLAY,  # what the peer had not applied comes back by replay
         ],
     )  # fmt: skip
     peer_child = Child("router", ["--port", "0", "--workers", "1"])
