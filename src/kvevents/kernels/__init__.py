@@ -69,7 +69,8 @@ class Kernels:
         """The ids of a body that starts with a plain ``"input_ids"`` array, and the
         index of the ``,`` or ``}`` after it; None for any other body."""
         np = self._np
-        ids, end = self._parse(np.frombuffer(body, dtype=np.uint8), self._key)
+        # bytes() keeps the one type the kernel was compiled for (a no-op on bytes)
+        ids, end = self._parse(np.frombuffer(bytes(body), dtype=np.uint8), self._key)
         if end < 0:
             return None
         tokens = array("I")

@@ -6,7 +6,8 @@ with :func:`read_body` and the one ``--max-body-bytes`` limit. A body past the l
 :class:`BodyTooLarge` (answered 413 in the route's error shape): refused from
 ``Content-Length`` before a byte is read, and for a chunked body as soon as the running
 count passes the limit, so no more than the limit plus one chunk is ever held. The
-connection stays usable after the answer.
+connection stays usable after the answer (on granian the refused body is read to its
+end and dropped, as uvicorn does, since granian would otherwise close the connection).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 async def read_rsgi_body(scope: Any, proto: Any, limit: int) -> bytes:
     """:func:`read_body` on granian's RSGI interface (``kvevents router --http-server
     granian``), with the same checks and errors: ``Content-Length`` before a byte is
-    read, else a chunked body counted as it arrives."""
+    kept, else a chunked body counted as it arrives; a refused body is read on and
+    dropped (held no longer than one chunk), so the connection stays usable."""
     length = scope.headers.get("content-length")
     try:
         if length is not None:

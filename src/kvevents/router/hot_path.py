@@ -2,9 +2,12 @@
 
 Every routing request goes through here, so it avoids what a framework adds per request:
 no middleware stack, no request object, no dict built for the answer. A body is read
-(bounded: a ``Content-Length`` past the limit is refused before any byte is read, and a
-chunked body is counted as it arrives), decoded by a msgspec decoder built once, matched
-and scored by the in-process :class:`~kvevents.router.core.Router`, and answered with a
+(bounded: a ``Content-Length`` past the limit is refused before the body is kept, and a
+chunked body is counted as it arrives; on granian a refused body is then read to its
+end and dropped, as uvicorn does, so the connection stays usable), decoded once
+(:func:`~kvevents.router.token_body.decode_tokens_body`: the compiled kernels of
+:mod:`kvevents.kernels` when loaded, msgspec otherwise), matched and scored by the
+in-process :class:`~kvevents.router.core.Router`, and answered with a
 msgspec struct encoded by one reused encoder. Every other path, and the app's lifespan,
 go to the FastAPI app behind it (``/workers``, ``/metrics``, ``/docs``), where a framework
 costs nothing that matters, except ``POST /v1/completions`` and ``/v1/chat/completions``,
