@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvevents.errors import ConfigError
+from kvevents.http_auth import Message
 
 __all__ = ["AsgiOverRsgi", "GranianServer", "require_granian", "start_granian"]
 
-Message = MutableMapping[str, Any]
 AsgiApp = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
 
 _INSTALL_HINT = (

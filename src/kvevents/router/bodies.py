@@ -12,11 +12,11 @@ end and dropped, as uvicorn does, since granian would otherwise close the connec
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvevents.errors import KVEventsError
 from kvevents.granian_serving import drain
+from kvevents.http_auth import Message, Receive, Scope
 from kvevents.router.service import BadRequest
 
 __all__ = [
@@ -29,9 +29,6 @@ __all__ = [
     "read_body",
 ]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 """16 MiB: a 128k-token prompt as JSON ids is under 1 MiB; its text under 2 MiB."""

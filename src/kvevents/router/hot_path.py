@@ -53,12 +53,11 @@ import msgspec
 
 from kvevents.errors import RouterNotReadyError
 from kvevents.granian_serving import AsgiOverRsgi
-from kvevents.http_auth import ApiKey, send_unauthorized
+from kvevents.http_auth import ApiKey, ASGIApp, Send, send_unauthorized
 from kvevents.router.bodies import (
     DEFAULT_MAX_BODY_BYTES,
     BodyTooLarge,
     Disconnected,
-    Message,
     Receive,
     Scope,
     read_body,
@@ -87,9 +86,6 @@ __all__ = [
     "Scope",
     "Send",
 ]
-
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class Tiers(msgspec.Struct, gc=False):

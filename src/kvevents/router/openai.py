@@ -57,12 +57,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvevents.router.bodies import DEFAULT_MAX_BODY_BYTES, Receive, Scope
+from kvevents.http_auth import Receive, Scope, Send
+from kvevents.router.bodies import DEFAULT_MAX_BODY_BYTES
 from kvevents.router.openai_relay import (
     RANK_HEADER,
     OpenAIError,
     OpenAIRelay,
-    Send,
     decision_headers,
     prompts_of,
 )

@@ -28,17 +28,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
 import msgspec
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
+from kvevents.http_auth import Send
 from kvevents.router.bodies import (
     BodyTooLarge,
     Disconnected,
-    Message,
     Receive,
     Scope,
     read_body,
@@ -59,7 +59,6 @@ __all__ = [
     "prompts_of",
 ]
 
-Send = Callable[[Message], Awaitable[None]]
 
 RANK_HEADER = "X-data-parallel-rank"
 RELAYED: Mapping[str, bool] = {"/v1/completions": False, "/v1/chat/completions": True}
