@@ -164,3 +164,22 @@ def test_bad_key_and_tls_options_exit_2_naming_the_option(argv: list[str], messa
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "ready" not in result.stdout
+
+
+def test_every_client_of_a_process_shares_one_tls_context_per_bundle(tmp_path: Path) -> None:
+    """Credentials built apart hand out the same context for the same trust (a trust
+    store is loaded once per process), a different one for another bundle, and a bad
+    bundle still fails every time rather than being remembered as good."""
+    assert ClientCredentials().verify() is ClientCredentials(api_key="k").verify()
+    ca_path = tmp_path / "ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(ca_path))
+    own = ClientCredentials(ca_certs=str(ca_path)).verify()
+    assert own is ClientCredentials(ca_certs=str(ca_path)).verify()
+    assert own is not ClientCredentials().verify()
+    assert own.verify_mode.name == "CERT_REQUIRED" and own.check_hostname
+    missing = tmp_path / "later.pem"
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="--ssl-ca-certs"):
+            ClientCredentials(ca_certs=str(missing))
+    trustme.CA().cert_pem.write_to_path(str(missing))
+    assert ClientCredentials(ca_certs=str(missing)).verify() is not own

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
-from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
+
+if TYPE_CHECKING:  # FastAPI is imported when a document is built, not with this module
+    from fastapi import FastAPI
 
 __all__ = ["Body", "Operation", "Query", "document", "install"]
 
@@ -169,6 +170,8 @@ def document(app: FastAPI, operations: Sequence[Operation]) -> dict[str, Any]:
     FastAPI's own entries for those paths (which know no body) are replaced; its
     components are kept. ``ValueError`` when two operations share a method and path.
     """
+    from fastapi.openapi.utils import get_openapi
+
     seen = {(op.method, op.path) for op in operations}
     if len(seen) != len(operations):
         raise ValueError("two operations share a method and path")

@@ -35,6 +35,7 @@ import aiohttp
 import httpx
 import zmq
 
+from kvevents import kernels
 from kvevents.demo.procs import Child
 from kvevents.engine.cache import PrefixCache
 from kvevents.errors import KVEventsError
@@ -156,7 +157,7 @@ def _wait_connected(client: httpx.Client, engines: int, timeout: float = 60.0) -
         workers = client.get("/workers").json()
         streams = workers["streams"]
         # measured once the compiled kernels are in (or known off), not while they load
-        settled = workers["process"].get("kernels") != "loading"
+        settled = kernels.settled(workers["process"].get("kernels", "off:"))
         if settled and sum(s["status"] == "connected" for s in streams) == engines:
             return
         time.sleep(0.1)

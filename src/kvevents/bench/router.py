@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from kvevents import kernels
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
 from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
@@ -109,7 +110,7 @@ def _wait_indexed(router: str, blocks: int, timeout: float = 120.0) -> None:
             workers = client.get(f"{router}/workers").json()
             seen = workers["index"]["blocks"]
             # measured once the compiled kernels are in (or known off), not while they load
-            if seen >= blocks and workers["process"].get("kernels") != "loading":
+            if seen >= blocks and kernels.settled(workers["process"].get("kernels", "off:")):
                 return
             time.sleep(0.2)
     raise KVEventsError(f"the router indexed {seen} of {blocks} blocks within {timeout:g} s")

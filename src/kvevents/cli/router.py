@@ -440,8 +440,20 @@ async def serve(
         notes = service.peers = LoadNotes(service.router, sender, [service.sync])
         notes.start()
     try:
+
+        def announce(url: str) -> None:
+            print(READY_PREFIX + url, flush=True)
+            service.serving()
+
         return await serve_app(
-            app, host, port, READY_PREFIX, "router", tls=security.tls, server=http_server
+            app,
+            host,
+            port,
+            READY_PREFIX,
+            "router",
+            announce=announce,
+            tls=security.tls,
+            server=http_server,
         )
     finally:
         if notes is not None:

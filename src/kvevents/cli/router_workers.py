@@ -91,6 +91,11 @@ def _worker_main(
         )
         peers.start()
         service.peers = peers
+
+        def announce(url: str) -> None:
+            ready.send(url)
+            service.serving()
+
         try:
             app = create_app(
                 service,
@@ -105,7 +110,7 @@ def _worker_main(
                 "",
                 "router",
                 reuse_port=True,
-                announce=ready.send,
+                announce=announce,
                 tls=security.tls,
                 server=args.http_server,
             )

@@ -13,8 +13,8 @@ kernels do that work in one call each, without a Python object per token or per 
 
 Both are optional and only ever an acceleration: the answers are the same without them
 (``tests/test_kernels.py`` checks every block size and random bodies against the plain
-path). They are off until a process calls :func:`load` (the router does, in a thread
-at start, :func:`load_in_background`); importing numba costs about half a second and
+path). They are off until a process calls :func:`load` (the router does, in a thread,
+once its server accepts requests: :func:`will_load` marks the wait); importing numba costs about half a second and
 compiling both kernels a few seconds the first time on a machine (numba caches the
 machine code beside the modules, or in ``NUMBA_CACHE_DIR``). Engines and tools never
 load them. ``KVEVENTS_KERNELS=0`` keeps them off; so does a numba that cannot be
@@ -29,7 +29,7 @@ import sys
 import threading
 from array import array
 
-__all__ = ["Kernels", "load", "load_in_background", "loaded", "status"]
+__all__ = ["Kernels", "load", "loaded", "settled", "status", "will_load"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class Kernels:
 
 
 _kernels: Kernels | None = None
-_status = "off: not loaded in this process"
+_NOT_LOADED = "off: not loaded in this process"
+_status = _NOT_LOADED
 _lock = threading.Lock()
 
 
@@ -89,8 +90,22 @@ def loaded() -> Kernels | None:
 
 
 def status() -> str:
-    """``compiled``, ``loading``, or ``off: <why>`` (for /workers and /metrics)."""
+    """``compiled``, ``waiting`` (to load, see :func:`will_load`), ``loading``, or
+    ``off: <why>`` (for /workers and /metrics)."""
     return _status
+
+
+def settled(state: str) -> bool:
+    """Whether a :func:`status` is final: the kernels are in, or known off."""
+    return state == "compiled" or state.startswith("off:")
+
+
+def will_load() -> None:
+    """Say that this process will call :func:`load` soon (status ``waiting``)."""
+    global _status
+    with _lock:
+        if _kernels is None and _status == _NOT_LOADED:
+            _status = "waiting"
 
 
 def load() -> Kernels | None:
@@ -115,10 +130,3 @@ def load() -> Kernels | None:
             return None
         _kernels, _status = kernels, "compiled"
         return kernels
-
-
-def load_in_background() -> threading.Thread:
-    """:func:`load` in a daemon thread; requests take the plain path until it is done."""
-    thread = threading.Thread(target=load, name="kvevents-kernels", daemon=True)
-    thread.start()
-    return thread

@@ -8,10 +8,12 @@ end and dropped, as uvicorn does, so the connection stays usable), decoded once
 (:func:`~kvevents.router.token_body.decode_tokens_body`: the compiled kernels of
 :mod:`kvevents.kernels` when loaded, msgspec otherwise), matched and scored by the
 in-process :class:`~kvevents.router.core.Router`, and answered with a
-msgspec struct encoded by one reused encoder. Every other path, and the app's lifespan,
-go to the FastAPI app behind it (``/workers``, ``/metrics``, ``/docs``), where a framework
-costs nothing that matters, except ``POST /v1/completions`` and ``/v1/chat/completions``,
-which go to the OpenAI relay (:mod:`kvevents.router.openai_relay`) on both interfaces.
+msgspec struct encoded by one reused encoder. ``POST /v1/completions`` and
+``/v1/chat/completions`` go to the OpenAI relay (:mod:`kvevents.router.openai_relay`) on
+both interfaces; ``GET /workers`` and ``GET /health`` are answered here too
+(:mod:`kvevents.router.status`), so they need no framework. The app's lifespan starts
+and stops the service. Every other path goes to the app behind it (FastAPI:
+``/generate``, ``/metrics``, ``/docs``), where a framework costs nothing that matters.
 
 Answers (JSON):
 
@@ -41,11 +43,14 @@ fails, 401 without the ``--api-key`` (any path but the open ones). The connectio
 usable after every one of them.
 
 Over 300 lines: the answers' structs and the handlers that write them, on both server
-interfaces (ASGI and granian's RSGI), read together.
+interfaces (ASGI and granian's RSGI), and the lifespan, read together.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -74,6 +79,7 @@ from kvevents.router.service import (
     TokenizeFailed,
     TokensBody,
 )
+from kvevents.router.status import HEALTHY, workers_document
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -165,6 +171,12 @@ class ErrorAnswer(msgspec.Struct, gc=False):
 
 T = TypeVar("T")
 
+log = logging.getLogger("kvevents.router")
+
+PREPARE_AFTER_S = 2.0
+"""The longest the work deferred past start-up (``prepare``) waits for the server to say
+it is serving (an app embedded without :meth:`RouterService.serving`)."""
+
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _RSGI_JSON_HEADERS = [("content-type", "application/json")]
@@ -187,7 +199,11 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
 
 
 class HotPath:
-    """ASGI app: ``POST /route`` and ``POST /query`` here, everything else to ``fallback``."""
+    """ASGI app: the routes of the module docstring here, everything else to ``fallback``.
+
+    ``prepare``: work to do once the server accepts requests (the router builds its
+    deferred FastAPI app there), so that it does not delay start-up.
+    """
 
     def __init__(
         self,
@@ -197,6 +213,7 @@ class HotPath:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         api_key: ApiKey | None = None,
         open_paths: Iterable[str] = (),
+        prepare: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes={max_body_bytes}: must be a positive number")
@@ -212,9 +229,17 @@ class HotPath:
             "/route": self._route,
             "/query": self._query,
         }
+        self._reads: dict[str, Callable[[], bytes]] = {
+            "/workers": lambda: _ENCODER.encode(workers_document(self.service)),
+            "/health": lambda: _HEALTHY,
+        }
+        self._prepare = prepare
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # the lifespan
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
         path = scope["path"]
@@ -227,20 +252,46 @@ class HotPath:
             return
         handler = self._handlers.get(path)
         if handler is None or scope["method"] != "POST":
-            await self.fallback(scope, receive, send)
+            read = self._reads.get(path) if scope["method"] == "GET" else None
+            if read is None:
+                await self.fallback(scope, receive, send)
+            else:
+                await _send_json(send, 200, read())
             return
         answered = await self._answer(handler, read_body(scope, receive, self.max_body_bytes))
-        if answered is None:
-            return
-        status, answer = answered
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(answer))],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer})
+        if answered is not None:
+            await _send_json(send, *answered)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """ASGI lifespan: start the service, then the deferred work; stop it at shutdown."""
+        prepared: asyncio.Task[None] | None = None
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.service.start()
+                except Exception as exc:
+                    failed = f"{type(exc).__name__}: {exc}"
+                    await send({"type": "lifespan.startup.failed", "message": failed})
+                    raise
+                if self._prepare is not None:
+                    prepared = asyncio.create_task(self._prepare_once_serving(self._prepare))
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if prepared is not None:
+                    prepared.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await prepared
+                await self.service.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _prepare_once_serving(self, prepare: Callable[[], Awaitable[object]]) -> None:
+        await self.service.until_serving(PREPARE_AFTER_S)
+        try:
+            await prepare()
+        except Exception:  # the first request that needs it tries again, and says why
+            log.exception("preparing the router's deferred app failed")
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
         """The same app on granian's RSGI interface (:mod:`kvevents.granian_serving`).
@@ -349,3 +400,12 @@ def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody) ->
 
 def _error(message: str) -> bytes:
     return _ENCODER.encode(ErrorAnswer(message))
+
+
+_HEALTHY = _ENCODER.encode(HEALTHY)
+
+
+async def _send_json(send: Send, status: int, answer: bytes) -> None:
+    headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})

@@ -11,9 +11,9 @@ and it imports neither.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,12 +63,24 @@ class TokenizeFailed(KVEventsError):
         self.status = error.status
 
 
-async def _settle(loading: threading.Thread) -> None:
-    """Once the kernels have loaded (or failed to), move every object alive so far (the
-    imports, numba's compiler, the app) out of the garbage collector's sight
+KERNELS_AFTER_S = 2.0
+"""The longest the compiled kernels wait for the server to say it is serving (an app
+embedded without :meth:`RouterService.serving`) before they load anyway."""
+
+
+async def _load_kernels_once_serving(service: RouterService) -> None:
+    """Load the compiled kernels once the server accepts requests, then settle the heap.
+
+    Loading them (numba's import and its cache, about half a second of CPU, much of it
+    holding the GIL) would otherwise compete with start-up: the HTTP server's start and
+    a warm start's catch-up with the streams. Requests take the plain path meanwhile.
+    Once they have loaded (or failed to), every object alive so far (the imports,
+    numba's compiler, the app) moves out of the garbage collector's sight
     (``gc.freeze``): a full collection then walks only what requests and the index
-    create, instead of pausing the hot path for the 100,000-odd objects of start-up."""
-    await asyncio.to_thread(loading.join)
+    create, instead of pausing the hot path for the 100,000-odd objects of start-up.
+    """
+    await service.until_serving(KERNELS_AFTER_S)
+    await asyncio.to_thread(kernels.load)
     gc.collect()
     gc.freeze()
 
@@ -140,6 +152,7 @@ class RouterService:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        self._serving = asyncio.Event()
 
     def spec(self, worker: str) -> EngineSpec:
         """The engine a holder's worker name belongs to."""
@@ -176,10 +189,18 @@ class RouterService:
     def _stream_stats(self) -> dict[Holder, Any]:
         return {} if self.subscriber is None else dict(self.subscriber.stats())
 
+    def serving(self) -> None:
+        """Called by the server once it accepts requests: start-up's deferred work begins."""
+        self._serving.set()
+
+    async def until_serving(self, timeout: float) -> None:
+        """Return once :meth:`serving` has been called, or after ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._serving.wait(), timeout)
+
     async def start(self) -> None:
-        # The compiled request-keying kernels load beside serving: until they are ready
-        # (a fraction of a second from numba's cache), requests take the plain path.
-        self._tasks.append(asyncio.create_task(_settle(kernels.load_in_background())))
+        kernels.will_load()
+        self._tasks.append(asyncio.create_task(_load_kernels_once_serving(self)))
         # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
         # request never goes out on a connection the server is closing (a ReadError, 502).
         creds = self.engine_credentials
