@@ -27,8 +27,8 @@ from kvevents.engine.server import EngineInfo, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import plan_topology
 from kvevents.router import api_schema as router_api
-from kvevents.router.fastapi_app import create_fastapi_app
 from kvevents.router.core import Router
+from kvevents.router.fastapi_app import create_fastapi_app
 from kvevents.router.hot_path import HotPath
 from kvevents.router.service import RouterService
 
