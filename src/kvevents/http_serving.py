@@ -23,6 +23,7 @@ import uvicorn
 from kvevents.endpoints import WILDCARD_HOSTS
 from kvevents.errors import ConfigError, EndpointError
 from kvevents.http_auth import ServerTLS
+from kvevents.http_inline import protocol_for
 
 __all__ = [
     "HTTP_PARSER",
@@ -131,7 +132,7 @@ async def start_http(
         log_level="warning",
         access_log=False,
         lifespan=lifespan,
-        http=HTTP_PARSER,
+        http=protocol_for(app, HTTP_PARSER),
         server_header=False,
         date_header=False,
         # uvicorn annotates int, but only hands it to asyncio.wait_for, which takes float

@@ -2,7 +2,7 @@
 
 ``python -m kvevents.bench.bare_server --port 0`` serves one ASGI app on exactly the
 stack ``kvevents router`` uses (:func:`kvevents.http_serving.serve_app`: uvicorn, its
-httptools parser, uvloop) that reads a POST body, decodes it with the router's own
+httptools parser with the inline path, uvloop) that reads a POST body, decodes it with the router's own
 request decoder (:func:`~kvevents.router.token_body.decode_tokens_body`, with the
 compiled kernels loaded as the router loads them) and answers ``{"prompt_tokens": N}``:
 no keys, no index, no scoring. Whatever
@@ -41,7 +41,16 @@ def _answer(raw: bytes) -> tuple[int, bytes]:
 
 
 class _BareApp:
-    """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian)."""
+    """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian); on uvicorn
+    it answers inline as the router's hot path does (:mod:`kvevents.http_inline`)."""
+
+    inline_paths = frozenset({b"/route", b"/query"})
+    inline_limit = 1 << 30
+
+    def answer_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes] | None:
+        return _answer(body)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await bare_app(scope, receive, send)

@@ -80,6 +80,7 @@ from kvevents.router.service import (
     TokensBody,
 )
 from kvevents.router.status import HEALTHY, workers_document
+from kvevents.router.token_body import decode_tokens_body
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -234,6 +235,9 @@ class HotPath:
             "/health": lambda: _HEALTHY,
         }
         self._prepare = prepare
+        self.inline_paths = frozenset({b"/route", b"/query"})
+        """Answered from uvicorn's parser callbacks when they can be (:meth:`answer_inline`)."""
+        self.inline_limit = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -331,23 +335,37 @@ class HotPath:
             return 200, await handler(await body)
         except Disconnected:
             return None
-        except BadRequest as exc:
-            return 400, _error(str(exc))
-        except BodyTooLarge as exc:
-            return 413, _error(str(exc))
-        except TokenizeFailed as exc:
-            return exc.status, _error(str(exc))
-        except UnknownModelError as exc:
-            return 404, _error(str(exc))
-        except RecursionError:
-            return 400, _error("request body: JSON nested too deeply")
-        except UnicodeError as exc:
-            return 400, _error(f"request body: text is not valid Unicode: {exc}")
-        except RouterNotReadyError as exc:  # no engine rank yet; any other error is a 500
-            return 503, _error(str(exc))
+        except _REFUSALS as exc:
+            return _refusal(exc)
+
+    def answer_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes] | None:
+        """``/route`` or ``/query`` answered synchronously from uvicorn's parser callbacks
+        (:mod:`kvevents.http_inline`); None, so that the request is served as ASGI, when
+        the key is missing or wrong (the 401 is written there) or the body is text or a
+        chat (the tokenizer is asynchronous). Same answers as :meth:`__call__`."""
+        key = self.api_key
+        if key is not None and not key.matches(headers):
+            return None
+        try:
+            tokens, decoded = decode_tokens_body(body)
+            if tokens is None:
+                return None
+            if path == b"/route":
+                return 200, self._route_answer(tokens, decoded)
+            return 200, self._query_answer(tokens, decoded)
+        except _REFUSALS as exc:
+            return _refusal(exc)
+        except Exception:  # any other error is a 500, as the ASGI side answers it
+            log.exception("the router failed answering %s", path.decode("latin-1"))
+            return 500, _error("internal error: see the router's log")
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
+        return self._query_answer(tokens, body)
+
+    def _query_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
         matches, predicted = _keyed(router.query_predicted, tokens, body)
         get = predicted.get
@@ -373,6 +391,9 @@ class HotPath:
 
     async def _route(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)
+        return self._route_answer(tokens, body)
+
+    def _route_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
         decision = _keyed(router.route, tokens, body)
         if body.record:
@@ -400,6 +421,35 @@ def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody) ->
 
 def _error(message: str) -> bytes:
     return _ENCODER.encode(ErrorAnswer(message))
+
+
+_REFUSALS = (
+    BadRequest,
+    BodyTooLarge,
+    TokenizeFailed,
+    UnknownModelError,
+    RecursionError,
+    UnicodeError,
+    RouterNotReadyError,
+)
+"""What a hot-path request can be refused for; any other error is a 500."""
+
+
+def _refusal(exc: BaseException) -> tuple[int, bytes]:
+    """The status and ``{"error"}`` answer for one of :data:`_REFUSALS`."""
+    if isinstance(exc, BadRequest):
+        return 400, _error(str(exc))
+    if isinstance(exc, BodyTooLarge):
+        return 413, _error(str(exc))
+    if isinstance(exc, TokenizeFailed):
+        return exc.status, _error(str(exc))
+    if isinstance(exc, UnknownModelError):
+        return 404, _error(str(exc))
+    if isinstance(exc, RecursionError):
+        return 400, _error("request body: JSON nested too deeply")
+    if isinstance(exc, UnicodeError):
+        return 400, _error(f"request body: text is not valid Unicode: {exc}")
+    return 503, _error(str(exc))  # RouterNotReadyError: no engine rank yet
 
 
 _HEALTHY = _ENCODER.encode(HEALTHY)

@@ -1,0 +1,171 @@
+"""uvicorn's httptools protocol with an inline path: small POSTs answered without ASGI.
+
+uvicorn serves every request as an ASGI cycle: a scope dict, a cycle object, an
+asyncio task, and two writes (the head, then the body), with each header checked
+against two regular expressions on the way out. For the router's ``/route`` and
+``/query`` that machinery cost more CPU than the routing (measured with the router
+benchmark: about 50 us of 170 us per request on the bare server). An app that offers an
+inline answer (:class:`InlineApp`) gets it called straight from the parser's callbacks
+instead: the body is collected as it arrives, the answer computed synchronously and
+written, head and body, in one ``transport.write``. Everything else about the
+connection is uvicorn's own: keep-alive and its timeout, graceful shutdown, TLS, the
+400 for an unparsable request.
+
+A request goes inline only when all of these hold, checked when its headers are in:
+the method is POST; its path is one of the app's :attr:`InlineApp.inline_paths`; no
+earlier request on the connection is still being answered (pipelined requests keep
+their order); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``;
+and its ``Content-Length`` is within :attr:`InlineApp.inline_limit`. When the app's
+:meth:`InlineApp.answer_inline` then returns None (a body it cannot answer
+synchronously, such as text to tokenize, or a missing API key), the request becomes an
+ordinary ASGI cycle with the body already read, so every request is answered by the
+app, one way or the other, exactly once.
+
+:func:`protocol_for` picks the protocol class for uvicorn's ``http`` option: this one
+when the app is an :class:`InlineApp`, uvicorn's own otherwise, and uvicorn's own too if
+its protocol does not have the members this subclass relies on (another uvicorn
+version), or ``KVEVENTS_INLINE_HTTP=0`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["InlineApp", "protocol_for"]
+
+log = logging.getLogger(__name__)
+
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    404: b"Not Found",
+    413: b"Content Too Large",
+    500: b"Internal Server Error",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+}
+
+
+@runtime_checkable
+class InlineApp(Protocol):
+    """An ASGI app that can answer some POSTs synchronously from their body."""
+
+    inline_paths: frozenset[bytes]
+    """Raw request paths (no query string) worth trying inline."""
+    inline_limit: int
+    """The largest ``Content-Length`` taken inline; bigger bodies go the ASGI way (and its
+    limit answers them)."""
+
+    def answer_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes] | None:
+        """Status and JSON answer, or None to have the request served as ASGI instead.
+
+        ``headers`` are the request's, names lowercased. Must not raise (an exception
+        closes the connection as a protocol error would).
+        """
+        ...
+
+
+def _subclass() -> type[Any] | None:
+    """The inline protocol class, or None when uvicorn's protocol cannot carry it."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools is a dependency
+        return None
+    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+    if not all(hasattr(HttpToolsProtocol, name) for name in needed):  # pragma: no cover
+        log.warning("this uvicorn's httptools protocol lacks %s: no inline path", needed)
+        return None
+
+    class InlineHttpToolsProtocol(HttpToolsProtocol):
+        """uvicorn's protocol, with the inline path of the module docstring."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            app = self.config.app
+            self._inline_app: InlineApp | None = app if isinstance(app, InlineApp) else None
+            self._inline_path: bytes | None = None
+            self._inline_body: list[bytes] = []
+
+        def on_headers_complete(self) -> None:
+            path = self._inline_candidate()
+            if path is None:
+                super().on_headers_complete()
+                return
+            self._inline_path = path
+            self._inline_body = []
+
+        def _inline_candidate(self) -> bytes | None:
+            app = self._inline_app
+            if app is None or self.parser.get_method() != b"POST" or self.expect_100_continue:
+                return None
+            if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
+                return None
+            path = self.url.partition(b"?")[0]
+            if path not in app.inline_paths:
+                return None
+            length = 0
+            for name, value in self.headers:
+                if name == b"transfer-encoding":
+                    return None
+                if name == b"content-length":
+                    if not value.isdigit():
+                        return None
+                    length = int(value)
+            return path if length <= app.inline_limit else None
+
+        def on_body(self, body: bytes) -> None:
+            if self._inline_path is None:
+                super().on_body(body)
+            else:
+                self._inline_body.append(body)
+
+        def on_message_complete(self) -> None:
+            path = self._inline_path
+            if path is None:
+                super().on_message_complete()
+                return
+            self._inline_path = None
+            body = b"".join(self._inline_body)
+            self._inline_body = []
+            app = self._inline_app
+            assert app is not None
+            answered = app.answer_inline(path, self.headers, body)
+            if answered is None:  # the app's ASGI side answers it, body already read
+                super().on_headers_complete()
+                self.cycle.body += body
+                self.cycle.more_body = False
+                self.cycle.message_event.set()
+                return
+            status, answer = answered
+            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+                status,
+                _REASONS.get(status, b""),
+                len(answer),
+            )
+            if keep_alive:
+                self.transport.write(head + b"\r\n" + answer)
+                self.on_response_complete()  # uvicorn's keep-alive timer and pipelining
+            else:
+                self.transport.write(head + b"connection: close\r\n\r\n" + answer)
+                self.transport.close()
+
+    return InlineHttpToolsProtocol
+
+
+_INLINE: type[Any] | bool | None = False  # False: not built yet
+
+
+def protocol_for(app: object, default: Any) -> Any:
+    """uvicorn's ``http`` option for ``app``: the inline protocol class, or ``default``."""
+    global _INLINE
+    if not isinstance(app, InlineApp) or os.environ.get("KVEVENTS_INLINE_HTTP", "1") == "0":
+        return default
+    if _INLINE is False:
+        _INLINE = _subclass()
+    return default if _INLINE is None else _INLINE

@@ -1,0 +1,259 @@
+"""The inline path on uvicorn answers exactly as the ASGI path, and only where it may.
+
+Two real uvicorn servers on loopback serve one router: one through the inline protocol
+(:mod:`kvevents.http_inline`), one through uvicorn's own (the same app behind a plain
+ASGI function, which offers no inline answer). Raw sockets check what a client library
+would hide: pipelining order, HTTP/1.0, chunked bodies, ``Expect: 100-continue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
+
+import httpx
+import pytest
+
+from kvevents import Holder, Router
+from kvevents.http_auth import ApiKey
+from kvevents.http_inline import InlineApp, protocol_for
+from kvevents.http_serving import bind_http, start_http
+from kvevents.router.app import create_app
+from kvevents.router.hot_path import HotPath
+from kvevents.router.service import RouterService
+from kvevents.wire.hashing import content_keys
+
+LIMIT = 4096
+PROMPT = list(range(1000, 1064))
+KEY = "test-key-inline"
+
+
+class _Counting(HotPath):
+    """The router's hot path, counting the requests it answered inline."""
+
+    inline_answers = 0
+
+    def answer_inline(self, *args: Any) -> tuple[int, bytes] | None:
+        answered = super().answer_inline(*args)
+        if answered is not None:
+            type(self).inline_answers += 1
+        return answered
+
+
+def _router() -> Router:
+    router = Router(block_size=16)
+    for rank in range(2):
+        router.add_holder(Holder("http://engine", rank))
+    router.index.store_keys(Holder("http://engine", 1), content_keys(PROMPT, 16))
+    router.index.store_keys(Holder("http://engine", 0), content_keys(PROMPT[:32], 16))
+    return router
+
+
+async def _serve(app: Any, lifespan: Literal["on", "off"]) -> tuple[str, Any, Any]:
+    sock = bind_http("127.0.0.1", 0, "test server")
+    server, task = await start_http(app, sock, lifespan=lifespan)
+    return f"127.0.0.1:{sock.getsockname()[1]}", server, task
+
+
+class _Servers:
+    def __init__(self, inline: str, plain: str) -> None:
+        self.inline, self.plain = inline, plain
+
+
+async def _with_servers(check: Callable[[_Servers], Awaitable[None]]) -> None:
+    """Run ``check`` against an inline and a plain server over one router service."""
+    service = RouterService(_router(), [])
+    built = create_app(service, max_body_bytes=LIMIT, api_key=ApiKey(KEY))
+    hot = _Counting(
+        service,
+        built.fallback,
+        max_body_bytes=LIMIT,
+        api_key=ApiKey(KEY),
+        open_paths=built.open_paths,
+    )
+    assert isinstance(hot, InlineApp) and protocol_for(hot, "httptools") != "httptools"
+
+    async def plain(scope: Any, receive: Any, send: Any) -> None:  # no inline answer
+        await hot(scope, receive, send)
+
+    assert protocol_for(plain, "httptools") == "httptools"
+    inline_at, s1, t1 = await _serve(hot, "on")  # the service starts and stops once
+    plain_at, s2, t2 = await _serve(plain, "off")
+    try:
+        await check(_Servers(inline_at, plain_at))
+    finally:
+        s1.should_exit = s2.should_exit = True
+        await asyncio.wait_for(asyncio.gather(t1, t2), 20.0)
+
+
+def _run(check: Callable[[_Servers], Awaitable[None]]) -> None:
+    asyncio.run(_with_servers(check))
+
+
+_AUTH = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+
+_BODIES: Sequence[bytes] = (
+    json.dumps({"input_ids": PROMPT}).encode(),
+    json.dumps({"input_ids": PROMPT[:40], "top": 1}).encode(),
+    json.dumps({"input_ids": PROMPT, "all_scores": True}).encode(),
+    json.dumps({"text": "some text to tokenize, byte by byte"}).encode(),  # async: ASGI
+    b'{"input_ids": [1, 2, 3, 4.5]}',
+    b'{"input_ids": "nope"}',
+    b"[1, 2]",
+    b"{not json",
+    b"",
+    b'{"input_ids": [1], "model": "no-such-model"}',
+    b'{"input_ids": [1], "extra_keys": [[1, 2, 3]]}',
+    b"[" * 300 + b"]" * 300,
+    b'{"input_ids": [' + b"7, " * 2000 + b"7]}",  # over LIMIT: 413
+)
+
+
+def test_inline_answers_equal_the_asgi_answers() -> None:
+    """Every body, good or refused, on /route and /query: the same status and JSON from
+    both servers, and the inline server answered the plain-id ones inline."""
+
+    async def check(servers: _Servers) -> None:
+        before = _Counting.inline_answers
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            for path in ("/route", "/query"):
+                for body in _BODIES:
+                    ours, theirs = [
+                        await client.post(f"http://{at}{path}", content=body, headers=_AUTH)
+                        for at in (servers.inline, servers.plain)
+                    ]
+                    assert ours.status_code == theirs.status_code, (path, body[:60])
+                    assert ours.json() == theirs.json(), (path, body[:60])
+                    assert ours.headers["content-type"] == "application/json"
+            route = await client.post(
+                f"http://{servers.inline}/route", content=_BODIES[0], headers=_AUTH
+            )
+            assert route.json()["dp_rank"] == 1 and route.json()["scores"][0]["matched"]["gpu"] == 4
+        # the plain-id bodies (and the refusals decoded on the way) went inline; text did not
+        assert _Counting.inline_answers - before >= 2 * 8
+
+    _run(check)
+
+
+def test_without_the_key_the_inline_server_refuses_as_asgi() -> None:
+    """A missing or wrong key is not answered inline: the ASGI side's 401 is the answer."""
+
+    async def check(servers: _Servers) -> None:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            for at in (servers.inline, servers.plain):
+                missing = await client.post(f"http://{at}/route", content=_BODIES[0])
+                wrong = await client.post(
+                    f"http://{at}/route", content=_BODIES[0], headers={"authorization": "Bearer x"}
+                )
+                assert (missing.status_code, wrong.status_code) == (401, 401)
+                assert missing.headers["www-authenticate"].startswith("Bearer")
+
+    _run(check)
+
+
+def _raw(at: str, data: bytes, *, answers: int) -> list[bytes]:
+    """Send ``data`` on one connection; read ``answers`` responses (Content-Length framed)."""
+    host, port = at.split(":")
+    with socket.create_connection((host, int(port)), timeout=10.0) as sock:
+        sock.sendall(data)
+        buffer, out = b"", []
+        while len(out) < answers:
+            while b"\r\n\r\n" not in buffer:
+                chunk = sock.recv(65536)
+                assert chunk, f"connection closed after {len(out)} answers: {buffer!r}"
+                buffer += chunk
+            head, _, buffer = buffer.partition(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100 "):  # an interim answer: the real one follows
+                continue
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(buffer) < length:
+                chunk = sock.recv(65536)
+                assert chunk, "connection closed mid-body"
+                buffer += chunk
+            out.append(head + b"\r\n\r\n" + buffer[:length])
+            buffer = buffer[length:]
+        if b"connection: close" in out[-1].lower():
+            assert sock.recv(1) == b"", "the server kept a closing connection open"
+        return out
+
+
+def _post(path: bytes, body: bytes, *extra: bytes, version: bytes = b"1.1") -> bytes:
+    head = [b"POST " + path + b" HTTP/" + version, b"host: test", _AUTH_LINE]
+    head += [b"content-length: %d" % len(body), *extra]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+_AUTH_LINE = b"authorization: Bearer " + KEY.encode()
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def _body(answer: bytes) -> Any:
+    return json.loads(answer.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("which", ["inline", "plain"])
+def test_pipelined_requests_keep_their_order(which: str) -> None:
+    """Inline, ASGI-only and inline again, in one write: three answers, in order."""
+
+    async def check(servers: _Servers) -> None:
+        at = getattr(servers, which)
+        text = json.dumps({"text": "tokenized the slow way"}).encode()
+        data = (
+            _post(b"/route", _BODIES[0])
+            + _post(b"/query", text)
+            + b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+            + _post(b"/query", _BODIES[1])
+        )
+        answers = await asyncio.to_thread(_raw, at, data, answers=4)
+        assert [_status(a) for a in answers] == [200, 200, 200, 200]
+        assert _body(answers[0])["dp_rank"] == 1
+        assert _body(answers[1])["prompt_tokens"] == len("tokenized the slow way")
+        assert _body(answers[2]) == {"status": "ok"}
+        assert len(_body(answers[3])["matches"]) == 2
+
+    _run(check)
+
+
+@pytest.mark.parametrize("which", ["inline", "plain"])
+def test_http_10_chunked_and_100_continue_are_served(which: str) -> None:
+
+    async def check(servers: _Servers) -> None:
+        at = getattr(servers, which)
+        body = _BODIES[0]
+        old = await asyncio.to_thread(_raw, at, _post(b"/route", body, version=b"1.0"), answers=1)
+        assert _status(old[0]) == 200 and b"connection: close" in old[0].lower()
+        chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        chunked = (
+            b"POST /route HTTP/1.1\r\nhost: test\r\n" + _AUTH_LINE + b"\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + chunks
+        )
+        answered = await asyncio.to_thread(_raw, at, chunked, answers=1)
+        assert _status(answered[0]) == 200 and _body(answered[0])["dp_rank"] == 1
+        expect = _post(b"/query", body, b"expect: 100-continue")
+        answers = await asyncio.to_thread(_raw, at, expect, answers=1)
+        assert _status(answers[0]) == 200 and len(_body(answers[0])["matches"]) == 2
+
+    _run(check)
+
+
+def test_a_connection_stays_usable_after_refusals() -> None:
+    """Good, refused (400, 413) and good again on one kept-alive connection, inline."""
+
+    async def check(servers: _Servers) -> None:
+        data = b"".join(
+            _post(b"/route", body) for body in (_BODIES[0], b"{not json", _BODIES[-1], _BODIES[1])
+        )
+        answers = await asyncio.to_thread(_raw, servers.inline, data, answers=4)
+        assert [_status(a) for a in answers] == [200, 400, 413, 200]
+
+    _run(check)
