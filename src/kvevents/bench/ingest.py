@@ -35,7 +35,6 @@ import aiohttp
 import httpx
 import zmq
 
-from kvevents import kernels
 from kvevents.demo.procs import Child
 from kvevents.engine.cache import PrefixCache
 from kvevents.errors import KVEventsError
@@ -156,8 +155,8 @@ def _wait_connected(client: httpx.Client, engines: int, timeout: float = 60.0) -
     while time.monotonic() < deadline:
         workers = client.get("/workers").json()
         streams = workers["streams"]
-        # measured once the compiled kernels are in (or known off), not while they load
-        settled = kernels.settled(workers["process"].get("kernels", "off:"))
+        # measured once start-up has settled (kernels in or known off, heap frozen)
+        settled = workers["process"].get("settled", True)
         if settled and sum(s["status"] == "connected" for s in streams) == engines:
             return
         time.sleep(0.1)

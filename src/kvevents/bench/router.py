@@ -46,7 +46,6 @@ from typing import Any
 
 import httpx
 
-from kvevents import kernels
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
 from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
@@ -109,8 +108,8 @@ def _wait_indexed(router: str, blocks: int, timeout: float = 120.0) -> None:
         while time.monotonic() < deadline:
             workers = client.get(f"{router}/workers").json()
             seen = workers["index"]["blocks"]
-            # measured once the compiled kernels are in (or known off), not while they load
-            if seen >= blocks and kernels.settled(workers["process"].get("kernels", "off:")):
+            # measured once start-up has settled (kernels in or known off, heap frozen)
+            if seen >= blocks and workers["process"].get("settled", True):
                 return
             time.sleep(0.2)
     raise KVEventsError(f"the router indexed {seen} of {blocks} blocks within {timeout:g} s")

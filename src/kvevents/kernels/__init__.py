@@ -29,7 +29,7 @@ import sys
 import threading
 from array import array
 
-__all__ = ["Kernels", "load", "loaded", "settled", "status", "will_load"]
+__all__ = ["Kernels", "load", "loaded", "status", "will_load"]
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,6 @@ def status() -> str:
     """``compiled``, ``waiting`` (to load, see :func:`will_load`), ``loading``, or
     ``off: <why>`` (for /workers and /metrics)."""
     return _status
-
-
-def settled(state: str) -> bool:
-    """Whether a :func:`status` is final: the kernels are in, or known off."""
-    return state == "compiled" or state.startswith("off:")
 
 
 def will_load() -> None:

@@ -48,8 +48,6 @@ interfaces (ASGI and granian's RSGI), and the lifespan, read together.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -174,10 +172,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("kvevents.router")
 
-PREPARE_AFTER_S = 2.0
-"""The longest the work deferred past start-up (``prepare``) waits for the server to say
-it is serving (an app embedded without :meth:`RouterService.serving`)."""
-
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _RSGI_JSON_HEADERS = [("content-type", "application/json")]
@@ -203,7 +197,8 @@ class HotPath:
     """ASGI app: the routes of the module docstring here, everything else to ``fallback``.
 
     ``prepare``: work to do once the server accepts requests (the router builds its
-    deferred FastAPI app there), so that it does not delay start-up.
+    deferred FastAPI app there), so that it does not delay start-up
+    (:meth:`RouterService.defer`).
     """
 
     def __init__(
@@ -234,7 +229,8 @@ class HotPath:
             "/workers": lambda: _ENCODER.encode(workers_document(self.service)),
             "/health": lambda: _HEALTHY,
         }
-        self._prepare = prepare
+        if prepare is not None:
+            service.defer(prepare)
         self.inline_paths = frozenset({b"/route", b"/query"})
         """Answered from uvicorn's parser callbacks when they can be (:meth:`answer_inline`)."""
         self.inline_limit = max_body_bytes
@@ -268,7 +264,6 @@ class HotPath:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         """ASGI lifespan: start the service, then the deferred work; stop it at shutdown."""
-        prepared: asyncio.Task[None] | None = None
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
@@ -278,24 +273,11 @@ class HotPath:
                     failed = f"{type(exc).__name__}: {exc}"
                     await send({"type": "lifespan.startup.failed", "message": failed})
                     raise
-                if self._prepare is not None:
-                    prepared = asyncio.create_task(self._prepare_once_serving(self._prepare))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if prepared is not None:
-                    prepared.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await prepared
                 await self.service.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    async def _prepare_once_serving(self, prepare: Callable[[], Awaitable[object]]) -> None:
-        await self.service.until_serving(PREPARE_AFTER_S)
-        try:
-            await prepare()
-        except Exception:  # the first request that needs it tries again, and says why
-            log.exception("preparing the router's deferred app failed")
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
         """The same app on granian's RSGI interface (:mod:`kvevents.granian_serving`).

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -54,6 +55,8 @@ __all__ = [
     "TokensBody",
 ]
 
+log = logging.getLogger("kvevents.router")
+
 
 class TokenizeFailed(KVEventsError):
     """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
@@ -63,26 +66,35 @@ class TokenizeFailed(KVEventsError):
         self.status = error.status
 
 
-KERNELS_AFTER_S = 2.0
-"""The longest the compiled kernels wait for the server to say it is serving (an app
-embedded without :meth:`RouterService.serving`) before they load anyway."""
+DEFERRED_AFTER_S = 2.0
+"""The longest the work deferred past start-up waits for the server to say it is
+serving (an app embedded without :meth:`RouterService.serving`) before it runs anyway."""
 
 
-async def _load_kernels_once_serving(service: RouterService) -> None:
-    """Load the compiled kernels once the server accepts requests, then settle the heap.
+async def _run_deferred(
+    service: RouterService, work: list[Callable[[], Awaitable[object]]]
+) -> None:
+    """Start-up's deferred work, once the server accepts requests; then settle the heap.
 
-    Loading them (numba's import and its cache, about half a second of CPU, much of it
-    holding the GIL) would otherwise compete with start-up: the HTTP server's start and
-    a warm start's catch-up with the streams. Requests take the plain path meanwhile.
-    Once they have loaded (or failed to), every object alive so far (the imports,
-    numba's compiler, the app) moves out of the garbage collector's sight
+    The compiled kernels load first (numba's import and its cache, about half a second
+    of CPU, much of it holding the GIL), then whatever was deferred with
+    :meth:`RouterService.defer` (the router's FastAPI app). Done at start, that work
+    would compete with the HTTP server's start and a warm start's catch-up with the
+    streams; requests take the plain path meanwhile. Then every object alive so far
+    (the imports, numba's compiler, the app) moves out of the garbage collector's sight
     (``gc.freeze``): a full collection then walks only what requests and the index
     create, instead of pausing the hot path for the 100,000-odd objects of start-up.
     """
-    await service.until_serving(KERNELS_AFTER_S)
+    await service.until_serving(DEFERRED_AFTER_S)
     await asyncio.to_thread(kernels.load)
+    for item in work:
+        try:
+            await item()
+        except Exception:  # the first request that needs it tries again, and says why
+            log.exception("work deferred past the router's start-up failed")
     gc.collect()
     gc.freeze()
+    service.settled = True
 
 
 class RouterService:
@@ -153,6 +165,9 @@ class RouterService:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._serving = asyncio.Event()
+        self._deferred: list[Callable[[], Awaitable[object]]] = []
+        self.settled = False
+        """True once start-up's deferred work is done and the heap frozen (``/workers``)."""
 
     def spec(self, worker: str) -> EngineSpec:
         """The engine a holder's worker name belongs to."""
@@ -184,6 +199,7 @@ class RouterService:
             "notes": None if peers is None else peers.summary(),
             "sync": None if self.sync is None else self.sync.status(),
             "kernels": kernels.status(),
+            "settled": self.settled,
         }
 
     def _stream_stats(self) -> dict[Holder, Any]:
@@ -193,6 +209,10 @@ class RouterService:
         """Called by the server once it accepts requests: start-up's deferred work begins."""
         self._serving.set()
 
+    def defer(self, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` once the server serves, after the kernels load (see :meth:`start`)."""
+        self._deferred.append(work)
+
     async def until_serving(self, timeout: float) -> None:
         """Return once :meth:`serving` has been called, or after ``timeout`` seconds."""
         with contextlib.suppress(TimeoutError):
@@ -200,7 +220,7 @@ class RouterService:
 
     async def start(self) -> None:
         kernels.will_load()
-        self._tasks.append(asyncio.create_task(_load_kernels_once_serving(self)))
+        self._tasks.append(asyncio.create_task(_run_deferred(self, self._deferred)))
         # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
         # request never goes out on a connection the server is closing (a ReadError, 502).
         creds = self.engine_credentials
