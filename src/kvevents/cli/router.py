@@ -52,6 +52,9 @@ header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` ver
 
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
+
+Over 300 lines: the command's options, the checks between them and the service they
+build are one list a user reads top to bottom (``kvevents router --help`` follows it).
 """
 
 from __future__ import annotations

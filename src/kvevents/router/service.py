@@ -5,7 +5,11 @@ follows every engine's streams into its index, the engine pollers, the tokenizer
 one long-lived HTTP client for the engines, which sends the router's own engine key
 (``--engine-api-key``) on every request and never a client's. The routes that answer over HTTP are
 :mod:`kvevents.router.app` and :mod:`kvevents.router.openai`; both import this module,
-and it imports neither.
+and it imports neither. It also runs start-up's deferred work once the server serves
+(:meth:`RouterService.defer`: the compiled kernels, then the FastAPI app).
+
+Just over 300 lines: the service's start, stop and deferred work are one lifecycle,
+read together.
 """
 
 from __future__ import annotations
