@@ -257,3 +257,56 @@ def test_a_connection_stays_usable_after_refusals() -> None:
         assert [_status(a) for a in answers] == [200, 400, 413, 200]
 
     _run(check)
+
+
+class _BuggyRouter(Router):
+    """A router whose decision code has a bug (a plain ValueError, not a refusal)."""
+
+    def route_batch(self, prompts: Any, **kwargs: Any) -> Any:
+        raise KeyError("an internal bug")
+
+
+def test_an_unexpected_error_inline_is_a_json_500_and_the_connection_stays(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> None:
+        router = _BuggyRouter(block_size=16)
+        router.add_holder(Holder("http://engine", 0))
+        at, server, task = await _serve(create_app(RouterService(router, [])), "on")
+        try:
+            data = _post(b"/route", _BODIES[0]) + _post(b"/query", _BODIES[0])
+            answers = await asyncio.to_thread(_raw, at, data, answers=2)
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+        assert _status(answers[0]) == 500
+        assert _body(answers[0]) == {"error": "internal error: see the router's log"}
+        assert _status(answers[1]) == 200  # /query does not route: the same connection
+        assert "the router failed answering /route" in caplog.text
+
+    asyncio.run(go())
+
+
+def test_a_request_arriving_during_shutdown_is_answered_then_closed() -> None:
+    """uvicorn's graceful shutdown closes idle connections; one whose inline request's
+    body is still arriving gets its answer first, with ``connection: close``."""
+
+    async def go() -> None:
+        at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
+        host, port = at.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        whole = _post(b"/route", _BODIES[0])
+        writer.write(whole[:-100])
+        await writer.drain()
+        await asyncio.sleep(0.3)  # the head and most of the body are in
+        server.should_exit = True
+        await asyncio.sleep(0.5)  # the server is shutting down, its connections told
+        writer.write(whole[-100:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10.0)  # to EOF: the server closes
+        writer.close()
+        await asyncio.wait_for(task, 20.0)
+        assert _status(answer) == 200 and b"connection: close" in answer.lower()
+        assert _body(answer)["dp_rank"] == 1
+
+    asyncio.run(go())

@@ -8,13 +8,15 @@ benchmark: about 50 us of 170 us per request on the bare server). An app that of
 inline answer (:class:`InlineApp`) gets it called straight from the parser's callbacks
 instead: the body is collected as it arrives, the answer computed synchronously and
 written, head and body, in one ``transport.write``. Everything else about the
-connection is uvicorn's own: keep-alive and its timeout, graceful shutdown, TLS, the
-400 for an unparsable request.
+connection is uvicorn's own: keep-alive and its timeout, graceful shutdown (a request
+whose body is still arriving is answered, then the connection closes), TLS, the 400
+for an unparsable request.
 
 A request goes inline only when all of these hold, checked when its headers are in:
 the method is POST; its path is one of the app's :attr:`InlineApp.inline_paths`; no
 earlier request on the connection is still being answered (pipelined requests keep
-their order); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``;
+their order) and the client is reading its answers (uvicorn's back-pressure applies
+otherwise); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``;
 and its ``Content-Length`` is within :attr:`InlineApp.inline_limit`. When the app's
 :meth:`InlineApp.answer_inline` then returns None (a body it cannot answer
 synchronously, such as text to tokenize, or a missing API key), the request becomes an
@@ -90,6 +92,7 @@ def _subclass() -> type[Any] | None:
             self._inline_app: InlineApp | None = app if isinstance(app, InlineApp) else None
             self._inline_path: bytes | None = None
             self._inline_body: list[bytes] = []
+            self._close_after = False
 
         def on_headers_complete(self) -> None:
             path = self._inline_candidate()
@@ -105,6 +108,8 @@ def _subclass() -> type[Any] | None:
                 return None
             if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
                 return None
+            if self.flow.write_paused:  # a client not reading: uvicorn's back-pressure
+                return None
             path = self.url.partition(b"?")[0]
             if path not in app.inline_paths:
                 return None
@@ -117,6 +122,12 @@ def _subclass() -> type[Any] | None:
                         return None
                     length = int(value)
             return path if length <= app.inline_limit else None
+
+        def shutdown(self) -> None:
+            if self._inline_path is None:
+                super().shutdown()
+            else:  # a request whose body is still arriving: answer it, then close
+                self._close_after = True
 
         def on_body(self, body: bytes) -> None:
             if self._inline_path is None:
@@ -142,7 +153,11 @@ def _subclass() -> type[Any] | None:
                 self.cycle.message_event.set()
                 return
             status, answer = answered
-            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            keep_alive = (
+                not self._close_after
+                and self.parser.get_http_version() != "1.0"
+                and self.parser.should_keep_alive()
+            )
             head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
                 status,
                 _REASONS.get(status, b""),

@@ -326,7 +326,9 @@ class HotPath:
         """``/route`` or ``/query`` answered synchronously from uvicorn's parser callbacks
         (:mod:`kvevents.http_inline`); None, so that the request is served as ASGI, when
         the key is missing or wrong (the 401 is written there) or the body is text or a
-        chat (the tokenizer is asynchronous). Same answers as :meth:`__call__`."""
+        chat (the tokenizer is asynchronous). Same answers as :meth:`__call__`, except
+        that an unexpected error is a JSON 500 (the error is logged) and the connection
+        stays open, where uvicorn answers a plain-text 500."""
         key = self.api_key
         if key is not None and not key.matches(headers):
             return None

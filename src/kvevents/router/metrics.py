@@ -301,7 +301,8 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         info = self.process()
         labels = ["index", "workers", "pid", "kernels"]
-        kernels = str(info.get("kernels", "off")).split(":", 1)[0]  # compiled, waiting, loading, off
+        # compiled, waiting, loading or off (its reason is in /workers)
+        kernels = str(info.get("kernels", "off")).split(":", 1)[0]
         values = [str(info["index"]), str(info["workers"]), str(info["pid"]), kernels]
         family = GaugeMetricFamily(
             _P + "process_info", "the router process that answered this scrape", labels=labels
