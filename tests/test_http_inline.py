@@ -298,9 +298,15 @@ def test_a_request_arriving_during_shutdown_is_answered_then_closed() -> None:
         whole = _post(b"/route", _BODIES[0])
         writer.write(whole[:-100])
         await writer.drain()
-        await asyncio.sleep(0.3)  # the head and most of the body are in
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while not any(getattr(c, "_inline_path", None) for c in server.server_state.connections):
+            assert asyncio.get_running_loop().time() < deadline, "the head never arrived"
+            await asyncio.sleep(0.02)  # until the head is in and the body is arriving
         server.should_exit = True
-        await asyncio.sleep(0.5)  # the server is shutting down, its connections told
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while not any(getattr(c, "_close_after", False) for c in server.server_state.connections):
+            assert asyncio.get_running_loop().time() < deadline, "the shutdown never told us"
+            await asyncio.sleep(0.02)  # until uvicorn's shutdown has reached the connection
         writer.write(whole[-100:])
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 10.0)  # to EOF: the server closes
