@@ -39,17 +39,6 @@ __all__ = ["InlineApp", "protocol_for"]
 
 log = logging.getLogger(__name__)
 
-_REASONS = {
-    200: b"OK",
-    400: b"Bad Request",
-    401: b"Unauthorized",
-    404: b"Not Found",
-    413: b"Content Too Large",
-    500: b"Internal Server Error",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-}
-
 
 @runtime_checkable
 class InlineApp(Protocol):
@@ -75,7 +64,7 @@ class InlineApp(Protocol):
 def _subclass() -> type[Any] | None:
     """The inline protocol class, or None when uvicorn's protocol cannot carry it."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools is a dependency
         return None
     needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
@@ -158,9 +147,9 @@ def _subclass() -> type[Any] | None:
                 and self.parser.get_http_version() != "1.0"
                 and self.parser.should_keep_alive()
             )
-            head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
-                status,
-                _REASONS.get(status, b""),
+            # the status line exactly as uvicorn writes it on the ASGI path
+            head = b"%scontent-type: application/json\r\ncontent-length: %d\r\n" % (
+                STATUS_LINE[status],
                 len(answer),
             )
             if keep_alive:
