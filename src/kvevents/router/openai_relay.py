@@ -3,7 +3,7 @@
 What the endpoints do, for clients, is :mod:`kvevents.router.openai`'s docstring. This
 module is how: :class:`OpenAIRelay` reads the body (bounded: :mod:`kvevents.router.bodies`),
 decodes it once with msgspec, tokenizes what is text, routes, and forwards the body
-bytes with the service's long-lived aiohttp session; the engine's answer comes back as
+bytes with the service's kept-alive client (:mod:`kvevents.router.upstream`); the engine's answer comes back as
 the engine sent it, never decoded and encoded again (a complete answer is decoded only
 to read its ``usage`` for the metrics). :class:`~kvevents.router.hot_path.HotPath`
 hands it these two paths on both server interfaces, ASGI (:meth:`OpenAIRelay.asgi`) and
@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -44,6 +44,7 @@ from kvevents.router.bodies import (
     read_body,
     read_rsgi_body,
 )
+from kvevents.router.completion_body import RelayFields, token_prompt
 from kvevents.router.core import RouteDecision
 from kvevents.router.models import UnknownModelError
 from kvevents.router.request_stats import engine_usage
@@ -77,6 +78,7 @@ _DROP_HEADERS = frozenset(
         "proxy-authorization",
         "authorization",  # the client's key is for the router; engines get the router's own
         "accept-encoding",
+        "expect",  # the body is whole already: no 100 Continue to wait for
         RANK_HEADER.lower(),
     }
 )
@@ -252,12 +254,17 @@ class OpenAIRelay:
         """The answer to one request: ``headers`` are the client's to forward (hop-by-hop,
         ``Authorization`` and any rank header already dropped), ``raw`` its body."""
         try:
+            fast = None if chat else token_prompt(raw)
+            if fast is not None:  # one prompt of token ids: its ints never become objects
+                tokens, fields = fast
+                return await self._forward(chat, headers, raw, fields, None, [tokens])
             body = _json_object(raw, "chat completions" if chat else "completions")
+            prompts: list[Sequence[int]]
             if chat:
                 prompts = [await self._chat_tokens(body)]
             else:
                 prompts = [await self._prompt_tokens(body, p) for p in prompts_of(body)]
-            return await self._forward(chat, headers, raw, body, prompts)
+            return await self._forward(chat, headers, raw, RelayFields.of(body), body, prompts)
         except OpenAIError as exc:
             return Answer.error(exc)
 
@@ -287,21 +294,20 @@ class OpenAIRelay:
         chat: bool,
         headers: dict[str, str],
         raw: bytes,
-        body: dict[str, Any],
-        prompts: list[list[int]],
+        fields: RelayFields,
+        body: dict[str, Any] | None,
+        prompts: list[Sequence[int]],
     ) -> Answer:
+        """Route ``prompts`` and forward ``raw``; ``body`` is the body decoded whole, or
+        None when only ``fields`` were (:func:`token_prompt`)."""
         service = self.service
         router = service.router
         path, endpoint = (
             ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
         )
-        salt, model = body.get("cache_salt"), body.get("model")
         try:
             decision = router.route_batch(
-                prompts,
-                cache_salt=salt if isinstance(salt, str) else None,
-                policy=service.policy,
-                model=model if isinstance(model, str) else None,
+                prompts, cache_salt=fields.salt, policy=service.policy, model=fields.model_name
             )
         except UnknownModelError as exc:
             raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
@@ -319,9 +325,7 @@ class OpenAIRelay:
         shown = list(decision_headers(decision, prompt_tokens).items())
         ticket = router.begin(decision)
         try:
-            upstream = await service.session.post(
-                f"{spec.url}{path}", data=content, headers=headers
-            )
+            upstream = await service.upstream.post(spec.url, path, content, headers)
         except FORWARD_ERRORS as exc:
             router.finish(ticket, failed=True)
             service.requests.record(endpoint, decision, prompt_tokens, 502)
@@ -330,7 +334,7 @@ class OpenAIRelay:
         status = upstream.status
         service.requests.record(endpoint, decision, prompt_tokens, status)
         media = upstream.headers.get("content-type", _JSON)
-        if body.get("stream") is not True or status != 200:
+        if fields.stream is not True or status != 200:
             try:
                 payload = await upstream.read()
             except FORWARD_ERRORS as exc:
@@ -350,7 +354,7 @@ class OpenAIRelay:
         async def relay() -> AsyncIterator[bytes]:
             tracker = _UsageTracker()
             try:
-                async for chunk in upstream.content.iter_any():
+                async for chunk in upstream.chunks():
                     tracker.feed(chunk)
                     yield chunk
             except FORWARD_ERRORS as exc:
@@ -391,20 +395,23 @@ async def _until_gone(
         raise error  # a bug, not the client leaving: let the server log it
 
 
-def _with_rank(raw: bytes, body: dict[str, Any], rank: int) -> bytes:
+def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int) -> bytes:
     """The body for an SGLang or kvevents engine: ``routed_dp_rank: rank`` set, a client's
     ``data_parallel_rank`` removed. When the raw body names no rank key and holds no
     ``\\u`` escape (so no key can name one unseen), the key is appended to its bytes;
-    else the decoded body is changed and encoded again (2,048 token ids: tens of µs)."""
+    else the decoded body (``body``, or ``raw`` decoded now when None) is changed and
+    encoded again (2,048 token ids: tens of µs). ``raw`` is a non-empty JSON object."""
     end = raw.rstrip()
     if (
-        body
+        body != {}
         and end.endswith(b"}")
         and b"dp_rank" not in raw
         and b"data_parallel_rank" not in raw
         and b"\\u" not in raw
     ):
         return b'%s,"routed_dp_rank":%d}' % (end[:-1], rank)
+    if body is None:
+        body = _json_object(raw, "completions")
     body.pop("data_parallel_rank", None)
     body["routed_dp_rank"] = rank
     return _ENCODER.encode(body)

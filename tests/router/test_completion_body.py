@@ -1,0 +1,132 @@
+"""The relay's completions fast path reads exactly what decoding the whole body reads.
+
+:func:`kvevents.router.completion_body.token_prompt` is only an acceleration: for every
+body it takes, its token ids and fields must equal those of the whole decode
+(``prompts_of`` on the decoded dict); every body it does not take gives None, so the
+relay decodes it whole and refuses it in the same words as before.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvevents import kernels
+from kvevents.router.completion_body import RelayFields, token_prompt
+from kvevents.router.openai_relay import OpenAIError, _with_rank, prompts_of
+
+U32 = 2**32 - 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> kernels.Kernels:
+    loaded = kernels.load()
+    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
+    return loaded
+
+
+def _whole(raw: bytes) -> tuple[list[int], RelayFields]:
+    body = msgspec.json.decode(raw)
+    (prompt,) = prompts_of(body)
+    assert isinstance(prompt, list)
+    return prompt, RelayFields.of(body)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, U32), min_size=1, max_size=300),
+    model=st.none() | st.text(max_size=8) | st.integers(),
+    salt=st.none() | st.text(max_size=8),
+    stream=st.none() | st.booleans() | st.integers(0, 1),
+    extra=st.dictionaries(
+        st.text(max_size=6).filter(lambda k: k not in {"prompt", "model", "cache_salt", "stream"}),
+        json_values,
+        max_size=3,
+    ),
+    indent=st.sampled_from([None, 1]),
+)
+def test_token_prompt_equals_the_whole_decode(
+    ids: list[int], model: Any, salt: Any, stream: Any, extra: dict[str, Any], indent: int | None
+) -> None:
+    doc: dict[str, Any] = {**extra, "model": model, "prompt": ids, "max_tokens": 1}
+    if salt is not None:
+        doc["cache_salt"] = salt
+    if stream is not None:
+        doc["stream"] = stream
+    raw = json.dumps(doc, indent=indent).encode()
+    fast = token_prompt(raw)
+    assert fast is not None
+    tokens, fields = fast
+    want_tokens, want_fields = _whole(raw)
+    assert list(tokens) == want_tokens
+    assert fields == want_fields
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "text is tokenized by the whole path"}',
+        b'{"prompt": [[1, 2], [3]]}',  # a batch
+        b'{"prompt": ["a", "b"]}',
+        b'{"prompt": []}',
+        b'{"prompt": [1, -2]}',
+        b'{"prompt": [1, 4294967296]}',
+        b'{"prompt": [1.5]}',
+        b'{"prompt": [1, 2e3]}',
+        b'{"prompt": [01]}',
+        b'{"prompt": [1, true]}',
+        b'{"prompt": {"a": 1}}',
+        b'{"prompt": null}',
+        b'{"model": "m"}',  # no prompt
+        b'{"prompt": [1, 2]',  # not JSON
+        b'[{"prompt": [1]}]',  # not an object
+        b'{"prompt": [1, 2], "model": }',
+        b"",
+    ],
+)
+def test_bodies_it_does_not_take_go_to_the_whole_decode(raw: bytes) -> None:
+    assert token_prompt(raw) is None
+
+
+def test_the_whole_decode_refuses_what_the_fast_path_leaves() -> None:
+    """The words come from the whole path (a negative id, an empty list)."""
+    for raw in (b'{"prompt": [1, -2]}', b'{"prompt": []}'):
+        assert token_prompt(raw) is None
+        with pytest.raises(OpenAIError, match="prompt"):
+            prompts_of(msgspec.json.decode(raw))
+
+
+def test_a_repeated_prompt_key_reads_as_the_whole_decode_reads_it() -> None:
+    raw = b'{"prompt": [1, 2, 3], "prompt": [7, 8]}'
+    fast = token_prompt(raw)
+    assert fast is not None
+    assert list(fast[0]) == _whole(raw)[0] == [7, 8]  # the last one, as a dict keeps it
+    assert token_prompt(b'{"prompt": [1, 2, 3], "prompt": "text"}') is None
+
+
+def test_with_rank_decodes_the_body_itself_when_it_must() -> None:
+    """The fast path passes no decoded body: a body naming a rank key is decoded then."""
+    raw = b'{"prompt": [1, 2], "data_parallel_rank": 3}'
+    assert msgspec.json.decode(_with_rank(raw, None, 1)) == {"prompt": [1, 2], "routed_dp_rank": 1}
+    plain = b'{"prompt": [1, 2]}'
+    assert msgspec.json.decode(_with_rank(plain, None, 2)) == {
+        "prompt": [1, 2],
+        "routed_dp_rank": 2,
+    }
+
+
+def test_without_kernels_nothing_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "_kernels", None)
+    assert token_prompt(b'{"prompt": [1, 2]}') is None

@@ -1,0 +1,401 @@
+"""The router's forwarding client against scripted HTTP servers on real sockets.
+
+Each server here is a plain asyncio TCP server on an OS-chosen loopback port that reads
+requests and writes exactly the bytes a test gives it, so every case an engine can
+produce (kept-alive, ``Connection: close``, chunked, a body ended by the connection, a
+connection dropped midway, bytes that are not HTTP, no answer at all) is the real thing
+on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import trustme
+
+from kvevents.router.upstream import Upstream, UpstreamError
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+"""What the server does on a connection: reader, writer and the connection's number."""
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and body (bodies here always carry a Content-Length)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+class Server:
+    """A scripted server: ``connections`` counts accepted connections, ``requests`` holds
+    each request's (head, body)."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._handlers: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Server:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.append(task)
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+                await self.script(reader, writer, number)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes:
+        head, body = await read_request(reader)
+        self.requests.append((head, body))
+        return body
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 20))  # type: ignore[arg-type]
+
+
+def keep_alive(answer: bytes = OK) -> Callable[[Server], Script]:
+    def script(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            while True:
+                await server.request(r)
+                w.write(answer)
+                await w.drain()
+
+        return serve
+
+    return script
+
+
+@contextlib.asynccontextmanager
+async def serving(make: Callable[[Server], Script]) -> AsyncIterator[Server]:
+    server = Server(lambda r, w, n: asyncio.sleep(0))
+    server.script = make(server)
+    async with server:
+        yield server
+
+
+def test_requests_reuse_one_kept_alive_connection_and_send_what_they_are_given() -> None:
+    async def main() -> None:
+        async with serving(keep_alive()) as server:
+            client = Upstream(timeout=5, headers={"authorization": "Bearer k"})
+            for i in range(3):
+                answer = await client.post(
+                    server.url, "/v1/completions", b'{"n": %d}' % i, {"x-a": "1"}
+                )
+                assert (answer.status, answer.headers["content-type"]) == (200, "application/json")
+                assert await answer.read() == b"{}"
+            await client.close()
+        assert server.connections == 1
+        head, body = server.requests[2]
+        assert body == b'{"n": 2}'
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"POST /v1/completions HTTP/1.1"
+        assert b"Content-Length: 8" in lines and b"authorization: Bearer k" in lines
+        assert b"x-a: 1" in lines and lines[1] == b"Host: " + server.url[7:].encode()
+
+    run(main())
+
+
+def test_a_connection_close_answer_is_not_reused() -> None:
+    closing = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"
+
+    async def main() -> None:
+        async with serving(keep_alive(closing)) as server:
+            client = Upstream(timeout=5)
+            for _ in range(2):
+                answer = await client.post(server.url, "/x", b"{}", {})
+                assert await answer.read() == b"ok"
+            await client.close()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_an_unread_body_closes_its_connection_instead_of_reusing_it() -> None:
+    big = b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"a" * 100000
+
+    async def main() -> None:
+        async with serving(keep_alive(big)) as server:
+            client = Upstream(timeout=5)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            answer.release()  # the body was not read
+            answer = await client.post(server.url, "/x", b"{}", {})
+            assert len(await answer.read()) == 100000
+            await client.close()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
+    gate = asyncio.Event()
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            await w.drain()
+            await gate.wait()
+            w.write(b"6\r\nsecond\r\n0\r\n\r\n")
+            await w.drain()
+            await server.request(r)  # the connection is reused after the stream
+            w.write(OK)
+            await w.drain()
+            await asyncio.sleep(1)
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            chunks = answer.chunks()
+            assert await anext(chunks) == b"first"  # before the rest was even sent
+            gate.set()
+            assert [c async for c in chunks] == [b"second"]
+            assert await (await client.post(server.url, "/x", b"{}", {})).read() == b"{}"
+            await client.close()
+        assert server.connections == 1
+
+    run(main())
+
+
+def test_a_body_without_a_length_ends_with_the_connection() -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
+            await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            assert await answer.read() == b"all of it"
+            await client.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("sent", "words"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", "closed the connection midway"),
+        (b"", "closed the connection midway"),
+        (b"SSH-2.0-OpenSSH_9.2\r\n", "not HTTP"),
+    ],
+)
+def test_an_answer_cut_short_or_not_http_is_an_upstream_error(sent: bytes, words: str) -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(sent)
+            await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            with pytest.raises(UpstreamError, match=words):
+                answer = await client.post(server.url, "/x", b"{}", {})
+                await answer.read()
+            await client.close()
+
+    run(main())
+
+
+def test_no_answer_within_the_timeout_is_a_timeout_and_the_connection_closes() -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            if n == 1:
+                await r.read()  # never answers; returns once the client closes
+                return
+            w.write(OK)
+            await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=0.3)
+            with pytest.raises(TimeoutError):
+                await client.post(server.url, "/x", b"{}", {})
+            answer = await client.post(server.url, "/x", b"{}", {})
+            assert await answer.read() == b"{}"
+            await client.close()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_a_stream_that_stalls_past_the_deadline_times_out() -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
+            await w.drain()
+            await r.read()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=0.3)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            chunks = answer.chunks()
+            assert await anext(chunks) == b"hi"
+            with pytest.raises(TimeoutError):
+                await anext(chunks)
+            answer.release()
+            await client.close()
+
+    run(main())
+
+
+def test_an_engine_that_is_not_listening_is_named() -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        client = Upstream(timeout=5)
+        with pytest.raises(UpstreamError, match=f"cannot connect to 127.0.0.1:{port}"):
+            await client.post(f"http://127.0.0.1:{port}", "/x", b"{}", {})
+
+    run(main())
+
+
+def test_idle_connections_expire_and_ones_the_server_closed_are_skipped() -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(OK)
+            await w.drain()
+            if n == 2:
+                return  # closes while the client keeps it idle
+            await server.request(r)
+            w.write(OK)
+            await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5, idle_s=0.2)
+            await (await client.post(server.url, "/x", b"{}", {})).read()
+            await asyncio.sleep(0.3)  # past idle_s: the first connection is not reused
+            await (await client.post(server.url, "/x", b"{}", {})).read()
+            await asyncio.sleep(0.1)  # the server has closed connection 2 by now
+            await (await client.post(server.url, "/x", b"{}", {})).read()
+            await client.close()
+        assert server.connections == 3
+
+    run(main())
+
+
+def test_a_long_stream_read_slowly_arrives_whole() -> None:
+    """Past 256 KiB unread the socket pauses; every byte still arrives, in order."""
+    piece = bytes(range(256)) * 256  # 64 KiB
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(piece) * 32))
+            for _ in range(32):
+                w.write(piece)
+                await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=10)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            await asyncio.sleep(0.3)  # let the server fill every buffer
+            got = bytearray()
+            async for chunk in answer.chunks():
+                got += chunk
+            assert bytes(got) == piece * 32
+            await client.close()
+
+    run(main())
+
+
+def test_https_engines_are_verified_with_the_given_context(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(served)
+    trusted = ssl.create_default_context()
+    ca.configure_trust(trusted)
+
+    async def main() -> None:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await read_request(r)
+            w.write(OK)
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = Upstream(timeout=5, tls=trusted)
+        assert await (await client.post(url, "/x", b"{}", {})).read() == b"{}"
+        stranger = Upstream(timeout=5, tls=ssl.create_default_context())
+        with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
+            await stranger.post(url, "/x", b"{}", {})
+        server.close()
+
+    run(main())
+
+
+def test_after_close_requests_are_refused() -> None:
+    async def main() -> None:
+        client = Upstream(timeout=5)
+        await client.close()
+        with pytest.raises(UpstreamError, match="shutting down"):
+            await client.post("http://127.0.0.1:9", "/x", b"{}", {})
+
+    run(main())
+
+
+def test_a_url_that_is_not_http_is_refused_with_the_fix() -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="http://HOST"):
+            await Upstream(timeout=5).post("ftp://h", "/x", b"{}", {})
+
+    run(main())
