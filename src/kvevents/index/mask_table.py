@@ -60,10 +60,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat
 from operator import and_
+from typing import TYPE_CHECKING
 
+from kvevents import kernels
 from kvevents.index.predictions import Predictions
 from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
 from kvevents.types import Hash, Holder
+
+if TYPE_CHECKING:
+    from kvevents.kernels.mask_mirror import MaskMirror
 
 __all__ = ["MaskTable"]
 
@@ -71,6 +76,7 @@ _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 Segments = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 _TOUCH_LOG_LIMIT = 1024
 _CANON_LIMIT = 1 << 16
+_CHANGED_LIMIT = 1 << 16
 
 
 class MaskTable:
@@ -100,6 +106,12 @@ class MaskTable:
         self._hybrid = 0
         """Slots with side KV-cache groups (:mod:`kvevents.index.groups`); 0 for models
         with full attention only, so their match pays one test per request."""
+        self._mirror: MaskMirror | None = None
+        """The compiled match's flat copy of ``_blocks`` (:mod:`kvevents.kernels.mask_mirror`),
+        made on the first match after the kernels load."""
+        self._changed: list[int] | None = []
+        """Keys written since the mirror last synced; None when not listed (rebuild)."""
+        self._mirror_off = False
 
     # --- writing ----------------------------------------------------------------------
 
@@ -125,6 +137,11 @@ class MaskTable:
             blocks[k] = canon(v, v)
         if len(self._canon) > _CANON_LIMIT:
             self._canon.clear()
+        changed = self._changed
+        if changed is not None:
+            changed.extend(keys)
+            if len(changed) > _CHANGED_LIMIT:
+                self._changed = None  # a rebuild costs less than syncing this many
         if hashes is not None:
             self._hashes.update(zip(hashes, keys, strict=True))
             if len(self._hashes) > 2 * len(blocks) + 4096:
@@ -171,6 +188,8 @@ class MaskTable:
             self._blocks[key] = self._canon.get(v, v)
         else:
             del self._blocks[key]
+        if self._changed is not None:
+            self._changed.append(key)
         return True
 
     def _held_any(self, key: int, slot: int) -> bool:
@@ -186,6 +205,8 @@ class MaskTable:
         upper = mask >> w << w
         hit = [k for k, v in self._blocks.items() if v & mask]
         blocks = self._blocks
+        if self._changed is not None:
+            self._changed.extend(hit)
         for k in hit:
             v = blocks[k]
             self._offloaded -= (v & upper).bit_count()
@@ -215,12 +236,37 @@ class MaskTable:
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)
-        segs, i = self._segments(map(self._blocks.get, keys, repeat(0)), len(keys))
+        words = getattr(keys, "words", None)  # keys the kernel computed (kernels.KeyList)
+        mirror = None if words is None or self._width != 64 else self._synced_mirror()
+        if mirror is not None and words is not None:
+            segs, i = mirror.match(words, self._live)
+        else:
+            segs, i = self._segments(map(self._blocks.get, keys, repeat(0)), len(keys))
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
             self._touch_log.append((keys, i))
         if self._hybrid:
             return self._apply_groups(keys, (segs, segs, segs))
         return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
+
+    def _synced_mirror(self) -> MaskMirror | None:
+        """The mirror brought up to date with ``_blocks``; None while the kernels are off."""
+        mirror = self._mirror
+        if mirror is None:
+            compiled = kernels.loaded()
+            if compiled is None or self._mirror_off:
+                return None
+            mirror = self._mirror = compiled.mirror()
+            self._changed = None
+        try:
+            mirror.sync(self._blocks, self._changed)
+        except OverflowError:  # a key past uint64: only from a caller's own store_keys
+            self._mirror, self._mirror_off = None, True
+            return None
+        if self._changed is None:
+            self._changed = []
+        else:
+            self._changed.clear()
+        return mirror
 
     def _segments(self, masks: Iterable[int], n: int) -> tuple[list[tuple[int, int]], int]:
         """``(slot_mask, length)`` pairs (the holders in ``slot_mask`` have exactly
@@ -327,6 +373,8 @@ class MaskTable:
         w = self._width
         held = self._held
         dropped = 0
+        if self._changed is not None:
+            self._changed.extend(victims)
         for k in victims:
             v = self._blocks.pop(k)
             dropped += v.bit_count()
@@ -349,6 +397,7 @@ class MaskTable:
         """Re-pack every value for a new slot width (more than ``width`` holders). O(blocks)."""
         old = self._width
         low = (1 << old) - 1
+        self._changed = None  # every value moves: the mirror rebuilds (or is not used)
         for k, v in self._blocks.items():
             self._blocks[k] = (
                 (v & low) | ((v >> old & low) << width) | ((v >> 2 * old) << 2 * width)

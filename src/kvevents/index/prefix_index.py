@@ -730,6 +730,7 @@ class PrefixIndex(GroupedMaskTable):
         width = table._width
         blocks, masks, counts = columns.unpack(width)
         table._blocks = blocks
+        table._changed = None  # not listed key by key: the compiled match's mirror rebuilds
         held = table._held
         entries = offloaded = 0
         for number, n in counts.items():

@@ -9,7 +9,11 @@ kernels do that work in one call each, without a Python object per token or per 
   straight into uint32 (the plain case only; anything else decodes as before);
 * :mod:`~kvevents.kernels.xxh3_chain` computes the chained content keys of every block
   (exactly :func:`kvevents.wire.hashing.content_keys`: XXH3-64, seeded by the block
-  before), for blocks of 1 to 60 tokens.
+  before), for blocks of 1 to 60 tokens; they come back as a :class:`KeyList`, which
+  keeps the kernel's uint64 array beside the list;
+* :mod:`~kvevents.kernels.block_table` matches such keys against a flat mirror of the
+  index's block masks (:mod:`~kvevents.kernels.mask_mirror`), one compiled call instead
+  of a dict lookup per block.
 
 Both are optional and only ever an acceleration: the answers are the same without them
 (``tests/test_kernels.py`` checks every block size and random bodies against the plain
@@ -28,13 +32,27 @@ import os
 import sys
 import threading
 from array import array
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Kernels", "load", "loaded", "status", "will_load"]
+if TYPE_CHECKING:
+    from kvevents.kernels.mask_mirror import MaskMirror
+
+__all__ = ["Kernels", "KeyList", "load", "loaded", "status", "will_load"]
 
 log = logging.getLogger(__name__)
 
 _FEW_BLOCKS = 8
 """Below this many blocks the per-block loop is as fast as a kernel call."""
+
+
+class KeyList(list[int]):
+    """Content keys as computed by the kernel: a plain list, plus ``words``, the same keys
+    as the kernel's uint64 array (what the compiled match reads). Never changed in place:
+    ``words`` would then disagree with the list (a slice or copy is a plain list)."""
+
+    __slots__ = ("words",)
+
+    words: Any
 
 
 class Kernels:
@@ -51,18 +69,32 @@ class Kernels:
         self.max_block_tokens = xxh3_chain.MAX_BLOCK_TOKENS
         self._parse = token_json.parse_leading_input_ids
         self._key = token_json.INPUT_IDS_KEY
-        # Compile now (or load numba's cache): never on a request.
-        self.chain_keys(array("I", range(4 * _FEW_BLOCKS)), 4, 0)
-        self.parse_input_ids(b'{"input_ids": [1, 2]}')
+        from kvevents.kernels.mask_mirror import MaskMirror
 
-    def chain_keys(self, tokens: array[int], block_size: int, parent: int) -> list[int] | None:
+        self._mirror_class = MaskMirror
+        # Compile now (or load numba's cache): never on a request.
+        keys = self.chain_keys(array("I", range(4 * _FEW_BLOCKS)), 4, 0)
+        self.parse_input_ids(b'{"input_ids": [1, 2]}')
+        warm = self.mirror()
+        warm.sync({1: 1, 2: 3}, None)
+        warm.sync({1: 1}, [2])
+        assert keys is not None
+        warm.match(keys.words, 1)
+
+    def mirror(self) -> MaskMirror:
+        """A new, empty mirror of an index's block masks (:mod:`~kvevents.kernels.mask_mirror`)."""
+        return self._mirror_class()
+
+    def chain_keys(self, tokens: array[int], block_size: int, parent: int) -> KeyList | None:
         """Content keys of ``tokens`` (an ``array("I")``), or None when this is not a case
         the kernel takes (a block past 60 tokens, or too few blocks to gain anything)."""
         if not 0 < block_size <= self.max_block_tokens or len(tokens) < _FEW_BLOCKS * block_size:
             return None
         np = self._np
         words = np.frombuffer(tokens, dtype=np.uint32)
-        keys: list[int] = self._chain(words, block_size, np.uint64(parent), self._secret).tolist()
+        chained = self._chain(words, block_size, np.uint64(parent), self._secret)
+        keys = KeyList(chained.tolist())
+        keys.words = chained
         return keys
 
     def parse_input_ids(self, body: bytes) -> tuple[array[int], int] | None:

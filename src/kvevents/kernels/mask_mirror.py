@@ -1,0 +1,74 @@
+"""The index's block masks mirrored into a flat table, kept up to date lazily.
+
+:class:`MaskMirror` holds the low 64 bits of every block's mask (the GPU tier of up to
+64 holders) in the flat table of :mod:`kvevents.kernels.block_table`. The index does
+not write into it: its writers only list the keys they changed
+(:attr:`MaskTable._changed <kvevents.index.mask_table.MaskTable>`), and the next match
+first copies those keys' current masks from the dict (:meth:`MaskMirror.sync`), so the
+mirror can never disagree with the dict when it is read, and a store costs the index
+one list ``extend``. A rebuild from the whole dict happens when the table must grow or
+when the index says its changes were not listed (a change of slot width, a snapshot).
+
+Import it through :func:`kvevents.kernels.load` (this module imports numpy and numba).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+
+import numpy as np
+
+from kvevents.kernels import block_table
+
+__all__ = ["MaskMirror"]
+
+_LOW = (1 << 64) - 1
+_MIN_CAPACITY = 1 << 12
+
+
+class MaskMirror:
+    """See the module docstring; ``match`` answers as ``MaskTable._segments`` does."""
+
+    def __init__(self) -> None:
+        self._keys = np.zeros(_MIN_CAPACITY, dtype=np.uint64)
+        self._values = np.zeros(_MIN_CAPACITY, dtype=np.uint64)
+        self.count = 0
+        self.rebuilds = 0
+
+    def sync(self, blocks: dict[int, int], changed: Sequence[int] | None) -> None:
+        """Bring the mirror to ``blocks``: only the ``changed`` keys, or everything when
+        None (the changes were not listed)."""
+        if changed is None or 2 * (self.count + len(changed)) > len(self._keys):
+            self._rebuild(blocks)
+            return
+        if not changed:
+            return
+        get = blocks.get
+        keys = np.fromiter(changed, dtype=np.uint64, count=len(changed))
+        values = np.fromiter(
+            [v & _LOW for v in map(get, changed, repeat(0))], dtype=np.uint64, count=len(changed)
+        )
+        self.count = block_table.apply(keys, values, self._keys, self._values, self.count)
+
+    def match(self, words: np.ndarray, live: int) -> tuple[list[tuple[int, int]], int]:
+        """``(segments, longest)`` of a request's keys (``words``: uint64) from ``live``."""
+        dropped, lengths, longest = block_table.match(
+            words, self._keys, self._values, np.uint64(live)
+        )
+        return list(zip(dropped.tolist(), lengths.tolist(), strict=True)), int(longest)
+
+    def _rebuild(self, blocks: dict[int, int]) -> None:
+        n = len(blocks)
+        capacity = _MIN_CAPACITY
+        while capacity < 3 * n:  # at most a third full after a rebuild; grown past a half
+            capacity *= 2
+        keys = np.fromiter(blocks, dtype=np.uint64, count=n)
+        try:
+            values = np.fromiter(blocks.values(), dtype=np.uint64, count=n)
+        except OverflowError:  # masks with offloaded tiers: their GPU bits only
+            values = np.fromiter((v & _LOW for v in blocks.values()), dtype=np.uint64, count=n)
+        self._keys = np.zeros(capacity, dtype=np.uint64)
+        self._values = np.zeros(capacity, dtype=np.uint64)
+        self.count = block_table.apply(keys, values, self._keys, self._values, 0)
+        self.rebuilds += 1

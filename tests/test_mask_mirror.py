@@ -1,0 +1,148 @@
+"""The compiled match over the mask mirror answers exactly as the dict match does.
+
+:mod:`kvevents.kernels.mask_mirror` copies the index's block masks into a flat table
+lazily, from the keys each writer lists. Every test here drives a real
+:class:`~kvevents.index.prefix_index.PrefixIndex` through random writes (stores,
+removals, holders cleared and removed, pruning past ``max_entries``, offloaded tiers,
+more than 64 holders, a snapshot round trip) and after each one compares the compiled
+match of many requests with the plain one over the dict.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvevents import kernels
+from kvevents.index.prefix_index import PrefixIndex
+from kvevents.index.types import Tier
+from kvevents.kernels import KeyList
+from kvevents.types import Holder
+from kvevents.wire.hashing import content_keys
+
+BLOCK = 4
+HOLDERS = [Holder(f"http://e{i // 4}", i % 4) for i in range(8)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> kernels.Kernels:
+    loaded = kernels.load()
+    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
+    return loaded
+
+
+def _keys(tokens: list[int]) -> list[int]:
+    keys = content_keys(array("I", tokens), BLOCK)
+    assert isinstance(keys, KeyList), "requests of 8 blocks or more are keyed by the kernel"
+    return keys
+
+
+def _plain(index: PrefixIndex, keys: list[int]) -> object:
+    """The dict match of the same keys (a plain list carries no ``words``)."""
+    return index.match_keys(list(keys))
+
+
+def _check(index: PrefixIndex, requests: list[list[int]]) -> None:
+    for keys in requests:
+        fast = index.match_keys(keys)
+        assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts sharing prefixes, so that matches end at many different lengths."""
+    roots = [[rng.randrange(1000) for _ in range(BLOCK * 4)] for _ in range(3)]
+    out = []
+    for _ in range(n):
+        tail = [rng.randrange(1000) for _ in range(BLOCK * rng.randrange(4, 20))]
+        out.append(rng.choice(roots) + tail)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_entries=st.sampled_from([60, 400, 100_000]))
+def test_random_writes_keep_the_compiled_match_equal_to_the_dict(
+    seed: int, max_entries: int
+) -> None:
+    rng = random.Random(seed)
+    index = PrefixIndex(block_size=BLOCK, max_entries=max_entries)
+    for h in HOLDERS:
+        index.add_holder(h)
+    prompts = _prompts(rng, 12)
+    requests = [_keys(p) for p in prompts]
+    for _ in range(40):
+        op = rng.random()
+        holder = rng.choice(HOLDERS)
+        keys = rng.choice(requests)
+        if op < 0.5:
+            index.store_keys(holder, keys[: rng.randrange(1, len(keys) + 1)])
+        elif op < 0.75:
+            start = rng.randrange(len(keys))
+            index.remove_keys(holder, keys[start : start + rng.randrange(1, 6)])
+        elif op < 0.8:
+            index.clear_holder(holder)
+        elif op < 0.85:
+            index.remove_holder(holder)
+            index.add_holder(holder)
+        elif op < 0.92:
+            index.store_keys(holder, keys[:3], tier=Tier.CPU)  # offloaded: the tiered match
+        else:
+            index.remove_keys(holder, keys, tier=Tier.CPU)
+        _check(index, requests)
+
+
+def test_a_request_no_holder_has_and_an_index_without_holders() -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    keys = _keys(list(range(BLOCK * 10)))
+    _check(index, [keys])
+    index.add_holder(HOLDERS[0])
+    _check(index, [keys])
+    index.store_keys(HOLDERS[0], keys)
+    match = index.match_keys(keys)
+    assert match.for_slot(0).gpu == 10
+    _check(index, [keys, _keys(list(range(1, BLOCK * 10 + 1)))])
+
+
+def test_many_writes_between_matches_rebuild_the_mirror_and_stay_exact() -> None:
+    rng = random.Random(7)
+    index = PrefixIndex(block_size=BLOCK)
+    for h in HOLDERS:
+        index.add_holder(h)
+    requests = [_keys(p) for p in _prompts(rng, 40)]
+    _check(index, requests)
+    for _ in range(3000):  # past the listed-changes limit and past the table's growth
+        index.store_keys(rng.choice(HOLDERS), rng.choice(requests))
+        index.store_keys(rng.choice(HOLDERS), _keys(_prompts(rng, 1)[0]))
+    _check(index, requests)
+    mirror = index._mirror
+    assert mirror is not None and mirror.rebuilds >= 2
+
+
+def test_more_than_64_holders_use_the_dict_match() -> None:
+    index = PrefixIndex(block_size=BLOCK)
+    holders = [Holder(f"http://w{i}", 0) for i in range(70)]
+    keys = _keys(list(range(BLOCK * 12)))
+    for i, h in enumerate(holders):
+        index.add_holder(h)
+        index.store_keys(h, keys[: 1 + i % 12])
+    match = index.match_keys(keys)
+    assert match.for_slot(69).gpu == 1 + 69 % 12
+    assert match == _plain(index, keys)
+
+
+def test_an_index_loaded_from_a_snapshot_matches_exactly() -> None:
+    rng = random.Random(3)
+    index = PrefixIndex(block_size=BLOCK)
+    for h in HOLDERS:
+        index.add_holder(h)
+    requests = [_keys(p) for p in _prompts(rng, 20)]
+    for keys in requests:
+        index.store_keys(rng.choice(HOLDERS), keys)
+    _check(index, requests)
+    loaded = PrefixIndex.from_bytes(index.to_bytes())
+    _check(loaded, requests)
+    for a, b in zip(requests, requests, strict=True):
+        assert loaded.match_keys(a) == index.match_keys(b)
