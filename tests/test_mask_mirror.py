@@ -106,19 +106,27 @@ def test_a_request_no_holder_has_and_an_index_without_holders() -> None:
     _check(index, [keys, _keys(list(range(1, BLOCK * 10 + 1)))])
 
 
-def test_many_writes_between_matches_rebuild_the_mirror_and_stay_exact() -> None:
+def test_the_mirror_grows_and_rebuilds_and_stays_exact() -> None:
     rng = random.Random(7)
     index = PrefixIndex(block_size=BLOCK)
     for h in HOLDERS:
         index.add_holder(h)
     requests = [_keys(p) for p in _prompts(rng, 40)]
     _check(index, requests)
-    for _ in range(3000):  # past the listed-changes limit and past the table's growth
+    stored: list[list[int]] = []
+    for i in range(400):  # new blocks, a match after each few: the table grows
+        stored.append(_keys(_prompts(rng, 1)[0]))
+        index.store_keys(rng.choice(HOLDERS), stored[-1])
+        if i % 10 == 0:
+            _check(index, stored)
+    assert index._mirror is not None and index._mirror.grown >= 1
+    _check(index, stored + requests)
+    for _ in range(3000):  # past the listed-changes limit between two matches: a rebuild
         index.store_keys(rng.choice(HOLDERS), rng.choice(requests))
         index.store_keys(rng.choice(HOLDERS), _keys(_prompts(rng, 1)[0]))
     _check(index, requests)
     mirror = index._mirror
-    assert mirror is not None and mirror.rebuilds >= 2
+    assert mirror is not None and mirror.grown >= 2 and mirror.rebuilds >= 2
 
 
 def test_more_than_64_holders_use_the_dict_match() -> None:

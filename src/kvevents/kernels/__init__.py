@@ -78,6 +78,7 @@ class Kernels:
         warm = self.mirror()
         warm.sync({1: 1, 2: 3}, None)
         warm.sync({1: 1}, [2])
+        warm._grow(1)
         assert keys is not None
         warm.match(keys.words, 1)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
-__all__ = ["apply", "match"]
+__all__ = ["apply", "match", "rehash"]
 
 _MIX = uint64(0x9E3779B97F4A7C15)
 _SEGMENTS = 65  # at most one per holder (64), and the holders holding every block
@@ -63,6 +63,22 @@ def apply(keys, values, table_keys, table_values, count):
                 break
             i = (i + uint64(1)) & mask
     return count
+
+
+@njit(cache=True)
+def rehash(table_keys, table_values, new_keys, new_values):
+    """Insert every entry of a table into a larger, empty one (growing without the dict)."""
+    mask = uint64(len(new_keys) - 1)
+    for j in range(len(table_keys)):
+        value = table_values[j]
+        if value == 0:
+            continue
+        key = table_keys[j]
+        i = _home(key, mask)
+        while new_values[i] != 0:
+            i = (i + uint64(1)) & mask
+        new_keys[i] = key
+        new_values[i] = value
 
 
 @njit(cache=True, inline="always")

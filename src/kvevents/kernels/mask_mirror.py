@@ -6,8 +6,9 @@ not write into it: its writers only list the keys they changed
 (:attr:`MaskTable._changed <kvevents.index.mask_table.MaskTable>`), and the next match
 first copies those keys' current masks from the dict (:meth:`MaskMirror.sync`), so the
 mirror can never disagree with the dict when it is read, and a store costs the index
-one list ``extend``. A rebuild from the whole dict happens when the table must grow or
-when the index says its changes were not listed (a change of slot width, a snapshot).
+one list ``extend``. The table grows by rehashing itself, in compiled code; it is rebuilt
+from the whole dict only when the index says its changes were not listed (a change of
+slot width, a snapshot loaded, too many changes between two matches).
 
 Import it through :func:`kvevents.kernels.load` (this module imports numpy and numba).
 """
@@ -35,15 +36,20 @@ class MaskMirror:
         self._values = np.zeros(_MIN_CAPACITY, dtype=np.uint64)
         self.count = 0
         self.rebuilds = 0
+        """Rebuilds from the whole dict (the changes were not listed)."""
+        self.grown = 0
+        """Times the table grew (rehashed from itself)."""
 
     def sync(self, blocks: dict[int, int], changed: Sequence[int] | None) -> None:
         """Bring the mirror to ``blocks``: only the ``changed`` keys, or everything when
         None (the changes were not listed)."""
-        if changed is None or 2 * (self.count + len(changed)) > len(self._keys):
+        if changed is None:
             self._rebuild(blocks)
             return
         if not changed:
             return
+        if 2 * (self.count + len(changed)) > len(self._keys):
+            self._grow(self.count + len(changed))
         get = blocks.get
         keys = np.fromiter(changed, dtype=np.uint64, count=len(changed))
         values = np.fromiter(
@@ -58,11 +64,18 @@ class MaskMirror:
         )
         return list(zip(dropped.tolist(), lengths.tolist(), strict=True)), int(longest)
 
+    def _grow(self, n: int) -> None:
+        """A larger table for ``n`` keys, filled from this one (not from the dict)."""
+        capacity = _capacity(n)
+        keys = np.zeros(capacity, dtype=np.uint64)
+        values = np.zeros(capacity, dtype=np.uint64)
+        block_table.rehash(self._keys, self._values, keys, values)
+        self._keys, self._values = keys, values
+        self.grown += 1
+
     def _rebuild(self, blocks: dict[int, int]) -> None:
         n = len(blocks)
-        capacity = _MIN_CAPACITY
-        while capacity < 3 * n:  # at most a third full after a rebuild; grown past a half
-            capacity *= 2
+        capacity = _capacity(n)
         keys = np.fromiter(blocks, dtype=np.uint64, count=n)
         try:
             values = np.fromiter(blocks.values(), dtype=np.uint64, count=n)
@@ -72,3 +85,11 @@ class MaskMirror:
         self._values = np.zeros(capacity, dtype=np.uint64)
         self.count = block_table.apply(keys, values, self._keys, self._values, 0)
         self.rebuilds += 1
+
+
+def _capacity(n: int) -> int:
+    """A power of two at least 3n: a third full when made, grown past half full."""
+    capacity = _MIN_CAPACITY
+    while capacity < 3 * n:
+        capacity *= 2
+    return capacity
