@@ -22,6 +22,7 @@ from kvevents.index.prefix_index import PrefixIndex
 from kvevents.index.types import Tier
 from kvevents.kernels import KeyList
 from kvevents.types import Holder
+from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.hashing import content_keys
 
 BLOCK = 4
@@ -154,3 +155,34 @@ def test_an_index_loaded_from_a_snapshot_matches_exactly() -> None:
     _check(loaded, requests)
     for a, b in zip(requests, requests, strict=True):
         assert loaded.match_keys(a) == index.match_keys(b)
+
+
+def test_a_large_batch_of_events_syncs_the_mirror_before_the_next_match() -> None:
+    """Events from the wire reach the mirror too, and a large batch syncs it at once."""
+    rng = random.Random(11)
+    index = PrefixIndex(block_size=BLOCK)
+    holder = HOLDERS[0]
+    index.add_holder(holder)
+    prompts = _prompts(rng, 40)
+    requests = [_keys(p) for p in prompts]
+    _check(index, requests)  # the mirror exists from here on
+    events = []
+    for n, tokens in enumerate(prompts):
+        blocks = len(tokens) // BLOCK
+        hashes = [n * 1000 + i for i in range(blocks)]
+        events.append(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=tokens[: blocks * BLOCK],
+                block_size=BLOCK,
+                lora_id=None,
+                medium=None,
+            )
+        )
+    index.apply(holder, KVEventBatch(ts=0.0, events=events))
+    assert index._changed == [], "a batch of this size synced the mirror as it ended"
+    assert all(index.match_keys(k).for_slot(0).gpu == len(k) for k in requests)
+    _check(index, requests)
+    index.apply(holder, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[5, 6])]))
+    _check(index, requests)

@@ -110,7 +110,10 @@ class MaskTable:
         """The compiled match's flat copy of ``_blocks`` (:mod:`kvevents.kernels.mask_mirror`),
         made on the first match after the kernels load."""
         self._changed: list[int] | None = []
-        """Keys written since the mirror last synced; None when not listed (rebuild)."""
+        """Keys written since the mirror last synced, in order; None when not listed (the
+        mirror then rebuilds from the dict)."""
+        self._changed_masks: list[int] = []
+        """The mask each of ``_changed`` was given (0: deleted), read while still in cache."""
         self._mirror_off = False
 
     # --- writing ----------------------------------------------------------------------
@@ -140,8 +143,9 @@ class MaskTable:
         changed = self._changed
         if changed is not None:
             changed.extend(keys)
+            self._changed_masks.extend(map(blocks.__getitem__, keys))
             if len(changed) > _CHANGED_LIMIT:
-                self._changed = None  # a rebuild costs less than syncing this many
+                self._unlist_changes()  # a rebuild costs less than syncing this many
         if hashes is not None:
             self._hashes.update(zip(hashes, keys, strict=True))
             if len(self._hashes) > 2 * len(blocks) + 4096:
@@ -185,11 +189,12 @@ class MaskTable:
             return False
         self.stats.removed_blocks += 1
         if v:
-            self._blocks[key] = self._canon.get(v, v)
+            self._blocks[key] = v = self._canon.get(v, v)
         else:
             del self._blocks[key]
         if self._changed is not None:
             self._changed.append(key)
+            self._changed_masks.append(v)
         return True
 
     def _held_any(self, key: int, slot: int) -> bool:
@@ -205,8 +210,6 @@ class MaskTable:
         upper = mask >> w << w
         hit = [k for k, v in self._blocks.items() if v & mask]
         blocks = self._blocks
-        if self._changed is not None:
-            self._changed.extend(hit)
         for k in hit:
             v = blocks[k]
             self._offloaded -= (v & upper).bit_count()
@@ -215,6 +218,9 @@ class MaskTable:
                 blocks[k] = self._canon.get(nv, nv)
             else:
                 del blocks[k]
+        if self._changed is not None:
+            self._changed.extend(hit)
+            self._changed_masks.extend(map(blocks.get, hit, repeat(0)))
         if self._refs:
             for rk in [rk for rk in self._refs if rk[1] == slot]:
                 del self._refs[rk]
@@ -256,9 +262,12 @@ class MaskTable:
             if compiled is None or self._mirror_off:
                 return None
             mirror = self._mirror = compiled.mirror()
-            self._changed = None
+            self._unlist_changes()
         try:
-            mirror.sync(self._blocks, self._changed)
+            if self._changed is None:
+                mirror.rebuild(self._blocks)
+            else:
+                mirror.sync(self._changed, self._changed_masks)
         except OverflowError:  # a key past uint64: only from a caller's own store_keys
             self._mirror, self._mirror_off = None, True
             return None
@@ -266,7 +275,13 @@ class MaskTable:
             self._changed = []
         else:
             self._changed.clear()
+        self._changed_masks.clear()
         return mirror
+
+    def _unlist_changes(self) -> None:
+        """Stop listing changes: the next match rebuilds the mirror from the dict."""
+        self._changed = None
+        self._changed_masks.clear()
 
     def _segments(self, masks: Iterable[int], n: int) -> tuple[list[tuple[int, int]], int]:
         """``(slot_mask, length)`` pairs (the holders in ``slot_mask`` have exactly
@@ -375,6 +390,7 @@ class MaskTable:
         dropped = 0
         if self._changed is not None:
             self._changed.extend(victims)
+            self._changed_masks.extend(repeat(0, len(victims)))
         for k in victims:
             v = self._blocks.pop(k)
             dropped += v.bit_count()
@@ -397,7 +413,7 @@ class MaskTable:
         """Re-pack every value for a new slot width (more than ``width`` holders). O(blocks)."""
         old = self._width
         low = (1 << old) - 1
-        self._changed = None  # every value moves: the mirror rebuilds (or is not used)
+        self._unlist_changes()  # every value moves: the mirror rebuilds (or is not used)
         for k, v in self._blocks.items():
             self._blocks[k] = (
                 (v & low) | ((v >> old & low) << width) | ((v >> 2 * old) << 2 * width)

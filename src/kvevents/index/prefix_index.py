@@ -77,6 +77,10 @@ from kvevents.wire.hashing import ROOT_KEY, content_keys
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "namespace_key"]
 
+_SYNC_AFTER = 256
+"""A batch that changed this many blocks brings the compiled match's mirror up to date
+at once (:mod:`kvevents.kernels.mask_mirror`), so the next match does not pay for it."""
+
 DEFAULT_MAX_ENTRIES = 16_000_000
 """Default memory bound: (block, holder, tier) entries (about 1.3 GB at the measured size)."""
 
@@ -247,6 +251,9 @@ class PrefixIndex(GroupedMaskTable):
                 self.stats.count_event("AllBlocksCleared", "ok")
         if later:
             self._apply_side_events(slot, later)
+        changed = self._changed
+        if self._mirror is not None and changed is not None and len(changed) >= _SYNC_AFTER:
+            self._synced_mirror()  # now, not on the next request's path
 
     def _apply_side_events(self, slot: int, events: list[BlockStored | BlockRemoved]) -> None:
         for event in events:
@@ -730,7 +737,7 @@ class PrefixIndex(GroupedMaskTable):
         width = table._width
         blocks, masks, counts = columns.unpack(width)
         table._blocks = blocks
-        table._changed = None  # not listed key by key: the compiled match's mirror rebuilds
+        table._unlist_changes()  # not listed key by key: the compiled match's mirror rebuilds
         held = table._held
         entries = offloaded = 0
         for number, n in counts.items():

@@ -76,8 +76,8 @@ class Kernels:
         keys = self.chain_keys(array("I", range(4 * _FEW_BLOCKS)), 4, 0)
         self.parse_input_ids(b'{"input_ids": [1, 2]}')
         warm = self.mirror()
-        warm.sync({1: 1, 2: 3}, None)
-        warm.sync({1: 1}, [2])
+        warm.rebuild({1: 1, 2: 3})
+        warm.sync([2], [0])
         warm._grow(1)
         assert keys is not None
         warm.match(keys.words, 1)

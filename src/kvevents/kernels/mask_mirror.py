@@ -2,21 +2,22 @@
 
 :class:`MaskMirror` holds the low 64 bits of every block's mask (the GPU tier of up to
 64 holders) in the flat table of :mod:`kvevents.kernels.block_table`. The index does
-not write into it: its writers only list the keys they changed
-(:attr:`MaskTable._changed <kvevents.index.mask_table.MaskTable>`), and the next match
-first copies those keys' current masks from the dict (:meth:`MaskMirror.sync`), so the
-mirror can never disagree with the dict when it is read, and a store costs the index
-one list ``extend``. The table grows by rehashing itself, in compiled code; it is rebuilt
-from the whole dict only when the index says its changes were not listed (a change of
-slot width, a snapshot loaded, too many changes between two matches).
+not write into it: its writers only list the keys they changed and the masks they gave
+them, read while still in cache (``MaskTable._changed`` and ``_changed_masks``), and
+the next match first applies those (:meth:`MaskMirror.sync`), so the mirror never
+disagrees with the dict when it is read, and a store costs the index two list
+``extend`` calls. The table grows by rehashing itself, in compiled code; it is rebuilt
+from the whole dict (:meth:`MaskMirror.rebuild`) only when the index says its changes
+were not listed (a change of slot width, a snapshot loaded, too many changes between
+two matches).
 
 Import it through :func:`kvevents.kernels.load` (this module imports numpy and numba).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -40,22 +41,20 @@ class MaskMirror:
         self.grown = 0
         """Times the table grew (rehashed from itself)."""
 
-    def sync(self, blocks: dict[int, int], changed: Sequence[int] | None) -> None:
-        """Bring the mirror to ``blocks``: only the ``changed`` keys, or everything when
-        None (the changes were not listed)."""
-        if changed is None:
-            self._rebuild(blocks)
+    def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
+        """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
+        if not keys:
             return
-        if not changed:
-            return
-        if 2 * (self.count + len(changed)) > len(self._keys):
-            self._grow(self.count + len(changed))
-        get = blocks.get
-        keys = np.fromiter(changed, dtype=np.uint64, count=len(changed))
-        values = np.fromiter(
-            [v & _LOW for v in map(get, changed, repeat(0))], dtype=np.uint64, count=len(changed)
+        if 2 * (self.count + len(keys)) > len(self._keys):
+            self._grow(self.count + len(keys))
+        words = np.frombuffer(array("Q", keys), dtype=np.uint64)
+        try:
+            values = array("Q", masks)
+        except OverflowError:  # masks with offloaded tiers: their GPU bits only
+            values = array("Q", [m & _LOW for m in masks])
+        self.count = block_table.apply(
+            words, np.frombuffer(values, dtype=np.uint64), self._keys, self._values, self.count
         )
-        self.count = block_table.apply(keys, values, self._keys, self._values, self.count)
 
     def match(self, words: np.ndarray, live: int) -> tuple[list[tuple[int, int]], int]:
         """``(segments, longest)`` of a request's keys (``words``: uint64) from ``live``."""
@@ -73,7 +72,8 @@ class MaskMirror:
         self._keys, self._values = keys, values
         self.grown += 1
 
-    def _rebuild(self, blocks: dict[int, int]) -> None:
+    def rebuild(self, blocks: dict[int, int]) -> None:
+        """Copy every mask of ``blocks`` afresh (when the changes were not listed)."""
         n = len(blocks)
         capacity = _capacity(n)
         keys = np.fromiter(blocks, dtype=np.uint64, count=n)
