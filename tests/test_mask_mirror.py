@@ -53,6 +53,14 @@ def _check(index: PrefixIndex, requests: list[list[int]]) -> None:
         assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
 
 
+def _index(**options: int) -> PrefixIndex:
+    """An index of block size ``BLOCK`` with every one of ``HOLDERS`` added."""
+    index = PrefixIndex(block_size=BLOCK, **options)
+    for h in HOLDERS:
+        index.add_holder(h)
+    return index
+
+
 def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     """Prompts sharing prefixes, so that matches end at many different lengths."""
     roots = [[rng.randrange(1000) for _ in range(BLOCK * 4)] for _ in range(3)]
@@ -69,9 +77,7 @@ def test_random_writes_keep_the_compiled_match_equal_to_the_dict(
     seed: int, max_entries: int
 ) -> None:
     rng = random.Random(seed)
-    index = PrefixIndex(block_size=BLOCK, max_entries=max_entries)
-    for h in HOLDERS:
-        index.add_holder(h)
+    index = _index(max_entries=max_entries)
     prompts = _prompts(rng, 12)
     requests = [_keys(p) for p in prompts]
     for _ in range(40):
@@ -109,9 +115,7 @@ def test_a_request_no_holder_has_and_an_index_without_holders() -> None:
 
 def test_the_mirror_grows_and_rebuilds_and_stays_exact() -> None:
     rng = random.Random(7)
-    index = PrefixIndex(block_size=BLOCK)
-    for h in HOLDERS:
-        index.add_holder(h)
+    index = _index()
     requests = [_keys(p) for p in _prompts(rng, 40)]
     _check(index, requests)
     stored: list[list[int]] = []
@@ -144,9 +148,7 @@ def test_more_than_64_holders_use_the_dict_match() -> None:
 
 def test_an_index_loaded_from_a_snapshot_matches_exactly() -> None:
     rng = random.Random(3)
-    index = PrefixIndex(block_size=BLOCK)
-    for h in HOLDERS:
-        index.add_holder(h)
+    index = _index()
     requests = [_keys(p) for p in _prompts(rng, 20)]
     for keys in requests:
         index.store_keys(rng.choice(HOLDERS), keys)

@@ -80,18 +80,40 @@ class Server:
         self.requests.append((head, body))
         return body
 
+    async def exchange(
+        self, r: asyncio.StreamReader, w: asyncio.StreamWriter, answer: bytes
+    ) -> None:
+        """Read one request and write ``answer``."""
+        await self.request(r)
+        w.write(answer)
+        await w.drain()
+
 
 def run(coro: Awaitable[None]) -> None:
     asyncio.run(asyncio.wait_for(coro, 20))  # type: ignore[arg-type]
 
 
 def keep_alive(answer: bytes = OK) -> Callable[[Server], Script]:
+    """Answer every request on a connection with ``answer``."""
+
     def script(server: Server) -> Script:
         async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
             while True:
-                await server.request(r)
-                w.write(answer)
-                await w.drain()
+                await server.exchange(r, w, answer)
+
+        return serve
+
+    return script
+
+
+def answer_once(answer: bytes, *, then_hold: bool = False) -> Callable[[Server], Script]:
+    """Answer one request with ``answer``, then close (or hold the connection open)."""
+
+    def script(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.exchange(r, w, answer)
+            if then_hold:
+                await r.read()  # returns once the client closes
 
         return serve
 
@@ -170,9 +192,7 @@ def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
             await gate.wait()
             w.write(b"6\r\nsecond\r\n0\r\n\r\n")
             await w.drain()
-            await server.request(r)  # the connection is reused after the stream
-            w.write(OK)
-            await w.drain()
+            await server.exchange(r, w, OK)  # the connection is reused after the stream
             await asyncio.sleep(1)
 
         return serve
@@ -193,13 +213,7 @@ def test_a_chunked_stream_arrives_chunk_by_chunk() -> None:
 
 
 def test_a_body_without_a_length_ends_with_the_connection() -> None:
-    def make(server: Server) -> Script:
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-            await server.request(r)
-            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
-            await w.drain()
-
-        return serve
+    make = answer_once(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
 
     async def main() -> None:
         async with serving(make) as server:
@@ -220,16 +234,8 @@ def test_a_body_without_a_length_ends_with_the_connection() -> None:
     ],
 )
 def test_an_answer_cut_short_or_not_http_is_an_upstream_error(sent: bytes, words: str) -> None:
-    def make(server: Server) -> Script:
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-            await server.request(r)
-            w.write(sent)
-            await w.drain()
-
-        return serve
-
     async def main() -> None:
-        async with serving(make) as server:
+        async with serving(answer_once(sent)) as server:
             client = Upstream(timeout=5)
             with pytest.raises(UpstreamError, match=words):
                 answer = await client.post(server.url, "/x", b"{}", {})
@@ -265,14 +271,9 @@ def test_no_answer_within_the_timeout_is_a_timeout_and_the_connection_closes() -
 
 
 def test_a_stream_that_stalls_past_the_deadline_times_out() -> None:
-    def make(server: Server) -> Script:
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-            await server.request(r)
-            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n")
-            await w.drain()
-            await r.read()
-
-        return serve
+    make = answer_once(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n", then_hold=True
+    )
 
     async def main() -> None:
         async with serving(make) as server:
@@ -304,14 +305,10 @@ def test_an_engine_that_is_not_listening_is_named() -> None:
 def test_idle_connections_expire_and_ones_the_server_closed_are_skipped() -> None:
     def make(server: Server) -> Script:
         async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-            await server.request(r)
-            w.write(OK)
-            await w.drain()
+            await server.exchange(r, w, OK)
             if n == 2:
                 return  # closes while the client keeps it idle
-            await server.request(r)
-            w.write(OK)
-            await w.drain()
+            await server.exchange(r, w, OK)
 
         return serve
 
