@@ -188,3 +188,15 @@ def test_a_large_batch_of_events_syncs_the_mirror_before_the_next_match() -> Non
     _check(index, requests)
     index.apply(holder, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[5, 6])]))
     _check(index, requests)
+
+
+def test_sync_mirror_builds_it_before_any_match() -> None:
+    """What a router calls as its kernels load, so a warm-started index's first request
+    does not copy every block."""
+    index = _index()
+    keys = _keys(list(range(BLOCK * 9)))
+    index.store_keys(HOLDERS[1], keys)
+    assert index._mirror is None
+    index.sync_mirror()
+    assert index._mirror is not None and index._mirror.count == len(keys)
+    assert index.match_keys(keys).for_slot(1).gpu == 9

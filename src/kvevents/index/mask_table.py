@@ -254,6 +254,11 @@ class MaskTable:
             return self._apply_groups(keys, (segs, segs, segs))
         return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
 
+    def sync_mirror(self) -> None:
+        """Build or update the compiled match's mirror now (once the kernels are loaded),
+        instead of on the next match: a router does as its kernels load."""
+        self._synced_mirror()
+
     def _synced_mirror(self) -> MaskMirror | None:
         """The mirror brought up to date with ``_blocks``; None while the kernels are off."""
         mirror = self._mirror

@@ -15,12 +15,13 @@ kernels do that work in one call each, without a Python object per token or per 
   index's block masks (:mod:`~kvevents.kernels.mask_mirror`), one compiled call instead
   of a dict lookup per block.
 
-Both are optional and only ever an acceleration: the answers are the same without them
+All are optional and only ever an acceleration: the answers are the same without them
 (``tests/test_kernels.py`` checks every block size and random bodies against the plain
-path). They are off until a process calls :func:`load` (the router does, in a thread,
-once its server accepts requests; :func:`will_load` marks the wait). Importing numba
-costs about half a second and compiling both kernels a few seconds the first time on a
-machine (numba caches the machine code beside the modules, or in ``NUMBA_CACHE_DIR``). Engines and tools never
+path, ``tests/test_mask_mirror.py`` the match against the dict's). They are off until
+a process calls :func:`load` (the router does, in a thread, once its server accepts
+requests; :func:`will_load` marks the wait). Importing numba costs about half a second
+and compiling the kernels a few seconds the first time on a machine (numba caches the
+machine code beside the modules, or in ``NUMBA_CACHE_DIR``). Engines and tools never
 load them. ``KVEVENTS_KERNELS=0`` keeps them off; so does a numba that cannot be
 imported (the reason is in :func:`status`).
 """

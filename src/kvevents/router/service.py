@@ -48,8 +48,8 @@ from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
 
 FORWARD_ERRORS = (UpstreamError, TimeoutError)
-_JSON_BODY = {"content-type": "application/json"}
 """What forwarding to an engine raises when the engine cannot be reached or answer in time."""
+_JSON_BODY = {"content-type": "application/json"}
 
 __all__ = [
     "DEFAULT_TOP",
@@ -82,7 +82,8 @@ async def _run_deferred(
     """Start-up's deferred work, once the server accepts requests; then settle the heap.
 
     The compiled kernels load first (numba's import and its cache, about half a second
-    of CPU, much of it holding the GIL), then whatever was deferred with
+    of CPU, much of it holding the GIL) and the index's mirror for the compiled match
+    is built, then whatever was deferred with
     :meth:`RouterService.defer` (the router's FastAPI app). Done at start, that work
     would compete with the HTTP server's start and a warm start's catch-up with the
     streams; requests take the plain path meanwhile. Then every object alive so far
@@ -92,6 +93,7 @@ async def _run_deferred(
     """
     await service.until_serving(DEFERRED_AFTER_S)
     await asyncio.to_thread(kernels.load)
+    service.router.index.sync_mirror()  # a warm-started index: not on the first request
     for item in work:
         try:
             await item()
