@@ -3,8 +3,9 @@
 The engine's ``/load`` says how many batches each rank has published (its next
 sequence number) and how many blocks it holds; the router's ``/workers`` says, per
 stream, the last sequence number it received, and per holder how many blocks its
-index holds. The plane has *settled* when, for every rank, the router's last seq is
-the engine's last published seq: every event has been delivered and applied.
+index holds and the last sequence number applied to it. The plane has *settled* when,
+for every rank, the router's last received and last applied seqs are the engine's last
+published seq: every event has been delivered and applied.
 :func:`wait_settled` waits for that, with a deadline, and then checks that the
 router's index holds exactly as many blocks per rank as the engine's cache does.
 
@@ -112,10 +113,19 @@ class Plane:
             load = {int(r["dp_rank"]): r for r in self.engine_load()}
             w = self.workers()
             streams = self._streams(w)
+            applied = {
+                int(h["dp_rank"]): h.get("applied_seq")
+                for h in w["holders"]
+                if h["worker"] == self.engine_url
+            }
             state.update(load=load, workers=w)
             for rank, figures in load.items():
+                want = figures["batches_published"] - 1
                 last = streams.get(rank, {}).get("last_seq")
-                if (-1 if last is None else last) != figures["batches_published"] - 1:
+                if (-1 if last is None else last) != want:
+                    return False
+                # received is not yet applied: the batch may still wait for the router's loop
+                if want >= 0 and applied.get(rank) != want:
                     return False
             return True
 

@@ -556,7 +556,8 @@ class Router:
         return self.index.holders()
 
     def holder_summary(self) -> list[dict[str, Any]]:
-        """Per holder: entries in the index per tier, load and signal counts (for /workers)."""
+        """Per holder: entries in the index, the seq of the last batch applied to it, load
+        and signal counts (for /workers)."""
         out = []
         for h in self.holders():
             load = self.loads.get(h, HolderLoad())
@@ -565,6 +566,7 @@ class Router:
                     "worker": h.worker,
                     "dp_rank": h.dp_rank,
                     "index_entries": self.index.holder_size(h),
+                    "applied_seq": self.index.applied_seqs.get(h),
                     "load": msgspec.structs.asdict(load),
                     "routed": self.routes[h],
                     "signals": {
