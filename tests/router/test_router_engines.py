@@ -73,12 +73,16 @@ def test_values_that_are_not_finite_counts_are_skipped() -> None:
 
 
 class _SlowLoadEngine(BaseHTTPRequestHandler):
-    """A kvevents engine's /load (two ranks, both available), answered after ``delay`` s."""
+    """A kvevents engine's /load (two ranks, both available), answered after ``delay`` s;
+    its /server_info (a 404: nothing to discover) after ``discovery_delay`` s."""
 
     delay = 0.0
+    discovery_delay = 0.0
     lock = threading.Lock()
 
     def do_GET(self) -> None:
+        if self.path == "/server_info":
+            time.sleep(type(self).discovery_delay)
         if self.path == "/load":
             time.sleep(type(self).delay)
             body = json.dumps(
@@ -153,6 +157,48 @@ def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> 
         asyncio.run(run())
     finally:
         _SlowLoadEngine.delay = 0.0
+        server.shutdown()
+        thread.join(10.0)
+        server.server_close()
+
+
+def test_a_slow_discovery_is_tolerated_like_a_slow_load_poll() -> None:
+    """An engine found from its URL alone that is slow to answer /server_info (a vLLM busy
+    on CPU) keeps the state its ranks have from their streams for SLOW_POLLS_TOLERATED
+    polls in a row, instead of being marked unavailable at the first timeout."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowLoadEngine)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    spec = EngineSpec.create(f"http://127.0.0.1:{server.server_address[1]}")
+    router = Router(block_size=4)
+    holder = Holder(spec.worker, 0)
+    router.add_holder(holder)  # known from its stream, as the subscriber finds it
+    state = EngineState(spec)
+
+    async def run() -> None:
+        stopping = asyncio.Event()
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(
+                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
+            )
+            try:
+                await _until("a slow discovery", lambda: state.slow_polls >= 1)
+                assert not state.registered and state.error is None
+                assert state.slow is not None and state.slow.startswith("discovery")
+                assert router.loads[holder].available
+                await _until("the threshold", lambda: state.error is not None)
+                assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
+                assert not router.loads[holder].available
+            finally:
+                stopping.set()
+                await asyncio.wait_for(task, 10.0)
+
+    _SlowLoadEngine.discovery_delay = 0.6
+    try:
+        asyncio.run(run())
+    finally:
+        _SlowLoadEngine.discovery_delay = 0.0
         server.shutdown()
         thread.join(10.0)
         server.server_close()

@@ -173,7 +173,9 @@ def _check_authorized(response: httpx.Response) -> httpx.Response:
     return response
 
 
-async def _register(router: Router, state: EngineState, client: httpx.AsyncClient) -> None:
+async def _register(
+    router: Router, state: EngineState, client: httpx.AsyncClient, timeout: float = LOAD_TIMEOUT_S
+) -> None:
     spec = state.spec
     configured = f"--block-size of engine {spec.worker}"
     if spec.described:
@@ -182,12 +184,14 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
             router.add_holder(h, block_size=spec.block_size, source="configured", origin=configured)
         state.registered = True
         try:  # best effort: only to cross-check an advertised block size
-            response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=5.0))
+            response = _check_authorized(
+                await client.get(f"{spec.url}/server_info", timeout=timeout)
+            )
             advertised = _advertised_block_size(response.json()) if response.is_success else None
         except (httpx.HTTPError, ValueError, DiscoveryError):
             advertised = None  # a refused key shows in the /load poll's error
     else:
-        streams = await _discover(spec, client)
+        streams = await _discover(spec, client, timeout)
         holders = [Holder(s.worker, s.dp_rank) for s in streams]
         advertised = streams[0].block_size if streams else None
         for h in holders:
@@ -201,13 +205,15 @@ async def _register(router: Router, state: EngineState, client: httpx.AsyncClien
             )
 
 
-async def _discover(spec: EngineSpec, client: httpx.AsyncClient) -> list[StreamSpec]:
+async def _discover(
+    spec: EngineSpec, client: httpx.AsyncClient, timeout: float = LOAD_TIMEOUT_S
+) -> list[StreamSpec]:
     """The engine's streams from ``/server_info``, else (a vLLM) from ``/kv_event_sources``."""
-    response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=5.0))
+    response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=timeout))
     try:
         return streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
     except (DiscoveryError, ValueError):
-        sources = await client.get(f"{spec.url}/kv_event_sources", timeout=5.0)
+        sources = await client.get(f"{spec.url}/kv_event_sources", timeout=timeout)
         if sources.status_code != 200:
             raise
     return streams_from_kv_event_sources(sources.json(), engine_url=spec.url, worker=spec.worker)
@@ -323,7 +329,7 @@ async def watch_engine(
     while not stopping.is_set():
         try:
             if not state.registered:
-                await _register(router, state, client)
+                await _register(router, state, client, load_timeout)
             await _poll_load(router, state, client, load_timeout)
             state.slow_polls, state.slow = 0, None
             now = loop.time()
@@ -335,10 +341,13 @@ async def watch_engine(
                 await _refresh_models(router, state, client, now)
             state.error = None
         except httpx.ReadTimeout as exc:
+            # The engine took the connection and is slow to answer (a vLLM busy on CPU can
+            # take seconds over /server_info too): slow, not down, registered or not yet.
             state.slow_polls += 1
-            if state.registered and state.slow_polls <= SLOW_POLLS_TOLERATED:
+            if state.slow_polls <= SLOW_POLLS_TOLERATED:
+                what = "the load poll" if state.registered else "discovery"
                 state.slow = (
-                    f"the load poll got no answer within {load_timeout:g} s "
+                    f"{what} got no answer within {load_timeout:g} s "
                     f"({state.slow_polls} in a row, {SLOW_POLLS_TOLERATED} tolerated): "
                     "the ranks keep their last known state"
                 )
