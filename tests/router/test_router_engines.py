@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -113,95 +113,94 @@ async def _until(what: str, check: Callable[[], bool], timeout: float = 20.0) ->
         await asyncio.sleep(0.02)
 
 
-def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
-    """A /load that answers after the poll's timeout is a slow engine, not a dead one: its
-    ranks stay available (and /workers' fields say why) for SLOW_POLLS_TOLERATED polls in
-    a row; one more is an error that marks them unavailable; the next answer clears both."""
+@contextlib.contextmanager
+def _slow_engine() -> Iterator[str]:
+    """A real HTTP server answering as :class:`_SlowLoadEngine`; yields its URL."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowLoadEngine)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    spec = EngineSpec.create(url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents")
-    router = Router(block_size=4)
-    state = EngineState(spec)
-    holders = [Holder(spec.worker, r) for r in (0, 1)]
-
-    def available() -> list[bool]:
-        return [router.loads[h].available for h in holders if h in router.loads]
-
-    async def run() -> None:
-        stopping = asyncio.Event()
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(
-                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
-            )
-            try:
-                await _until("both ranks available", lambda: available() == [True, True])
-                _SlowLoadEngine.delay = 0.6
-                await _until("a slow poll", lambda: state.slow_polls >= 1)
-                assert available() == [True, True] and state.error is None
-                assert state.slow is not None and "keep their last known state" in state.slow
-                await _until("the threshold", lambda: state.error is not None)
-                assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
-                assert available() == [False, False] and state.slow is None
-                assert "ReadTimeout" in state.error and "4 load polls in a row" in state.error
-                _SlowLoadEngine.delay = 0.0
-                await _until("the engine back", lambda: state.error is None)
-                assert state.slow_polls == 0 and available() == [True, True]
-            finally:
-                stopping.set()
-                await asyncio.wait_for(task, 10.0)
-
     try:
-        asyncio.run(run())
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        _SlowLoadEngine.delay = 0.0
+        _SlowLoadEngine.delay = _SlowLoadEngine.discovery_delay = 0.0
         server.shutdown()
         thread.join(10.0)
         server.server_close()
+
+
+@contextlib.asynccontextmanager
+async def _watching(router: Router, state: EngineState) -> AsyncIterator[None]:
+    """``watch_engine`` polling every 0.05 s with a 0.2 s timeout, stopped on exit."""
+    stopping = asyncio.Event()
+    async with httpx.AsyncClient() as client:
+        task = asyncio.create_task(
+            watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
+        )
+        try:
+            yield
+        finally:
+            stopping.set()
+            await asyncio.wait_for(task, 10.0)
+
+
+def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
+    """A /load that answers after the poll's timeout is a slow engine, not a dead one: its
+    ranks stay available (and /workers' fields say why) for SLOW_POLLS_TOLERATED polls in
+    a row; one more is an error that marks them unavailable; the next answer clears both."""
+    router = Router(block_size=4)
+
+    async def run(url: str) -> None:
+        spec = EngineSpec.create(
+            url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
+        )
+        state = EngineState(spec)
+        holders = [Holder(spec.worker, r) for r in (0, 1)]
+
+        def available() -> list[bool]:
+            return [router.loads[h].available for h in holders if h in router.loads]
+
+        async with _watching(router, state):
+            await _until("both ranks available", lambda: available() == [True, True])
+            _SlowLoadEngine.delay = 0.6
+            await _until("a slow poll", lambda: state.slow_polls >= 1)
+            assert available() == [True, True] and state.error is None
+            assert state.slow is not None and "keep their last known state" in state.slow
+            await _until("the threshold", lambda: state.error is not None)
+            assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
+            assert available() == [False, False] and state.slow is None
+            assert "ReadTimeout" in state.error and "4 load polls in a row" in state.error
+            _SlowLoadEngine.delay = 0.0
+            await _until("the engine back", lambda: state.error is None)
+            assert state.slow_polls == 0 and available() == [True, True]
+
+    with _slow_engine() as url:
+        asyncio.run(run(url))
 
 
 def test_a_slow_discovery_is_tolerated_like_a_slow_load_poll() -> None:
     """An engine found from its URL alone that is slow to answer /server_info (a vLLM busy
     on CPU) keeps the state its ranks have from their streams for SLOW_POLLS_TOLERATED
     polls in a row, instead of being marked unavailable at the first timeout."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowLoadEngine)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    spec = EngineSpec.create(f"http://127.0.0.1:{server.server_address[1]}")
     router = Router(block_size=4)
-    holder = Holder(spec.worker, 0)
-    router.add_holder(holder)  # known from its stream, as the subscriber finds it
-    state = EngineState(spec)
 
-    async def run() -> None:
-        stopping = asyncio.Event()
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(
-                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
-            )
-            try:
-                await _until("a slow discovery", lambda: state.slow_polls >= 1)
-                assert not state.registered and state.error is None
-                assert state.slow is not None and state.slow.startswith("discovery")
-                assert router.loads[holder].available
-                await _until("the threshold", lambda: state.error is not None)
-                assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
-                assert not router.loads[holder].available
-            finally:
-                stopping.set()
-                await asyncio.wait_for(task, 10.0)
+    async def run(url: str) -> None:
+        spec = EngineSpec.create(url)
+        holder = Holder(spec.worker, 0)
+        router.add_holder(holder)  # known from its stream, as the subscriber finds it
+        state = EngineState(spec)
+        async with _watching(router, state):
+            await _until("a slow discovery", lambda: state.slow_polls >= 1)
+            assert not state.registered and state.error is None
+            assert state.slow is not None and state.slow.startswith("discovery")
+            assert router.loads[holder].available
+            await _until("the threshold", lambda: state.error is not None)
+            assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
+            assert not router.loads[holder].available
 
-    _SlowLoadEngine.discovery_delay = 0.6
-    try:
-        asyncio.run(run())
-    finally:
-        _SlowLoadEngine.discovery_delay = 0.0
-        server.shutdown()
-        thread.join(10.0)
-        server.server_close()
+    with _slow_engine() as url:
+        _SlowLoadEngine.discovery_delay = 0.6
+        asyncio.run(run(url))
 
 
 def test_a_refused_connection_is_an_error_at_once() -> None:
@@ -216,17 +215,9 @@ def test_a_refused_connection_is_an_error_at_once() -> None:
     state = EngineState(spec)
 
     async def run() -> None:
-        stopping = asyncio.Event()
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(
-                watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
-            )
-            try:
-                await _until("the error", lambda: state.error is not None)
-                assert state.slow_polls == 0 and "ConnectError" in state.error
-                assert not any(load.available for load in router.loads.values())
-            finally:
-                stopping.set()
-                await asyncio.wait_for(task, 10.0)
+        async with _watching(router, state):
+            await _until("the error", lambda: state.error is not None)
+            assert state.slow_polls == 0 and "ConnectError" in state.error
+            assert not any(load.available for load in router.loads.values())
 
     asyncio.run(run())
