@@ -7,7 +7,8 @@ a POST body, decodes it with the router's own request decoder
 (:func:`~kvevents.router.token_body.decode_tokens_body`, with the compiled kernels
 loaded as the router loads them) and answers ``{"prompt_tokens": N}``: no keys, no
 index, no scoring. Whatever this answers per second is what any router on this stack
-could at best; the benchmark reports the router's figures as a share of it. It prints ``kvevents bare ready URL``.
+could at best; the benchmark reports the router's figures as a share of it. It prints
+``kvevents bare ready URL``.
 ``--http-server granian`` serves the same parse through granian's RSGI interface
 (:mod:`kvevents.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
 """

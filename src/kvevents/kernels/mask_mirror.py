@@ -33,8 +33,7 @@ class MaskMirror:
     """See the module docstring; ``match`` answers as ``MaskTable._segments`` does."""
 
     def __init__(self) -> None:
-        self._keys = np.zeros(_MIN_CAPACITY, dtype=np.uint64)
-        self._values = np.zeros(_MIN_CAPACITY, dtype=np.uint64)
+        self._keys, self._values = _table(_MIN_CAPACITY)
         self.count = 0
         self.rebuilds = 0
         """Rebuilds from the whole dict (the changes were not listed)."""
@@ -65,9 +64,7 @@ class MaskMirror:
 
     def _grow(self, n: int) -> None:
         """A larger table for ``n`` keys, filled from this one (not from the dict)."""
-        capacity = _capacity(n)
-        keys = np.zeros(capacity, dtype=np.uint64)
-        values = np.zeros(capacity, dtype=np.uint64)
+        keys, values = _table(_capacity(n))
         block_table.rehash(self._keys, self._values, keys, values)
         self._keys, self._values = keys, values
         self.grown += 1
@@ -75,14 +72,12 @@ class MaskMirror:
     def rebuild(self, blocks: dict[int, int]) -> None:
         """Copy every mask of ``blocks`` afresh (when the changes were not listed)."""
         n = len(blocks)
-        capacity = _capacity(n)
         keys = np.fromiter(blocks, dtype=np.uint64, count=n)
         try:
             values = np.fromiter(blocks.values(), dtype=np.uint64, count=n)
         except OverflowError:  # masks with offloaded tiers: their GPU bits only
             values = np.fromiter((v & _LOW for v in blocks.values()), dtype=np.uint64, count=n)
-        self._keys = np.zeros(capacity, dtype=np.uint64)
-        self._values = np.zeros(capacity, dtype=np.uint64)
+        self._keys, self._values = _table(_capacity(n))
         self.count = block_table.apply(keys, values, self._keys, self._values, 0)
         self.rebuilds += 1
 
@@ -93,3 +88,8 @@ def _capacity(n: int) -> int:
     while capacity < 3 * n:
         capacity *= 2
     return capacity
+
+
+def _table(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """An empty table: keys and masks, ``capacity`` slots each (0: an empty slot)."""
+    return np.zeros(capacity, dtype=np.uint64), np.zeros(capacity, dtype=np.uint64)
