@@ -135,6 +135,72 @@ def test_parse_reads_any_plain_ids_array_as_msgspec_does(
     assert _same(raw)[:2] == ("decoded", ids)
 
 
+# Ids of every width, so that the 8-byte reader meets numbers of 1 to 10 digits (ids
+# drawn from 0..2**32 - 1 alone are nearly all 9 or 10 digits long).
+ids_of_any_width = st.lists(
+    st.integers(0, 10).flatmap(lambda d: st.integers(0, min(10**d, U32))), max_size=200
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=ids_of_any_width, sep=st.sampled_from([",", ", ", " , ", ",\n  ", ",\t"]))
+def test_parse_reads_ids_of_every_width_and_any_separator(
+    compiled: kernels.Kernels, ids: list[int], sep: str
+) -> None:
+    raw = ('{"input_ids": [' + sep.join(map(str, ids)) + '], "top": 2}').encode()
+    assert _fast(compiled, raw) == (ids, raw.index(b"]") + 1)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    ids=ids_of_any_width.filter(bool),
+    at=st.integers(0, 10**6),
+    byte=st.integers(0, 255),
+)
+def test_parse_of_a_body_with_one_byte_changed_is_what_the_whole_decode_says(
+    compiled: kernels.Kernels, ids: list[int], at: int, byte: int
+) -> None:
+    """Any byte (a sign, a dot, a letter, a byte above 0x7F, a second comma...) written
+    anywhere in the array: the kernel must read exactly what msgspec reads, or give up."""
+    raw = bytearray(('{"input_ids": [' + ", ".join(map(str, ids)) + "]}").encode())
+    raw[14 + at % (len(raw) - 15)] = byte  # inside the array, "[" to "]"
+    _same(bytes(raw))
+
+
+def test_every_byte_value_after_a_digit_ends_the_number_as_json_says(
+    compiled: kernels.Kernels,
+) -> None:
+    """Each of the 256 byte values right after a number's digits (inside one 8-byte
+    read): only a digit continues it, and only what JSON allows there is read."""
+    for byte in range(256):
+        for head in (b"1", b"12", b"1234567"):
+            raw = b'{"input_ids": [' + head + bytes([byte]) + b", 3, 4, 5, 6, 7, 8]}"
+            _same(raw)
+            parsed = _fast(compiled, raw)
+            if parsed is not None:
+                assert byte in b"0123456789, \t\r\n]", (byte, raw)
+
+
+@pytest.mark.parametrize("width", range(1, 12))
+def test_ids_near_the_body_end_and_leading_zeros_at_every_width(
+    compiled: kernels.Kernels, width: int
+) -> None:
+    """The last bytes of a body are read digit by digit (no 8-byte read past its end);
+    a leading zero is refused at every width, whichever reader meets it."""
+    big = int("9" * width)
+    for ids in ([big], [1, big], [big] * 5):
+        raw = ('{"input_ids": [' + ",".join(map(str, ids)) + "]}").encode()
+        _same(raw)
+        if big <= U32:
+            assert _fast(compiled, raw) == (ids, len(raw) - 1)
+    if width > 1:
+        zero_led = "0" + "1" * (width - 1)
+        for text in (f"[{zero_led}]", f"[{zero_led}, 1, 2, 3, 4, 5]", f"[7, {zero_led}, 2, 3]"):
+            raw = ('{"input_ids": ' + text + ', "record": true}').encode()
+            assert _fast(compiled, raw) is None, raw
+            _same(raw)
+
+
 @pytest.mark.parametrize(
     "raw",
     [

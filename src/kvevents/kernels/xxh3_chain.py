@@ -119,7 +119,7 @@ def _mix16(t, j, s, si, seed):
     return _mul128_fold64(_word64(t, j) ^ (s[si] + seed), _word64(t, j + 2) ^ (s[si + 8] - seed))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # a call per block was half the chain's time
 def _xxh3_block(t, j, n, s, seed):
     """XXH3-64 of the n tokens t[j:j+n] (4*n bytes, 1 <= n <= 60) with ``seed``."""
     length = uint64(4 * n)
