@@ -196,8 +196,17 @@ class PrefixMatch(msgspec.Struct, gc=False):
     def by_holder(self) -> dict[Holder, HolderMatch]:
         """Every holder with a non-empty match, mapped to its per-tier lengths."""
         out: dict[Holder, HolderMatch] = {}
+        gpu, cpu, every = self.segments
+        if gpu is cpu is every:  # nothing offloaded: one list, GPU lengths only
+            holders, known = self.holders, len(self.holders)
+            for mask, length in gpu:
+                for slot in iter_bits(mask):
+                    holder = holders[slot] if slot < known else None
+                    if holder is not None:
+                        out[holder] = HolderMatch(length, 0, 0)
+            return out
         slots = 0
-        for mask, _ in self.segments[2]:
+        for mask, _ in every:
             slots |= mask
         for slot in iter_bits(slots):
             holder = self.holders[slot] if slot < len(self.holders) else None

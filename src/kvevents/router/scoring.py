@@ -208,21 +208,23 @@ def score(
     are idle; missing from ``predicted`` (or it None), they have no predicted blocks.
     Unavailable holders come last, whatever their cost.
     """
-    weights = weights or ScoringWeights()
-    zero = HolderMatch(0, 0, 0)
-    idle = HolderLoad()
-    held = [loads.get(h, idle) for h in holders]
-    least = min((load.recent_blocks for load in held if load.available), default=0.0)
+    weights = weights or _DEFAULT_WEIGHTS
+    get_load = loads.get
+    held = [get_load(h, _IDLE) for h in holders]
+    least = min([load.recent_blocks for load in held if load.available], default=0.0)
     gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
     load_weight, balance_weight = weights.load_weight, weights.balance_weight
     foreign_blocks = weights.foreign_request_blocks
     pcredit = weights.predicted_credit
-    out: list[HolderScore] = []
-    keys: list[tuple[bool, float, float, float, int, int]] = []
-    for i, (h, load) in enumerate(zip(holders, held, strict=True)):
-        m = matches.get(h, zero)
-        cached = m.gpu * gpu + m.cpu * cpu + m.disk * disk
-        p = predicted.get(h, 0) if predicted else 0
+    get_match = matches.get
+    get_predicted = predicted.get if predicted else None
+    ranked: list[tuple[bool, float, float, float, int, int, HolderScore]] = []
+    for i, h in enumerate(holders):
+        load = held[i]
+        m = get_match(h, _ZERO)
+        on_gpu, on_cpu, on_disk = m
+        cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
+        p = 0 if get_predicted is None else get_predicted(h, 0)
         if p:
             cached += p * pcredit
         prefill = n_blocks - cached if n_blocks > cached else 0.0
@@ -231,24 +233,40 @@ def score(
         recent = load.recent_blocks
         balance = recent - least if recent > least else 0.0
         cost = prefill + load_weight * pending + balance_weight * balance
-        out.append(
-            HolderScore(
-                worker=h.worker,
-                dp_rank=h.dp_rank,
-                matched=m,
-                cached_blocks=cached,
-                prefill_blocks=prefill,
-                pending_blocks=pending,
-                cost=cost,
-                routed=load.routed,
-                available=load.available,
-                recent_blocks=recent,
-                balance_blocks=balance,
-                predicted_blocks=p,
+        available, routed = load.available, load.routed
+        # i is unique, so the ranking never compares the scores themselves
+        ranked.append(
+            (
+                not available,
+                cost,
+                pending,
+                recent,
+                routed,
+                i,
+                HolderScore(
+                    worker=h.worker,
+                    dp_rank=h.dp_rank,
+                    matched=m,
+                    cached_blocks=cached,
+                    prefill_blocks=prefill,
+                    pending_blocks=pending,
+                    cost=cost,
+                    routed=routed,
+                    available=available,
+                    recent_blocks=recent,
+                    balance_blocks=balance,
+                    predicted_blocks=p,
+                ),
             )
         )
-        keys.append((not load.available, cost, pending, recent, load.routed, i))
-    return [out[k[-1]] for k in sorted(keys)]
+    ranked.sort()
+    return [entry[-1] for entry in ranked]
+
+
+_DEFAULT_WEIGHTS = ScoringWeights()
+_ZERO = HolderMatch(0, 0, 0)
+_IDLE = HolderLoad()
+"""The load of a holder missing from ``loads`` (read only: never handed out)."""
 
 
 def choose(scores: Sequence[HolderScore]) -> HolderScore:
