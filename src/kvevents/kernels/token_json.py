@@ -23,15 +23,20 @@ Import it through :func:`kvevents.kernels.load` (this module imports numba).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import int64, njit, uint32, uint64
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import trailing_zeros as _count_trailing_zeros
 
 __all__ = ["INPUT_IDS_KEY", "parse_leading_input_ids"]
 
 INPUT_IDS_KEY = np.frombuffer(b'"input_ids"', dtype=np.uint8).copy()
 """The key the body must start with, quotes included (passed in: numba reads it as an array)."""
 _MAX_ID = uint64(0xFFFFFFFF)
+_trailing_zeros: Any = _count_trailing_zeros
+"""LLVM's count of trailing zero bits (one instruction); typed Any, since mypy sees
+the intrinsic's compile-time signature."""
 
 
 _NO_NUMBER = uint64(1) << uint64(40)
@@ -64,7 +69,7 @@ def _eight_digits(word):
     stops = (x | (x + _PAST_NINE)) & _HIGH_BITS
     if stops == uint64(0):
         return _NO_NUMBER, _WORD, uint64(0)
-    width = uint64(trailing_zeros(stops)) >> uint64(3)  # bytes before the first stop
+    width = uint64(_trailing_zeros(stops)) >> uint64(3)  # bytes before the first stop
     digits = int64(width)
     if digits == 0 or (digits > 1 and (x & uint64(0xFF)) == uint64(0)):
         return _NO_NUMBER, digits, uint64(0)  # no digit, or a leading zero
