@@ -51,6 +51,11 @@ def _check(index: PrefixIndex, requests: list[list[int]]) -> None:
     for keys in requests:
         fast = index.match_keys(keys)
         assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
+        # the keys a request would predict on each holder: compiled, in C, and one by one
+        for slot in range(len(index._holders) + 1):  # and one slot nobody holds
+            one_by_one = [k for k in keys if not index._held_any(k, slot)]
+            assert index._not_held(keys, slot) == one_by_one, "compiled, for the predictions"
+            assert index._not_held(list(keys), slot) == one_by_one, "from the dict"
 
 
 def _index(**options: int) -> PrefixIndex:

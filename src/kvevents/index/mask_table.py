@@ -58,8 +58,8 @@ block costs measurably).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, repeat
-from operator import and_
+from itertools import accumulate, compress, repeat
+from operator import and_, not_
 from typing import TYPE_CHECKING
 
 from kvevents import kernels
@@ -201,6 +201,20 @@ class MaskTable:
         v = self._blocks.get(key, 0)
         w = self._width
         return bool((v | v >> w | v >> 2 * w) >> slot & 1)
+
+    def _not_held(self, keys: Sequence[int], slot: int) -> list[int]:
+        """The ``keys`` that ``slot`` holds in no tier, in order: :meth:`_held_any` for each
+        key, but in one compiled call over the mirror (or iterated in C) when nothing is
+        offloaded. A relayed request predicts its blocks through this, 128 of them at
+        2,048 tokens: a Python call per key was about 50 us of it."""
+        if self._offloaded:
+            return [k for k in keys if not self._held_any(k, slot)]
+        words = getattr(keys, "words", None)  # keys the kernel computed (kernels.KeyList)
+        mirror = None if words is None or self._width != 64 else self._synced_mirror()
+        if mirror is not None and words is not None:
+            return mirror.not_held(words, slot)
+        held = map(and_, map(self._blocks.get, keys, repeat(0)), repeat(1 << slot))
+        return list(compress(keys, map(not_, held)))
 
     def _clear_slot(self, slot: int) -> int:
         """Drop every block of a slot, every tier; returns the entries dropped. O(distinct blocks)."""

@@ -567,7 +567,7 @@ class PrefixIndex(GroupedMaskTable):
             return [], 0.0
         pred = self.predictions
         pred.expire()
-        new = [k for k in keys if not self._held_any(k, slot)]
+        new = self._not_held(keys, slot)
         room = self.max_entries - self._entries - pred.count
         if len(new) > room:
             pred.shrink(len(new) - room)

@@ -82,6 +82,7 @@ class Kernels:
         warm._grow(1)
         assert keys is not None
         warm.match(keys.words, 1)
+        warm.not_held(keys.words, 0)
 
     def mirror(self) -> MaskMirror:
         """A new, empty mirror of an index's block masks (:mod:`~kvevents.kernels.mask_mirror`)."""

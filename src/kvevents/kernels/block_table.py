@@ -14,7 +14,9 @@ the whole match one compiled call.
 * :func:`apply` sets or deletes (value 0) keys; deletion shifts the probe run back, so
   there are no tombstones and a lookup stops at the first empty slot.
 * :func:`match` is :meth:`MaskTable._segments` over the mirror: the running AND of the
-  masks from ``live``, cut into ``(holders dropped, blocks they hold)`` segments.
+  masks from ``live``, cut into ``(holders dropped, blocks they hold)`` segments;
+* :func:`not_held` picks the keys whose mask lacks a holder's bit (the blocks a
+  request sent there will add: its predictions).
 
 Import it through :func:`kvevents.kernels.load` (this module imports numba).
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
-__all__ = ["apply", "match", "rehash"]
+__all__ = ["apply", "match", "not_held", "rehash"]
 
 _MIX = uint64(0x9E3779B97F4A7C15)
 _SEGMENTS = 65  # at most one per holder (64), and the holders holding every block
@@ -137,3 +139,27 @@ def match(keys, table_keys, table_values, live):
         found += 1
         return dropped[:found], lengths[:found], n
     return dropped[:found], lengths[:found], 0
+
+
+@njit(cache=True)
+def not_held(keys, table_keys, table_values, bit):
+    """The ``keys`` whose mask lacks ``bit`` (absent keys included), in order."""
+    mask = uint64(len(table_keys) - 1)
+    out = np.empty(len(keys), dtype=np.uint64)
+    found = 0
+    for j in range(len(keys)):
+        key = keys[j]
+        i = _home(key, mask)
+        value = uint64(0)
+        while True:
+            slot = table_values[i]
+            if slot == 0:
+                break
+            if table_keys[i] == key:
+                value = slot
+                break
+            i = (i + uint64(1)) & mask
+        if value & bit == 0:
+            out[found] = key
+            found += 1
+    return out[:found]

@@ -62,6 +62,12 @@ class MaskMirror:
         )
         return list(zip(dropped.tolist(), lengths.tolist(), strict=True)), int(longest)
 
+    def not_held(self, words: np.ndarray, slot: int) -> list[int]:
+        """The keys of ``words`` (uint64) whose mask lacks ``slot``'s bit, in order."""
+        return block_table.not_held(  # type: ignore[no-any-return]
+            words, self._keys, self._values, np.uint64(1 << slot)
+        ).tolist()
+
     def _grow(self, n: int) -> None:
         """A larger table for ``n`` keys, filled from this one (not from the dict)."""
         keys, values = _table(_capacity(n))
