@@ -484,36 +484,37 @@ class Router:
 
     def begin(self, decision: RouteDecision) -> Ticket:
         """Count a request forwarded to the chosen holder as in-flight and recent load."""
-        self._record(decision)
-        load = self.loads[decision.holder]
+        holder = decision.holder  # a new Holder per read: read once
+        self._record(decision, holder)
+        load = self.loads[holder]
         blocks = decision.chosen.prefill_blocks
         load.inflight_requests += 1
         load.inflight_blocks += blocks
-        ticket = Ticket(decision.holder, blocks, next(self._tickets))
+        ticket = Ticket(holder, blocks, next(self._tickets))
         if self.predicting and decision.keys:
-            added = self._predict(decision)
+            added = self._predict(decision, holder)
             if added[0]:
                 self._predicted_keys[ticket.id] = added
         for listener in self.note_listeners:
-            listener("begin", decision.holder, decision.n_blocks, ticket)
+            listener("begin", holder, decision.n_blocks, ticket)
         return ticket
 
     def record(self, decision: RouteDecision) -> None:
         """Count a decision someone else acts on (``/route`` with ``record``) in ``recent``
         and ``routed``; no in-flight load, as the router never sees the request end.
         Its blocks are predicted on the holder until confirmed or expired."""
-        self._record(decision)
-        if self.predicting and decision.keys:
-            self._predict(decision)
-        for listener in self.note_listeners:
-            listener("routed", decision.holder, decision.n_blocks, None)
-
-    def _predict(self, decision: RouteDecision) -> tuple[list[int], float]:
-        self.predictions_made += 1
-        return self.index.predict(decision.holder, decision.keys)
-
-    def _record(self, decision: RouteDecision) -> None:
         holder = decision.holder
+        self._record(decision, holder)
+        if self.predicting and decision.keys:
+            self._predict(decision, holder)
+        for listener in self.note_listeners:
+            listener("routed", holder, decision.n_blocks, None)
+
+    def _predict(self, decision: RouteDecision, holder: Holder) -> tuple[list[int], float]:
+        self.predictions_made += 1
+        return self.index.predict(holder, decision.keys)
+
+    def _record(self, decision: RouteDecision, holder: Holder) -> None:
         load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
         load.routed += 1
         self.routes[holder] += 1
