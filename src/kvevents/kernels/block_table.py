@@ -149,6 +149,8 @@ def not_held(keys, table_keys, table_values, bit):
     found = 0
     for j in range(len(keys)):
         key = keys[j]
+        # match's probe loop, written out again: the tables passed to an inlined helper
+        # would cost numba a reference count in and out per key
         i = _home(key, mask)
         value = uint64(0)
         while True:
