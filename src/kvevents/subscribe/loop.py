@@ -198,6 +198,13 @@ class SubscriberLoop:
                 continue
             if st.replay.timed_out(now):
                 self._apply(st, st.tracker.on_replay_timeout(), now, out)
+                if st.tracker.suspect and not st.tracker.replaying:
+                    # A reconnect still unverified (the publisher's replay did not answer
+                    # yet): verify again after another quiet spell. The tail probe alone
+                    # fires once per quiet spell, so a restarted publisher whose first
+                    # live batches were missed (the SUB was still reconnecting) would
+                    # otherwise never be noticed until it published again.
+                    st.activity, st.probed = now, False
             elif (
                 probe is not None
                 and not st.probed

@@ -82,7 +82,9 @@ class StreamSockets:
             max_pending=max_pending,
         )
         self.counters = StreamCounters()
-        self.activity = 0.0  # when anything last arrived (or the stream was added)
+        # when anything last arrived, the stream was added, or an unverified reconnect's
+        # replay timed out: the tail probe's quiet clock
+        self.activity = 0.0
         self.probed = False  # a tail probe was sent since then
         self._reconnect_max_ms = reconnect_max_ms
         self._unreachable_reported = False
