@@ -11,6 +11,9 @@ engine's blocks.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
@@ -50,8 +53,10 @@ def test_killed_and_restarted_vllm_resets_every_rank_and_routing_follows(
             lambda r=rank: feed.holds(r, new[r]), FEED_TIMEOUT_S, f"rank {rank}'s new blocks"
         )
         router.wait_holds(rank, new[rank], bs, FEED_TIMEOUT_S)
-    streams = router.streams()
-    holders = {h["dp_rank"]: h for h in router.workers()["holders"] if h["worker"] == vllm.url}
+    # The router sees the restart on two paths that converge on their own schedules: the
+    # streams (a monitor event says connected) and the load poll (the next /load after
+    # the engine is back says available). Wait for both, bounded, then check them all.
+    streams, holders = _settled(router, vllm.url, vllm.dp_size, FEED_TIMEOUT_S)
     for rank in range(vllm.dp_size):
         assert streams[rank]["resets"] > resets_before[rank], streams[rank]
         assert streams[rank]["status"] == "connected", streams[rank]
@@ -78,3 +83,24 @@ def test_killed_and_restarted_vllm_resets_every_rank_and_routing_follows(
         assert routed.cached_tokens == 2 * bs
     resets = [s for s in feed.signals if isinstance(s, Reset)]
     assert sorted({s.dp_rank for s in resets}) == list(range(vllm.dp_size))
+
+
+def _settled(
+    router: RouterProcess, url: str, ranks: int, timeout: float
+) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """The router's streams and holders of ``url`` by rank, once every rank's stream is
+    connected and its holder available (or as they are when ``timeout`` passes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        streams = router.streams()
+        workers = router.workers()["holders"]
+        holders = {h["dp_rank"]: h for h in workers if h["worker"] == url}
+        if (
+            all(
+                streams[r]["status"] == "connected" and holders[r]["load"]["available"]
+                for r in range(ranks)
+            )
+            or time.monotonic() > deadline
+        ):
+            return streams, holders
+        time.sleep(0.2)
