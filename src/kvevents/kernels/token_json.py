@@ -147,6 +147,7 @@ def parse_leading_input_ids(body, key):
     else:
         wide_end = len(body) - 8  # an 8-byte read at i stays inside the body up to here
         while True:  # at a number, or whitespace before one
+            value = _NO_NUMBER
             if i <= wide_end:
                 # The word is read here, not in a helper: an array passed to a helper
                 # costs a reference count in and out, per id. The index is unsigned, so
@@ -180,15 +181,9 @@ def parse_leading_input_ids(body, key):
                         return empty, -1
                     i = start
                     continue
-                elif digits == _WORD:  # 8 digits or more: the long way
-                    value, i = _digits(body, i)
-                    if value == _NO_NUMBER:
-                        return empty, -1
-                    out[count] = uint32(value)
-                    count += 1
-                else:  # a leading zero
+                elif digits != _WORD:  # a leading zero
                     return empty, -1
-            else:  # too close to the body's end for an 8-byte read
+            if value == _NO_NUMBER:  # 8 digits or more, or too near the end for a word
                 value, i = _digits(body, _skip_ws(body, i))
                 if value == _NO_NUMBER:
                     return empty, -1
