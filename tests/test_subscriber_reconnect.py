@@ -10,6 +10,7 @@ from kvevents import KVEventBatch, Reset, StreamSpec, Subscriber
 from kvevents.wire.codec import encode_batch
 from kvevents.wire.frames import live_frames, replay_end_frames
 from subscriber_support import (
+    bind_local,
     collect,
     deliveries,
     recv_replay_request,
@@ -20,8 +21,8 @@ from subscriber_support import (
 TOPIC = b"kv"
 
 
-def _bind(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str) -> zmq.Socket[bytes]:
-    """A socket bound on ``address``, retried while a just-closed socket still holds it
+def _rebind(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str) -> zmq.Socket[bytes]:
+    """A socket bound again on ``address``, retried while a just-closed socket still holds it
     (ZMQ closes in its I/O thread, a moment after ``close()`` returns)."""
     deadline = time.monotonic() + 10.0
     while True:
@@ -45,10 +46,8 @@ def test_a_restart_whose_replay_answers_late_is_still_verified_and_reset(
     engine's first batch while reconnecting: the subscriber must keep verifying until the
     replay answers, and then reset the stream. It used to verify twice (on reconnect, and
     one tail probe) and then wait for a live batch that might never come."""
-    xpub = _bind(zmq_context, zmq.XPUB, "tcp://127.0.0.1:0")
-    live = xpub.last_endpoint.decode()
-    router = _bind(zmq_context, zmq.ROUTER, "tcp://127.0.0.1:0")
-    replay = router.last_endpoint.decode()
+    xpub, live = bind_local(zmq_context, zmq.XPUB)
+    router, replay = bind_local(zmq_context, zmq.ROUTER)
     spec = StreamSpec.from_endpoint(live, replay_endpoint=replay, topic=TOPIC.decode())
     sub = Subscriber(streams=[spec], replay_timeout=0.3, tail_probe=0.3, retry_max=0.2)
     try:
@@ -65,8 +64,8 @@ def test_a_restart_whose_replay_answers_late_is_still_verified_and_reset(
         # The publisher restarts on the same ports and publishes nothing.
         xpub.close()
         router.close()
-        xpub = _bind(zmq_context, zmq.XPUB, live)
-        router = _bind(zmq_context, zmq.ROUTER, replay)
+        xpub = _rebind(zmq_context, zmq.XPUB, live)
+        router = _rebind(zmq_context, zmq.ROUTER, replay)
         ignored = [recv_replay_request(router)[1] for _ in range(2)]
         assert ignored == [2, 2]  # both verify the last batch delivered
         identity, start = recv_replay_request(router)

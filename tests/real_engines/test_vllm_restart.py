@@ -11,11 +11,8 @@ engine's blocks.
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import pytest
-from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
+from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient, wait_until
 from real_vllm_router import RouterProcess, words
 
 from kvevents import Reset
@@ -56,7 +53,13 @@ def test_killed_and_restarted_vllm_resets_every_rank_and_routing_follows(
     # The router sees the restart on two paths that converge on their own schedules: the
     # streams (a monitor event says connected) and the load poll (the next /load after
     # the engine is back says available). Wait for both, bounded, then check them all.
-    streams, holders = _settled(router, vllm.url, vllm.dp_size, FEED_TIMEOUT_S)
+    wait_until(
+        lambda: _settled(router, vllm.url, vllm.dp_size),
+        FEED_TIMEOUT_S,
+        "every rank's stream connected and its holder available",
+    )
+    streams = router.streams()
+    holders = {h["dp_rank"]: h for h in router.workers()["holders"] if h["worker"] == vllm.url}
     for rank in range(vllm.dp_size):
         assert streams[rank]["resets"] > resets_before[rank], streams[rank]
         assert streams[rank]["status"] == "connected", streams[rank]
@@ -85,22 +88,11 @@ def test_killed_and_restarted_vllm_resets_every_rank_and_routing_follows(
     assert sorted({s.dp_rank for s in resets}) == list(range(vllm.dp_size))
 
 
-def _settled(
-    router: RouterProcess, url: str, ranks: int, timeout: float
-) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-    """The router's streams and holders of ``url`` by rank, once every rank's stream is
-    connected and its holder available (or as they are when ``timeout`` passes)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        streams = router.streams()
-        workers = router.workers()["holders"]
-        holders = {h["dp_rank"]: h for h in workers if h["worker"] == url}
-        if (
-            all(
-                streams[r]["status"] == "connected" and holders[r]["load"]["available"]
-                for r in range(ranks)
-            )
-            or time.monotonic() > deadline
-        ):
-            return streams, holders
-        time.sleep(0.2)
+def _settled(router: RouterProcess, url: str, ranks: int) -> bool:
+    """Every rank's stream of ``url`` is connected and its holder available."""
+    streams = router.streams()
+    holders = {h["dp_rank"]: h for h in router.workers()["holders"] if h["worker"] == url}
+    return all(
+        streams[r]["status"] == "connected" and holders[r]["load"]["available"]
+        for r in range(ranks)
+    )
