@@ -119,12 +119,32 @@ def test_a_repeated_prompt_key_reads_as_the_whole_decode_reads_it() -> None:
 def test_with_rank_decodes_the_body_itself_when_it_must() -> None:
     """The fast path passes no decoded body: a body naming a rank key is decoded then."""
     raw = b'{"prompt": [1, 2], "data_parallel_rank": 3}'
-    assert msgspec.json.decode(_with_rank(raw, None, 1)) == {"prompt": [1, 2], "routed_dp_rank": 1}
-    plain = b'{"prompt": [1, 2]}'
-    assert msgspec.json.decode(_with_rank(plain, None, 2)) == {
+    assert msgspec.json.decode(_with_rank(raw, None, 1, True)) == {
         "prompt": [1, 2],
-        "routed_dp_rank": 2,
+        "routed_dp_rank": 1,
     }
+    plain = b'{"prompt": [1, 2]} '
+    assert _with_rank(plain, None, 2, False) == b'{"prompt": [1, 2],"routed_dp_rank":2}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [1, 2], "routed_dp_rank": 3}',
+        b'{"prompt": [1, 2], "data_parallel_rank": null}',
+        b'{"prompt": [1, 2], "routed\\u005fdp_rank": 3}',  # the same key, escaped
+        b'{"prompt": [1, 2], "data_parallel_ran\\u006b": 0}',
+    ],
+)
+def test_a_named_rank_is_seen_however_spelled_and_the_body_rewritten(raw: bytes) -> None:
+    """Appending the rank to a body naming one would give a repeated key (each engine
+    then reads its own): both decoders see the rank key, and the body is rewritten."""
+    fast = token_prompt(raw)
+    assert fast is not None and fast[1].names_rank
+    assert _whole(raw)[1].names_rank
+    sent = _with_rank(raw, None, 1, fast[1].names_rank)
+    assert sent.count(b"rank") == 1
+    assert msgspec.json.decode(sent) == {"prompt": [1, 2], "routed_dp_rank": 1}
 
 
 def test_without_kernels_nothing_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -322,7 +322,7 @@ class OpenAIRelay:
             headers[RANK_HEADER] = str(decision.dp_rank)
             content = raw
         else:
-            content = _with_rank(raw, body, decision.dp_rank)
+            content = _with_rank(raw, body, decision.dp_rank, fields.names_rank)
         shown = list(decision_headers(decision, prompt_tokens).items())
         ticket = router.begin(decision)
         try:
@@ -396,21 +396,16 @@ async def _until_gone(
         raise error  # a bug, not the client leaving: let the server log it
 
 
-def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int) -> bytes:
+def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: bool) -> bytes:
     """The body for an SGLang or kvevents engine: ``routed_dp_rank: rank`` set, a client's
-    ``data_parallel_rank`` removed. When the raw body names no rank key and holds no
-    ``\\u`` escape (so no key can name one unseen), the key is appended to its bytes;
-    else the decoded body (``body``, or ``raw`` decoded now when None) is changed and
-    encoded again (2,048 token ids: tens of µs). ``raw`` is a non-empty JSON object."""
-    end = raw.rstrip()
-    if (
-        body != {}
-        and end.endswith(b"}")
-        and b"dp_rank" not in raw
-        and b"data_parallel_rank" not in raw
-        and b"\\u" not in raw
-    ):
-        return b'%s,"routed_dp_rank":%d}' % (end[:-1], rank)
+    ``data_parallel_rank`` removed. When the body names neither (``names_rank``, read by
+    the decoder, which resolves escaped keys), the key is appended to its bytes; else the
+    decoded body (``body``, or ``raw`` decoded now when None) is changed and encoded again
+    (2,048 token ids: tens of µs). ``raw`` is a non-empty JSON object."""
+    if not names_rank and body != {}:
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return b"".join((memoryview(end)[:-1], b',"routed_dp_rank":%d}' % rank))
     if body is None:
         body = _json_object(raw, "completions")
     body.pop("data_parallel_rank", None)
