@@ -23,6 +23,14 @@ synchronously, such as text to tokenize, or a missing API key), the request beco
 ordinary ASGI cycle with the body already read, so every request is answered by the
 app, one way or the other, exactly once.
 
+An :class:`AsyncInlineApp` may also answer some paths with a coroutine (the router's
+relay, which awaits the engine): the protocol runs it as a task and writes its answer
+the same way, head and body in one write. Until then, uvicorn sees a stand-in for its
+request cycle, so a request arriving meanwhile waits behind it as a pipelined one does,
+a shutdown makes the answer the connection's last, and nothing is written to a client
+that went away. For the relay this saved what the ASGI cycle cost it: its scope,
+middleware, ``receive`` and the two checked writes of ``send``.
+
 :func:`protocol_for` picks the protocol class for uvicorn's ``http`` option: this one
 when the app is an :class:`InlineApp`, uvicorn's own otherwise, and uvicorn's own too if
 its protocol does not have the members this subclass relies on (another uvicorn
@@ -33,9 +41,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["InlineApp", "protocol_for"]
+__all__ = ["AsyncInlineApp", "InlineAnswer", "InlineApp", "protocol_for"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,50 @@ class InlineApp(Protocol):
         ...
 
 
+InlineAnswer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""An answer computed asynchronously: status, headers (no ``content-length`` or
+``connection``: the protocol writes those), body."""
+
+
+@runtime_checkable
+class AsyncInlineApp(InlineApp, Protocol):
+    """An inline app that can also answer some POSTs with a coroutine, written whole."""
+
+    async_inline_paths: frozenset[bytes]
+    """Raw request paths whose answers may come from :meth:`answer_async_inline`."""
+
+    def answer_async_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """The answer to come, or None to have the request served as ASGI instead (as
+        :meth:`InlineApp.answer_inline`). Only for answers written whole (no stream)."""
+        ...
+
+
+class _Exchange:
+    """Stands in for uvicorn's request cycle while an asynchronous inline answer is
+    pending: a request that arrives meanwhile is queued behind it as uvicorn queues
+    pipelined requests, and a lost connection or a shutdown is recorded on it."""
+
+    __slots__ = ("disconnected", "keep_alive", "response_complete")
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        self.disconnected = False
+        self.response_complete = False
+
+    @property
+    def message_event(self) -> _Exchange:
+        return self  # uvicorn sets it when the connection is lost: nothing waits on it
+
+    def set(self) -> None:
+        pass
+
+
+_PLAIN_500 = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error")
+"""What uvicorn answers when an ASGI app raises; the asynchronous inline path does too."""
+
+
 def _subclass() -> type[Any] | None:
     """The inline protocol class, or None when uvicorn's protocol cannot carry it."""
     try:
@@ -79,6 +132,12 @@ def _subclass() -> type[Any] | None:
             super().__init__(*args, **kwargs)
             app = self.config.app
             self._inline_app: InlineApp | None = app if isinstance(app, InlineApp) else None
+            self._async_app: AsyncInlineApp | None = (
+                app if isinstance(app, AsyncInlineApp) else None
+            )
+            self._async_paths: frozenset[bytes] = getattr(
+                self._async_app, "async_inline_paths", frozenset()
+            )
             self._inline_path: bytes | None = None
             self._inline_body: list[bytes] = []
             self._close_after = False
@@ -100,7 +159,7 @@ def _subclass() -> type[Any] | None:
             if self.flow.write_paused:  # a client not reading: uvicorn's back-pressure
                 return None
             path = self.url.partition(b"?")[0]
-            if path not in app.inline_paths:
+            if path not in app.inline_paths and path not in self._async_paths:
                 return None
             length = 0
             for name, value in self.headers:
@@ -132,21 +191,22 @@ def _subclass() -> type[Any] | None:
             self._inline_path = None
             body = b"".join(self._inline_body)
             self._inline_body = []
+            if path in self._async_paths:
+                assert self._async_app is not None
+                pending = self._async_app.answer_async_inline(path, self.headers, body)
+                if pending is None:
+                    self._serve_as_asgi(body)
+                else:
+                    self._answer_later(pending)
+                return
             app = self._inline_app
             assert app is not None
             answered = app.answer_inline(path, self.headers, body)
-            if answered is None:  # the app's ASGI side answers it, body already read
-                super().on_headers_complete()
-                self.cycle.body += body
-                self.cycle.more_body = False
-                self.cycle.message_event.set()
+            if answered is None:
+                self._serve_as_asgi(body)
                 return
             status, answer = answered
-            keep_alive = (
-                not self._close_after
-                and self.parser.get_http_version() != "1.0"
-                and self.parser.should_keep_alive()
-            )
+            keep_alive = self._keep_alive()
             # the status line exactly as uvicorn writes it on the ASGI path
             head = b"%scontent-type: application/json\r\ncontent-length: %d\r\n" % (
                 STATUS_LINE[status],
@@ -157,6 +217,50 @@ def _subclass() -> type[Any] | None:
                 self.on_response_complete()  # uvicorn's keep-alive timer and pipelining
             else:
                 self.transport.write(head + b"connection: close\r\n\r\n" + answer)
+                self.transport.close()
+
+        def _keep_alive(self) -> bool:
+            return (
+                not self._close_after
+                and self.parser.get_http_version() != "1.0"
+                and self.parser.should_keep_alive()
+            )
+
+        def _serve_as_asgi(self, body: bytes) -> None:
+            """The app's ASGI side answers the request, its body already read."""
+            super().on_headers_complete()
+            self.cycle.body += body
+            self.cycle.more_body = False
+            self.cycle.message_event.set()
+
+        def _answer_later(self, pending: Awaitable[InlineAnswer]) -> None:
+            exchange = _Exchange(self._keep_alive())
+            self.cycle = exchange  # type: ignore[assignment]  # uvicorn's callbacks see it
+            task = self.loop.create_task(self._write_when_ready(pending, exchange))
+            task.add_done_callback(self.tasks.discard)  # uvicorn's shutdown waits for them
+            self.tasks.add(task)
+
+        async def _write_when_ready(
+            self, pending: Awaitable[InlineAnswer], exchange: _Exchange
+        ) -> None:
+            try:
+                status, headers, answer = await pending
+            except Exception:
+                log.exception("the app failed answering a request")
+                status, headers, answer = _PLAIN_500
+            exchange.response_complete = True
+            if exchange.disconnected or self.transport.is_closing():
+                return  # the client went away: as uvicorn's cycle, nothing is written
+            lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status]
+            lines.extend(b"%s: %s\r\n" % header for header in headers)
+            lines.append(b"content-length: %d\r\n" % len(answer))
+            if exchange.keep_alive:
+                lines += (b"\r\n", answer)
+                self.transport.write(b"".join(lines))
+                self.on_response_complete()  # the next pipelined request, or keep-alive
+            else:
+                lines += (b"connection: close\r\n\r\n", answer)
+                self.transport.write(b"".join(lines))
                 self.transport.close()
 
     return InlineHttpToolsProtocol

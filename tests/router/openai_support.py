@@ -4,7 +4,8 @@
 
 * ``POST /v1/completions``: records ``(headers, raw body)``; answers a completion whose
   ``usage.prompt_tokens_details.cached_tokens`` is :attr:`FakeEngine.cached_tokens`.
-  A body with ``fail_status`` answers that status with an error. With ``"stream": true``
+  A body with ``delay_s`` is answered that many seconds late; one with ``fail_status``
+  answers that status with an error. With ``"stream": true``
   it sends :attr:`FakeEngine.chunks` SSE chunks ``data: {"i": n}``,
   then ``data: [DONE]``; after the first chunk it waits (at most 20 s) until the test
   calls :meth:`FakeEngine.release`, so a test can prove chunks are relayed as they come.
@@ -70,6 +71,8 @@ class FakeEngine:
             raw = await request.body()
             self.received.append((dict(request.headers), raw))
             body = json.loads(raw)
+            if "delay_s" in body:
+                await asyncio.sleep(body["delay_s"])
             if "fail_status" in body:
                 error = {"error": {"message": "asked to fail", "code": body["fail_status"]}}
                 return JSONResponse(error, status_code=body["fail_status"])

@@ -57,6 +57,7 @@ import msgspec
 from kvevents.errors import RouterNotReadyError
 from kvevents.granian_serving import AsgiOverRsgi
 from kvevents.http_auth import ApiKey, ASGIApp, Send, send_unauthorized
+from kvevents.http_inline import InlineAnswer
 from kvevents.router.bodies import (
     DEFAULT_MAX_BODY_BYTES,
     BodyTooLarge,
@@ -233,6 +234,8 @@ class HotPath:
             service.defer(prepare)
         self.inline_paths = frozenset({b"/route", b"/query"})
         """Answered from uvicorn's parser callbacks when they can be (:meth:`answer_inline`)."""
+        self.async_inline_paths = frozenset(path.encode("latin-1") for path in RELAYED)
+        """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`)."""
         self.inline_limit = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -344,6 +347,17 @@ class HotPath:
         except Exception:  # any other error is a 500, as the ASGI side answers it
             log.exception("the router failed answering %s", path.decode("latin-1"))
             return 500, _error("internal error: see the router's log")
+
+    def answer_async_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """An OpenAI route relayed from uvicorn's parser callbacks, its answer written whole
+        (:mod:`kvevents.http_inline`); None, to serve it as ASGI, when the key is missing
+        or wrong or the relay cannot take it that way (:meth:`OpenAIRelay.inline`)."""
+        key = self.api_key
+        if key is not None and not key.matches(headers):
+            return None
+        return self.relay.inline(RELAYED[path.decode("latin-1")], headers, body)
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)

@@ -198,13 +198,33 @@ class OpenAIRelay:
         self.service = service
         self.max_body_bytes = max_body_bytes
 
+    def inline(
+        self, chat: bool, raw_headers: list[tuple[bytes, bytes]], raw: bytes
+    ) -> Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]] | None:
+        """The answer to come for a request whose answer is written whole, or None when
+        it may be a stream or needs more than the plain decode (a chat, text, a batch,
+        anything to refuse): the ASGI path (:meth:`asgi`) answers those."""
+        if chat:
+            return None
+        fast = token_prompt(raw)
+        if fast is None or fast[1].stream is True:
+            return None
+        return self._inline(_forwarded(raw_headers), raw, *fast)
+
+    async def _inline(
+        self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        try:
+            answer = await self._forward(False, headers, raw, fields, None, [tokens])
+        except OpenAIError as exc:
+            answer = Answer.error(exc)
+        assert answer.stream is None, "a body that does not ask for a stream gets none"
+        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+        return answer.status, raw_headers, answer.body
+
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one ASGI request for a path of :data:`RELAYED`."""
-        headers = {}
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name not in _DROP_HEADERS:
-                headers[name] = v.decode("latin-1")
+        headers = _forwarded(scope["headers"])
         try:
             raw = await read_body(scope, receive, self.max_body_bytes)
             answer = await self.answer(RELAYED[scope["path"]], headers, raw)
@@ -394,6 +414,16 @@ async def _until_gone(
         error, (asyncio.CancelledError, OSError, RuntimeError)
     ):
         raise error  # a bug, not the client leaving: let the server log it
+
+
+def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The client's headers that go on to the engine (see :data:`_DROP_HEADERS`)."""
+    headers = {}
+    for k, v in raw_headers:
+        name = k.decode("latin-1")
+        if name not in _DROP_HEADERS:
+            headers[name] = v.decode("latin-1")
+    return headers
 
 
 def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: bool) -> bytes:

@@ -1,0 +1,264 @@
+"""The relay answered from uvicorn's parser callbacks answers exactly as through ASGI.
+
+A completions body whose prompt is one list of token ids, not asking for a stream, is
+relayed by a coroutine the inline protocol runs (:mod:`kvevents.http_inline`,
+:meth:`OpenAIRelay.inline`), its answer written whole. Two real uvicorn servers on
+loopback serve one router service in front of a fake engine: one through the inline
+protocol, one through uvicorn's own (the same app behind a plain ASGI function). Raw
+sockets check pipelining order, a client that leaves before its answer, and a shutdown
+while an answer is on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Literal
+
+import httpx
+import pytest
+from openai_support import FakeEngine
+
+from kvevents import Holder, Router, kernels
+from kvevents.http_inline import AsyncInlineApp, protocol_for
+from kvevents.http_serving import bind_http, start_http
+from kvevents.router.app import create_app
+from kvevents.router.hot_path import HotPath
+from kvevents.router.service import RouterService
+from kvevents.subscribe.engine_spec import EngineSpec
+from kvevents.wire.hashing import content_keys
+
+BS = 4
+PROMPT = list(range(500, 540))
+TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> kernels.Kernels:
+    loaded = kernels.load()  # the inline relay takes token prompts the kernels read
+    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[FakeEngine]:
+    fake = FakeEngine()
+    yield fake
+    fake.close()
+
+
+class _Counting(HotPath):
+    """The router's hot path, counting the requests it relayed inline."""
+
+    relayed_inline = 0
+
+    def answer_async_inline(self, *args: Any) -> Any:
+        pending = super().answer_async_inline(*args)
+        if pending is not None:
+            type(self).relayed_inline += 1
+        return pending
+
+
+class _Plane:
+    def __init__(self, service: RouterService, inline: str, plain: str, server: Any) -> None:
+        self.service, self.inline, self.plain, self.server = service, inline, plain, server
+
+    def inflight(self) -> int:
+        return sum(load.inflight_requests for load in self.service.router.loads.values())
+
+
+async def _serve(app: Any, lifespan: Literal["on", "off"]) -> tuple[str, Any, Any]:
+    sock = bind_http("127.0.0.1", 0, "test server")
+    server, task = await start_http(app, sock, lifespan=lifespan)
+    return f"127.0.0.1:{sock.getsockname()[1]}", server, task
+
+
+def _run(engine: FakeEngine, kind: str, check: Callable[[_Plane], Awaitable[None]]) -> None:
+    async def go() -> None:
+        router = Router(block_size=BS)
+        spec = EngineSpec.create(
+            engine.url, kv_endpoint="tcp://127.0.0.1:5999", dp_size=2, kind=kind, block_size=BS
+        )
+        service = RouterService(router, [spec], load_interval=60.0)
+        router.index.store_keys(Holder(engine.url, 1), content_keys(PROMPT, BS))
+        built = create_app(service)
+        hot = _Counting(service, built.fallback, open_paths=built.open_paths)
+        assert isinstance(hot, AsyncInlineApp) and protocol_for(hot, "httptools") != "httptools"
+
+        async def plain(scope: Any, receive: Any, send: Any) -> None:  # no inline answer
+            await hot(scope, receive, send)
+
+        inline_at, s1, t1 = await _serve(hot, "on")  # the service starts and stops once
+        plain_at, s2, t2 = await _serve(plain, "off")
+        try:
+            await check(_Plane(service, inline_at, plain_at, s1))
+        finally:
+            s1.should_exit = s2.should_exit = True
+            await asyncio.wait_for(asyncio.gather(t1, t2), 20.0)
+
+    asyncio.run(go())
+
+
+def _bodies() -> list[bytes]:
+    ids = {"model": "m", "prompt": PROMPT, "max_tokens": 1}
+    return [
+        json.dumps(ids).encode(),
+        json.dumps({**ids, "routed_dp_rank": 0}).encode(),  # rewritten, not appended to
+        json.dumps({**ids, "data_parallel_rank": 0}).encode(),
+        json.dumps({**ids, "fail_status": 503}).encode(),  # the engine's error, relayed
+        json.dumps({**ids, "stream": True}).encode(),  # a stream: the ASGI path
+        json.dumps({"prompt": "w1 w2 w3", "max_tokens": 1}).encode(),  # text: the ASGI path
+        json.dumps({**ids, "prompt": [PROMPT, PROMPT[:8]]}).encode(),  # a batch: ASGI
+        b'{"prompt": [1, -2]}',  # refused in the whole decode's words
+        b"{not json",
+    ]
+
+
+_SHOWN = ("content-type", "x-kvevents-worker", "x-kvevents-dp-rank", "x-kvevents-matched-tokens")
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_inline_relay_answers_and_forwards_as_the_asgi_relay(engine: FakeEngine, kind: str) -> None:
+    """Same status, answer and decision headers both ways, and the engine receives the
+    same request (body, rank header) both ways."""
+
+    async def check(plane: _Plane) -> None:
+        before = _Counting.relayed_inline
+        engine.release()  # its streams run to the end at once
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            for raw in _bodies():
+                seen = []
+                for at in (plane.inline, plane.plain):
+                    answer = await client.post(
+                        f"http://{at}/v1/completions",
+                        content=raw,
+                        headers={"content-type": "application/json", "x-trace": "t1"},
+                    )
+                    sent = engine.received[-1] if engine.received else None
+                    shown = tuple(answer.headers.get(h) for h in _SHOWN)
+                    seen.append((answer.status_code, answer.content, shown, sent))
+                    engine.received.clear()
+                assert seen[0][:3] == seen[1][:3], raw
+                if seen[0][3] is not None:
+                    (h1, b1), (h2, b2) = seen[0][3], seen[1][3]
+                    assert b1 == b2 and h1.get("x-trace") == h2.get("x-trace") == "t1"
+                    assert h1.get("x-data-parallel-rank") == h2.get("x-data-parallel-rank")
+        assert _Counting.relayed_inline - before == 4  # the first four bodies
+        assert plane.inflight() == 0
+
+    _run(engine, kind, check)
+
+
+def _post(path: bytes, body: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (path, len(body), body)
+    )
+
+
+def _raw(at: str, data: bytes, answers: int) -> list[bytes]:
+    """Send ``data`` in one write; read ``answers`` whole HTTP answers (content-length)."""
+    host, port = at.split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(data)
+        buffer, out = b"", []
+        while len(out) < answers:
+            head, sep, rest = buffer.partition(b"\r\n\r\n")
+            if sep:
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                if len(rest) >= length:
+                    out.append(head + sep + rest[:length])
+                    buffer = rest[length:]
+                    continue
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed after {len(out)} of {answers} answers"
+            buffer += chunk
+        return out
+
+
+def _body(answer: bytes) -> Any:
+    return json.loads(answer.partition(b"\r\n\r\n")[2])
+
+
+def test_pipelined_requests_around_a_relayed_one_keep_their_order(engine: FakeEngine) -> None:
+    """A slow relayed completion, then /route, /health and another completion, in one
+    write: four answers, in the order asked, the requests behind it waiting for it."""
+
+    async def check(plane: _Plane) -> None:
+        slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
+        fast = json.dumps({"prompt": PROMPT[:8], "max_tokens": 1}).encode()
+        data = (
+            _post(b"/v1/completions", slow)
+            + _post(b"/route", json.dumps({"input_ids": PROMPT}).encode())
+            + b"GET /health HTTP/1.1\r\nhost: test\r\n\r\n"
+            + _post(b"/v1/completions", fast)
+        )
+        answers = await asyncio.to_thread(_raw, plane.inline, data, 4)
+        assert [int(a.split(b" ", 2)[1]) for a in answers] == [200, 200, 200, 200]
+        assert _body(answers[0])["object"] == "text_completion"
+        assert _body(answers[1])["dp_rank"] == 1
+        assert _body(answers[2]) == {"status": "ok"}
+        assert b"x-kvevents-prompt-tokens: 8" in answers[3]
+        assert plane.inflight() == 0
+
+    _run(engine, "sglang", check)
+
+
+def test_a_client_leaving_before_its_answer_ends_the_request(engine: FakeEngine) -> None:
+    """The engine's answer comes after the client left: nothing is written, the request
+    leaves the in-flight count, and the server goes on answering."""
+
+    async def check(plane: _Plane) -> None:
+        slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
+        host, port = plane.inline.split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_post(b"/v1/completions", slow))
+        await writer.drain()
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while plane.inflight() == 0:  # forwarded, the engine not answered yet
+            assert asyncio.get_running_loop().time() < deadline, "never forwarded"
+            await asyncio.sleep(0.01)
+        writer.close()
+        while plane.inflight() != 0:
+            assert asyncio.get_running_loop().time() < deadline, "the request never ended"
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            answer = await client.post(
+                f"http://{plane.inline}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 1},
+            )
+        assert answer.status_code == 200 and answer.headers["x-kvevents-dp-rank"] == "1"
+
+    _run(engine, "sglang", check)
+
+
+def test_a_shutdown_while_the_engine_answers_gets_the_answer_then_closes(
+    engine: FakeEngine,
+) -> None:
+    """uvicorn's graceful shutdown waits for the relayed answer, which says
+    ``connection: close``, and the connection then closes."""
+
+    async def check(plane: _Plane) -> None:
+        slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
+        host, port = plane.inline.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_post(b"/v1/completions", slow))
+        await writer.drain()
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while plane.inflight() == 0:
+            assert asyncio.get_running_loop().time() < deadline, "never forwarded"
+            await asyncio.sleep(0.01)
+        plane.server.should_exit = True
+        answer = await asyncio.wait_for(reader.read(), TIMEOUT)  # to EOF: the server closes
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert b"connection: close" in answer.lower()
+        assert _body(answer)["object"] == "text_completion"
+
+    _run(engine, "sglang", check)
