@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvevents import kernels
-from kvevents.router.completion_body import RelayFields, token_prompt
+from kvevents.router.completion_body import RelayFields, _beside_the_prompt, token_prompt
 from kvevents.router.openai_relay import OpenAIError, _with_rank, prompts_of
 
 U32 = 2**32 - 1
@@ -72,6 +72,11 @@ def test_token_prompt_equals_the_whole_decode(
     want_tokens, want_fields = _whole(raw)
     assert list(tokens) == want_tokens
     assert fields == want_fields
+    beside = _beside_the_prompt(kernels.loaded(), raw)  # the usual case's own path
+    if b"\\u" in raw:  # an escape (json.dumps writes them for text): it may decline
+        assume(beside is not None)
+    assert beside is not None
+    assert list(beside[0]) == want_tokens and beside[1] == want_fields
 
 
 @pytest.mark.parametrize(
@@ -90,6 +95,9 @@ def test_token_prompt_equals_the_whole_decode(
         b'{"prompt": {"a": 1}}',
         b'{"prompt": null}',
         b'{"model": "m"}',  # no prompt
+        b'{"meta": {"prompt": [9]}}',  # a "prompt" array, but not the body's own
+        b'{"prompt": [9], "prompt": 0}',  # the last prompt counts: not a list
+        b'{"prompt": [9], "pr\\u006fmpt": 0}',  # the same, its key escaped
         b'{"prompt": [1, 2]',  # not JSON
         b'[{"prompt": [1]}]',  # not an object
         b'{"prompt": [1, 2], "model": }',
@@ -114,6 +122,47 @@ def test_a_repeated_prompt_key_reads_as_the_whole_decode_reads_it() -> None:
     assert fast is not None
     assert list(fast[0]) == _whole(raw)[0] == [7, 8]  # the last one, as a dict keeps it
     assert token_prompt(b'{"prompt": [1, 2, 3], "prompt": "text"}') is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"meta": {"prompt": [9]}, "prompt": [1, 2]}',  # a nested "prompt" first
+        b'{"x": "\\"prompt", "prompt": [1, 2]}',  # a string ending in "prompt
+        b'{"suffix": "a \\"prompt\\"", "prompt": [1, 2]}',
+        b'{"prompt": [9], "pr\\u006fmpt": [1, 2]}',  # the same key again, escaped
+        b'{"prompt": [9], "prompt": [1, 2]}',
+        b'{"prompt": [9], "x": {"prompt": 0}, "prompt": [1, 2]}',
+        b' \n{ "prompt" : [1, 2] , "model": "m"}\n',
+    ],
+)
+def test_the_text_search_for_the_prompt_never_reads_another_member(raw: bytes) -> None:
+    """The kernel reads the array after the first ``"prompt"`` in the text: where that
+    is not the object's own prompt, the body is read the slower way, and both give the
+    whole decode's ids (or neither takes it)."""
+    beside = _beside_the_prompt(kernels.loaded(), raw)
+    fast = token_prompt(raw)
+    assert fast is not None
+    want = _whole(raw)
+    assert (list(fast[0]), fast[1]) == want
+    if beside is not None:
+        assert (list(beside[0]), beside[1]) == want
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"x": "\\"prompt": [1, 2], "y": 1}',  # not JSON, though the array parses
+        b'{"prompt": [1, 2], "model": }',
+        b'{"prompt": [1, 2],, "model": "m"}',
+        b'{"prompt": [1, 2]] }',
+    ],
+)
+def test_a_body_that_is_not_json_is_never_taken(raw: bytes) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.json.decode(raw)
+    assert _beside_the_prompt(kernels.loaded(), raw) is None
+    assert token_prompt(raw) is None
 
 
 def test_with_rank_decodes_the_body_itself_when_it_must() -> None:

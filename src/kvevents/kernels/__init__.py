@@ -100,12 +100,20 @@ class Kernels:
         keys.words = chained
         return keys
 
-    def parse_input_ids(self, body: bytes) -> tuple[array[int], int] | None:
+    def parse_input_ids(
+        self, body: bytes, lead: bytes | None = None
+    ) -> tuple[array[int], int] | None:
         """The ids of a body that starts with a plain ``"input_ids"`` array, and the
-        index of the ``,`` or ``}`` after it; None for any other body."""
+        index of the ``,`` or ``}`` after it; None for any other body.
+
+        ``lead``: instead of ``"input_ids"``, the bytes the body has between its ``{``
+        (and whitespace) and the ``:`` of the array wanted, ending with that array's
+        key; the caller must check that the key is a member of the object itself
+        (:func:`kvevents.router.completion_body.token_prompt` does)."""
         np = self._np
+        key = self._key if lead is None else np.frombuffer(lead, dtype=np.uint8).copy()
         # bytes() keeps the one type the kernel was compiled for (a no-op on bytes)
-        ids, end = self._parse(np.frombuffer(bytes(body), dtype=np.uint8), self._key)
+        ids, end = self._parse(np.frombuffer(bytes(body), dtype=np.uint8), key)
         if end < 0:
             return None
         tokens = array("I")

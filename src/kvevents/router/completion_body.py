@@ -64,6 +64,8 @@ class _PromptBody(RelayFields):
 
 _DECODER = msgspec.json.Decoder(_PromptBody)
 _WRAP_HEAD = b'{"input_ids":'
+_PROMPT_KEY = b'"prompt"'
+_WHITESPACE = b" \t\r\n"
 
 
 def token_prompt(raw: bytes) -> tuple[array[int], RelayFields] | None:
@@ -72,6 +74,46 @@ def token_prompt(raw: bytes) -> tuple[array[int], RelayFields] | None:
     compiled = kernels.loaded()
     if compiled is None:
         return None
+    return _beside_the_prompt(compiled, raw) or _around_the_prompt(compiled, raw)
+
+
+def _beside_the_prompt(
+    compiled: kernels.Kernels, raw: bytes
+) -> tuple[array[int], RelayFields] | None:
+    """The usual body, read without decoding the prompt twice: the kernel reads the
+    array after the first ``"prompt"`` in the text, and msgspec decodes the body with
+    that array replaced by ``0`` (a few hundred bytes). The array was the object's own
+    ``prompt`` exactly when that decode finds a valid object whose ``prompt`` is that
+    ``0`` and the shortened text has no other ``"prompt"`` and no ``\\u`` escape (so no
+    other key can decode to ``prompt``); the two texts are then valid JSON alike, as
+    they differ only in one member's value. None otherwise, and the body is read the
+    slower way."""
+    at = raw.find(_PROMPT_KEY)
+    opened = raw.lstrip(_WHITESPACE)
+    if at < 0 or not opened.startswith(b"{"):
+        return None
+    lead = raw[len(raw) - len(opened) + 1 : at + len(_PROMPT_KEY)].lstrip(_WHITESPACE)
+    parsed = compiled.parse_input_ids(raw, lead)
+    if parsed is None:
+        return None
+    tokens, end = parsed
+    shortened = raw[: at + len(_PROMPT_KEY)] + b":0" + raw[end:]
+    if shortened.count(_PROMPT_KEY) != 1 or b"\\u" in shortened or not tokens:
+        return None
+    try:
+        body = _DECODER.decode(shortened)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if bytes(body.prompt) != b"0":
+        return None
+    return tokens, _fields(body)
+
+
+def _around_the_prompt(
+    compiled: kernels.Kernels, raw: bytes
+) -> tuple[array[int], RelayFields] | None:
+    """Any other body: msgspec decodes it whole, the prompt kept as its JSON text,
+    which the kernel then reads."""
     try:
         body = _DECODER.decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -86,7 +128,10 @@ def token_prompt(raw: bytes) -> tuple[array[int], RelayFields] | None:
     tokens, end = parsed
     if not tokens or end != len(_WRAP_HEAD) + len(prompt):
         return None
-    names_rank = (
-        body.routed_dp_rank is not msgspec.UNSET or body.data_parallel_rank is not msgspec.UNSET
-    )
-    return tokens, RelayFields(body.model, body.cache_salt, body.stream, names_rank)
+    return tokens, _fields(body)
+
+
+def _fields(body: _PromptBody) -> RelayFields:
+    unset = msgspec.UNSET
+    names_rank = body.routed_dp_rank is not unset or body.data_parallel_rank is not unset
+    return RelayFields(body.model, body.cache_salt, body.stream, names_rank)
