@@ -11,7 +11,12 @@ tokens (one ``BlockStored`` chain per batch) two ways, in the same run:
   ``send`` (what the publisher's sender thread calls), without ``send_multipart``'s
   Python layers; the most a Python sender can hope for;
 * **publisher**: :class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher` with its default
-  settings (replay on) and the caller calling ``publish(batch)`` in a loop.
+  settings (replay on) but the ceiling's unlimited send queue (``hwm=0``), and the
+  caller calling ``publish(batch)`` in a loop. With its default ``hwm=100_000`` a
+  subscriber that falls that many messages behind (this one can, on a loaded machine,
+  in the 32-block rounds) has the PUB drop messages, as ZMQ specifies; in service the
+  subscriber replays them, here they would count as lost against a ceiling that
+  cannot drop.
 
 Before each round the sender sends probes until the subscriber has heard one, so the
 slow-joiner effect loses nothing; the subscriber then counts only sequence numbers
@@ -220,7 +225,9 @@ def _raw_ceiling_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
 
 
 def _publisher_round(conn: Any, messages: int, blocks: int) -> dict[str, Any]:
-    pub = ZmqEventPublisher(0, "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", bind=True)
+    pub = ZmqEventPublisher(
+        0, "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", bind=True, hwm=0
+    )
     try:
         batches = [make_batch(blocks, s) for s in range(DISTINCT_BATCHES)]
         empty = KVEventBatch(ts=0.0, events=[])

@@ -34,7 +34,7 @@ MARKER_END = "<!-- performance:end -->"
 
 TITLES = {
     "routing": "Routing quality (`kvevents demo`, conversation trace, dp 4)",
-    "publisher": "Publisher (`ZmqEventPublisher` vs a bare pyzmq PUB, tcp loopback)",
+    "publisher": "Publisher (`ZmqEventPublisher` vs a bare pyzmq PUB, tcp loopback; both with an unlimited send queue)",
     "subscriber": "Subscriber (decode and deliver, per CPU second)",
     "index": "Prefix index (conversation trace, lower-level API)",
     "engine": "Simulated engine (events and blocks emitted per rank)",
