@@ -210,20 +210,29 @@ def test_pipelined_requests_around_a_relayed_one_keep_their_order(engine: FakeEn
     _run(engine, "sglang", check)
 
 
+async def _forwarded_slow_completion(
+    plane: _Plane,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, float]:
+    """A completion the engine answers 0.5 s late, sent on a connection of its own; back
+    once the router has forwarded it (with the connection and a deadline for the test)."""
+    slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
+    host, port = plane.inline.split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_post(b"/v1/completions", slow))
+    await writer.drain()
+    deadline = asyncio.get_running_loop().time() + TIMEOUT
+    while plane.inflight() == 0:  # forwarded, the engine not answered yet
+        assert asyncio.get_running_loop().time() < deadline, "never forwarded"
+        await asyncio.sleep(0.01)
+    return reader, writer, deadline
+
+
 def test_a_client_leaving_before_its_answer_ends_the_request(engine: FakeEngine) -> None:
     """The engine's answer comes after the client left: nothing is written, the request
     leaves the in-flight count, and the server goes on answering."""
 
     async def check(plane: _Plane) -> None:
-        slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
-        host, port = plane.inline.split(":")
-        _reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(_post(b"/v1/completions", slow))
-        await writer.drain()
-        deadline = asyncio.get_running_loop().time() + TIMEOUT
-        while plane.inflight() == 0:  # forwarded, the engine not answered yet
-            assert asyncio.get_running_loop().time() < deadline, "never forwarded"
-            await asyncio.sleep(0.01)
+        _reader, writer, deadline = await _forwarded_slow_completion(plane)
         writer.close()
         while plane.inflight() != 0:
             assert asyncio.get_running_loop().time() < deadline, "the request never ended"
@@ -245,15 +254,7 @@ def test_a_shutdown_while_the_engine_answers_gets_the_answer_then_closes(
     ``connection: close``, and the connection then closes."""
 
     async def check(plane: _Plane) -> None:
-        slow = json.dumps({"prompt": PROMPT, "max_tokens": 1, "delay_s": 0.5}).encode()
-        host, port = plane.inline.split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(_post(b"/v1/completions", slow))
-        await writer.drain()
-        deadline = asyncio.get_running_loop().time() + TIMEOUT
-        while plane.inflight() == 0:
-            assert asyncio.get_running_loop().time() < deadline, "never forwarded"
-            await asyncio.sleep(0.01)
+        reader, writer, _ = await _forwarded_slow_completion(plane)
         plane.server.should_exit = True
         answer = await asyncio.wait_for(reader.read(), TIMEOUT)  # to EOF: the server closes
         writer.close()
