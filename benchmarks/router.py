@@ -2,7 +2,7 @@
 
     python benchmarks/router.py [--prompts 256] [--long-prompts 64] [--duration 10]
                                 [--connections 32] [--workers 1 2] [--no-completions]
-                                [--sync-rounds 3] [--completions-rounds 1]
+                                [--sync-rounds 3] [--completions-rounds 3]
                                 [--completions-only] [--json OUT]
 
 Needs the load generator ``wrk`` (Debian: ``apt-get install wrk``). Prints the figures
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--completions-rounds",
         type=int,
-        default=1,
+        default=3,
         help="alternating rounds of /v1/completions, engine direct and through the router",
     )
     parser.add_argument(
