@@ -111,7 +111,8 @@ class _Exchange:
 
 
 _PLAIN_500 = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error")
-"""What uvicorn answers when an ASGI app raises; the asynchronous inline path does too."""
+"""What uvicorn answers when an ASGI app raises (then closing the connection); the
+asynchronous inline path does the same."""
 
 
 def _subclass() -> type[Any] | None:
@@ -248,6 +249,7 @@ def _subclass() -> type[Any] | None:
             except Exception:
                 log.exception("the app failed answering a request")
                 status, headers, answer = _PLAIN_500
+                exchange.keep_alive = False  # then the connection closes, as uvicorn's does
             exchange.response_complete = True
             if exchange.disconnected or self.transport.is_closing():
                 return  # the client went away: as uvicorn's cycle, nothing is written

@@ -75,9 +75,14 @@ async def _serve(app: Any, lifespan: Literal["on", "off"]) -> tuple[str, Any, An
     return f"127.0.0.1:{sock.getsockname()[1]}", server, task
 
 
-def _run(engine: FakeEngine, kind: str, check: Callable[[_Plane], Awaitable[None]]) -> None:
+def _run(
+    engine: FakeEngine,
+    kind: str,
+    check: Callable[[_Plane], Awaitable[None]],
+    router_class: type[Router] = Router,
+) -> None:
     async def go() -> None:
-        router = Router(block_size=BS)
+        router = router_class(block_size=BS)
         spec = EngineSpec.create(
             engine.url, kv_endpoint="tcp://127.0.0.1:5999", dp_size=2, kind=kind, block_size=BS
         )
@@ -263,3 +268,35 @@ def test_a_shutdown_while_the_engine_answers_gets_the_answer_then_closes(
         assert _body(answer)["object"] == "text_completion"
 
     _run(engine, "sglang", check)
+
+
+class _BuggyRouter(Router):
+    """A router whose decision code has a bug (a plain KeyError, not a refusal)."""
+
+    def route_batch(self, prompts: Any, **kwargs: Any) -> Any:
+        raise KeyError("an internal bug")
+
+
+def test_an_unexpected_error_is_uvicorns_500_and_the_connection_closes(
+    engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the relay answers as uvicorn answers an ASGI app that raised: a plain
+    500, then the connection closes; the error is logged."""
+
+    async def check(plane: _Plane) -> None:
+        raw = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+        answers = []
+        for at in (plane.inline, plane.plain):
+            host, port = at.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_post(b"/v1/completions", raw))
+            await writer.drain()
+            answers.append(await asyncio.wait_for(reader.read(), TIMEOUT))  # to EOF
+            writer.close()
+        for answer in answers:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 500 ") and b"connection: close" in head.lower()
+            assert body == b"Internal Server Error"
+        assert "an internal bug" in caplog.text
+
+    _run(engine, "sglang", check, router_class=_BuggyRouter)
