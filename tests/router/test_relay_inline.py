@@ -22,6 +22,7 @@ import pytest
 from openai_support import FakeEngine
 
 from kvevents import Holder, Router, kernels
+from kvevents.http_auth import ApiKey
 from kvevents.http_inline import AsyncInlineApp, protocol_for
 from kvevents.http_serving import bind_http, start_http
 from kvevents.router.app import create_app
@@ -80,6 +81,7 @@ def _run(
     kind: str,
     check: Callable[[_Plane], Awaitable[None]],
     router_class: type[Router] = Router,
+    api_key: ApiKey | None = None,
 ) -> None:
     async def go() -> None:
         router = router_class(block_size=BS)
@@ -88,8 +90,8 @@ def _run(
         )
         service = RouterService(router, [spec], load_interval=60.0)
         router.index.store_keys(Holder(engine.url, 1), content_keys(PROMPT, BS))
-        built = create_app(service)
-        hot = _Counting(service, built.fallback, open_paths=built.open_paths)
+        built = create_app(service, api_key=api_key)
+        hot = _Counting(service, built.fallback, open_paths=built.open_paths, api_key=api_key)
         assert isinstance(hot, AsyncInlineApp) and protocol_for(hot, "httptools") != "httptools"
 
         async def plain(scope: Any, receive: Any, send: Any) -> None:  # no inline answer
@@ -300,3 +302,27 @@ def test_an_unexpected_error_is_uvicorns_500_and_the_connection_closes(
         assert "an internal bug" in caplog.text
 
     _run(engine, "sglang", check, router_class=_BuggyRouter)
+
+
+def test_without_the_key_the_relay_refuses_as_asgi_and_with_it_relays_inline(
+    engine: FakeEngine,
+) -> None:
+    """With ``--api-key``, a completion without the key is refused (the ASGI path writes
+    the 401) and never reaches the engine; with it, it is relayed inline."""
+
+    async def check(plane: _Plane) -> None:
+        before = _Counting.relayed_inline
+        engine.received.clear()
+        body = {"prompt": PROMPT, "max_tokens": 1}
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            url = f"http://{plane.inline}/v1/completions"
+            refused = await client.post(url, json=body)
+            wrong = await client.post(url, json=body, headers={"authorization": "Bearer no"})
+            assert refused.status_code == wrong.status_code == 401
+            assert not engine.received and _Counting.relayed_inline == before
+            answer = await client.post(url, json=body, headers={"authorization": "Bearer k1"})
+        assert answer.status_code == 200 and answer.headers["x-kvevents-dp-rank"] == "1"
+        assert _Counting.relayed_inline == before + 1 and len(engine.received) == 1
+        assert "authorization" not in engine.received[0][0]  # the client's key stays here
+
+    _run(engine, "vllm", check, api_key=ApiKey("k1"))
