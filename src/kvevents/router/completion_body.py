@@ -2,12 +2,13 @@
 
 The relay forwards a completions body as it came and reads only a few of its members:
 the prompt (to route), ``model``, ``cache_salt`` and ``stream``, and whether a rank is
-named in it. Decoding the whole body
-into a dict built a Python list of 2,048 ints for a 2,048-token prompt, and checking
-those ints made a set and an array of them: about 130 us of the relay's CPU per request.
-:func:`token_prompt` decodes the body into :class:`RelayFields` instead, keeping the
-prompt's JSON text as it is (``msgspec.Raw``), and reads that text straight into an
-``array("I")`` with the compiled token kernel (:mod:`kvevents.kernels`).
+named in it. Decoding the whole body into a dict built a Python list of 2,048 ints for
+a 2,048-token prompt, and checking those ints made a set and an array of them: about
+130 us of the relay's CPU per request. :func:`token_prompt` reads the prompt's array
+straight from the body into an ``array("I")`` with the compiled token kernel
+(:mod:`kvevents.kernels`) and has msgspec decode only the other members into
+:class:`RelayFields`; a body it cannot read that way is decoded with the prompt kept as
+its JSON text (``msgspec.Raw``), which the kernel then reads.
 
 It takes only the plain case, one prompt of token ids, and only when the kernels are
 loaded; every other body (text, a batch, anything to refuse) gives None and is decoded
