@@ -234,8 +234,9 @@ class HotPath:
             service.defer(prepare)
         self.inline_paths = frozenset({b"/route", b"/query"})
         """Answered from uvicorn's parser callbacks when they can be (:meth:`answer_inline`)."""
-        self.async_inline_paths = frozenset(path.encode("latin-1") for path in RELAYED)
-        """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`)."""
+        self.async_inline_paths = frozenset({b"/v1/completions"})
+        """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`);
+        chats are rendered by the engine's tokenizer first, so they go the ASGI way."""
         self.inline_limit = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -351,13 +352,13 @@ class HotPath:
     def answer_async_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> Awaitable[InlineAnswer] | None:
-        """An OpenAI route relayed from uvicorn's parser callbacks, its answer written whole
+        """A completion relayed from uvicorn's parser callbacks, its answer written whole
         (:mod:`kvevents.http_inline`); None, to serve it as ASGI, when the key is missing
         or wrong or the relay cannot take it that way (:meth:`OpenAIRelay.inline`)."""
         key = self.api_key
         if key is not None and not key.matches(headers):
             return None
-        return self.relay.inline(RELAYED[path.decode("latin-1")], headers, body)
+        return self.relay.inline(headers, body)
 
     async def _query(self, raw: bytes) -> bytes:
         tokens, body = await self.service.tokens(raw)

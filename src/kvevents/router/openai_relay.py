@@ -37,6 +37,7 @@ import msgspec
 
 from kvevents.errors import KVEventsError, RouterNotReadyError
 from kvevents.http_auth import Send
+from kvevents.http_inline import InlineAnswer
 from kvevents.router.bodies import (
     BodyTooLarge,
     Disconnected,
@@ -199,13 +200,11 @@ class OpenAIRelay:
         self.max_body_bytes = max_body_bytes
 
     def inline(
-        self, chat: bool, raw_headers: list[tuple[bytes, bytes]], raw: bytes
-    ) -> Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]] | None:
-        """The answer to come for a request whose answer is written whole, or None when
-        it may be a stream or needs more than the plain decode (a chat, text, a batch,
-        anything to refuse): the ASGI path (:meth:`asgi`) answers those."""
-        if chat:
-            return None
+        self, raw_headers: list[tuple[bytes, bytes]], raw: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """The answer to come for a ``/v1/completions`` request whose answer is written
+        whole, or None when it may be a stream or needs more than the plain decode
+        (text, a batch, anything to refuse): the ASGI path (:meth:`asgi`) answers those."""
         fast = token_prompt(raw)
         if fast is None or fast[1].stream is True:
             return None
@@ -213,7 +212,7 @@ class OpenAIRelay:
 
     async def _inline(
         self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    ) -> InlineAnswer:
         try:
             answer = await self._forward(False, headers, raw, fields, None, [tokens])
         except OpenAIError as exc:
