@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvevents import Holder, Router
+from kvevents.held_writes import HeldWrites
 from kvevents.http_auth import ApiKey
 from kvevents.http_inline import InlineApp, protocol_for
 from kvevents.http_serving import bind_http, start_http
@@ -314,5 +315,53 @@ def test_a_request_arriving_during_shutdown_is_answered_then_closed() -> None:
         await asyncio.wait_for(task, 20.0)
         assert _status(answer) == 200 and b"connection: close" in answer.lower()
         assert _body(answer)["dp_rank"] == 1
+
+    asyncio.run(go())
+
+
+def test_an_answer_held_to_the_round_end_still_precedes_the_400_behind_it() -> None:
+    """A good request and an unparsable one in one write: uvicorn writes its 400 and
+    closes while the inline answer is still held (:mod:`kvevents.held_writes`); the
+    client reads the 200 first, then the 400, then the end of the connection. (uvicorn's
+    own protocol answers only the 400 here: its ASGI task had not written the 200 yet.)"""
+
+    async def check(servers: _Servers) -> None:
+        data = _post(b"/route", _BODIES[0]) + b"NOT HTTP AT ALL\r\n\r\n"
+        answers = await asyncio.to_thread(_raw, servers.inline, data, answers=2)
+        assert [_status(a) for a in answers] == [200, 400]
+        assert _body(answers[0])["dp_rank"] == 1
+
+    _run(check)
+
+
+@pytest.mark.parametrize("hold", ["1", "0"])
+def test_inline_answers_are_held_unless_switched_off(
+    hold: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVEVENTS_HOLD_WRITES=0``: the connection writes at once (no wrapper); either
+    way the answers are the same."""
+    monkeypatch.setenv("KVEVENTS_HOLD_WRITES", hold)
+
+    async def go() -> None:
+        at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
+        host, port = at.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(_post(b"/route", _BODIES[0]) + _post(b"/query", _BODIES[1]))
+            await writer.drain()
+            data = b""
+            while data.count(b"HTTP/1.1 200 ") < 2 or not data.endswith(b"}"):
+                chunk = await asyncio.wait_for(reader.read(65536), 10.0)
+                assert chunk, f"closed after {data!r}"
+                data += chunk
+            transports = [c.transport for c in server.server_state.connections]
+        finally:
+            writer.close()
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+        assert [isinstance(t, HeldWrites) for t in transports] == [hold == "1"]
+        first, second = data.split(b"HTTP/1.1 ")[1:]
+        assert _body(b"HTTP/1.1 " + first)["dp_rank"] == 1
+        assert len(_body(b"HTTP/1.1 " + second)["matches"]) == 2
 
     asyncio.run(go())

@@ -7,10 +7,12 @@ against two regular expressions on the way out. For the router's ``/route`` and
 benchmark: about 50 us of 170 us per request on the bare server). An app that offers an
 inline answer (:class:`InlineApp`) gets it called straight from the parser's callbacks
 instead: the body is collected as it arrives, the answer computed synchronously and
-written, head and body, in one ``transport.write``. Everything else about the
-connection is uvicorn's own: keep-alive and its timeout, graceful shutdown (a request
-whose body is still arriving is answered, then the connection closes), TLS, the 400
-for an unparsable request.
+written, head and body, in one write, held to the end of the event loop's round with
+the other answers of that round (:mod:`kvevents.held_writes`: the connection's
+transport is wrapped for it; ``KVEVENTS_HOLD_WRITES=0`` writes at once). Everything
+else about the connection is uvicorn's own: keep-alive and its timeout, graceful
+shutdown (a request whose body is still arriving is answered, then the connection
+closes), TLS, the 400 for an unparsable request.
 
 A request goes inline only when all of these hold, checked when its headers are in:
 the method is POST; its path is one of the app's :attr:`InlineApp.inline_paths`; no
@@ -43,6 +45,8 @@ import logging
 import os
 from collections.abc import Awaitable
 from typing import Any, Protocol, runtime_checkable
+
+from kvevents.held_writes import HeldWrites, holding_enabled
 
 __all__ = ["AsyncInlineApp", "InlineAnswer", "InlineApp", "protocol_for"]
 
@@ -142,6 +146,20 @@ def _subclass() -> type[Any] | None:
             self._inline_path: bytes | None = None
             self._inline_body: list[bytes] = []
             self._close_after = False
+            self._held: HeldWrites | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            if holding_enabled():  # uvicorn's own writes and closes go through it too
+                transport = self._held = HeldWrites(transport, self.loop)
+            super().connection_made(transport)
+
+        def _send(self, data: bytes) -> None:
+            """An answer on a connection kept alive: held to the end of the loop's round."""
+            held = self._held
+            if held is None:
+                self.transport.write(data)
+            else:
+                held.hold(data)
 
         def on_headers_complete(self) -> None:
             path = self._inline_candidate()
@@ -214,7 +232,7 @@ def _subclass() -> type[Any] | None:
                 len(answer),
             )
             if keep_alive:
-                self.transport.write(head + b"\r\n" + answer)
+                self._send(head + b"\r\n" + answer)
                 self.on_response_complete()  # uvicorn's keep-alive timer and pipelining
             else:
                 self.transport.write(head + b"connection: close\r\n\r\n" + answer)
@@ -258,7 +276,7 @@ def _subclass() -> type[Any] | None:
             lines.append(b"content-length: %d\r\n" % len(answer))
             if exchange.keep_alive:
                 lines += (b"\r\n", answer)
-                self.transport.write(b"".join(lines))
+                self._send(b"".join(lines))
                 self.on_response_complete()  # the next pipelined request, or keep-alive
             else:
                 lines += (b"connection: close\r\n\r\n", answer)
