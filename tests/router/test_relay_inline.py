@@ -326,3 +326,42 @@ def test_without_the_key_the_relay_refuses_as_asgi_and_with_it_relays_inline(
         assert "authorization" not in engine.received[0][0]  # the client's key stays here
 
     _run(engine, "vllm", check, api_key=ApiKey("k1"))
+
+
+def test_a_stream_left_to_the_asgi_path_is_decoded_once(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The inline check reads a ``"stream": true`` body, leaves it to the ASGI relay,
+    and that relay takes the same decode instead of reading the body again; its stream
+    is the plain server's. A stream that arrives straight on the ASGI path (the plain
+    server) is decoded once too."""
+    import kvevents.router.openai_relay as relay_module
+
+    calls: list[bytes] = []
+    real = relay_module.token_prompt
+
+    def counting(raw: bytes) -> Any:
+        calls.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(relay_module, "token_prompt", counting)
+    body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 2, "stream": True}).encode()
+
+    async def check(plane: _Plane) -> None:
+        engine.release()
+        streams = []
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            for at in (plane.inline, plane.plain):
+                calls.clear()
+                answer = await client.post(
+                    f"http://{at}/v1/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                assert answer.status_code == 200 and b"data: [DONE]" in answer.content
+                assert calls == [body], at
+                streams.append(answer.content)
+        assert streams[0] == streams[1]
+        assert plane.service.router.loads and plane.inflight() == 0
+
+    _run(engine, "sglang", check)
