@@ -15,10 +15,11 @@ ceiling rose about a third, and a server doing 20 us of work per request gained 
 of the round; every other write or close through the wrapper first writes what it
 holds, so the bytes of one connection always leave in the order they were given. The
 end of the round is a callback scheduled on the loop with ``call_soon`` when the first
-data of a round is held: it runs before the loop polls for I/O again, and before any
-task step scheduled after the hold, so a held answer never waits for the next wake-up
-and never overtakes data written later. A request served alone (a quiet server) waits
-for nothing but that one callback.
+data of a round is held: it runs before the loop handles any more I/O (uvloop runs it
+before it even polls again; asyncio's loop polls without waiting, then runs it ahead
+of what that poll found) and before any task step scheduled after the hold, so a held
+answer never waits for the next wake-up and never overtakes data written later. A
+request served alone (a quiet server) waits for nothing but that one callback.
 
 ``KVEVENTS_HOLD_WRITES=0`` writes at once instead (for comparisons).
 """
