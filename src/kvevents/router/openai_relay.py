@@ -131,6 +131,10 @@ class Answer:
     def error(cls, exc: OpenAIError, shown: Iterable[tuple[str, str]] = ()) -> Answer:
         return cls(exc.status, [("content-type", _JSON), *shown], exc.body())
 
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers as a server writes them (ASGI, the inline path): latin-1 bytes."""
+        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
+
 
 def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
@@ -224,8 +228,7 @@ class OpenAIRelay:
         except OpenAIError as exc:
             answer = Answer.error(exc)
         assert answer.stream is None, "a body that does not ask for a stream gets none"
-        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
-        return answer.status, raw_headers, answer.body
+        return answer.status, answer.raw_headers(), answer.body
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one ASGI request for a path of :data:`RELAYED`."""
@@ -235,7 +238,7 @@ class OpenAIRelay:
             answer = await self.answer(RELAYED[scope["path"]], headers, raw)
         except _BODY_ERRORS as exc:
             answer = Answer.error(_body_error(exc))
-        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+        raw_headers = answer.raw_headers()
         start = {"type": "http.response.start", "status": answer.status, "headers": raw_headers}
         if answer.stream is None:
             raw_headers.append((b"content-length", b"%d" % len(answer.body)))
