@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from kvevents.router.upstream import Upstream, UpstreamError
+from kvevents.router.upstream import MidwayError, Upstream, UpstreamError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 """What the server does on a connection: reader, writer and the connection's number."""
@@ -394,5 +394,158 @@ def test_a_url_that_is_not_http_is_refused_with_the_fix() -> None:
     async def main() -> None:
         with pytest.raises(ValueError, match="http://HOST"):
             await Upstream(timeout=5).post("ftp://h", "/x", b"{}", {})
+
+    run(main())
+
+
+# --- post_whole: the whole answer in one future -------------------------------------
+
+
+def test_whole_answers_arrive_in_one_future_and_reuse_one_connection() -> None:
+    async def main() -> None:
+        async with serving(keep_alive()) as server:
+            client = Upstream(timeout=5, headers={"authorization": "Bearer k"})
+            first = client.post_whole(server.url, "/v1/completions", b'{"n": 0}', {"x-a": "1"})
+            assert isinstance(first, asyncio.Task)  # no connection yet: a task opens one
+            full = await first
+            assert (full.status, full.headers["content-type"], full.body) == (
+                200,
+                "application/json",
+                b"{}",
+            )
+            for i in (1, 2):
+                kept = client.post_whole(server.url, "/v1/completions", b'{"n": %d}' % i, {})
+                assert not isinstance(kept, asyncio.Task)  # the connection's own future
+                assert (await kept).body == b"{}"
+            await client.close()
+        assert server.connections == 1
+        head, body = server.requests[0]
+        assert body == b'{"n": 0}'
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"POST /v1/completions HTTP/1.1"
+        assert b"authorization: Bearer k" in lines and b"x-a: 1" in lines
+
+    run(main())
+
+
+def test_a_whole_answer_without_a_length_ends_with_the_connection() -> None:
+    make = answer_once(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            assert (await client.post_whole(server.url, "/x", b"{}", {})).body == b"all of it"
+            await client.close()
+
+    run(main())
+
+
+def test_a_whole_answer_after_an_interim_one_is_the_final_one() -> None:
+    make = answer_once(b"HTTP/1.1 100 Continue\r\n\r\n" + OK.replace(b"200 OK", b"201 Created"))
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            full = await client.post_whole(server.url, "/x", b"{}", {})
+            assert (full.status, full.body) == (201, b"{}")
+            await client.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("sent", "status", "words"),
+    [
+        (b"HTTP/1.1 503 Busy\r\ncontent-length: 10\r\n\r\nabc", 503, "closed the connection"),
+        (b"", None, "closed the connection midway"),
+        (b"SSH-2.0-OpenSSH_9.2\r\n", None, "not HTTP"),
+    ],
+)
+def test_a_whole_answer_cut_short_says_whether_it_began(
+    sent: bytes, status: int | None, words: str
+) -> None:
+    async def main() -> None:
+        async with serving(answer_once(sent)) as server:
+            client = Upstream(timeout=5)
+            with pytest.raises(UpstreamError, match=words) as caught:
+                await client.post_whole(server.url, "/x", b"{}", {})
+            if status is None:
+                assert not isinstance(caught.value, MidwayError)
+            else:
+                assert isinstance(caught.value, MidwayError)
+                assert caught.value.status == status
+                assert isinstance(caught.value.cause, UpstreamError)
+            await client.close()
+
+    run(main())
+
+
+def test_a_whole_answer_past_the_deadline_times_out_before_or_after_its_head() -> None:
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            if n == 2:  # the head, then the body stalls
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+                await w.drain()
+            if n <= 2:
+                await r.read()  # returns once the client closes
+                return
+            w.write(OK)
+            await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=0.3)
+            with pytest.raises(TimeoutError):
+                await client.post_whole(server.url, "/x", b"{}", {})
+            with pytest.raises(MidwayError) as caught:
+                await client.post_whole(server.url, "/x", b"{}", {})
+            assert caught.value.status == 200 and isinstance(caught.value.cause, TimeoutError)
+            assert (await client.post_whole(server.url, "/x", b"{}", {})).body == b"{}"
+            await client.close()
+        assert server.connections == 3  # a connection that timed out is never reused
+
+    run(main())
+
+
+def test_a_whole_answer_nobody_waits_for_any_more_closes_its_connection() -> None:
+    gate = asyncio.Event()
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            while True:
+                await server.request(r)
+                if n == 1 and len(server.requests) == 2:
+                    await gate.wait()  # answered after the caller gave up on it
+                w.write(OK)
+                await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            assert (await client.post_whole(server.url, "/x", b"{}", {})).body == b"{}"
+            given_up = client.post_whole(server.url, "/x", b"{}", {})  # the kept connection
+            await asyncio.sleep(0.05)
+            given_up.cancel()
+            gate.set()
+            await asyncio.sleep(0.1)  # its answer arrives and is dropped with the connection
+            assert (await client.post_whole(server.url, "/x", b"{}", {})).body == b"{}"
+            await client.close()
+        assert server.connections == 2
+
+    run(main())
+
+
+def test_after_close_a_whole_answer_is_refused() -> None:
+    async def main() -> None:
+        client = Upstream(timeout=5)
+        await client.close()
+        refused = client.post_whole("http://127.0.0.1:9", "/x", b"{}", {})
+        with pytest.raises(UpstreamError, match="shutting down"):
+            await refused
 
     run(main())
