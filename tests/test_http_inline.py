@@ -365,3 +365,86 @@ def test_inline_answers_are_held_unless_switched_off(
         assert len(_body(b"HTTP/1.1 " + second)["matches"]) == 2
 
     asyncio.run(go())
+
+
+class _LaterApp:
+    """An app answering ``/coroutine`` with a coroutine and ``/future`` with a future it
+    resolves on the loop's next round; a body of ``fail`` makes either raise. Through
+    ASGI (a request pipelined behind one still being answered) it answers alike, with
+    ``x-via: asgi``."""
+
+    inline_paths = frozenset({b"/never"})
+    async_inline_paths = frozenset({b"/coroutine", b"/future"})
+    inline_limit = LIMIT
+
+    def answer_inline(self, path: bytes, headers: Any, body: bytes) -> None:
+        return None
+
+    def answer_async_inline(self, path: bytes, headers: Any, body: bytes) -> Awaitable[Any]:
+        answer = (201, [(b"content-type", b"text/plain"), (b"x-via", path)], b"later:" + body)
+        if path == b"/coroutine":
+
+            async def compute() -> Any:
+                await asyncio.sleep(0)
+                if body == b"fail":
+                    raise KeyError("an internal bug")
+                return answer
+
+            return compute()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if body == b"fail":
+            asyncio.get_running_loop().call_soon(future.set_exception, KeyError("a bug"))
+        else:
+            asyncio.get_running_loop().call_soon(future.set_result, answer)
+        return future
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        answer = b"later:" + body
+        headers = [(b"x-via", b"asgi"), (b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@pytest.mark.parametrize("path", [b"/coroutine", b"/future"])
+def test_an_answer_to_come_is_written_whole_from_a_coroutine_or_a_future(
+    path: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two requests in one write: the first answered from the app's coroutine or future,
+    the second (pipelined behind it) by ASGI, in order; then one that fails is
+    uvicorn's plain 500, logged, and the connection closes."""
+
+    async def go() -> None:
+        at, server, task = await _serve(_LaterApp(), "off")
+        try:
+            data = _post(path, b"one") + _post(path, b"two")
+            answers = await asyncio.to_thread(_raw, at, data, answers=2)
+            assert [_status(a) for a in answers] == [201, 201]
+            assert [a.partition(b"\r\n\r\n")[2] for a in answers] == [b"later:one", b"later:two"]
+            assert b"x-via: " + path in answers[0] and b"x-via: asgi" in answers[1]
+            failed = await asyncio.to_thread(_raw_to_end, at, _post(path, b"fail"))
+            assert _status(failed) == 500 and b"connection: close" in failed.lower()
+            assert "the app failed answering a request" in caplog.text
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+
+    asyncio.run(go())
+
+
+def _raw_to_end(at: str, data: bytes) -> bytes:
+    """Send ``data`` on one connection and read until the server closes it."""
+    host, port = at.split(":")
+    with socket.create_connection((host, int(port)), timeout=10.0) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out

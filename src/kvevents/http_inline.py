@@ -25,9 +25,10 @@ synchronously, such as text to tokenize, or a missing API key), the request beco
 ordinary ASGI cycle with the body already read, so every request is answered by the
 app, one way or the other, exactly once.
 
-An :class:`AsyncInlineApp` may also answer some paths with a coroutine (the router's
-relay, which awaits the engine): the protocol runs it as a task and writes its answer
-the same way, head and body in one write. Until then, uvicorn sees a stand-in for its
+An :class:`AsyncInlineApp` may also answer some paths later: with a coroutine, which
+the protocol runs as a task, or with a future (the router's relay, resolved from its
+engine connection's callbacks: no task at all); the answer is written the same way,
+head and body in one write. Until then, uvicorn sees a stand-in for its
 request cycle, so a request arriving meanwhile waits behind it as a pipelined one does,
 a shutdown makes the answer the connection's last, and nothing is written to a client
 that went away. For the relay this saved what the ASGI cycle cost it: its scope,
@@ -41,6 +42,7 @@ version), or ``KVEVENTS_INLINE_HTTP=0`` is set.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Awaitable
@@ -89,8 +91,9 @@ class AsyncInlineApp(InlineApp, Protocol):
     def answer_async_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> Awaitable[InlineAnswer] | None:
-        """The answer to come, or None to have the request served as ASGI instead (as
-        :meth:`InlineApp.answer_inline`). Only for answers written whole (no stream)."""
+        """The answer to come (a coroutine, or a future of the loop), or None to have the
+        request served as ASGI instead (as :meth:`InlineApp.answer_inline`). Only for
+        answers written whole (no stream)."""
         ...
 
 
@@ -255,15 +258,19 @@ def _subclass() -> type[Any] | None:
         def _answer_later(self, pending: Awaitable[InlineAnswer]) -> None:
             exchange = _Exchange(self._keep_alive())
             self.cycle = exchange  # type: ignore[assignment]  # uvicorn's callbacks see it
-            task = self.loop.create_task(self._write_when_ready(pending, exchange))
-            task.add_done_callback(self.tasks.discard)  # uvicorn's shutdown waits for them
-            self.tasks.add(task)
+            # a future is waited on as it is, a coroutine runs as a task
+            future = asyncio.ensure_future(pending, loop=self.loop)
+            future.add_done_callback(lambda done: self._write_done(done, exchange))
+            # uvicorn's shutdown waits for these (and cancels them past its timeout), a
+            # future as well as a task
+            future.add_done_callback(self.tasks.discard)
+            self.tasks.add(future)  # type: ignore[arg-type]
 
-        async def _write_when_ready(
-            self, pending: Awaitable[InlineAnswer], exchange: _Exchange
-        ) -> None:
+        def _write_done(self, done: asyncio.Future[InlineAnswer], exchange: _Exchange) -> None:
+            if done.cancelled():
+                return  # a forced shutdown: the connection closes with the server
             try:
-                status, headers, answer = await pending
+                status, headers, answer = done.result()
             except Exception:
                 log.exception("the app failed answering a request")
                 status, headers, answer = _PLAIN_500
