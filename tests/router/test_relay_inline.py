@@ -365,3 +365,40 @@ def test_a_stream_left_to_the_asgi_path_is_decoded_once(
         assert plane.service.router.loads and plane.inflight() == 0
 
     _run(engine, "sglang", check)
+
+
+def test_a_relay_on_a_kept_alive_engine_connection_runs_no_task(engine: FakeEngine) -> None:
+    """Relayed inline, a completion is answered from callbacks: the first opens the
+    engine's connection (one task, for the connect), the ones after reuse it and create
+    no task at all, neither for the client's answer nor for the engine's."""
+
+    async def check(plane: _Plane) -> None:
+        loop = asyncio.get_running_loop()
+        created: list[str] = []
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+            created.append(getattr(coro, "__qualname__", repr(coro)))
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        raw = _bodies()[0]
+        loop.set_task_factory(counting)
+        try:
+            first = await asyncio.to_thread(_raw, plane.inline, _post(b"/v1/completions", raw), 1)
+            opened = list(created)
+            created.clear()
+            more = _post(b"/v1/completions", raw) * 3
+            after = await asyncio.to_thread(_raw, plane.inline, more, 3)
+        finally:
+            loop.set_task_factory(None)
+        assert [int(a.split(b" ", 2)[1]) for a in [*first, *after]] == [200] * 4
+        assert _body(after[-1])["usage"]["prompt_tokens"] == 10
+        ours = ("Upstream.", "OpenAIRelay.", "HttpToolsProtocol.")  # qualnames: nested ones too
+
+        def relaying(names: list[str]) -> list[str]:
+            return [name for name in names if any(part in name for part in ours)]
+
+        assert relaying(opened) == ["Upstream._connect_then_send"]
+        assert relaying(created) == []
+        assert plane.inflight() == 0
+
+    _run(engine, "sglang", check)

@@ -47,11 +47,12 @@ from kvevents.router.bodies import (
     read_rsgi_body,
 )
 from kvevents.router.completion_body import RelayFields, token_prompt
-from kvevents.router.core import RouteDecision
+from kvevents.router.core import RouteDecision, Ticket
 from kvevents.router.models import UnknownModelError
-from kvevents.router.request_stats import engine_usage
+from kvevents.router.request_stats import engine_usage, engine_usage_of_json
 from kvevents.router.service import FORWARD_ERRORS, BadRequest, RouterService
 from kvevents.router.tokenize import ChatError, TokenizeError
+from kvevents.router.upstream import FullResponse, MidwayError
 
 __all__ = [
     "RANK_HEADER",
@@ -218,17 +219,7 @@ class OpenAIRelay:
         if fast[1].stream is True:
             self._streamed = (raw, fast)  # the ASGI path takes it up (_token_prompt)
             return None
-        return self._inline(_forwarded(raw_headers), raw, *fast)
-
-    async def _inline(
-        self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
-    ) -> InlineAnswer:
-        try:
-            answer = await self._forward(False, headers, raw, fields, None, [tokens])
-        except OpenAIError as exc:
-            answer = Answer.error(exc)
-        assert answer.stream is None, "a body that does not ask for a stream gets none"
-        return answer.status, answer.raw_headers(), answer.body
+        return self._relay_whole(_forwarded(raw_headers), raw, *fast)
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer one ASGI request for a path of :data:`RELAYED`."""
@@ -331,7 +322,7 @@ class OpenAIRelay:
         except TokenizeError as exc:
             raise _tokenize_error(exc) from None
 
-    async def _forward(
+    def _route(
         self,
         chat: bool,
         headers: dict[str, str],
@@ -339,14 +330,12 @@ class OpenAIRelay:
         fields: RelayFields,
         body: dict[str, Any] | None,
         prompts: list[Sequence[int]],
-    ) -> Answer:
-        """Route ``prompts`` and forward ``raw``; ``body`` is the body decoded whole, or
-        None when only ``fields`` were (:func:`token_prompt`)."""
+    ) -> _Forward:
+        """Route ``prompts`` and make ``raw`` the request for the chosen engine, counted
+        in flight from here (:meth:`Router.begin`); ``body`` is the body decoded whole,
+        or None when only ``fields`` were (:func:`token_prompt`)."""
         service = self.service
         router = service.router
-        path, endpoint = (
-            ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
-        )
         try:
             decision = router.route_batch(
                 prompts, cache_salt=fields.salt, policy=service.policy, model=fields.model_name
@@ -364,34 +353,49 @@ class OpenAIRelay:
             content = raw
         else:
             content = _with_rank(raw, body, decision.dp_rank, fields.names_rank)
-        shown = list(decision_headers(decision, prompt_tokens).items())
-        ticket = router.begin(decision)
+        return _Forward(
+            chat,
+            decision,
+            spec.url,
+            content,
+            headers,
+            list(decision_headers(decision, prompt_tokens).items()),
+            prompt_tokens,
+            router.begin(decision),
+        )
+
+    async def _forward(
+        self,
+        chat: bool,
+        headers: dict[str, str],
+        raw: bytes,
+        fields: RelayFields,
+        body: dict[str, Any] | None,
+        prompts: list[Sequence[int]],
+    ) -> Answer:
+        """Route ``prompts`` and forward ``raw`` (see :meth:`_route`); the engine's answer."""
+        service = self.service
+        fwd = self._route(chat, headers, raw, fields, body, prompts)
         try:
-            upstream = await service.upstream.post(spec.url, path, content, headers)
+            upstream = await service.upstream.post(fwd.url, fwd.path, fwd.content, fwd.headers)
         except FORWARD_ERRORS as exc:
-            router.finish(ticket, failed=True)
-            service.requests.record(endpoint, decision, prompt_tokens, 502)
-            failed = f"forwarding to {spec.url} failed: {_describe(exc)}"
-            return Answer.error(OpenAIError(502, failed, "bad_gateway"), shown)
+            return self._unreachable(fwd, exc)
         status = upstream.status
-        service.requests.record(endpoint, decision, prompt_tokens, status)
+        service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
         media = upstream.headers.get("content-type", _JSON)
         if fields.stream is not True or status != 200:
             try:
                 payload = await upstream.read()
             except FORWARD_ERRORS as exc:
-                midway = f"the engine {spec.url} failed midway: {_describe(exc)}"
-                return Answer.error(OpenAIError(502, midway, "bad_gateway"), shown)
-            finally:
                 upstream.release()
-                router.finish(ticket, failed=status != 200)
-            if status == 200:
-                try:
-                    usage = engine_usage(msgspec.json.decode(payload))
-                except msgspec.DecodeError:
-                    usage = None
-                service.requests.record_usage(decision.holder, usage)
-            return Answer(status, [("content-type", media), *shown], payload)
+                return self._midway(fwd, status, exc)
+            except BaseException:
+                upstream.release()
+                service.router.finish(fwd.ticket, failed=status != 200)
+                raise
+            upstream.release()
+            return self._answered(fwd, status, media, payload)
+        router = service.router
 
         async def relay() -> AsyncIterator[bytes]:
             tracker = _UsageTracker()
@@ -400,15 +404,144 @@ class OpenAIRelay:
                     tracker.feed(chunk)
                     yield chunk
             except FORWARD_ERRORS as exc:
-                midway = f"the engine {spec.url} failed midway: {_describe(exc)}"
+                midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
                 yield b"event: error\ndata: " + OpenAIError(502, midway, "bad_gateway").body()
                 yield b"\n\n"
             finally:
                 upstream.release()
-                router.finish(ticket)
-                service.requests.record_usage(decision.holder, tracker.usage())
+                router.finish(fwd.ticket)
+                service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
-        return Answer(status, [("content-type", media), *shown], stream=relay())
+        return Answer(status, [("content-type", media), *fwd.shown], stream=relay())
+
+    def _relay_whole(
+        self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
+    ) -> asyncio.Future[InlineAnswer]:
+        """:meth:`_forward` for an answer written whole, without a task or a coroutine:
+        routed here, forwarded with :meth:`Upstream.post_whole`, answered from its
+        future's callback. The future returned fails only on a bug (the server's 500)."""
+        answered: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
+        try:
+            fwd = self._route(False, headers, raw, fields, None, [tokens])
+        except OpenAIError as exc:
+            answered.set_result(_inline(Answer.error(exc)))
+            return answered
+        except Exception as exc:  # a bug: the server answers its 500
+            answered.set_exception(exc)
+            return answered
+        try:
+            exchange = self.service.upstream.post_whole(fwd.url, fwd.path, fwd.content, fwd.headers)
+        except Exception as exc:
+            self.service.router.finish(fwd.ticket, failed=True)
+            answered.set_exception(exc)
+            return answered
+        exchange.add_done_callback(lambda done: self._whole_done(fwd, done, answered))
+        return answered
+
+    def _whole_done(
+        self,
+        fwd: _Forward,
+        done: asyncio.Future[FullResponse],
+        answered: asyncio.Future[InlineAnswer],
+    ) -> None:
+        """The engine's whole answer (or why there is none) is in: conclude the request
+        as :meth:`_forward` does and resolve ``answered``, unless the server gave it up."""
+        if done.cancelled():
+            answered.cancel()  # nothing cancels it but a forced shutdown
+            self.service.router.finish(fwd.ticket, failed=True)
+            return
+        error = done.exception()
+        try:
+            if error is None:
+                full = done.result()
+                self.service.requests.record(
+                    fwd.endpoint, fwd.decision, fwd.prompt_tokens, full.status
+                )
+                media = full.headers.get("content-type", _JSON)
+                answer = self._answered(fwd, full.status, media, full.body)
+            elif isinstance(error, MidwayError):
+                self.service.requests.record(
+                    fwd.endpoint, fwd.decision, fwd.prompt_tokens, error.status
+                )
+                answer = self._midway(fwd, error.status, error.cause)
+            elif isinstance(error, FORWARD_ERRORS):
+                answer = self._unreachable(fwd, error)
+            else:  # a bug: the request ends all the same
+                self.service.router.finish(fwd.ticket, failed=True)
+                raise error
+        except Exception as exc:
+            if not answered.done():
+                answered.set_exception(exc)
+            return
+        if not answered.done():  # a forced shutdown cancels what it waits for
+            answered.set_result(_inline(answer))
+
+    def _unreachable(self, fwd: _Forward, exc: BaseException) -> Answer:
+        """No answer came from the engine (``exc`` says why): a 502, the request ended."""
+        service = self.service
+        service.router.finish(fwd.ticket, failed=True)
+        service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, 502)
+        failed = f"forwarding to {fwd.url} failed: {_describe(exc)}"
+        return Answer.error(OpenAIError(502, failed, "bad_gateway"), fwd.shown)
+
+    def _midway(self, fwd: _Forward, status: int, exc: BaseException) -> Answer:
+        """The engine's answer (``status``) began and broke off: a 502, the request ended."""
+        self.service.router.finish(fwd.ticket, failed=status != 200)
+        midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
+        return Answer.error(OpenAIError(502, midway, "bad_gateway"), fwd.shown)
+
+    def _answered(self, fwd: _Forward, status: int, media: str, payload: bytes) -> Answer:
+        """The engine's whole answer, as the client gets it; the request ended, and the
+        engine's usage counted when it says."""
+        service = self.service
+        service.router.finish(fwd.ticket, failed=status != 200)
+        if status == 200:
+            service.requests.record_usage(fwd.decision.holder, engine_usage_of_json(payload))
+        return Answer(status, [("content-type", media), *fwd.shown], payload)
+
+
+class _Forward:
+    """One request routed and on its way to an engine (:meth:`OpenAIRelay._route`)."""
+
+    __slots__ = (
+        "content",
+        "decision",
+        "endpoint",
+        "headers",
+        "path",
+        "prompt_tokens",
+        "shown",
+        "ticket",
+        "url",
+    )
+
+    def __init__(
+        self,
+        chat: bool,
+        decision: RouteDecision,
+        url: str,
+        content: bytes,
+        headers: dict[str, str],
+        shown: list[tuple[str, str]],
+        prompt_tokens: int,
+        ticket: Ticket,
+    ) -> None:
+        self.path, self.endpoint = (
+            ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
+        )
+        self.decision = decision
+        self.url = url
+        self.content = content
+        self.headers = headers
+        self.shown = shown
+        """The decision's response headers (:func:`decision_headers`)."""
+        self.prompt_tokens = prompt_tokens
+        self.ticket = ticket
+
+
+def _inline(answer: Answer) -> InlineAnswer:
+    assert answer.stream is None, "a body that does not ask for a stream gets none"
+    return answer.status, answer.raw_headers(), answer.body
 
 
 async def _until_gone(
