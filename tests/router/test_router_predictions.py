@@ -287,3 +287,30 @@ def test_metrics_count_predictions_and_decisions() -> None:
     assert 'kvevents_router_predicted_entries_total{fate="expired"} 4.0' in text
     assert "kvevents_router_routes_decided_by_prediction_total 1.0" in text
     assert "kvevents_router_routes_decided_by_prediction_ratio 0.5" in text
+
+
+def test_a_request_cached_whole_on_its_holder_predicts_without_a_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every block already on the chosen holder: nothing to predict, and the index is
+    not asked which blocks it lacks; one block short, the missing one is predicted."""
+    clock = Clock()
+    router = make_router(clock)
+    router.handle(Delivery(H1, 0, stored(sibling(1))))
+    whole = router.route(sibling(1))
+    assert whole.holder == H1 and whole.chosen.matched.blocks == whole.n_blocks == 18
+    asked: list[int] = []
+    predict = router.index.predict
+
+    def counting(holder: Holder, keys: list[int]) -> tuple[list[int], float]:
+        asked.append(len(keys))
+        return predict(holder, keys)
+
+    monkeypatch.setattr(router.index, "predict", counting)
+    router.finish(router.begin(whole))
+    assert asked == [] and router.index.predictions.count == 0
+    assert router.predictions_made == 1  # still counted as a request predicted for
+    longer = router.route([*sibling(1), 7, 8])
+    assert longer.holder == H1 and longer.chosen.matched.blocks == 18
+    router.begin(longer)
+    assert asked == [19] and router.index.predictions.count == 1

@@ -512,6 +512,10 @@ class Router:
 
     def _predict(self, decision: RouteDecision, holder: Holder) -> tuple[list[int], float]:
         self.predictions_made += 1
+        if decision.chosen.matched.blocks >= decision.n_blocks:
+            # the holder has every block of the request cached (in some tier): nothing
+            # to predict, and no lookup of its blocks needed to find that out again
+            return [], 0.0
         return self.index.predict(holder, decision.keys)
 
     def _record(self, decision: RouteDecision, holder: Holder) -> None:
