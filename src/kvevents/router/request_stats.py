@@ -23,10 +23,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from kvevents.router.core import RouteDecision
 from kvevents.types import Holder
 
-__all__ = ["MATCHED_TOKEN_BUCKETS", "RequestStats", "engine_usage"]
+__all__ = ["MATCHED_TOKEN_BUCKETS", "RequestStats", "engine_usage", "engine_usage_of_json"]
 
 MATCHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 """Upper bounds (tokens) of the matched-tokens histogram; +Inf is implied."""
@@ -87,3 +89,34 @@ def engine_usage(answer: Any) -> tuple[int, int] | None:
     if isinstance(prompt, int) and isinstance(cached, int):
         return prompt, cached
     return None
+
+
+class _UsageMembers(msgspec.Struct):
+    """The members of an engine's JSON answer :func:`engine_usage` reads (a missing one
+    reads as None, as it does there); the others, the generated text and its logprobs,
+    are skipped unread."""
+
+    usage: Any = None
+    meta_info: Any = None
+    prompt_tokens: Any = None
+    cached_tokens: Any = None
+
+
+_USAGE_DECODER = msgspec.json.Decoder(_UsageMembers)
+
+
+def engine_usage_of_json(payload: bytes) -> tuple[int, int] | None:
+    """:func:`engine_usage` of an answer's JSON text, decoding only the members it reads
+    (None when the text is not a JSON object)."""
+    try:
+        m = _USAGE_DECODER.decode(payload)
+    except msgspec.DecodeError:  # also a JSON value that is not an object
+        return None
+    return engine_usage(
+        {
+            "usage": m.usage,
+            "meta_info": m.meta_info,
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+        }
+    )
