@@ -11,19 +11,31 @@ could at best; the benchmark reports the router's figures as a share of it. It p
 ``kvevents bare ready URL``.
 ``--http-server granian`` serves the same parse through granian's RSGI interface
 (:mod:`kvevents.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
+
+``--relay-to URL`` also makes it a *bare relay*: ``POST /v1/completions`` is forwarded
+as it came to ``URL/v1/completions`` with the router's own client
+(:meth:`~kvevents.router.upstream.Upstream.post_whole`, kept-alive connections) and the
+engine's status, content type and body answered, inline on uvicorn as the router's
+relay is: no decode, no keys, no routing, no decision headers, no usage. What it adds
+to the engine's latency is what any relay on this stack adds; the benchmark measures
+it beside the router (:mod:`kvevents.bench.completions`), so what routing adds on top
+is read in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from kvevents import kernels
+from kvevents.http_inline import InlineAnswer
 from kvevents.http_serving import HTTP_SERVERS, run_event_loop, serve_app
 from kvevents.router.hot_path import Receive, Scope, Send
 from kvevents.router.token_body import BadRequest, decode_tokens_body
+from kvevents.router.upstream import FullResponse, Upstream
 
 __all__ = ["READY_PREFIX", "bare_app", "main"]
 
@@ -31,6 +43,8 @@ READY_PREFIX = "kvevents bare ready "
 
 _HEADERS = [(b"content-type", b"application/json")]
 _RSGI_HEADERS = [("content-type", "application/json")]
+RELAYED_PATH = "/v1/completions"
+_FORWARDED = {"content-type": "application/json"}
 
 
 def _answer(raw: bytes) -> tuple[int, bytes]:
@@ -48,17 +62,81 @@ class _BareApp:
     inline_paths = frozenset({b"/route", b"/query"})
     inline_limit = 1 << 30
 
+    def __init__(self, relay_to: str | None = None) -> None:
+        self.relay_to = relay_to
+        self.async_inline_paths = frozenset({RELAYED_PATH.encode()} if relay_to else ())
+        self._upstream = Upstream(timeout=600.0)
+
     def answer_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> tuple[int, bytes] | None:
         return _answer(body)
 
+    def answer_async_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> asyncio.Future[InlineAnswer]:
+        return self._relay(body)
+
+    def _relay(self, body: bytes) -> asyncio.Future[InlineAnswer]:
+        """The engine's answer to ``body``, forwarded as it came (see the module docstring)."""
+        assert self.relay_to is not None
+        answered: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
+
+        def done(exchange: asyncio.Future[FullResponse]) -> None:
+            error = exchange.exception()
+            if error is not None:
+                text = f"relaying to {self.relay_to} failed: {error!r}".encode()
+                answered.set_result((502, [(b"content-type", b"text/plain")], text))
+                return
+            full = exchange.result()
+            media = full.headers.get("content-type", "application/json").encode("latin-1")
+            answered.set_result((full.status, [(b"content-type", media)], full.body))
+
+        exchange = self._upstream.post_whole(self.relay_to, RELAYED_PATH, body, _FORWARDED)
+        exchange.add_done_callback(done)
+        return answered
+
+    async def close(self) -> None:
+        """Close the relay's kept-alive engine connections (at the server's shutdown)."""
+        await self._upstream.close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await bare_app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            await bare_app(scope, receive, send)  # returns once shutdown is complete
+            await self.close()
+            return
+        if self.relay_to is None or scope.get("path") != RELAYED_PATH:
+            await bare_app(scope, receive, send)
+            return
+        body = await _asgi_body(receive)
+        if body is None:
+            return
+        status, headers, answer = await self._relay(body)
+        headers = [*headers, (b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
-        status, answer = _answer(bytes(await proto()))
-        proto.response_bytes(status, _RSGI_HEADERS, answer)
+        body = bytes(await proto())
+        if self.relay_to is None or scope.path != RELAYED_PATH:
+            status, answer = _answer(body)
+            proto.response_bytes(status, _RSGI_HEADERS, answer)
+            return
+        status, headers, answer = await self._relay(body)
+        text = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        proto.response_bytes(status, text, answer)
+
+
+async def _asgi_body(receive: Receive) -> bytes | None:
+    """The request's body, or None when the client went away first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -71,15 +149,10 @@ async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    status, answer = _answer(b"".join(chunks))
+    body = await _asgi_body(receive)
+    if body is None:
+        return
+    status, answer = _answer(body)
     headers = [*_HEADERS, (b"content-length", b"%d" % len(answer))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
@@ -90,12 +163,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--http-server", choices=HTTP_SERVERS, default="uvicorn")
+    parser.add_argument(
+        "--relay-to",
+        metavar="URL",
+        help="also forward POST /v1/completions to this engine, unrouted (a bare relay)",
+    )
     args = parser.parse_args(argv)
     kernels.load()  # before serving: the ceiling parses as a router with its kernels does
+    app = _BareApp(args.relay_to)
     return run_event_loop(
-        serve_app(
-            _BareApp(), args.host, args.port, READY_PREFIX, "bare server", server=args.http_server
-        )
+        serve_app(app, args.host, args.port, READY_PREFIX, "bare server", server=args.http_server)
     )
 
 

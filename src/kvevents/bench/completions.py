@@ -9,6 +9,11 @@ and to the router's, which routes each and relays it to that engine. Both are me
 what else runs on the machine falls on both alike. The added latency is the difference
 of the p50s within each round; the summary reports each round's and their median.
 
+With a bare relay (``bare_url``: :mod:`kvevents.bench.bare_server` ``--relay-to``, the
+router's HTTP stack and client forwarding without routing) each round measures it too,
+between the other two: its added p50 is what relaying alone costs on this stack, so
+the router's added p50 minus it is what routing adds.
+
 Each run also reads the CPU time of the engine and router processes
 (``/proc/PID/stat``, Linux), as CPU microseconds per request: on a shared machine
 throughput swings with the neighbours' load, the CPU a request costs much less.
@@ -44,19 +49,25 @@ def run_completions(
     *,
     pids: dict[str, int | None],
     rounds: int = 1,
+    bare_url: str | None = None,
 ) -> dict[str, Any]:
-    """``rounds`` alternating pairs of loads; the runs and the added p50 (see above).
+    """``rounds`` alternating sets of loads; the runs and the added p50s (see above).
 
     ``pids``: the processes whose CPU time each run reads (``{"engine": pid, "router":
-    pid}``). The first round's runs are also the results' ``completions_direct`` and
-    ``completions_via_router`` (the caller's run names since the benchmark began).
+    pid}``, and the bare relay's). The first round's runs are also the results'
+    ``completions_direct`` and ``completions_via_router`` (the caller's run names since
+    the benchmark began), and with ``bare_url`` ``completions_via_bare_relay``.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: the comparison needs at least one round")
     targets = {"direct": f"{engine_url}/v1/completions", "via": f"{router_url}/v1/completions"}
+    sides = ["direct", "via"]
+    if bare_url is not None:
+        targets["bare"] = f"{bare_url}/v1/completions"
+        sides.insert(1, "bare")
     runs: list[dict[str, Any]] = []
     for i in range(rounds):
-        order = ("direct", "via") if i % 2 == 0 else ("via", "direct")
+        order = sides if i % 2 == 0 else sides[::-1]
         pair: dict[str, Any] = {}
         for side in order:
             before = {name: process_cpu_s(pid) for name, pid in pids.items()}
@@ -67,10 +78,17 @@ def run_completions(
                     run[f"{name}_cpu_us_per_request"] = (after - start) / run["requests"] * 1e6
             pair[side] = run
         pair["added_p50_ms"] = pair["via"]["p50_ms"] - pair["direct"]["p50_ms"]
+        if "bare" in pair:
+            pair["bare_added_p50_ms"] = pair["bare"]["p50_ms"] - pair["direct"]["p50_ms"]
         runs.append(pair)
     added = [r["added_p50_ms"] for r in runs]
-    return {
+    compared: dict[str, Any] = {
         "rounds": runs,
         "added_p50_ms": added,
         "added_p50_ms_median": statistics.median(added),
     }
+    if bare_url is not None:
+        bare = [r["bare_added_p50_ms"] for r in runs]
+        compared["bare_added_p50_ms"] = bare
+        compared["bare_added_p50_ms_median"] = statistics.median(bare)
+    return compared

@@ -13,6 +13,7 @@ figures; they share the rendering and are read side by side.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -272,6 +273,29 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             f"{median:+.1f} ms (rounds: {rounds})",
             "<= +2 ms",
             median <= 2.0,
+        )
+    if compared is not None and "bare_added_p50_ms_median" in compared:
+        rounds = ", ".join(f"{a:+.1f}" for a in compared["bare_added_p50_ms"])
+        bare = compared["bare_added_p50_ms_median"]
+        cpu = [
+            (
+                pair["bare"].get("bare_relay_cpu_us_per_request"),
+                pair["via"].get("router_cpu_us_per_request"),
+            )
+            for pair in compared["rounds"]
+        ]
+        known = [(b, v) for b, v in cpu if b is not None and v is not None]
+        per = ""
+        if known:
+            b_cpu = statistics.median(b for b, _ in known)
+            v_cpu = statistics.median(v for _, v in known)
+            per = f"; CPU per request {b_cpu:.0f} vs the router's {v_cpu:.0f} us"
+        yield Figure(
+            "router",
+            "/v1/completions added p50 by a bare relay on the same stack (no routing), median",
+            f"{bare:+.1f} ms (rounds: {rounds}){per}",
+            "",
+            None,
         )
     cost = r.get("note_cost")
     if cost is not None:

@@ -14,10 +14,11 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
   default, and ``granian``), so the two stacks are compared in the same run; granian's
   run names end in ``_granian``;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
-  directly, alternating over ``completions_rounds`` rounds (default 3: one round's added
-  p50 moves by a millisecond from one to the next on 2 shared cores; the relay's added latency:
-  :mod:`kvevents.bench.completions`; ``results["completions"]``); ``completions_only``
-  runs this comparison and nothing else;
+  directly and through a bare relay (the same HTTP stack and client forwarding without
+  routing: the bare server's ``--relay-to``), alternating over ``completions_rounds``
+  rounds (default 3: one round's added p50 moves by a millisecond from one to the next
+  on 2 shared cores; the relay's added latency: :mod:`kvevents.bench.completions`;
+  ``results["completions"]``); ``completions_only`` runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
   (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
@@ -156,10 +157,12 @@ def _write_bodies(folder: Path, name: str, docs: Sequence[dict[str, Any]]) -> Pa
     return path
 
 
-def _bare_child(server: HttpServer) -> Child:
+def _bare_child(server: HttpServer, relay_to: str | None = None) -> Child:
     bare = Child("bare", [])
     bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
     bare.argv += ["--http-server", server]
+    if relay_to is not None:
+        bare.argv += ["--relay-to", relay_to]
     bare.ready_prefix = BARE_READY
     return bare
 
@@ -274,17 +277,31 @@ def run_router_bench(
                                 f"{url}/{path}", bodies, duration=duration, connections=connections
                             )
                     if completions and n == 1 and server == "uvicorn":
-                        compared = run_completions(
-                            engine_url,
-                            url,
-                            completion_bodies,
-                            functools.partial(_load, duration=duration, connections=connections),
-                            pids={"engine": engine.pid, "router": router.pid},
-                            rounds=completions_rounds,
-                        )
+                        relay = _bare_child(server, relay_to=engine_url)
+                        try:
+                            relay_url = relay.start(timeout=30.0)
+                            compared = run_completions(
+                                engine_url,
+                                url,
+                                completion_bodies,
+                                functools.partial(
+                                    _load, duration=duration, connections=connections
+                                ),
+                                pids={
+                                    "engine": engine.pid,
+                                    "router": router.pid,
+                                    "bare_relay": relay.pid,
+                                },
+                                rounds=completions_rounds,
+                                bare_url=relay_url,
+                            )
+                        finally:
+                            relay.stop()
                         results["completions"] = compared
-                        runs["completions_direct"] = compared["rounds"][0]["direct"]
-                        runs["completions_via_router"] = compared["rounds"][0]["via"]
+                        first = compared["rounds"][0]
+                        runs["completions_direct"] = first["direct"]
+                        runs["completions_via_router"] = first["via"]
+                        runs["completions_via_bare_relay"] = first["bare"]
                 finally:
                     router.stop()
             if sync_rounds > 0:
@@ -318,6 +335,14 @@ def _summarise(results: dict[str, Any]) -> None:
     via = runs.get("completions_via_router")
     if direct and via:
         summary["completions_added_p50_ms"] = via["p50_ms"] - direct["p50_ms"]
-    if "completions" in results:
-        summary["completions_added_p50_ms_median"] = results["completions"]["added_p50_ms_median"]
+    bare = runs.get("completions_via_bare_relay")
+    if direct and bare:
+        summary["completions_bare_relay_added_p50_ms"] = bare["p50_ms"] - direct["p50_ms"]
+    compared = results.get("completions")
+    if compared is not None:
+        summary["completions_added_p50_ms_median"] = compared["added_p50_ms_median"]
+        if "bare_added_p50_ms_median" in compared:
+            summary["completions_bare_relay_added_p50_ms_median"] = compared[
+                "bare_added_p50_ms_median"
+            ]
     results["summary"] = summary
