@@ -6,7 +6,7 @@ decodes it once with msgspec (a prompt of token ids only into the fields it read
 :mod:`kvevents.router.completion_body`), tokenizes what is text, routes, and forwards
 the body bytes with the service's kept-alive client (:mod:`kvevents.router.upstream`);
 the engine's answer comes back as the engine sent it, never decoded and encoded again
-(a complete answer is decoded only to read its ``usage`` for the metrics). :class:`~kvevents.router.hot_path.HotPath`
+(of a complete answer only its ``usage`` is decoded, for the metrics). :class:`~kvevents.router.hot_path.HotPath`
 hands it these two paths on both server interfaces, ASGI (:meth:`OpenAIRelay.asgi`) and
 granian's RSGI (:meth:`OpenAIRelay.rsgi`), before FastAPI sees them; FastAPI's own
 routes for them hand the request over unread, so the app alone (its OpenAPI document,
