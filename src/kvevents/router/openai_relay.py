@@ -277,14 +277,18 @@ class OpenAIRelay:
             fast = None if chat else self._token_prompt(raw)
             if fast is not None:  # one prompt of token ids: its ints never become objects
                 tokens, fields = fast
-                return await self._forward(chat, headers, raw, fields, None, [tokens])
+                routed = self._route(chat, headers, raw, fields, None, [tokens])
+                return await self._forward(routed, fields)
             body = _json_object(raw, "chat completions" if chat else "completions")
             prompts: list[Sequence[int]]
             if chat:
                 prompts = [await self._chat_tokens(body)]
             else:
                 prompts = [await self._prompt_tokens(body, p) for p in prompts_of(body)]
-            return await self._forward(chat, headers, raw, RelayFields.of(body), body, prompts)
+            fields = RelayFields.of(body)
+            return await self._forward(
+                self._route(chat, headers, raw, fields, body, prompts), fields
+            )
         except OpenAIError as exc:
             return Answer.error(exc)
 
@@ -364,18 +368,10 @@ class OpenAIRelay:
             router.begin(decision),
         )
 
-    async def _forward(
-        self,
-        chat: bool,
-        headers: dict[str, str],
-        raw: bytes,
-        fields: RelayFields,
-        body: dict[str, Any] | None,
-        prompts: list[Sequence[int]],
-    ) -> Answer:
-        """Route ``prompts`` and forward ``raw`` (see :meth:`_route`); the engine's answer."""
+    async def _forward(self, fwd: _Forward, fields: RelayFields) -> Answer:
+        """Forward a request :meth:`_route` made; the engine's answer, a stream when
+        ``fields`` ask for one and the engine answers 200."""
         service = self.service
-        fwd = self._route(chat, headers, raw, fields, body, prompts)
         try:
             upstream = await service.upstream.post(fwd.url, fwd.path, fwd.content, fwd.headers)
         except FORWARD_ERRORS as exc:
@@ -417,7 +413,7 @@ class OpenAIRelay:
     def _relay_whole(
         self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
     ) -> asyncio.Future[InlineAnswer]:
-        """:meth:`_forward` for an answer written whole, without a task or a coroutine:
+        """What :meth:`_forward` does, for an answer written whole, without a task or a coroutine:
         routed here, forwarded with :meth:`Upstream.post_whole`, answered from its
         future's callback. The future returned fails only on a bug (the server's 500)."""
         answered: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
