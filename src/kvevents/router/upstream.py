@@ -358,12 +358,7 @@ class Upstream:
         """
         origin, deadline, conn, head = self._start(base, path, body, headers)
         conn = conn or await self._connect(origin, deadline)
-        exchange = conn.send(head, body, deadline)
-        try:
-            response: Response = await exchange
-        except BaseException:  # a timeout, a cancel, a failure: the exchange is over
-            conn.close()
-            raise
+        response: Response = await _exchange(conn, head, body, deadline, whole=False)
         return response
 
     def post_whole(
@@ -391,12 +386,7 @@ class Upstream:
         self, origin: _Origin, deadline: float, head: bytes, body: bytes
     ) -> FullResponse:
         conn = await self._connect(origin, deadline)
-        exchange = conn.send(head, body, deadline, whole=True)
-        try:
-            response: FullResponse = await exchange
-        except BaseException:
-            conn.close()
-            raise
+        response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
         return response
 
     def _start(
@@ -474,6 +464,19 @@ class Upstream:
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from None
         return conn
+
+
+async def _exchange(
+    conn: _Connection, head: bytes, body: bytes, deadline: float, *, whole: bool
+) -> Any:
+    """One exchange on ``conn`` (:meth:`_Connection.send`), awaited; a timeout, a cancel or
+    a failure ends it, and the connection is closed."""
+    pending = conn.send(head, body, deadline, whole=whole)
+    try:
+        return await pending
+    except BaseException:
+        conn.close()
+        raise
 
 
 def _header_line(name: str, value: str) -> bytes:
