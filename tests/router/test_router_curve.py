@@ -106,13 +106,17 @@ def test_a_router_with_a_refused_or_no_key_says_why_and_indexes_nothing(
     extra = [] if key is None else ["--curve-secret-key-file", f"{keys['base']}/{key}.key_secret"]
     router = RouterProc([engine.url], *extra)
     try:
+        seen: list[list[dict[str, object]]] = [[]]
 
         def refused() -> bool:
-            streams = router.http.get("/workers").json()["streams"]
-            return len(streams) == 2 and all(s["status"] == "refused" for s in streams)
+            seen[0] = router.http.get("/workers").json()["streams"]
+            return len(seen[0]) == 2 and all(s["status"] == "refused" for s in seen[0])
 
-        wait_until(refused, 20, "both streams refused")
-        streams = router.http.get("/workers").json()["streams"]
+        try:  # 40 s: past ZeroMQ's 30 s handshake timeout, should a handshake stall once
+            wait_until(refused, 40, "both streams refused")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; /workers streams last: {seen[0]}") from None
+        streams = seen[0]
         expected = "has no key pair" if key is None else "refused this subscriber's key"
         assert all(expected in s["handshake_error"] for s in streams), streams
         prompt = list(range(600, 616))
@@ -124,8 +128,9 @@ def test_a_router_with_a_refused_or_no_key_says_why_and_indexes_nothing(
             20,
             "the engine counting refused handshakes",
         )
-        matches = router.post("/query", {"input_ids": prompt}).json()["matches"]
-        assert all(m["matched_tokens"] == 0 for m in matches)
+        answer = router.post("/query", {"input_ids": prompt})
+        assert answer.status_code == 200, answer.text
+        assert all(m["matched_tokens"] == 0 for m in answer.json()["matches"])
     finally:
         router.stop()
 

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from kvevents.router import service as service_module
 from kvevents.router.core import Router
 from kvevents.router.engines import (
     SLOW_POLLS_TOLERATED,
@@ -221,3 +222,28 @@ def test_a_refused_connection_is_an_error_at_once() -> None:
             assert not any(load.available for load in router.loads.values())
 
     asyncio.run(run())
+
+
+def test_start_waits_for_a_hanging_engine_only_as_long_as_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RouterService.start() waits for every engine's first poll, but an engine that hangs
+    on /server_info holds it back at most FIRST_POLL_WAIT_S: the router serves without it."""
+    monkeypatch.setattr(service_module, "FIRST_POLL_WAIT_S", 0.3)
+
+    async def run(url: str) -> float:
+        service = service_module.RouterService(Router(), [url], load_interval=60.0)
+        began = time.monotonic()
+        await service.start()
+        took = time.monotonic() - began
+        try:
+            (state,) = service.states.values()
+            assert not state.registered and not state.first_poll.is_set()
+        finally:
+            await service.stop()
+        return took
+
+    with _slow_engine() as url:
+        _SlowLoadEngine.discovery_delay = 3.0
+        took = asyncio.run(run(url))
+    assert 0.3 <= took < 2.5

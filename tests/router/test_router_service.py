@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, PrefixIndex, ScoringWeights
 from kvevents.cli.router import add_arguments, build_service
+from kvevents.router.core import Router
+from kvevents.router.service import RouterService
 from kvevents.text.chat import render_chat
 
 PAGE = 4
@@ -149,6 +152,28 @@ def test_engine_not_up_yet_is_reported_not_fatal() -> None:
         )
     finally:
         proc.stop()
+
+
+def test_a_started_router_already_knows_its_engines(engine: Engine) -> None:
+    """RouterService.start() returns (and so the server says it is ready) only after each
+    engine's first poll: the advertised block size, the ranks and their load are known,
+    so the first /query is answered instead of refused for want of a block size."""
+
+    async def run() -> None:
+        router = Router()
+        service = RouterService(router, [engine.url], load_interval=60.0)
+        await service.start()
+        try:
+            assert router.index.block_size == PAGE
+            assert sorted(h.dp_rank for h in router.loads) == [0, 1]
+            (state,) = service.states.values()
+            assert state.registered and state.load_source == "/load"
+            matches = router.query([1, 2, 3, 4])  # no RouterNotReadyError: the size is known
+            assert set(matches) == set(router.loads)
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,9 @@ header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` ver
 ``https://`` engines. README, "Security".
 
 With ``--port 0`` the OS picks the port; the service prints
-``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests.
+``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests, which is
+after each engine's first poll (its ranks, block size, load and models; at most 2 s for
+an engine that hangs), so the first request is routed with them.
 
 Over 300 lines: the command's options, the checks between them and the service they
 build are one list a user reads top to bottom (``kvevents router --help`` follows it).

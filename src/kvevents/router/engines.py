@@ -50,7 +50,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -121,6 +121,9 @@ class EngineState:
     """Load polls in a row that timed out waiting for the answer (0 once one answers)."""
     slow: str | None = None
     """Why the last known state is kept, while ``slow_polls`` is tolerated."""
+    first_poll: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once the first poll has been tried (registration, load and models; answered or
+    failed): the router waits for it, bounded, before it says it is serving."""
 
 
 def vllm_rank_loads(text: str) -> list[dict[str, int]]:
@@ -368,6 +371,7 @@ async def watch_engine(
             log.exception("polling engine %s failed unexpectedly", state.spec.url)
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"
+        state.first_poll.set()
         if state.error != logged:
             if state.error is not None:
                 log.warning("engine %s is unavailable: %s", state.spec.url, state.error)

@@ -71,6 +71,10 @@ class TokenizeFailed(KVEventsError):
         self.status = error.status
 
 
+FIRST_POLL_WAIT_S = 2.0
+"""The longest :meth:`RouterService.start` waits for every engine's first poll (its
+ranks, block size, load and models) before the server says it is serving."""
+
 DEFERRED_AFTER_S = 2.0
 """The longest the work deferred past start-up waits for the server to say it is
 serving (an app embedded without :meth:`RouterService.serving`) before it runs anyway."""
@@ -228,6 +232,8 @@ class RouterService:
             await asyncio.wait_for(self._serving.wait(), timeout)
 
     async def start(self) -> None:
+        """Open the clients, start the consumer and one poller per engine, and return once
+        every engine's first poll is done (at most :data:`FIRST_POLL_WAIT_S` seconds)."""
         kernels.will_load()
         self._tasks.append(asyncio.create_task(_run_deferred(self, self._deferred)))
         # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
@@ -265,6 +271,14 @@ class RouterService:
                     )
                 )
             )
+        # Serving before an engine's first poll answered would refuse /query (no block
+        # size yet) and route without its models or load: wait for it, bounded, since an
+        # engine that is down fails its poll at once and one that hangs must not hold the
+        # router back. The subscriber discovers the same engines meanwhile, on its own.
+        first_polls = [state.first_poll.wait() for state in self.states.values()]
+        if first_polls:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*first_polls), FIRST_POLL_WAIT_S)
 
     async def stop(self) -> None:
         self._stopping.set()
