@@ -88,6 +88,7 @@ _DROP_HEADERS = frozenset(
 _MAX_TOKEN_ID = 2**32 - 1
 _ENCODER = msgspec.json.Encoder()
 _JSON = "application/json"
+_JSON_BYTES = b"application/json"
 
 
 class OpenAIError(KVEventsError):
@@ -112,14 +113,15 @@ class OpenAIError(KVEventsError):
 
 
 class Answer:
-    """What the relay answers: a status, headers, and a body or a stream of chunks."""
+    """What the relay answers: a status, headers (latin-1 bytes, as a server writes them),
+    and a body or a stream of chunks."""
 
     __slots__ = ("body", "headers", "status", "stream")
 
     def __init__(
         self,
         status: int,
-        headers: list[tuple[str, str]],
+        headers: list[tuple[bytes, bytes]],
         body: bytes = b"",
         stream: AsyncIterator[bytes] | None = None,
     ) -> None:
@@ -129,12 +131,12 @@ class Answer:
         self.stream = stream
 
     @classmethod
-    def error(cls, exc: OpenAIError, shown: Iterable[tuple[str, str]] = ()) -> Answer:
-        return cls(exc.status, [("content-type", _JSON), *shown], exc.body())
+    def error(cls, exc: OpenAIError, shown: Iterable[tuple[bytes, bytes]] = ()) -> Answer:
+        return cls(exc.status, [(b"content-type", _JSON_BYTES), *shown], exc.body())
 
-    def raw_headers(self) -> list[tuple[bytes, bytes]]:
-        """The headers as a server writes them (ASGI, the inline path): latin-1 bytes."""
-        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
+    def text_headers(self) -> list[tuple[str, str]]:
+        """The headers as text, for granian's RSGI interface."""
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers]
 
 
 def _one_prompt(prompt: Any, where: str) -> str | list[int]:
@@ -162,16 +164,30 @@ def prompts_of(body: Mapping[str, Any]) -> list[str | list[int]]:
     return [_one_prompt(prompt, "prompt")]
 
 
-def decision_headers(decision: RouteDecision, prompt_tokens: int) -> dict[str, str]:
-    """The response headers that show where a request went and why."""
-    return {
-        "x-kvevents-worker": quote(decision.worker, safe=":/?&=@[]+,;~!$'()*"),
-        "x-kvevents-dp-rank": str(decision.dp_rank),
-        "x-kvevents-matched-tokens": str(decision.matched_tokens),
-        "x-kvevents-prompt-tokens": str(prompt_tokens),
-        "x-kvevents-policy": decision.policy,
-        "x-kvevents-predicted-tokens": str(decision.predicted_tokens),
-    }
+def decision_headers(decision: RouteDecision, prompt_tokens: int) -> list[tuple[bytes, bytes]]:
+    """The response headers that show where a request went and why (latin-1 bytes)."""
+    worker = _QUOTED_WORKERS.get(decision.worker)
+    if worker is None:
+        if len(_QUOTED_WORKERS) >= _QUOTED_WORKERS_MAX:
+            _QUOTED_WORKERS.clear()  # a fleet has a few engines: this is only a bound
+        quoted = quote(decision.worker, safe=":/?&=@[]+,;~!$'()*")
+        worker = _QUOTED_WORKERS[decision.worker] = quoted.encode("latin-1")
+    scored = decision.scores[0]  # decision.chosen
+    m = scored.matched
+    block_size = decision.block_size
+    return [
+        (b"x-kvevents-worker", worker),
+        (b"x-kvevents-dp-rank", b"%d" % decision.dp_rank),
+        (b"x-kvevents-matched-tokens", b"%d" % ((m.gpu + m.cpu + m.disk) * block_size)),
+        (b"x-kvevents-prompt-tokens", b"%d" % prompt_tokens),
+        (b"x-kvevents-policy", decision.policy.encode("latin-1")),
+        (b"x-kvevents-predicted-tokens", b"%d" % (scored.predicted_blocks * block_size)),
+    ]
+
+
+_QUOTED_WORKERS: dict[str, bytes] = {}
+"""Each worker URL as its header value (percent-quoted once, not per request)."""
+_QUOTED_WORKERS_MAX = 1024
 
 
 class _UsageTracker:
@@ -229,7 +245,7 @@ class OpenAIRelay:
             answer = await self.answer(RELAYED[scope["path"]], headers, raw)
         except _BODY_ERRORS as exc:
             answer = Answer.error(_body_error(exc))
-        raw_headers = answer.raw_headers()
+        raw_headers = answer.headers
         start = {"type": "http.response.start", "status": answer.status, "headers": raw_headers}
         if answer.stream is None:
             raw_headers.append((b"content-length", b"%d" % len(answer.body)))
@@ -259,12 +275,12 @@ class OpenAIRelay:
         except _BODY_ERRORS as exc:
             answer = Answer.error(_body_error(exc))
         if answer.stream is None:
-            proto.response_bytes(answer.status, answer.headers, answer.body)
+            proto.response_bytes(answer.status, answer.text_headers(), answer.body)
             return
         stream = answer.stream
 
         async def relay() -> None:
-            transport = proto.response_stream(answer.status, answer.headers)
+            transport = proto.response_stream(answer.status, answer.text_headers())
             async for chunk in stream:
                 await transport.send_bytes(chunk)
 
@@ -363,7 +379,7 @@ class OpenAIRelay:
             spec.url,
             content,
             headers,
-            list(decision_headers(decision, prompt_tokens).items()),
+            decision_headers(decision, prompt_tokens),
             prompt_tokens,
             router.begin(decision),
         )
@@ -378,7 +394,7 @@ class OpenAIRelay:
             return self._unreachable(fwd, exc)
         status = upstream.status
         service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
-        media = upstream.headers.get("content-type", _JSON)
+        media = _media(upstream.headers)
         if fields.stream is not True or status != 200:
             try:
                 payload = await upstream.read()
@@ -408,7 +424,7 @@ class OpenAIRelay:
                 router.finish(fwd.ticket)
                 service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
-        return Answer(status, [("content-type", media), *fwd.shown], stream=relay())
+        return Answer(status, [(b"content-type", media), *fwd.shown], stream=relay())
 
     def _relay_whole(
         self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
@@ -453,8 +469,7 @@ class OpenAIRelay:
                 self.service.requests.record(
                     fwd.endpoint, fwd.decision, fwd.prompt_tokens, full.status
                 )
-                media = full.headers.get("content-type", _JSON)
-                answer = self._answered(fwd, full.status, media, full.body)
+                answer = self._answered(fwd, full.status, _media(full.headers), full.body)
             elif isinstance(error, MidwayError):
                 self.service.requests.record(
                     fwd.endpoint, fwd.decision, fwd.prompt_tokens, error.status
@@ -486,14 +501,14 @@ class OpenAIRelay:
         midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
         return Answer.error(OpenAIError(502, midway, "bad_gateway"), fwd.shown)
 
-    def _answered(self, fwd: _Forward, status: int, media: str, payload: bytes) -> Answer:
+    def _answered(self, fwd: _Forward, status: int, media: bytes, payload: bytes) -> Answer:
         """The engine's whole answer, as the client gets it; the request ended, and the
         engine's usage counted when it says."""
         service = self.service
         service.router.finish(fwd.ticket, failed=status != 200)
         if status == 200:
             service.requests.record_usage(fwd.decision.holder, engine_usage_of_json(payload))
-        return Answer(status, [("content-type", media), *fwd.shown], payload)
+        return Answer(status, [(b"content-type", media), *fwd.shown], payload)
 
 
 class _Forward:
@@ -518,7 +533,7 @@ class _Forward:
         url: str,
         content: bytes,
         headers: dict[str, str],
-        shown: list[tuple[str, str]],
+        shown: list[tuple[bytes, bytes]],
         prompt_tokens: int,
         ticket: Ticket,
     ) -> None:
@@ -537,7 +552,7 @@ class _Forward:
 
 def _inline(answer: Answer) -> InlineAnswer:
     assert answer.stream is None, "a body that does not ask for a stream gets none"
-    return answer.status, answer.raw_headers(), answer.body
+    return answer.status, answer.headers, answer.body
 
 
 async def _until_gone(
@@ -564,6 +579,12 @@ async def _until_gone(
         error, (asyncio.CancelledError, OSError, RuntimeError)
     ):
         raise error  # a bug, not the client leaving: let the server log it
+
+
+def _media(headers: Mapping[str, str]) -> bytes:
+    """The engine's content type, as a header value to answer with (JSON when it gave none)."""
+    media = headers.get("content-type")
+    return _JSON_BYTES if media is None else media.encode("latin-1")
 
 
 def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -1,0 +1,78 @@
+"""The relay's decision headers: the decision's own figures, as the bytes a server writes."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import pytest
+
+from kvevents.index.types import HolderMatch
+from kvevents.router import openai_relay
+from kvevents.router.core import RouteDecision
+from kvevents.router.openai_relay import decision_headers
+from kvevents.router.scoring import HolderScore
+
+
+def _decision(worker: str, *, gpu: int, cpu: int, disk: int, predicted: int) -> RouteDecision:
+    chosen = HolderScore(
+        worker=worker,
+        dp_rank=3,
+        matched=HolderMatch(gpu, cpu, disk),
+        cached_blocks=float(gpu + cpu + disk),
+        prefill_blocks=1.0,
+        pending_blocks=0.0,
+        cost=1.0,
+        routed=0,
+        available=True,
+        predicted_blocks=predicted,
+    )
+    other = HolderScore(
+        worker="http://other:1",
+        dp_rank=0,
+        matched=HolderMatch(9, 9, 9),
+        cached_blocks=27.0,
+        prefill_blocks=0.0,
+        pending_blocks=0.0,
+        cost=9.0,
+        routed=0,
+        available=True,
+        predicted_blocks=7,
+    )
+    return RouteDecision(
+        worker=worker,
+        dp_rank=3,
+        n_blocks=12,
+        block_size=16,
+        scores=[chosen, other],
+        policy="round-robin",
+    )
+
+
+def test_the_headers_are_the_chosen_holders_figures() -> None:
+    """Tokens matched in every tier and predicted, of the chosen holder (not the runner-up),
+    the rank, the policy, and the worker URL percent-quoted."""
+    worker = "http://engine:8000/päth with space"
+    decision = _decision(worker, gpu=3, cpu=1, disk=2, predicted=2)
+    expected = [
+        (b"x-kvevents-worker", quote(worker, safe=":/?&=@[]+,;~!$'()*").encode("latin-1")),
+        (b"x-kvevents-dp-rank", b"3"),
+        (b"x-kvevents-matched-tokens", str(decision.matched_tokens).encode()),
+        (b"x-kvevents-prompt-tokens", b"200"),
+        (b"x-kvevents-policy", b"round-robin"),
+        (b"x-kvevents-predicted-tokens", str(decision.predicted_tokens).encode()),
+    ]
+    assert decision_headers(decision, 200) == expected
+    assert expected[2][1] == b"96" and expected[5][1] == b"32"
+    assert decision_headers(decision, 200) == expected  # the quoted worker is reused alike
+
+
+def test_the_quoted_worker_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More workers than the bound: the cache is cleared, never grows past it, and every
+    header still names its own worker."""
+    monkeypatch.setattr(openai_relay, "_QUOTED_WORKERS", {})
+    monkeypatch.setattr(openai_relay, "_QUOTED_WORKERS_MAX", 2)
+    for i in range(5):
+        worker = f"http://engine-{i}:8000/a b"
+        headers = dict(decision_headers(_decision(worker, gpu=1, cpu=0, disk=0, predicted=0), 16))
+        assert headers[b"x-kvevents-worker"] == f"http://engine-{i}:8000/a%20b".encode()
+        assert len(openai_relay._QUOTED_WORKERS) <= 2
