@@ -8,8 +8,10 @@ import http.server
 import json
 import logging
 import os
+import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -297,6 +299,38 @@ def test_refused_subscribers_get_nothing_and_both_sides_say_so(
     wait_for(lambda: pub.stats.curve_refused >= 1, what="the publisher counting the refusal")
     assert pub.stats.curve_handshakes == 0
     assert any("refused" in r.getMessage() for r in caplog.records)
+
+
+def test_a_curve_stream_is_not_connected_before_its_handshake(keys: dict[str, Path]) -> None:
+    """A TCP listener that accepts and never speaks: a CURVE stream to it has a connection
+    but no handshake, so it says "connecting", never "connected"."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10.0)
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    acceptor.start()
+    port = listener.getsockname()[1]
+    spec = StreamSpec.from_endpoint(
+        f"tcp://127.0.0.1:{port}",
+        worker="w",
+        curve_server_key=CurveKeyPair.load(keys["server"], "t").public,
+    )
+    try:
+        with Subscriber(
+            streams=[spec], curve_key_pair=CurveKeyPair.load(keys["client"], "t")
+        ) as sub:
+            acceptor.join(timeout=10.0)
+            assert accepted, "the subscriber never connected to the listener"
+            seen = set()
+            deadline = time.monotonic() + 1.0  # ZeroMQ's monitor reports a connection in ms
+            while time.monotonic() < deadline:
+                seen.add(sub.stats()[Holder("w", 0)].status)
+                time.sleep(0.01)
+            assert seen == {StreamStatus.CONNECTING}
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
 
 
 def test_plain_publishers_and_subscribers_are_unchanged(zmq_context: zmq.Context) -> None:

@@ -31,7 +31,9 @@ class StreamStatus(StrEnum):
     connection attempt that fails, at any point, makes it ``UNREACHABLE`` until one
     succeeds. ``REFUSED``: the connection is made but the handshake fails (a CURVE key
     the publisher refuses, or CURVE on one side only): no data arrives until a handshake
-    succeeds, and ``handshake_error`` in the stats says why. Members are their strings
+    succeeds, and ``handshake_error`` in the stats says why. A CURVE stream is
+    ``CONNECTED`` only once its handshake succeeds: until then it stays ``CONNECTING``
+    (a TCP connection alone says nothing of the key). Members are their strings
     ("connected", ...), as JSON shows them.
     """
 

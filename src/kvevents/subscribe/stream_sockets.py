@@ -12,7 +12,8 @@ first failed connection attempt of a streak is reported as an
 up to ``reconnect_max_ms``).
 
 A stream with a CURVE server key (its spec's, or the subscriber's default) connects both
-sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A failed handshake
+sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`); its status stays
+``CONNECTING`` from the TCP connection until the handshake succeeds. A failed handshake
 makes the status ``REFUSED``, is counted, and the first of a streak is reported as an
 ``Unreachable`` signal saying why. libzmq does not retry some refusals at all and others
 every 100 ms, so after a refused handshake the socket is connected again once,
@@ -129,7 +130,11 @@ class StreamSockets:
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
                 if not self._refused:
-                    self.counters.status = StreamStatus.CONNECTED
+                    # A CURVE stream is connected once its handshake succeeds (below): a
+                    # TCP connection whose handshake then fails or never ends is not one.
+                    self.counters.status = (
+                        StreamStatus.CONNECTING if self.curve_server_key else StreamStatus.CONNECTED
+                    )
                 self._unreachable_reported = False
                 actions += self.tracker.on_connected()
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
