@@ -79,3 +79,21 @@ def test_async_get_is_woken_from_another_thread_and_cancellation_loses_nothing()
         return [first, second, third]
 
     assert asyncio.run(main()) == [7, 8, None]
+
+
+def test_async_waits_make_no_task_and_a_timeout_keeps_the_next_item() -> None:
+    """A waiting aget() is a future and a timer, not a task of its own (a router waits once
+    per batch it follows); after it times out, an item put later goes to the next aget()."""
+    h: Handoff[int] = Handoff()
+
+    async def main() -> tuple[int, int | None, int | None]:
+        waiter = asyncio.create_task(h.aget(timeout=5))
+        await asyncio.sleep(0.05)
+        tasks_while_waiting = len(asyncio.all_tasks())  # main and the waiter only
+        threading.Timer(0.02, h.put, args=([3],)).start()
+        got = await waiter
+        timed_out = await h.aget(timeout=0.05)
+        h.put([4])
+        return tasks_while_waiting, got, timed_out if timed_out is not None else await h.aget(1)
+
+    assert asyncio.run(main()) == (2, 3, 4)

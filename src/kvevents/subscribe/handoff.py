@@ -53,7 +53,7 @@ class Handoff(Generic[T]):
         self._closed = False
         self._error: BaseException | None = None
         self._producer_waiting = False
-        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = []
 
     @property
     def closed(self) -> bool:
@@ -76,10 +76,10 @@ class Handoff(Generic[T]):
             self._count += len(chunk)
             self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
-        for loop, event in waiters:
+        for loop, woken in waiters:
             # RuntimeError: that event loop is closed, nobody waits there any more
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(event.set)
+                loop.call_soon_threadsafe(_resolve, woken, True)
         return True
 
     def get(self, timeout: float | None = None) -> T | None:
@@ -106,24 +106,33 @@ class Handoff(Generic[T]):
             return False, None
 
     async def aget(self, timeout: float | None = None) -> T | None:
-        """Like :meth:`get`, awaiting instead of blocking."""
+        """Like :meth:`get`, awaiting instead of blocking.
+
+        A wait is one future on the consumer's loop, set from the producer's thread, and a
+        timer for ``timeout``: no task per wait (``asyncio.wait_for`` made one), which a
+        router following busy streams paid for every batch its loop waited for."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            event = asyncio.Event()
             with self._cond:
                 if self._closed:
                     raise HandoffClosed(self._error)
                 if self._count:
                     return self._pop()
-                self._async_waiters.append((loop, event))
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return None
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    return None
+                woken: asyncio.Future[bool] = loop.create_future()
+                self._async_waiters.append((loop, woken))
+            timer = (
+                None if remaining is None else loop.call_later(remaining, _resolve, woken, False)
+            )
             try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
-                return None
+                if not await woken:
+                    return None  # timed out
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     def close(self, error: BaseException | None = None) -> None:
         """Close: waiting consumers and the producer wake up; items left are dropped."""
@@ -136,9 +145,9 @@ class Handoff(Generic[T]):
             self._current, self._pos, self._count = [], 0, 0
             self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
-        for loop, event in waiters:
+        for loop, woken in waiters:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(event.set)
+                loop.call_soon_threadsafe(_resolve, woken, True)
 
     def _pop(self) -> T:
         # caller holds the lock and has checked _count > 0
@@ -152,3 +161,10 @@ class Handoff(Generic[T]):
             self._producer_waiting = False
             self._cond.notify_all()
         return item
+
+
+def _resolve(woken: asyncio.Future[bool], put: bool) -> None:
+    """Wake a waiting :meth:`Handoff.aget`: ``put`` True (something came, or the handoff
+    closed: look again) or False (its timeout). A wait cancelled or already woken is left."""
+    if not woken.done():
+        woken.set_result(put)
