@@ -86,7 +86,7 @@ def test_async_waits_make_no_task_and_a_timeout_keeps_the_next_item() -> None:
     per batch it follows); after it times out, an item put later goes to the next aget()."""
     h: Handoff[int] = Handoff()
 
-    async def main() -> tuple[int, int | None, int | None]:
+    async def main() -> tuple[int, int | None, int | None, int | None]:
         waiter = asyncio.create_task(h.aget(timeout=5))
         await asyncio.sleep(0.05)
         tasks_while_waiting = len(asyncio.all_tasks())  # main and the waiter only
@@ -94,6 +94,6 @@ def test_async_waits_make_no_task_and_a_timeout_keeps_the_next_item() -> None:
         got = await waiter
         timed_out = await h.aget(timeout=0.05)
         h.put([4])
-        return tasks_while_waiting, got, timed_out if timed_out is not None else await h.aget(1)
+        return tasks_while_waiting, got, timed_out, await h.aget(timeout=1)
 
-    assert asyncio.run(main()) == (2, 3, 4)
+    assert asyncio.run(main()) == (2, 3, None, 4)

@@ -13,31 +13,26 @@ from kvevents.router.openai_relay import decision_headers
 from kvevents.router.scoring import HolderScore
 
 
-def _decision(worker: str, *, gpu: int, cpu: int, disk: int, predicted: int) -> RouteDecision:
-    chosen = HolderScore(
+def _score(worker: str, rank: int, matched: HolderMatch, predicted: int) -> HolderScore:
+    cached = float(matched.gpu + matched.cpu + matched.disk)
+    return HolderScore(
         worker=worker,
-        dp_rank=3,
-        matched=HolderMatch(gpu, cpu, disk),
-        cached_blocks=float(gpu + cpu + disk),
-        prefill_blocks=1.0,
+        dp_rank=rank,
+        matched=matched,
+        cached_blocks=cached,
+        prefill_blocks=max(0.0, 12 - cached),
         pending_blocks=0.0,
-        cost=1.0,
+        cost=cached,
         routed=0,
         available=True,
         predicted_blocks=predicted,
     )
-    other = HolderScore(
-        worker="http://other:1",
-        dp_rank=0,
-        matched=HolderMatch(9, 9, 9),
-        cached_blocks=27.0,
-        prefill_blocks=0.0,
-        pending_blocks=0.0,
-        cost=9.0,
-        routed=0,
-        available=True,
-        predicted_blocks=7,
-    )
+
+
+def _decision(worker: str, *, gpu: int, cpu: int, disk: int, predicted: int) -> RouteDecision:
+    """A decision for ``worker``'s rank 3, with a runner-up whose figures all differ."""
+    chosen = _score(worker, 3, HolderMatch(gpu, cpu, disk), predicted)
+    other = _score("http://other:1", 0, HolderMatch(9, 9, 9), 7)
     return RouteDecision(
         worker=worker,
         dp_rank=3,

@@ -172,16 +172,13 @@ def decision_headers(decision: RouteDecision, prompt_tokens: int) -> list[tuple[
             _QUOTED_WORKERS.clear()  # a fleet has a few engines: this is only a bound
         quoted = quote(decision.worker, safe=":/?&=@[]+,;~!$'()*")
         worker = _QUOTED_WORKERS[decision.worker] = quoted.encode("latin-1")
-    scored = decision.scores[0]  # decision.chosen
-    m = scored.matched
-    block_size = decision.block_size
     return [
         (b"x-kvevents-worker", worker),
         (b"x-kvevents-dp-rank", b"%d" % decision.dp_rank),
-        (b"x-kvevents-matched-tokens", b"%d" % ((m.gpu + m.cpu + m.disk) * block_size)),
+        (b"x-kvevents-matched-tokens", b"%d" % decision.matched_tokens),
         (b"x-kvevents-prompt-tokens", b"%d" % prompt_tokens),
         (b"x-kvevents-policy", decision.policy.encode("latin-1")),
-        (b"x-kvevents-predicted-tokens", b"%d" % (scored.predicted_blocks * block_size)),
+        (b"x-kvevents-predicted-tokens", b"%d" % decision.predicted_tokens),
     ]
 
 
