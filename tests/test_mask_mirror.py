@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 from kvevents import kernels
 from kvevents.index.prefix_index import PrefixIndex
 from kvevents.index.types import Tier
-from kvevents.kernels import KeyList
 from kvevents.types import Holder
 from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.wire.hashing import content_keys
+from kvevents.wire.hashing import content_key_array
 
 BLOCK = 4
 HOLDERS = [Holder(f"http://e{i // 4}", i % 4) for i in range(8)]
@@ -36,18 +35,19 @@ def compiled() -> kernels.Kernels:
     return loaded
 
 
-def _keys(tokens: list[int]) -> list[int]:
-    keys = content_keys(array("I", tokens), BLOCK)
-    assert isinstance(keys, KeyList), "requests of 8 blocks or more are keyed by the kernel"
+def _keys(tokens: list[int]) -> array[int]:
+    keys = content_key_array(array("I", tokens), BLOCK)
+    assert isinstance(keys, array), "requests of 8 blocks or more are keyed by the kernel"
+    assert keys.typecode == "Q"
     return keys
 
 
-def _plain(index: PrefixIndex, keys: list[int]) -> object:
-    """The dict match of the same keys (a plain list carries no ``words``)."""
-    return index.match_keys(list(keys))
+def _plain(index: PrefixIndex, keys: array[int]) -> object:
+    """The dict match of the same keys (a plain list is not read by the compiled match)."""
+    return index.match_keys(keys.tolist())
 
 
-def _check(index: PrefixIndex, requests: list[list[int]]) -> None:
+def _check(index: PrefixIndex, requests: list[array[int]]) -> None:
     for keys in requests:
         fast = index.match_keys(keys)
         assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
@@ -55,7 +55,7 @@ def _check(index: PrefixIndex, requests: list[list[int]]) -> None:
         for slot in range(len(index._holders) + 1):  # and one slot nobody holds
             one_by_one = [k for k in keys if not index._held_any(k, slot)]
             assert index._not_held(keys, slot) == one_by_one, "compiled, for the predictions"
-            assert index._not_held(list(keys), slot) == one_by_one, "from the dict"
+            assert index._not_held(keys.tolist(), slot) == one_by_one, "from the dict"
 
 
 def _index(**options: int) -> PrefixIndex:
@@ -123,7 +123,7 @@ def test_the_mirror_grows_and_rebuilds_and_stays_exact() -> None:
     index = _index()
     requests = [_keys(p) for p in _prompts(rng, 40)]
     _check(index, requests)
-    stored: list[list[int]] = []
+    stored: list[array[int]] = []
     for i in range(400):  # new blocks, a match after each few: the table grows
         stored.append(_keys(_prompts(rng, 1)[0]))
         index.store_keys(rng.choice(HOLDERS), stored[-1])

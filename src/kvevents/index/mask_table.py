@@ -57,6 +57,7 @@ block costs measurably).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, compress, repeat
 from operator import and_, not_
@@ -71,6 +72,13 @@ if TYPE_CHECKING:
     from kvevents.kernels.mask_mirror import MaskMirror
 
 __all__ = ["MaskTable"]
+
+
+def compiled_keys(keys: Sequence[int]) -> array[int] | None:
+    """``keys`` when the compiled match can read them in place (an ``array("Q")``, as
+    the kernel keys a request), else None."""
+    return keys if type(keys) is array and keys.typecode == "Q" else None
+
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
 Segments = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
@@ -209,7 +217,7 @@ class MaskTable:
         2,048 tokens: a Python call per key was about 50 us of it."""
         if self._offloaded:
             return [k for k in keys if not self._held_any(k, slot)]
-        words = getattr(keys, "words", None)  # keys the kernel computed (kernels.KeyList)
+        words = compiled_keys(keys)
         mirror = None if words is None or self._width != 64 else self._synced_mirror()
         if mirror is not None and words is not None:
             return mirror.not_held(words, slot)
@@ -256,7 +264,7 @@ class MaskTable:
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)
-        words = getattr(keys, "words", None)  # keys the kernel computed (kernels.KeyList)
+        words = compiled_keys(keys)
         mirror = None if words is None or self._width != 64 else self._synced_mirror()
         if mirror is not None and words is not None:
             segs, i = mirror.match(words, self._live)

@@ -42,6 +42,7 @@ more modules would scatter one class's methods without naming a new concept.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import or_
@@ -73,7 +74,7 @@ from kvevents.index.types import (
 )
 from kvevents.types import Hash, Holder
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.wire.hashing import ROOT_KEY, content_keys
+from kvevents.wire.hashing import ROOT_KEY, content_key_array, content_keys
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "namespace_key"]
 
@@ -511,7 +512,24 @@ class PrefixIndex(GroupedMaskTable):
         cache_salt: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> list[int]:
-        """Content keys of a request's full blocks, as :meth:`match` computes them.
+        """Content keys of a request's full blocks, as :meth:`match` computes them
+        (:meth:`request_keys` as a list)."""
+        keys = self.request_keys(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
+        if isinstance(keys, array):
+            return keys.tolist()
+        return keys if isinstance(keys, list) else list(keys)
+
+    def request_keys(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> Sequence[int]:
+        """Content keys of a request's full blocks, as :meth:`match_keys` reads them best:
+        an ``array("Q")`` when the compiled kernel keys them, else a list
+        (:func:`~kvevents.wire.hashing.content_key_array`).
 
         ``extra_keys``: per block, nil or a list of the keys an engine adds to the block's
         hash (vLLM's ``BlockStored.extra_keys`` shape, :mod:`kvevents.index.extra_keys`):
@@ -524,7 +542,7 @@ class PrefixIndex(GroupedMaskTable):
                 "a holder with its advertised block size before matching tokens"
             )
         if not extra_keys:
-            return content_keys(token_ids, self.block_size, namespace_key(lora, cache_salt))
+            return content_key_array(token_ids, self.block_size, namespace_key(lora, cache_salt))
         salt, per_block = split_extra_keys(extra_keys, lora=lora, first_block=True)
         if salt is not None and cache_salt is not None and salt != cache_salt:
             raise ValueError(
@@ -533,7 +551,7 @@ class PrefixIndex(GroupedMaskTable):
             )
         root = namespace_key(lora, cache_salt if cache_salt is not None else salt)
         if per_block is None:
-            return content_keys(token_ids, self.block_size, root)
+            return content_key_array(token_ids, self.block_size, root)
         try:
             return keys_with_extras(token_ids, self.block_size, root, per_block)
         except TypeError as exc:
@@ -549,7 +567,7 @@ class PrefixIndex(GroupedMaskTable):
     ) -> PrefixMatch:
         """Every holder's longest cached prefix of a request given as token ids."""
         return self.match_keys(
-            self.keys_for(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
+            self.request_keys(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
         )
 
     # --- predictions (kvevents.index.predictions) ------------------------------------

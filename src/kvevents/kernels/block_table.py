@@ -26,10 +26,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
-__all__ = ["apply", "match", "not_held", "rehash"]
+__all__ = ["SEGMENTS", "apply", "match", "not_held", "rehash"]
 
 _MIX = uint64(0x9E3779B97F4A7C15)
-_SEGMENTS = 65  # at most one per holder (64), and the holders holding every block
+SEGMENTS = 65  # at most one per holder (64), and the holders holding every block
 
 
 @njit(cache=True, inline="always")
@@ -103,14 +103,16 @@ def _delete(table_keys, table_values, i, mask):
 
 
 @njit(cache=True)
-def match(keys, table_keys, table_values, live):
-    """``(dropped, lengths, longest)``: the holders whose match ends at each length (as
-    ``MaskTable._segments`` gives them) and the longest prefix anyone holds."""
+def match(keys, table_keys, table_values, live, dropped, lengths):
+    """``(found, longest)``: in ``dropped[:found]`` and ``lengths[:found]``, the holders
+    whose match ends at each length (as ``MaskTable._segments`` gives them), and the
+    longest prefix anyone holds. ``live`` is the mask of registered slots, given as the
+    signed int64 of its 64 bits (a Python int is unboxed as int64); ``dropped`` and
+    ``lengths`` (uint64, int64) have room for :data:`SEGMENTS` entries. Writing into
+    the caller's arrays and answering two ints, a call makes no array."""
     mask = uint64(len(table_keys) - 1)
-    dropped = np.empty(_SEGMENTS, dtype=np.uint64)
-    lengths = np.empty(_SEGMENTS, dtype=np.int64)
     found = 0
-    held = live
+    held = uint64(live)
     n = len(keys)
     for j in range(n):
         key = keys[j]
@@ -132,18 +134,18 @@ def match(keys, table_keys, table_values, live):
                 found += 1
             held = still
             if held == 0:
-                return dropped[:found], lengths[:found], j
+                return found, j
     if n > 0 and held != 0:
         dropped[found] = held
         lengths[found] = n
-        found += 1
-        return dropped[:found], lengths[:found], n
-    return dropped[:found], lengths[:found], 0
+        return found + 1, n
+    return found, 0
 
 
 @njit(cache=True)
-def not_held(keys, table_keys, table_values, bit):
-    """The ``keys`` whose mask lacks ``bit`` (absent keys included), in order."""
+def not_held(keys, table_keys, table_values, slot):
+    """The ``keys`` whose mask lacks slot ``slot``'s bit (absent keys included), in order."""
+    bit = uint64(1) << uint64(slot)
     mask = uint64(len(table_keys) - 1)
     out = np.empty(len(keys), dtype=np.uint64)
     found = 0

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvevents.kernels import block_table
 
-__all__ = ["MaskMirror"]
+__all__ = ["MaskMirror", "signed64"]
 
 _LOW = (1 << 64) - 1
 _MIN_CAPACITY = 1 << 12
@@ -39,6 +39,9 @@ class MaskMirror:
         """Rebuilds from the whole dict (the changes were not listed)."""
         self.grown = 0
         """Times the table grew (rehashed from itself)."""
+        # Where a match writes its segments: reused, so that a match makes no array.
+        self._dropped = array("Q", bytes(8 * block_table.SEGMENTS))
+        self._lengths = array("q", bytes(8 * block_table.SEGMENTS))
 
     def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
         """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
@@ -55,17 +58,20 @@ class MaskMirror:
             words, np.frombuffer(values, dtype=np.uint64), self._keys, self._values, self.count
         )
 
-    def match(self, words: np.ndarray, live: int) -> tuple[list[tuple[int, int]], int]:
-        """``(segments, longest)`` of a request's keys (``words``: uint64) from ``live``."""
-        dropped, lengths, longest = block_table.match(
-            words, self._keys, self._values, np.uint64(live)
+    def match(self, keys: array[int], live: int) -> tuple[list[tuple[int, int]], int]:
+        """``(segments, longest)`` of a request's keys (an ``array("Q")``) from ``live``."""
+        dropped, lengths = self._dropped, self._lengths
+        found, longest = block_table.match(
+            keys, self._keys, self._values, signed64(live), dropped, lengths
         )
-        return list(zip(dropped.tolist(), lengths.tolist(), strict=True)), int(longest)
+        if not found:
+            return [], longest
+        return list(zip(dropped[:found].tolist(), lengths[:found].tolist(), strict=True)), longest
 
-    def not_held(self, words: np.ndarray, slot: int) -> list[int]:
-        """The keys of ``words`` (uint64) whose mask lacks ``slot``'s bit, in order."""
+    def not_held(self, keys: array[int], slot: int) -> list[int]:
+        """The keys of ``keys`` (an ``array("Q")``) whose mask lacks ``slot``'s bit, in order."""
         return block_table.not_held(  # type: ignore[no-any-return]
-            words, self._keys, self._values, np.uint64(1 << slot)
+            keys, self._keys, self._values, slot
         ).tolist()
 
     def _grow(self, n: int) -> None:
@@ -86,6 +92,17 @@ class MaskMirror:
         self._keys, self._values = _table(_capacity(n))
         self.count = block_table.apply(keys, values, self._keys, self._values, 0)
         self.rebuilds += 1
+
+
+def signed64(value: int) -> int:
+    """The int64 with the same 64 bits as ``value`` (0 .. 2**64 - 1): how a uint64 goes
+    into a kernel as a plain Python int, which numba unboxes as int64 (a ``np.uint64``
+    costs more to make than the rest of a small call)."""
+    return value - _WRAP if value > _MAX_SIGNED else value
+
+
+_MAX_SIGNED = (1 << 63) - 1
+_WRAP = 1 << 64
 
 
 def _capacity(n: int) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from numba import int64, njit, uint32, uint64
 from numba.cpython.unsafe.numbers import trailing_zeros as _count_trailing_zeros
 
-__all__ = ["INPUT_IDS_KEY", "parse_leading_input_ids"]
+__all__ = ["INPUT_IDS_KEY", "parse_input_ids_into", "parse_leading_input_ids"]
 
 INPUT_IDS_KEY = np.frombuffer(b'"input_ids"', dtype=np.uint8).copy()
 """The key the body must start with, quotes included (passed in: numba reads it as an array)."""
@@ -115,7 +115,21 @@ def _skip_ws(b, i):
 def parse_leading_input_ids(body, key):
     """``(tokens, end)``: the ids and the index of the ``,`` or ``}`` after the array;
     ``end == -1`` when the body is not the plain case (see the module docstring)."""
-    empty = np.empty(0, dtype=np.uint32)
+    out = np.empty(len(body) // 2 + 1, dtype=np.uint32)
+    count, end = parse_input_ids_into(body, key, out)
+    return out[: max(count, 0)], end
+
+
+@njit(cache=True)
+def parse_input_ids_into(body, key, out):
+    """:func:`parse_leading_input_ids` written into ``out`` (uint32): ``(count, end)``.
+
+    ``body`` and ``key`` may be ``bytes`` (numba reads them in place: no array is made
+    per call). ``end == -1``: not the plain case; ``end == -2``: ``out`` is shorter than
+    ``len(body) // 2 + 1`` ids, the most a body of that length can hold (nothing read).
+    """
+    if len(out) < len(body) // 2 + 1:
+        return 0, -2
     last = len(body) - 1
     while last >= 0 and (
         body[last] == 0x20 or body[last] == 0x0A or body[last] == 0x0D or body[last] == 0x09
@@ -123,23 +137,22 @@ def parse_leading_input_ids(body, key):
         last -= 1
     # Ending in "}" bounds every scan below: digits, whitespace and commas all stop there.
     if last < 0 or body[last] != 0x7D:
-        return empty, -1
+        return 0, -1
     i = _skip_ws(body, 0)
     if body[i] != 0x7B:  # {
-        return empty, -1
+        return 0, -1
     i = _skip_ws(body, i + 1)
     if i + len(key) > last:
-        return empty, -1
+        return 0, -1
     for k in range(len(key)):
         if body[i + k] != key[k]:
-            return empty, -1
+            return 0, -1
     i = _skip_ws(body, i + len(key))
     if body[i] != 0x3A:  # :
-        return empty, -1
+        return 0, -1
     i = _skip_ws(body, i + 1)
     if body[i] != 0x5B:  # [
-        return empty, -1
-    out = np.empty((last - i) // 2 + 1, dtype=np.uint32)
+        return 0, -1
     count = 0
     i = _skip_ws(body, i + 1)
     if body[i] == 0x5D:  # ]
@@ -178,15 +191,15 @@ def parse_leading_input_ids(body, key):
                 elif digits == 0:  # not a digit: whitespace before the number, or wrong
                     start = _skip_ws(body, i)
                     if start == i:
-                        return empty, -1
+                        return 0, -1
                     i = start
                     continue
                 elif digits != _WORD:  # a leading zero
-                    return empty, -1
+                    return 0, -1
             if value == _NO_NUMBER:  # 8 digits or more, or too near the end for a word
                 value, i = _digits(body, _skip_ws(body, i))
                 if value == _NO_NUMBER:
-                    return empty, -1
+                    return 0, -1
                 out[count] = uint32(value)
                 count += 1
             i = _skip_ws(body, i)
@@ -197,8 +210,8 @@ def parse_leading_input_ids(body, key):
                 i += 1
                 break
             else:  # a fraction, an exponent, anything else
-                return empty, -1
+                return 0, -1
     i = _skip_ws(body, i)
     if body[i] != 0x2C and body[i] != 0x7D:
-        return empty, -1
-    return out[:count], i
+        return 0, -1
+    return count, i

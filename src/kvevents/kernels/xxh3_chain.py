@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uint64
 
-__all__ = ["MAX_BLOCK_TOKENS", "SECRET64", "chain_keys"]
+__all__ = ["MAX_BLOCK_TOKENS", "SECRET64", "chain_keys", "chain_keys_into"]
 
 MAX_BLOCK_TOKENS = 60
 """Largest block (in 4-byte tokens) the kernel hashes: XXH3's short inputs end at 240 bytes."""
@@ -159,10 +159,17 @@ def _xxh3_block(t, j, n, s, seed):
 def chain_keys(tokens, block_tokens, parent, secret):
     """Keys of every full block of ``tokens`` (a uint32 array), each block's XXH3-64
     seeded by the key before it (``parent`` for the first), as a uint64 array."""
-    n_blocks = len(tokens) // block_tokens
-    out = np.empty(n_blocks, dtype=np.uint64)
-    key = parent
-    for b in range(n_blocks):
+    out = np.empty(len(tokens) // block_tokens, dtype=np.uint64)
+    chain_keys_into(tokens, block_tokens, parent, secret, out)
+    return out
+
+
+@njit(cache=True)
+def chain_keys_into(tokens, block_tokens, parent, secret, out):
+    """:func:`chain_keys` written into ``out`` (uint64, one slot per full block at least),
+    so that a caller holding a buffer makes no array per call. ``parent`` may be given as
+    the signed int64 of the same 64 bits (a Python int is unboxed as int64)."""
+    key = uint64(parent)
+    for b in range(len(tokens) // block_tokens):
         key = _xxh3_block(tokens, b * block_tokens, block_tokens, secret, key)
         out[b] = key
-    return out

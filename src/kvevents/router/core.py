@@ -99,8 +99,9 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
     policy: Policy = "kv-aware"
-    keys: list[int] = msgspec.field(default_factory=list)
-    """The request's content keys (what :meth:`Router.begin` predicts on the holder)."""
+    keys: Sequence[int] = msgspec.field(default_factory=list)
+    """The request's content keys (what :meth:`Router.begin` predicts on the holder): an
+    ``array("Q")`` when the compiled kernel keyed them, else a list."""
     by_prediction: bool = False
     """True when the choice differs from what confirmed blocks alone would have chosen."""
 
@@ -287,8 +288,8 @@ class Router:
         lora: str | int | None,
         cache_salt: str | None,
         extra_keys: Sequence[Any] | None = None,
-    ) -> list[int]:
-        return self.index.keys_for(
+    ) -> Sequence[int]:
+        return self.index.request_keys(
             token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys
         )
 
@@ -358,7 +359,7 @@ class Router:
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in holders}, predicted
 
     def _scored(
-        self, keys: list[int], holders: list[Holder]
+        self, keys: Sequence[int], holders: list[Holder]
     ) -> tuple[list[HolderScore], dict[Holder, int], dict[Holder, HolderMatch]]:
         """Every candidate's score for a request of ``keys``, the blocks predictions add
         per holder (empty when none count), and the confirmed matches it scored."""

@@ -38,7 +38,7 @@ import hashlib
 import os
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import xxhash
 
@@ -50,6 +50,7 @@ __all__ = [
     "HashScheme",
     "SGLangPageHash",
     "VLLMSha256CborHash",
+    "content_key_array",
     "content_keys",
     "content_keys_per_block",
     "get_hash_scheme",
@@ -87,6 +88,17 @@ def content_keys(
     A trailing partial block gets no key (engines cache and publish only full blocks).
     ``parent_key`` continues a chain whose earlier blocks were keyed already.
     """
+    keys = content_key_array(token_ids, block_size, parent_key)
+    # the kernel's array as ints, or the per-block loop's list as it is
+    return keys.tolist() if isinstance(keys, array) else cast("list[int]", keys)
+
+
+def content_key_array(
+    token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY
+) -> Sequence[int]:
+    """:func:`content_keys` as a request is keyed: an ``array("Q")`` when the compiled
+    kernel keys them (the compiled match reads it in place, and its ints are made only
+    if Python reads them), else the list."""
     if block_size <= 0:
         raise ValueError(f"content_keys: block_size={block_size} must be a positive int")
     compiled = kernels.loaded()
