@@ -12,11 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+
+from kvevents.index.types import HolderMatch
+from kvevents.router.hot_path import ScoreAnswer
+from kvevents.router.scoring import HolderScore
 
 PAGE = 4
 pytestmark = pytest.mark.slow
@@ -266,3 +271,27 @@ def test_workers_share_one_port_and_each_others_load(engine: Engine) -> None:
         assert 'kvevents_router_process_info{index="' in metrics
     finally:
         proc.stop()
+
+
+def test_a_route_answer_score_carries_every_field_of_the_holder_score() -> None:
+    """/route's score answer (ScoreAnswer.of) says every figure a HolderScore holds, by the
+    same names, matched as an object: a field added to one and not the other fails here."""
+    assert ScoreAnswer.__struct_fields__ == HolderScore.__struct_fields__
+    score = HolderScore(
+        worker="http://e:1",
+        dp_rank=3,
+        matched=HolderMatch(5, 2, 1),
+        cached_blocks=6.5,
+        prefill_blocks=1.5,
+        pending_blocks=2.0,
+        cost=1.7,
+        routed=9,
+        available=False,
+        recent_blocks=4.0,
+        balance_blocks=0.5,
+        predicted_blocks=2,
+    )
+    answer = msgspec.json.decode(msgspec.json.encode(ScoreAnswer.of(score)))
+    expected = msgspec.structs.asdict(score)
+    expected["matched"] = {"gpu": 5, "cpu": 2, "disk": 1}
+    assert answer == expected

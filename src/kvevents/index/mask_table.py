@@ -264,10 +264,11 @@ class MaskTable:
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)
-        words = compiled_keys(keys)
-        mirror = None if words is None or self._width != 64 else self._synced_mirror()
-        if mirror is not None and words is not None:
-            segs, i = mirror.match(words, self._live)
+        mirror = None
+        if type(keys) is array and keys.typecode == "Q" and self._width == 64:
+            mirror = self._synced_mirror()  # compiled_keys(), spelled out on the hot path
+        if mirror is not None:
+            segs, i = mirror.match(keys, self._live)  # type: ignore[arg-type]
         else:
             segs, i = self._segments(map(self._blocks.get, keys, repeat(0)), len(keys))
         if i and len(self._touch_log) < _TOUCH_LOG_LIMIT:
@@ -290,18 +291,21 @@ class MaskTable:
                 return None
             mirror = self._mirror = compiled.mirror()
             self._unlist_changes()
+        changed = self._changed
+        if changed is not None and not changed:
+            return mirror  # nothing written since the last match: the usual case
         try:
-            if self._changed is None:
+            if changed is None:
                 mirror.rebuild(self._blocks)
             else:
-                mirror.sync(self._changed, self._changed_masks)
+                mirror.sync(changed, self._changed_masks)
         except OverflowError:  # a key past uint64: only from a caller's own store_keys
             self._mirror, self._mirror_off = None, True
             return None
-        if self._changed is None:
+        if changed is None:
             self._changed = []
         else:
-            self._changed.clear()
+            changed.clear()
         self._changed_masks.clear()
         return mirror
 

@@ -64,9 +64,9 @@ class MaskMirror:
         found, longest = block_table.match(
             keys, self._keys, self._values, signed64(live), dropped, lengths
         )
-        if not found:
-            return [], longest
-        return list(zip(dropped[:found].tolist(), lengths[:found].tolist(), strict=True)), longest
+        if found == 1:  # the usual request: every holder that has some of it, one length
+            return [(dropped[0], lengths[0])], longest
+        return list(zip(dropped[:found], lengths[:found], strict=True)), longest
 
     def not_held(self, keys: array[int], slot: int) -> list[int]:
         """The keys of ``keys`` (an ``array("Q")``) whose mask lacks ``slot``'s bit, in order."""
