@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvevents.bench.bare_server import _BareApp
+from kvevents.bench.bare_server import BareApp
 from kvevents.bench.completions import run_completions
 from kvevents.http_serving import bind_http, start_http
 
@@ -59,7 +59,7 @@ def test_the_bare_relay_forwards_a_completion_as_it_came_and_answers_the_engines
         seen: list[bytes] = []
         handlers: list[asyncio.Task[Any]] = []
         engine_url, engine = await _engine(seen, handlers)
-        app = _BareApp(engine_url)
+        app = BareApp(engine_url)
         sock = bind_http("127.0.0.1", 0, "bare relay")
         server, task = await start_http(app, sock, lifespan="off")
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -93,7 +93,7 @@ def test_the_bare_relay_answers_502_when_the_engine_cannot_be_reached() -> None:
         gone.close()
         await gone.wait_closed()
         sock = bind_http("127.0.0.1", 0, "bare relay")
-        server, task = await start_http(_BareApp(f"http://127.0.0.1:{port}"), sock, lifespan="off")
+        server, task = await start_http(BareApp(f"http://127.0.0.1:{port}"), sock, lifespan="off")
         try:
             async with httpx.AsyncClient(timeout=10.0) as client:
                 answer = await client.post(

@@ -37,7 +37,7 @@ from kvevents.router.hot_path import Receive, Scope, Send
 from kvevents.router.token_body import BadRequest, decode_tokens_body
 from kvevents.router.upstream import FullResponse, Upstream
 
-__all__ = ["READY_PREFIX", "bare_app", "main"]
+__all__ = ["READY_PREFIX", "BareApp", "bare_app", "main"]
 
 READY_PREFIX = "kvevents bare ready "
 
@@ -55,17 +55,18 @@ def _answer(raw: bytes) -> tuple[int, bytes]:
     return 200, b'{"prompt_tokens": %d}' % len(tokens or ())
 
 
-class _BareApp:
+class BareApp:
     """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian); on uvicorn
-    it answers inline as the router's hot path does (:mod:`kvevents.http_inline`)."""
+    it answers inline as the router's hot path does (:mod:`kvevents.http_inline`).
+    ``upstream``: the relay's client (default: the router's kept-alive one)."""
 
     inline_paths = frozenset({b"/route", b"/query"})
     inline_limit = 1 << 30
 
-    def __init__(self, relay_to: str | None = None) -> None:
+    def __init__(self, relay_to: str | None = None, upstream: Upstream | None = None) -> None:
         self.relay_to = relay_to
         self.async_inline_paths = frozenset({RELAYED_PATH.encode()} if relay_to else ())
-        self._upstream = Upstream(timeout=600.0)
+        self._upstream = upstream or Upstream(timeout=600.0)
 
     def answer_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     kernels.load()  # before serving: the ceiling parses as a router with its kernels does
-    app = _BareApp(args.relay_to)
+    app = BareApp(args.relay_to)
     return run_event_loop(
         serve_app(app, args.host, args.port, READY_PREFIX, "bare server", server=args.http_server)
     )

@@ -2,15 +2,16 @@
 
 ::
 
-    kvevents bench [publisher|subscriber|index|engine|routing|router|ingest|burst|
-                    warm_start|all]
+    kvevents bench [publisher|subscriber|index|engine|routing|router|instructions|
+                    ingest|burst|warm_start|all]
                    [--json OUT] [--quick]
     kvevents bench router --completions-only [--rounds N]  # the relay's added latency
     kvevents bench --markdown [--json FILE]     # the README section, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
 (``run_publisher_bench``, ``run_subscriber_bench``, ``run_index_bench``,
-``run_engine_bench``, ``run_burst_bench`` (sibling bursts, predictions off and on),
+``run_engine_bench``, ``run_instructions_bench`` (the router's work per request in
+instructions, under callgrind), ``run_burst_bench`` (sibling bursts, predictions off and on),
 ``run_warm_start_bench`` (a replica restarted from a peer at 250,000+ blocks), and
 for routing the demo itself, :func:`kvevents.demo.main.run_routing_bench`),
 with the settings the script uses by default, or much smaller ones with ``--quick``
@@ -109,6 +110,14 @@ def _router_completions(quick: bool, rounds: int) -> dict[str, Any]:
     return run_router_bench(completions_only=True, completions_rounds=rounds)
 
 
+def _instructions(quick: bool) -> dict[str, Any]:
+    from kvevents.bench.instructions import run_instructions_bench
+
+    if quick:
+        return run_instructions_bench(requests=50, cases=("bare", "route"))
+    return run_instructions_bench()
+
+
 def _ingest(quick: bool) -> dict[str, Any]:
     from kvevents.bench.ingest import run_ingest_bench
 
@@ -140,6 +149,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "engine": _engine,
     "routing": _routing,
     "router": _router,
+    "instructions": _instructions,
     "ingest": _ingest,
     "burst": _burst,
     "warm_start": _warm_start,

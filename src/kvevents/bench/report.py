@@ -41,6 +41,7 @@ TITLES = {
     "engine": "Simulated engine (events and blocks emitted per rank)",
     "ingest": "Ingest capacity (M engines at 3,000 block ops/s each, /route at 200 req/s)",
     "router": "Router under load (wrk, 32 connections, dp 4, prompts stored on the engine)",
+    "instructions": "Work per request in instructions (callgrind, in process, 2,048-token prompts; HTTP not counted)",
     "burst": "Sibling bursts (groups sharing a new 2,048-token prefix, dp 4, 100 ms prefills)",
     "warm_start": "Warm restart from a peer (`--peer`, dp 4, prompts stored on the engine)",
 }
@@ -329,6 +330,28 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             )
 
 
+def _instructions(r: dict[str, Any]) -> Iterator[Figure]:
+    per, adds = r["instructions_per_request"], r["router_adds"]
+    labels = {
+        "bare": "bare server /route (the body decoded)",
+        "route": "router /route",
+        "query": "router /query",
+        "bare_relay": "bare relay /v1/completions (engine answers in process)",
+        "relay": "router /v1/completions (engine answers in process)",
+    }
+    for case, label in labels.items():
+        if case not in per:
+            continue
+        added = adds.get(case)
+        base = per.get("bare" if case == "route" else "bare_relay")
+        extra = (
+            ""
+            if added is None or not base
+            else f" (+{_n(added)}; bare {_pct(base / per[case])} of it)"
+        )
+        yield Figure("instructions", label, f"{_n(per[case])}{extra}", "", None)
+
+
 def _ingest(r: dict[str, Any]) -> Iterator[Figure]:
     for run in r["rounds"]:
         yield Figure(
@@ -406,6 +429,7 @@ _EXTRACTORS: dict[str, Callable[[dict[str, Any]], Iterator[Figure]]] = {
     "index": _index,
     "engine": _engine,
     "router": _router,
+    "instructions": _instructions,
     "ingest": _ingest,
     "burst": _burst,
     "warm_start": _warm_start,

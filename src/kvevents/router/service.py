@@ -113,6 +113,8 @@ class RouterService:
 
     ``engines``: URLs (discovered) or :class:`~kvevents.subscribe.engine_spec.EngineSpec` values.
     The subscriber is the caller's (``build_service`` adds every spec's streams to it).
+    ``upstream``: the client that forwards requests to engines (default: one :meth:`start`
+    opens with the engine credentials; a benchmark passes one that answers in process).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class RouterService:
         policy: Policy = "kv-aware",
         engine_credentials: ClientCredentials | None = None,
         models_interval: float = MODELS_RECHECK_S,
+        upstream: Upstream | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -172,7 +175,8 @@ class RouterService:
         self.warm_start: WarmStart | None = None
         """How the index started when peers were given (``--peer``)."""
         self._client: httpx.AsyncClient | None = None
-        self._upstream: Upstream | None = None
+        self._upstream: Upstream | None = upstream
+        """The client that forwards requests (``upstream``, else one :meth:`start` opens)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._serving = asyncio.Event()
@@ -248,9 +252,13 @@ class RouterService:
         # tenth of httpx's). Idle connections close after 2 s, before the engine's
         # (uvicorn: 5 s) keep-alive timeout, so a request never goes out on a connection
         # the server is closing. Bodies are relayed as they come (no decoding).
-        self._upstream = Upstream(
-            timeout=self.forward_timeout, connect_timeout=5.0, headers=creds.headers(), tls=verify
-        )
+        if self._upstream is None:
+            self._upstream = Upstream(
+                timeout=self.forward_timeout,
+                connect_timeout=5.0,
+                headers=creds.headers(),
+                tls=verify,
+            )
         if (
             isinstance(self.text_tokenizer, EndpointTokenizer)
             and self.text_tokenizer.client is None
