@@ -85,6 +85,8 @@ _DROP_HEADERS = frozenset(
         RANK_HEADER.lower(),
     }
 )
+_DROP_RAW_HEADERS = frozenset(name.encode("latin-1") for name in _DROP_HEADERS)
+"""The same names as the server gives them (lower-case bytes), read before decoding."""
 _MAX_TOKEN_ID = 2**32 - 1
 _ENCODER = msgspec.json.Encoder()
 _JSON = "application/json"
@@ -586,12 +588,11 @@ def _media(headers: Mapping[str, str]) -> bytes:
 
 def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     """The client's headers that go on to the engine (see :data:`_DROP_HEADERS`)."""
-    headers = {}
-    for k, v in raw_headers:
-        name = k.decode("latin-1")
-        if name not in _DROP_HEADERS:
-            headers[name] = v.decode("latin-1")
-    return headers
+    return {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in raw_headers
+        if k not in _DROP_RAW_HEADERS
+    }
 
 
 def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: bool) -> bytes:

@@ -112,6 +112,13 @@ def engine_usage_of_json(payload: bytes) -> tuple[int, int] | None:
         m = _USAGE_DECODER.decode(payload)
     except msgspec.DecodeError:  # also a JSON value that is not an object
         return None
+    usage = m.usage
+    if type(usage) is dict:  # the OpenAI shape, read without the ABC checks of Mapping
+        details = usage.get("prompt_tokens_details")
+        prompt = usage.get("prompt_tokens")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        # as engine_usage() reads it: a JSON object decodes to a dict, never another Mapping
+        return (prompt, cached) if isinstance(prompt, int) and isinstance(cached, int) else None
     return engine_usage(
         {
             "usage": m.usage,
