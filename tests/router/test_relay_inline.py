@@ -369,8 +369,9 @@ def test_a_stream_left_to_the_asgi_path_is_decoded_once(
 
 def test_a_relay_on_a_kept_alive_engine_connection_runs_no_task(engine: FakeEngine) -> None:
     """Relayed inline, a completion is answered from callbacks: the first opens the
-    engine's connection (one task, for the connect), the ones after reuse it and create
-    no task at all, neither for the client's answer nor for the engine's."""
+    engine's connection (one task, for the connect) unless a load poll already did, the
+    ones after reuse it and create no task at all, neither for the client's answer nor
+    for the engine's."""
 
     async def check(plane: _Plane) -> None:
         loop = asyncio.get_running_loop()
@@ -397,7 +398,8 @@ def test_a_relay_on_a_kept_alive_engine_connection_runs_no_task(engine: FakeEngi
         def relaying(names: list[str]) -> list[str]:
             return [name for name in names if any(part in name for part in ours)]
 
-        assert relaying(opened) == ["Upstream._connect_then_send"]
+        # the engine's load polls share the client: one may have opened the connection
+        assert relaying(opened) in ([], ["Upstream._connect_then_send"])
         assert relaying(created) == []
         assert plane.inflight() == 0
 

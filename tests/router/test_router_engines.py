@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from kvevents.router.engines import (
     vllm_rank_loads,
     watch_engine,
 )
+from kvevents.router.upstream import Upstream
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.types import Holder
 
@@ -75,16 +77,20 @@ def test_values_that_are_not_finite_counts_are_skipped() -> None:
 
 class _SlowLoadEngine(BaseHTTPRequestHandler):
     """A kvevents engine's /load (two ranks, both available), answered after ``delay`` s;
-    its /server_info (a 404: nothing to discover) after ``discovery_delay`` s."""
+    its /server_info (a 404: nothing to discover) after ``discovery_delay`` s. HTTP/1.1:
+    connections stay open; ``load_peers`` holds the client address of every /load."""
 
+    protocol_version = "HTTP/1.1"
     delay = 0.0
+    body_delay = 0.0
     discovery_delay = 0.0
-    lock = threading.Lock()
+    load_peers: ClassVar[list[tuple[str, int]]] = []
 
     def do_GET(self) -> None:
         if self.path == "/server_info":
             time.sleep(type(self).discovery_delay)
         if self.path == "/load":
+            type(self).load_peers.append(self.client_address)
             time.sleep(type(self).delay)
             body = json.dumps(
                 {
@@ -98,7 +104,9 @@ class _SlowLoadEngine(BaseHTTPRequestHandler):
             self.send_response(404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
+        self.end_headers()  # the head leaves now
+        if self.path == "/load":
+            time.sleep(type(self).body_delay)
         with contextlib.suppress(OSError):  # the poller may have given up on the answer
             self.wfile.write(body)
 
@@ -125,6 +133,8 @@ def _slow_engine() -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         _SlowLoadEngine.delay = _SlowLoadEngine.discovery_delay = 0.0
+        _SlowLoadEngine.body_delay = 0.0
+        _SlowLoadEngine.load_peers = []
         server.shutdown()
         thread.join(10.0)
         server.server_close()
@@ -134,15 +144,17 @@ def _slow_engine() -> Iterator[str]:
 async def _watching(router: Router, state: EngineState) -> AsyncIterator[None]:
     """``watch_engine`` polling every 0.05 s with a 0.2 s timeout, stopped on exit."""
     stopping = asyncio.Event()
+    upstream = Upstream(timeout=60.0)
     async with httpx.AsyncClient() as client:
         task = asyncio.create_task(
-            watch_engine(router, state, client, 0.05, stopping, load_timeout=0.2)
+            watch_engine(router, state, client, upstream, 0.05, stopping, load_timeout=0.2)
         )
         try:
             yield
         finally:
             stopping.set()
             await asyncio.wait_for(task, 10.0)
+            await upstream.close()
 
 
 def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
@@ -170,10 +182,52 @@ def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> 
             await _until("the threshold", lambda: state.error is not None)
             assert state.slow_polls == SLOW_POLLS_TOLERATED + 1
             assert available() == [False, False] and state.slow is None
-            assert "ReadTimeout" in state.error and "4 load polls in a row" in state.error
+            assert "TimeoutError" in state.error and "4 load polls in a row" in state.error
             _SlowLoadEngine.delay = 0.0
             await _until("the engine back", lambda: state.error is None)
             assert state.slow_polls == 0 and available() == [True, True]
+
+    with _slow_engine() as url:
+        asyncio.run(run(url))
+
+
+def test_a_load_answer_whose_body_is_late_is_slow_not_down() -> None:
+    """A /load whose head comes at once and whose body comes after the poll's timeout is a
+    slow engine like one that answers nothing in time: the ranks keep their state."""
+    router = Router(block_size=4)
+
+    async def run(url: str) -> None:
+        spec = EngineSpec.create(
+            url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
+        )
+        state = EngineState(spec)
+        holders = [Holder(spec.worker, r) for r in (0, 1)]
+        async with _watching(router, state):
+            await _until("both ranks available", lambda: state.load_source == "/load")
+            _SlowLoadEngine.body_delay = 0.6
+            await _until("a slow poll", lambda: state.slow_polls >= 1)
+            assert state.error is None and all(router.loads[h].available for h in holders)
+            assert state.slow is not None and "keep their last known state" in state.slow
+
+    with _slow_engine() as url:
+        asyncio.run(run(url))
+
+
+def test_load_polls_reuse_one_kept_alive_connection() -> None:
+    """Polled every 0.05 s, an engine that keeps connections open sees its /load polls
+    arrive on one connection (the router's engine client, not a connection per poll)."""
+    router = Router(block_size=4)
+
+    async def run(url: str) -> None:
+        spec = EngineSpec.create(
+            url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
+        )
+        state = EngineState(spec)
+        async with _watching(router, state):
+            await _until("ten polls", lambda: len(_SlowLoadEngine.load_peers) >= 10)
+            assert state.error is None and state.load_source == "/load"
+        assert len(set(_SlowLoadEngine.load_peers)) == 1
+        assert router.loads[Holder(spec.worker, 1)].engine_requests == 1
 
     with _slow_engine() as url:
         asyncio.run(run(url))
@@ -218,7 +272,7 @@ def test_a_refused_connection_is_an_error_at_once() -> None:
     async def run() -> None:
         async with _watching(router, state):
             await _until("the error", lambda: state.error is not None)
-            assert state.slow_polls == 0 and "ConnectError" in state.error
+            assert state.slow_polls == 0 and "cannot connect" in state.error
             assert not any(load.available for load in router.loads.values())
 
     asyncio.run(run())

@@ -549,3 +549,84 @@ def test_after_close_a_whole_answer_is_refused() -> None:
             await refused
 
     run(main())
+
+
+# --- get: the engines' load polls ----------------------------------------------------
+
+
+def test_gets_send_no_body_and_reuse_one_kept_alive_connection() -> None:
+    async def main() -> None:
+        async with serving(keep_alive()) as server:
+            client = Upstream(timeout=60, headers={"authorization": "Bearer k"})
+            for _ in range(3):
+                full = await client.get(server.url + "/base/", "/load", timeout=5)
+                assert (full.status, full.body) == (200, b"{}")
+            await client.close()
+        assert server.connections == 1 and len(server.requests) == 3
+        head, body = server.requests[0]
+        lines = head.split(b"\r\n")
+        assert lines[0] == b"GET /base/load HTTP/1.1" and body == b""
+        assert (
+            b"authorization: Bearer k" in lines and lines[1] == b"Host: " + server.url[7:].encode()
+        )
+        assert not any(line.lower().startswith(b"content-length") for line in lines)
+
+    run(main())
+
+
+def test_a_get_the_engine_dropped_on_a_kept_alive_connection_is_sent_again_once() -> None:
+    """The engine reads the second GET on a kept-alive connection and closes it without
+    a word (as a server closing an idle connection does): the GET goes out again on a
+    new connection and is answered there. A new connection dropped the same way is an
+    error, not another try."""
+
+    def script(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            if n == 1:
+                await server.exchange(r, w, OK)
+                await server.request(r)  # then close, unanswered
+            elif n == 2:
+                await server.exchange(r, w, OK)
+            else:
+                await server.request(r)
+
+        return serve
+
+    async def main() -> None:
+        async with serving(script) as server:
+            client = Upstream(timeout=60)
+            assert (await client.get(server.url, "/load", timeout=5)).status == 200
+            assert (await client.get(server.url, "/load", timeout=5)).status == 200
+            assert server.connections == 2 and len(server.requests) == 3
+            await client.close()
+            fresh = Upstream(timeout=60)  # its first GET opens connection 3
+            with pytest.raises(UpstreamError, match="closed the connection"):
+                await fresh.get(server.url, "/load", timeout=5)
+            assert server.connections == 3
+            await fresh.close()
+
+    run(main())
+
+
+def test_a_get_without_an_answer_times_out_at_its_own_timeout() -> None:
+    """The GET's ``timeout``, not the client's forwarding one, bounds it; after close, refused."""
+
+    def script(server: Server) -> Script:
+        async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await r.read()  # never answers; returns once the client closes
+
+        return hold
+
+    async def main() -> None:
+        async with serving(script) as server:
+            client = Upstream(timeout=600)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(TimeoutError):
+                await client.get(server.url, "/load", timeout=0.2)
+            assert loop.time() - began < 5
+            await client.close()
+            with pytest.raises(UpstreamError, match="shutting down"):
+                await client.get(server.url, "/load", timeout=5)
+
+    run(main())

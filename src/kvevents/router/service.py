@@ -247,9 +247,9 @@ class RouterService:
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(30.0, connect=5.0), headers=creds.headers(), verify=verify
         )
-        # Forwarding, on every routed request, goes through the router's own client
-        # (kvevents.router.upstream: a third of aiohttp's CPU per request, which was a
-        # tenth of httpx's). Idle connections close after 2 s, before the engine's
+        # Forwarding, on every routed request, and the engines' load polls go through the
+        # router's own client (kvevents.router.upstream: a third of aiohttp's CPU per
+        # request, which was a tenth of httpx's). Idle connections close after 2 s, before the engine's
         # (uvicorn: 5 s) keep-alive timeout, so a request never goes out on a connection
         # the server is closing. Bodies are relayed as they come (no decoding).
         if self._upstream is None:
@@ -273,6 +273,7 @@ class RouterService:
                         self.router,
                         state,
                         self._client,
+                        self.upstream,
                         self.load_interval,
                         self._stopping,
                         self.models_interval,

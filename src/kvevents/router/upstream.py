@@ -5,7 +5,10 @@ Every request the router forwards (``/v1/completions``, ``/v1/chat/completions``
 talks to all day. :class:`Upstream` does only that: a pool of kept-alive connections
 per engine, the request head and body in one write, and the answer parsed by the same
 C parser the router's server uses (httptools), handed back whole (:meth:`Response.read`)
-or chunk by chunk as it arrives (:meth:`Response.chunks`, for streams).
+or chunk by chunk as it arrives (:meth:`Response.chunks`, for streams). The engines'
+load polls (``GET /load``, a vLLM's ``/health`` and ``/metrics``, twice a second per
+engine) go through :meth:`Upstream.get` on the same connections: 40-60 us of CPU per
+poll where httpx took 0.9-1.0 ms.
 
 :meth:`Upstream.post_whole` is the same exchange for an answer the caller takes whole:
 one future, resolved from the parser's callbacks when the answer's last byte is in, so
@@ -31,8 +34,9 @@ What it does and does not do:
 * An idle connection is kept ``idle_s`` seconds (2 s: before the engine's uvicorn closes
   it at 5 s, so a request never goes out on a connection the server is closing) and
   reused newest first; one whose answer said ``Connection: close``, whose body was not
-  read to its end, or that failed, is closed. A request is never retried: a ``POST``
-  may already have started a generation.
+  read to its end, or that failed, is closed. A ``POST`` is never retried: it may
+  already have started a generation. A ``GET`` that failed on a kept-alive connection
+  before its answer began is sent once more, on a new connection.
 * A stream is read as the reader takes it: past 256 KiB unread, the socket is paused.
 """
 
@@ -330,7 +334,8 @@ class _Connection(asyncio.Protocol):
 
 
 class Upstream:
-    """Forwards ``POST`` requests to engines over a pool of kept-alive connections."""
+    """Forwards ``POST`` requests to engines, and polls them with ``GET``, over a pool of
+    kept-alive connections per engine."""
 
     def __init__(
         self,
@@ -387,6 +392,41 @@ class Upstream:
     ) -> FullResponse:
         conn = await self._connect(origin, deadline)
         response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
+        return response
+
+    async def get(self, base: str, path: str, *, timeout: float) -> FullResponse:
+        """GET ``base + path`` and its whole answer within ``timeout`` seconds: the
+        engines' load polls (:mod:`kvevents.router.engines`), on the same kept-alive
+        connections as the requests forwarded to them.
+
+        Errors as :meth:`post_whole`'s. A GET changes nothing on the engine, so one that
+        failed on a kept-alive connection (the engine closed it as the request left) is
+        sent once more on a new connection.
+        """
+        if self._closed:
+            raise UpstreamError("the router is shutting down: its engine client is closed")
+        origin = self._origins.get(base)
+        if origin is None:
+            origin = self._origins[base] = _Origin(base)
+        now = asyncio.get_running_loop().time()
+        head = b"GET %s%s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (
+            origin.prefix.encode("latin-1"),
+            path.encode("latin-1"),
+            origin.netloc,
+            self._fixed,
+        )
+        deadline = now + timeout
+        conn = self._idle(origin, now)
+        if conn is not None:
+            try:
+                kept: FullResponse = await _exchange(conn, head, b"", deadline, whole=True)
+                return kept
+            except MidwayError:
+                raise  # an answer began: the engine took the request
+            except UpstreamError:
+                pass
+        conn = await self._connect(origin, deadline)
+        response: FullResponse = await _exchange(conn, head, b"", deadline, whole=True)
         return response
 
     def _start(
