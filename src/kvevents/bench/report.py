@@ -343,7 +343,7 @@ def _instructions(r: dict[str, Any]) -> Iterator[Figure]:
         if case not in per:
             continue
         added = adds.get(case)
-        base = per.get("bare" if case == "route" else "bare_relay")
+        base = per.get("bare_relay" if case == "relay" else "bare")
         extra = (
             ""
             if added is None or not base
