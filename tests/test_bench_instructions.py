@@ -5,6 +5,7 @@ needed to check the arithmetic, only to measure)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -86,4 +87,24 @@ def test_bad_settings_and_a_missing_valgrind_are_clear_errors(
         instructions.run_instructions_bench(requests=0, count=lambda c, n: 0)
     monkeypatch.setattr(instructions.shutil, "which", lambda name: None)
     with pytest.raises(KVEventsError, match="apt-get install valgrind"):
+        instructions.callgrind_count("bare", 1)
+
+
+def test_the_counted_run_has_one_blas_thread_and_a_fixed_hash_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NumPy's idle BLAS threads wake up in proportion to wall time: counted, they moved
+    the bare case by about 5% from run to run. callgrind_count runs its process with one
+    BLAS thread and a fixed hash seed, and reads callgrind's total from its stderr; a
+    failed run is an error quoting that stderr."""
+    fake = tmp_path / "valgrind"
+    fake.write_text(
+        '#!/bin/sh\necho "==1== Collected : ${OPENBLAS_NUM_THREADS:-x}0${PYTHONHASHSEED:-x}" >&2\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    monkeypatch.setattr(instructions.shutil, "which", lambda name: str(fake))
+    assert instructions.callgrind_count("bare", 1) == 100  # "1" "0" "0"
+    fake.write_text("#!/bin/sh\necho 'valgrind: out of memory' >&2\nexit 3\n")
+    with pytest.raises(KVEventsError, match=r"exit 3.*out of memory"):
         instructions.callgrind_count("bare", 1)

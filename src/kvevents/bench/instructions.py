@@ -17,7 +17,9 @@ cycles per instruction than one in a loop. They are what a change to the code ch
 exactly, and what two builds can be compared on in any hour. Under valgrind, numba
 compiles the kernels for the CPU valgrind presents (no AVX-512), so their counts are
 those of that build: the first run of each case compiles them (not counted).
-``PYTHONHASHSEED=0`` keeps dict layouts, and the counts, the same from run to run.
+``PYTHONHASHSEED=0`` keeps dict layouts, and the counts, the same from run to run, and
+``OPENBLAS_NUM_THREADS=1`` keeps NumPy's BLAS from starting idle threads whose wake-ups
+would count in proportion to wall time.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ def callgrind_count(case: str, requests: int) -> int:
         case,
         str(requests),
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    # One BLAS thread: NumPy's OpenBLAS otherwise starts a thread per core whose idle
+    # wake-ups add instructions in proportion to the run's wall time (about 5% of the
+    # bare case's per-request count, different on every run)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     found = _COLLECTED.search(done.stderr)
     if done.returncode != 0 or found is None:
