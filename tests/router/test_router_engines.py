@@ -157,6 +157,12 @@ async def _watching(router: Router, state: EngineState) -> AsyncIterator[None]:
             await upstream.close()
 
 
+def _two_rank_engine(url: str) -> tuple[EngineState, list[Holder]]:
+    """The watch state of a 2-rank kvevents engine at ``url``, and its two holders."""
+    spec = EngineSpec.create(url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents")
+    return EngineState(spec), [Holder(spec.worker, r) for r in (0, 1)]
+
+
 def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
     """A /load that answers after the poll's timeout is a slow engine, not a dead one: its
     ranks stay available (and /workers' fields say why) for SLOW_POLLS_TOLERATED polls in
@@ -164,11 +170,7 @@ def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> 
     router = Router(block_size=4)
 
     async def run(url: str) -> None:
-        spec = EngineSpec.create(
-            url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
-        )
-        state = EngineState(spec)
-        holders = [Holder(spec.worker, r) for r in (0, 1)]
+        state, holders = _two_rank_engine(url)
 
         def available() -> list[bool]:
             return [router.loads[h].available for h in holders if h in router.loads]
@@ -197,11 +199,7 @@ def test_a_load_answer_whose_body_is_late_is_slow_not_down() -> None:
     router = Router(block_size=4)
 
     async def run(url: str) -> None:
-        spec = EngineSpec.create(
-            url, kv_endpoint="tcp://127.0.0.1:5557", dp_size=2, kind="kvevents"
-        )
-        state = EngineState(spec)
-        holders = [Holder(spec.worker, r) for r in (0, 1)]
+        state, holders = _two_rank_engine(url)
         async with _watching(router, state):
             await _until("both ranks available", lambda: state.load_source == "/load")
             _SlowLoadEngine.body_delay = 0.6

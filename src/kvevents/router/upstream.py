@@ -405,9 +405,7 @@ class Upstream:
         """
         if self._closed:
             raise UpstreamError("the router is shutting down: its engine client is closed")
-        origin = self._origins.get(base)
-        if origin is None:
-            origin = self._origins[base] = _Origin(base)
+        origin = self._origin(base)
         now = asyncio.get_running_loop().time()
         head = b"GET %s%s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (
             origin.prefix.encode("latin-1"),
@@ -429,6 +427,13 @@ class Upstream:
         response: FullResponse = await _exchange(conn, head, b"", deadline, whole=True)
         return response
 
+    def _origin(self, base: str) -> _Origin:
+        """The pool of ``base`` (an engine's URL), made on its first request."""
+        origin = self._origins.get(base)
+        if origin is None:
+            origin = self._origins[base] = _Origin(base)
+        return origin
+
     def _start(
         self, base: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> tuple[_Origin, float, _Connection | None, bytes]:
@@ -436,9 +441,7 @@ class Upstream:
         and its head (built first: a header it refuses takes no connection from the pool)."""
         if self._closed:
             raise UpstreamError("the router is shutting down: forwarding is closed")
-        origin = self._origins.get(base)
-        if origin is None:
-            origin = self._origins[base] = _Origin(base)
+        origin = self._origin(base)
         now = asyncio.get_running_loop().time()
         lines = [
             b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
