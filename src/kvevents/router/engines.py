@@ -39,8 +39,8 @@ The load polls, twice a second per engine by default, go through the router's ow
 engine client (:meth:`Upstream.get <kvevents.router.upstream.Upstream.get>`, the
 connections requests are forwarded on); registration and the models, read rarely, go
 through httpx. Measured in one process with a minimal asyncio server answering, a poll
-cost 0.9-1.0 ms of CPU through httpx (an import attempt of the absent ``sniffio`` four
-times a poll among it) and 40-60 us through :class:`~kvevents.router.upstream.Upstream`:
+cost 0.9-1.0 ms of CPU through httpx (four failed imports of ``sniffio`` among it, before
+it became a dependency) and 40-60 us through :class:`~kvevents.router.upstream.Upstream`:
 CPU the router's event loop spends away from ``/route`` once per engine every half second.
 
 Errors never end the task: they mark the engine's ranks unavailable, are kept in
