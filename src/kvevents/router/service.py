@@ -261,9 +261,9 @@ class RouterService:
             )
         if (
             isinstance(self.text_tokenizer, EndpointTokenizer)
-            and self.text_tokenizer.client is None
+            and self.text_tokenizer.upstream is None
         ):
-            self.text_tokenizer.client = self._client
+            self.text_tokenizer.upstream = self._upstream
         if self.subscriber is not None:
             self._tasks.append(asyncio.create_task(self._consume(self.subscriber)))
         for state in self.states.values():
