@@ -7,7 +7,10 @@ kernel with the plain Python it replaces, on random and on hand-picked inputs.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from array import array
 
 import msgspec
@@ -257,3 +260,29 @@ def test_a_body_that_fails_in_the_rest_is_worded_by_the_whole_decode(
 
 def test_status_names_the_state() -> None:
     assert kernels.status() in {"compiled", "loading"} or kernels.status().startswith("off: ")
+
+
+@pytest.mark.parametrize(("given_env", "expected"), [(None, "1 1"), ("2", "2 2")])
+def test_loading_keeps_numpy_to_one_blas_thread_unless_told_otherwise(
+    given_env: str | None, expected: str
+) -> None:
+    """A fresh process: loading the kernels imports NumPy, whose OpenBLAS would start a
+    thread per core; it starts none unless OPENBLAS_NUM_THREADS asks for them."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given_env is not None:
+        env["OPENBLAS_NUM_THREADS"] = given_env
+    script = (
+        "import os\n"
+        "from kvevents import kernels\n"
+        "assert kernels.load() is not None, kernels.status()\n"
+        "import numpy.linalg\n"  # OpenBLAS is loaded by now: its threads, if any, run
+        "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+    )
+    if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
+        expected = expected.split()[0]  # the env alone: no /proc, or one core (no threads)
+        script = script.replace(", len(os.listdir('/proc/self/task'))", "")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected

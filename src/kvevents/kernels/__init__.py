@@ -23,7 +23,9 @@ requests; :func:`will_load` marks the wait). Importing numba costs about half a 
 and compiling the kernels a few seconds the first time on a machine (numba caches the
 machine code beside the modules, or in ``NUMBA_CACHE_DIR``). Engines and tools never
 load them. ``KVEVENTS_KERNELS=0`` keeps them off; so does a numba that cannot be
-imported (the reason is in :func:`status`).
+imported (the reason is in :func:`status`). Loading them sets ``OPENBLAS_NUM_THREADS=1``
+unless it is set or NumPy is already imported: nothing here does linear algebra, and
+NumPy's OpenBLAS would otherwise start a thread per core in every router process.
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ def load() -> Kernels | None:
             _status = "off: a big-endian host"
             return None
         _status = "loading"
+        if "numpy" not in sys.modules:
+            # numba imports NumPy, whose OpenBLAS starts a thread per core (less one) that
+            # the kernels never use; idle, they still wake now and then, in every process
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         try:
             kernels = Kernels()
         except Exception as exc:  # no numba, or one that cannot compile here
