@@ -263,7 +263,7 @@ def test_a_connection_stays_usable_after_refusals() -> None:
 class _BuggyRouter(Router):
     """A router whose decision code has a bug (a plain ValueError, not a refusal)."""
 
-    def route_batch(self, prompts: Any, **kwargs: Any) -> Any:
+    def route(self, token_ids: Any, **kwargs: Any) -> Any:
         raise KeyError("an internal bug")
 
 

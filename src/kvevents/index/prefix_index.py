@@ -137,6 +137,8 @@ class PrefixIndex(GroupedMaskTable):
         super().__init__(block_size=block_size, max_entries=max_entries, predictions=predictions)
         self.credits = credits
         self._slots: dict[Holder, int] = {}
+        self._holder_list: list[Holder] | None = None
+        """:meth:`holders`, kept until a holder is added or removed."""
         self.applied_seqs: dict[Holder, int] = {}
         """Per holder, the seq of the last batch whose effect the index holds; kept by the
         caller that applies batches (the router), carried by the snapshot, dropped with the
@@ -163,6 +165,7 @@ class PrefixIndex(GroupedMaskTable):
                     self._set_width(self._width + 64)
             self._slots[holder] = slot
             self._live |= 1 << slot
+            self._holder_list = None
         if block_size is not None:
             if block_size <= 0:
                 raise ValueError(
@@ -175,8 +178,15 @@ class PrefixIndex(GroupedMaskTable):
         return slot
 
     def holders(self) -> list[Holder]:
-        """Registered holders, in slot order."""
-        return [h for h in self._holders if h is not None]
+        """Registered holders, in slot order.
+
+        The same list until a holder is added or removed (then a new one): do not change
+        it. A caller may keep it and compare by identity to learn that nothing changed.
+        """
+        found = self._holder_list
+        if found is None:
+            found = self._holder_list = [h for h in self._holders if h is not None]
+        return found
 
     def slot_of(self, holder: Holder) -> int | None:
         return self._slots.get(holder)
@@ -212,6 +222,7 @@ class PrefixIndex(GroupedMaskTable):
         self._drop_sides(slot)
         del self._slots[holder]
         self._holders[slot] = None
+        self._holder_list = None
         self._live &= ~(1 << slot)
         self._free.append(slot)
         return dropped
@@ -803,6 +814,7 @@ class PrefixIndex(GroupedMaskTable):
             else:
                 index._slots[holder] = slot
                 index._live |= 1 << slot
+        index._holder_list = None
         cls._load_columns(index, snap.blocks)
         index._hashes = dict(zip(snap.hashes, snap.hash_keys, strict=True))
         index._refs = {(k, s, t): n for k, s, t, n in snap.refs}

@@ -72,6 +72,7 @@ from kvevents.router.models import ModelCatalog, UnknownModelError
 from kvevents.router.scoring import (
     HolderLoad,
     HolderScore,
+    Ranking,
     ScoringWeights,
     choose,
     note_routed,
@@ -90,7 +91,8 @@ POLICIES: tuple[Policy, ...] = get_args(Policy)
 
 # gc=False: one per request and free of reference cycles, so the collector never tracks it
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The chosen holder for a request, with every holder's score (best first)."""
+    """The chosen holder for a request, with every holder's score, best first (only the
+    best few when :meth:`Router.route` was given ``top``)."""
 
     worker: str
     dp_rank: int
@@ -104,6 +106,8 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ``array("Q")`` when the compiled kernel keyed them, else a list."""
     by_prediction: bool = False
     """True when the choice differs from what confirmed blocks alone would have chosen."""
+    candidates: int = 0
+    """How many holders were scored: ``len(scores)`` unless routed with ``top``."""
 
     @property
     def holder(self) -> Holder:
@@ -182,6 +186,11 @@ class Router:
         """Which engine serves which model (see the module docstring)."""
         self._model_routes: dict[str, tuple[list[Holder], str | None]] = {}
         self._model_routes_key = (-1, -1)
+        self._loads_version = 0
+        """Counts changes of ``loads`` made through this class's methods (the rankings' key)."""
+        self._rankings: dict[int, Ranking] = {}
+        """Per candidate list (by identity), its :class:`Ranking` at ``_rankings_version``."""
+        self._rankings_version = -1
 
     # --- feeding ----------------------------------------------------------------------
 
@@ -205,6 +214,7 @@ class Router:
             block_size = None  # keep the router's size for this holder's events
         self.index.add_holder(holder, block_size=block_size)
         self.loads.setdefault(holder, HolderLoad())
+        self._loads_version += 1
 
     def restore_index(self, index: PrefixIndex) -> None:
         """Go on from ``index`` (a peer's snapshot, ``--peer``) instead of the empty one:
@@ -217,6 +227,7 @@ class Router:
         self.index = index
         for holder in index.holders():
             self.loads.setdefault(holder, HolderLoad())
+        self._loads_version += 1
 
     def declare_block_size(
         self, holder: Holder, block_size: int, *, source: str, origin: str | None = None
@@ -237,6 +248,7 @@ class Router:
         if isinstance(item, Delivery):
             if item.holder not in self.loads:
                 self.loads[item.holder] = HolderLoad()
+                self._loads_version += 1
             self.index.apply(item.holder, self.block_sizes.check(item.holder, item.batch))
             self.index.applied_seqs[item.holder] = item.seq
             self.batches_applied += 1
@@ -265,20 +277,27 @@ class Router:
             if not isinstance(entry, dict) or not isinstance(entry.get("dp_rank"), int):
                 continue
             holder = Holder(worker, entry["dp_rank"])
-            load = self.loads.setdefault(holder, HolderLoad())
+            load = self.loads.get(holder)
+            if load is None:
+                load = self.loads[holder] = HolderLoad()
+                self._loads_version += 1
             if self.index.slot_of(holder) is None:
                 self.index.add_holder(holder)
+            before = (load.available, load.engine_requests)
             load.available = bool(entry.get("available", True))
             running = entry.get("running", 0)
             waiting = entry.get("waiting", 0)
             if isinstance(running, int) and isinstance(waiting, int):
                 load.engine_requests = running + waiting
+            if (load.available, load.engine_requests) != before:
+                self._loads_version += 1  # an idle engine's polls change nothing
 
     def set_worker_available(self, worker: str, available: bool) -> None:
         """Mark every rank of an engine (un)available, e.g. when its ``/load`` stops answering."""
         for holder, load in self.loads.items():
             if holder.worker == worker:
                 load.available = available
+        self._loads_version += 1
 
     # --- deciding ---------------------------------------------------------------------
 
@@ -394,20 +413,77 @@ class Router:
         policy: Policy = "kv-aware",
         model: str | None = None,
         extra_keys: Sequence[Any] | None = None,
+        top: int | None = None,
     ) -> RouteDecision:
         """Choose the holder for a request (see :mod:`kvevents.router.scoring` for the cost).
 
         ``policy`` is one of :data:`POLICIES` (see the module docstring); ``model``
         limits the candidates to the engines serving it; ``extra_keys`` as in :meth:`query`.
+        ``top``: the decision's ``scores`` are only the best ``top`` (at least 1), found
+        without scoring every holder (:class:`~kvevents.router.scoring.Ranking`, kept
+        until the loads change); None scores them all. The choice is the same either way.
         :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
-        return self.route_batch(
-            (token_ids,),
-            lora=lora,
-            cache_salt=cache_salt,
-            policy=policy,
-            model=model,
-            extra_keys=extra_keys,
+        if top is None or policy != "kv-aware":
+            decision = self.route_batch(
+                (token_ids,),
+                lora=lora,
+                cache_salt=cache_salt,
+                policy=policy,
+                model=model,
+                extra_keys=extra_keys,
+            )
+            if top is not None:
+                decision = msgspec.structs.replace(decision, scores=decision.scores[: max(1, top)])
+            return decision
+        holders, adapter = self.candidates(model)
+        if not holders:
+            raise self._no_rank(model)
+        keys = (
+            self._keys(token_ids, adapter if lora is None else lora, cache_salt, extra_keys)
+            if self.index.block_size is not None
+            else []  # nothing is stored anywhere yet: by load alone (see route_batch)
+        )
+        result = self.index.match_keys(keys)
+        found = result.by_holder()
+        predicted = self.index.predicted(keys, result)
+        ranking = self._ranking(holders)
+        credits = self.index.credits
+        n_blocks = len(keys)
+        scores = ranking.top(n_blocks, found, top, credits=credits, predicted=predicted)
+        best = choose(scores)
+        by_prediction = False
+        if best.predicted_blocks:
+            # the best on confirmed blocks alone: again O(matched), no second lookup
+            first = ranking.top(n_blocks, found, 1, credits=credits)[0]
+            by_prediction = first.worker != best.worker or first.dp_rank != best.dp_rank
+        return RouteDecision(
+            worker=best.worker,
+            dp_rank=best.dp_rank,
+            n_blocks=n_blocks,
+            block_size=self.index.block_size or 0,
+            scores=scores,
+            keys=keys,
+            by_prediction=by_prediction,
+            candidates=len(holders),
+        )
+
+    def _ranking(self, holders: list[Holder]) -> Ranking:
+        """The :class:`Ranking` of a candidate list, as the loads are now."""
+        if self._loads_version != self._rankings_version or len(self._rankings) > 64:
+            self._rankings.clear()
+            self._rankings_version = self._loads_version
+        ranking = self._rankings.get(id(holders))
+        if ranking is None or ranking.holders is not holders or ranking.weights is not self.weights:
+            ranking = self._rankings[id(holders)] = Ranking(holders, self.loads, self.weights)
+        return ranking
+
+    @staticmethod
+    def _no_rank(model: str | None) -> RouterNotReadyError:
+        return RouterNotReadyError(
+            "no engine rank is known yet"
+            + ("" if model is None else f" for model {model!r}")
+            + ": the router is still discovering its engines, or none answers; see /workers"
         )
 
     def route_batch(
@@ -435,11 +511,7 @@ class Router:
             raise ValueError("extra_keys name the blocks of one prompt: route a batch without them")
         holders, adapter = self.candidates(model)
         if not holders:
-            raise RouterNotReadyError(
-                "no engine rank is known yet"
-                + ("" if model is None else f" for model {model!r}")
-                + ": the router is still discovering its engines, or none answers; see /workers"
-            )
+            raise self._no_rank(model)
         if lora is None:
             lora = adapter
         # Before any engine has stored a block (and none advertised its block size, as a
@@ -477,6 +549,7 @@ class Router:
             policy=policy,
             keys=keys,
             by_prediction=by_prediction,
+            candidates=len(holders),
         )
 
     def _order(self, holder: Holder) -> int:
@@ -491,6 +564,7 @@ class Router:
         blocks = decision.chosen.prefill_blocks
         load.inflight_requests += 1
         load.inflight_blocks += blocks
+        self._loads_version += 1
         ticket = Ticket(holder, blocks, next(self._tickets))
         if self.predicting and decision.keys:
             added = self._predict(decision, holder)
@@ -522,6 +596,7 @@ class Router:
     def _record(self, decision: RouteDecision, holder: Holder) -> None:
         load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
         load.routed += 1
+        self._loads_version += 1
         self.routes[holder] += 1
         if decision.by_prediction:
             self.decided_by_prediction += 1
@@ -544,6 +619,7 @@ class Router:
     def remote_routed(self, holder: Holder, n_blocks: int) -> None:
         """A peer router sent a request of ``n_blocks`` prompt blocks to ``holder``."""
         note_routed(self.loads, Holder(*holder), n_blocks, self.weights)
+        self._loads_version += 1
 
     def remote_inflight(self, holder: Holder, requests: int, blocks: float) -> None:
         """Add (or, negative, remove) in-flight requests and their uncached blocks."""
@@ -554,6 +630,7 @@ class Router:
             load = self.loads[Holder(*holder)] = HolderLoad()
         load.inflight_requests = max(0, load.inflight_requests + requests)
         load.inflight_blocks = max(0.0, load.inflight_blocks + blocks)
+        self._loads_version += 1
 
     # --- inspecting -------------------------------------------------------------------
 

@@ -187,7 +187,7 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
         recorded,
         decision.n_blocks,
         decision.block_size,
-        len(decision.scores),
+        decision.candidates,
         decision.chosen.predicted_blocks,
         decision.by_prediction,
         [ScoreAnswer.of(s) for s in scores],
@@ -394,16 +394,17 @@ class HotPath:
 
     def _route_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
-        decision = _keyed(router.route, tokens, body)
+        top = None if body.all_scores else body.top
+        decision = _keyed(router.route, tokens, body, top=top)
         if body.record:
             router.record(decision)
-        top = None if body.all_scores else body.top
         return _ENCODER.encode(route_answer(decision, recorded=body.record, top=top))
 
 
-def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody) -> T:
-    """``decide`` (``Router.route`` or ``query_predicted``) for the body's request; extra
-    keys that cannot be keyed (ValueError) are the body's fault: 400."""
+def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody, **more: Any) -> T:
+    """``decide`` (``Router.route`` or ``query_predicted``) for the body's request, with
+    ``more`` arguments; extra keys that cannot be keyed (ValueError) are the body's
+    fault: 400."""
     try:
         return decide(
             tokens,
@@ -411,6 +412,7 @@ def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody) ->
             cache_salt=body.cache_salt,
             model=body.model,
             extra_keys=body.extra_keys,
+            **more,
         )
     except ValueError as exc:
         if body.extra_keys is None:
