@@ -43,7 +43,7 @@ more modules would scatter one class's methods without naming a new concept.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import or_
 from typing import Any
@@ -231,6 +231,20 @@ class PrefixIndex(GroupedMaskTable):
 
     def apply(self, holder: Holder, batch: KVEventBatch) -> None:
         """Apply one batch of a holder's stream, event by event, in order."""
+        for _ in self.apply_steps(holder, batch, 0):
+            pass
+
+    def apply_steps(self, holder: Holder, batch: KVEventBatch, step: int) -> Iterator[None]:
+        """:meth:`apply`, pausing (a ``yield``) after each ``step`` blocks of a long
+        chain stored or removed; ``step`` 0 never pauses.
+
+        A router applies a batch of thousands of blocks this way so that its event loop
+        answers requests in between: at each pause the index holds a valid state, the
+        batch's earlier events and part of the current one (a stored chain's later
+        blocks come first, as one store ranks them: parents most recent; removals in
+        order). The result is exactly :meth:`apply`'s. Do not apply anything else to
+        this index until the generator is exhausted.
+        """
         slot = self._slots.get(holder)
         if slot is None:
             slot = self.add_holder(holder)
@@ -248,13 +262,13 @@ class PrefixIndex(GroupedMaskTable):
                 ):
                     later.append(event)  # type: ignore[arg-type]
                 else:
-                    self._apply_stored(slot, event)  # type: ignore[arg-type]
+                    yield from self._apply_stored(slot, event, step)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 g = event.group_idx  # type: ignore[union-attr]
                 if g is not None and main.get(slot, g) != g:
                     later.append(event)  # type: ignore[arg-type]
                 else:
-                    self._apply_removed(slot, event)  # type: ignore[arg-type]
+                    yield from self._apply_removed(slot, event, step)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 if later:
                     self._apply_side_events(slot, later)
@@ -274,7 +288,7 @@ class PrefixIndex(GroupedMaskTable):
             else:
                 self._apply_side_removed(slot, event)
 
-    def _apply_stored(self, slot: int, ev: BlockStored) -> None:
+    def _apply_stored(self, slot: int, ev: BlockStored, step: int) -> Iterator[None]:
         stats = self.stats
         outcome = "ok"
         tier, known = normalize_medium(ev.medium)
@@ -328,7 +342,15 @@ class PrefixIndex(GroupedMaskTable):
             stats.malformed += 1
             stats.count_event("BlockStored", "malformed")
             return
-        self._store(slot, keys, tier, hashes)
+        if 0 < step < n:
+            # the last piece first: the blocks end in the order one store leaves them
+            for end in range(n, 0, -step):
+                start = max(0, end - step)
+                self._store(slot, keys[start:end], tier, hashes[start:end])
+                if start:
+                    yield
+        else:
+            self._store(slot, keys, tier, hashes)
         stats.count_event("BlockStored", outcome)
 
     def _removal_tier(self, ev: BlockRemoved) -> tuple[Tier | None, str]:
@@ -341,17 +363,22 @@ class PrefixIndex(GroupedMaskTable):
         self.stats.unknown_medium += 1
         return tier, "unknown_medium"
 
-    def _apply_removed(self, slot: int, ev: BlockRemoved) -> None:
+    def _apply_removed(self, slot: int, ev: BlockRemoved, step: int) -> Iterator[None]:
         stats = self.stats
         tier, outcome = self._removal_tier(ev)
         hashes = self._hashes
-        for h in ev.block_hashes:
-            k = hashes.get(h)
-            if k is None or not self._remove(slot, k, tier):
-                stats.unknown_hash += 1
-                outcome = "unknown_hash"
-            elif k not in self._blocks and not (self._groups and self._side_holds(k)):
-                del hashes[h]
+        removed = ev.block_hashes
+        piece = step if 0 < step < len(removed) else max(1, len(removed))
+        for start in range(0, len(removed), piece):
+            if start:
+                yield
+            for h in removed[start : start + piece]:
+                k = hashes.get(h)
+                if k is None or not self._remove(slot, k, tier):
+                    stats.unknown_hash += 1
+                    outcome = "unknown_hash"
+                elif k not in self._blocks and not (self._groups and self._side_holds(k)):
+                    del hashes[h]
         stats.count_event("BlockRemoved", outcome)
 
     # --- events with extra keys, and side KV-cache groups (kvevents.index.groups) --------

@@ -58,7 +58,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, get_args
 
 import msgspec
@@ -245,11 +245,20 @@ class Router:
 
     def handle(self, item: Delivery | Signal) -> None:
         """Apply one subscriber item: a batch goes to the index, a reset or loss clears the holder."""
+        for _ in self.handle_steps(item, 0):
+            pass
+
+    def handle_steps(self, item: Delivery | Signal, step: int) -> Iterator[None]:
+        """:meth:`handle`, pausing after each ``step`` blocks of a long chain (see
+        :meth:`PrefixIndex.apply_steps <kvevents.index.prefix_index.PrefixIndex.apply_steps>`):
+        the service answers requests at the pauses. The batch's seq is recorded once
+        it is applied whole; handle nothing else until the generator is exhausted."""
         if isinstance(item, Delivery):
             if item.holder not in self.loads:
                 self.loads[item.holder] = HolderLoad()
                 self._loads_version += 1
-            self.index.apply(item.holder, self.block_sizes.check(item.holder, item.batch))
+            batch = self.block_sizes.check(item.holder, item.batch)
+            yield from self.index.apply_steps(item.holder, batch, step)
             self.index.applied_seqs[item.holder] = item.seq
             self.batches_applied += 1
             return

@@ -130,7 +130,8 @@ def create_fastapi_app(
 
     @app.get("/dump")
     async def dump() -> Response:
-        return Response(await dump_bytes(router.index), media_type="application/octet-stream")
+        snapshot = await dump_bytes(router.index, service.applying)
+        return Response(snapshot, media_type="application/octet-stream")
 
     add_openai_routes(app, service, max_body_bytes=max_body_bytes)
     install(app, OPERATIONS)

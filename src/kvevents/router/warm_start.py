@@ -117,6 +117,14 @@ def load_from_peers(
     return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)
 
 
-async def dump_bytes(index: PrefixIndex) -> bytes:
-    """``index``'s snapshot as it is now, encoded off the event loop (the ``/dump`` answer)."""
-    return await asyncio.to_thread(index.freeze())
+async def dump_bytes(index: PrefixIndex, applying: asyncio.Lock | None = None) -> bytes:
+    """``index``'s snapshot as it is now, encoded off the event loop (the ``/dump`` answer).
+
+    ``applying``: the lock the service holds while it applies an item in steps; the
+    copy is made outside it, so it never holds half a batch.
+    """
+    if applying is None:
+        return await asyncio.to_thread(index.freeze())
+    async with applying:
+        encode = index.freeze()
+    return await asyncio.to_thread(encode)
