@@ -177,6 +177,9 @@ class Router:
         self._next_turn = 0
         self.weights = weights or ScoringWeights()
         self.loads: dict[Holder, HolderLoad] = {}
+        """Per holder, what the router knows of its load. Read it freely; change it only
+        through this class's methods (``update_load``, ``begin``, ``remote_inflight``...):
+        they tell the ranking :meth:`route` keeps for ``top`` that it is out of date."""
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
         self.batches_applied = 0
         self.routes: Counter[Holder] = Counter()
