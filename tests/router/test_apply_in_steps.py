@@ -37,6 +37,19 @@ def trace_batches() -> list[KVEventBatch]:
     return [decode_batch(payload) for payload, _ in _payloads(120, 2048)]
 
 
+def _chain(blocks: int, block_size: int, *, seed: int) -> BlockStored:
+    """One stored chain of ``blocks`` blocks of random tokens, hashes 1..blocks."""
+    rng = random.Random(seed)
+    return BlockStored(
+        block_hashes=list(range(1, blocks + 1)),
+        parent_block_hash=None,
+        token_ids=[rng.randrange(50_000) for _ in range(block_size * blocks)],
+        block_size=block_size,
+        lora_id=None,
+        medium=None,
+    )
+
+
 @pytest.mark.parametrize("step", [1, 7, 256])
 def test_steps_make_the_index_one_apply_makes(trace_batches: list[KVEventBatch], step: int) -> None:
     whole, stepped = PrefixIndex(block_size=16), PrefixIndex(block_size=16)
@@ -59,17 +72,8 @@ def test_each_pause_leaves_a_prefix_of_the_chain_matchable() -> None:
     """A stored chain's later blocks come first, so a match in a pause finds either
     nothing of the new chain or a prefix that the finished store also holds."""
     index = PrefixIndex(block_size=4)
-    rng = random.Random(3)
-    tokens = [rng.randrange(50_000) for _ in range(4 * 1000)]
-    stored = BlockStored(
-        block_hashes=list(range(1, 1001)),
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=4,
-        lora_id=None,
-        medium=None,
-    )
-    keys = index.keys_for(tokens)
+    stored = _chain(1000, 4, seed=3)
+    keys = index.keys_for(stored.token_ids)
     seen = []
     for _ in index.apply_steps(H, KVEventBatch(ts=0.0, events=[stored]), 300):
         seen.append(index.match_keys(keys).by_holder().get(H))
@@ -98,16 +102,7 @@ class _Feed:
 
 
 def test_the_loop_answers_between_steps_and_dump_never_copies_half_a_batch() -> None:
-    rng = random.Random(5)
-    tokens = [rng.randrange(50_000) for _ in range(16 * 20_000)]
-    big = BlockStored(
-        block_hashes=list(range(1, 20_001)),
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=16,
-        lora_id=None,
-        medium=None,
-    )
+    big = _chain(20_000, 16, seed=5)
     items = [Delivery(H, seq, KVEventBatch(ts=0.0, events=[big])) for seq in range(2)]
     router = Router(block_size=16)
     router.add_holder(H)
