@@ -262,21 +262,37 @@ def test_status_names_the_state() -> None:
     assert kernels.status() in {"compiled", "loading"} or kernels.status().startswith("off: ")
 
 
-@pytest.mark.parametrize(("given_env", "expected"), [(None, "1 1"), ("2", "2 2")])
+_LOAD_IN_A_THREAD = (
+    "import threading\n"
+    "kernels.will_load()\n"  # the router's way: will_load on the main thread, then a thread
+    "loader = threading.Thread(target=kernels.load)\n"
+    "loader.start()\n"
+    "loader.join()\n"
+    "assert kernels.loaded() is not None, kernels.status()\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("given_env", "in_thread", "expected"),
+    [(None, False, "1 1"), (None, True, "1 1"), ("2", False, "2 2")],
+)
 def test_loading_keeps_numpy_to_one_blas_thread_unless_told_otherwise(
-    given_env: str | None, expected: str
+    given_env: str | None, in_thread: bool, expected: str
 ) -> None:
     """A fresh process: loading the kernels imports NumPy, whose OpenBLAS would start a
     thread per core; it starts none unless OPENBLAS_NUM_THREADS asks for them."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     if given_env is not None:
         env["OPENBLAS_NUM_THREADS"] = given_env
+    load = (
+        _LOAD_IN_A_THREAD if in_thread else "assert kernels.load() is not None, kernels.status()\n"
+    )
     script = (
         "import os\n"
         "from kvevents import kernels\n"
-        "assert kernels.load() is not None, kernels.status()\n"
-        "import numpy.linalg\n"  # OpenBLAS is loaded by now: its threads, if any, run
-        "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+        + load
+        + "import numpy.linalg\n"  # OpenBLAS is loaded by now: its threads, if any, run
+        + "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
     )
     if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
         expected = expected.split()[0]  # the env alone: no /proc, or one core (no threads)

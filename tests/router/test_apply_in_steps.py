@@ -28,6 +28,7 @@ from kvevents.wire.codec import decode_batch
 from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 
 H = Holder("http://engine", 0)
+H2 = Holder("http://engine", 1)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,23 @@ def _chain(blocks: int, block_size: int, *, seed: int) -> BlockStored:
 
 
 @pytest.mark.parametrize("step", [1, 7, 256])
-def test_steps_make_the_index_one_apply_makes(trace_batches: list[KVEventBatch], step: int) -> None:
-    whole, stepped = PrefixIndex(block_size=16), PrefixIndex(block_size=16)
+@pytest.mark.parametrize("max_entries", [None, 3000])
+def test_steps_make_the_index_one_apply_makes(
+    trace_batches: list[KVEventBatch], step: int, max_entries: int | None
+) -> None:
+    """Also at the memory bound (3,000 entries: pruned on most batches), with two holders
+    sharing chains: pieces settle once, after the last, as one store does."""
+    bound = {} if max_entries is None else {"max_entries": max_entries}
+    whole, stepped = PrefixIndex(block_size=16, **bound), PrefixIndex(block_size=16, **bound)
     pauses = 0
-    for batch in trace_batches:
-        whole.apply(H, batch)
-        for _ in stepped.apply_steps(H, batch, step):
-            pauses += 1
+    for i, batch in enumerate(trace_batches):
+        for holder in (H, H2) if i % 3 == 0 else (H,):
+            whole.apply(holder, batch)
+            for _ in stepped.apply_steps(holder, batch, step):
+                pauses += 1
     assert pauses > len(trace_batches)  # long chains did pause
+    if max_entries is not None:
+        assert whole.stats.pruned_entries > 0  # the bound was reached
     one, steps = decode_snapshot(whole.to_bytes()), decode_snapshot(stepped.to_bytes())
     # the engine-hash map is the same map, filled in another order (its order is unused)
     assert dict(zip(steps.hashes, steps.hash_keys, strict=True)) == dict(

@@ -11,7 +11,7 @@ import asyncio
 import json
 
 import pytest
-from upstream_support import answer_once, keep_alive, run, serving
+from upstream_support import Server, answer_once, keep_alive, run, serving
 
 from kvevents.router.tokenize import EndpointTokenizer, TokenizeError
 from kvevents.router.upstream import Upstream
@@ -113,9 +113,10 @@ def test_an_engine_that_is_down_or_silent_is_named() -> None:
 
         server = await asyncio.start_server(silent, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        upstream = Upstream(timeout=0.3)
+        upstream = Upstream(timeout=600)  # the router's forward timeout: not the tokenizer's
+        silent_url = f"http://127.0.0.1:{port}/tokenize"
         with pytest.raises(TokenizeError, match=rf"127\.0\.0\.1:{port}/tokenize failed: Timeout"):
-            await EndpointTokenizer(f"http://127.0.0.1:{port}/tokenize", upstream).encode("x")
+            await EndpointTokenizer(silent_url, upstream, timeout=0.3).encode("x")
         server.close()
         await server.wait_closed()
         down = EndpointTokenizer(f"http://127.0.0.1:{port}/tokenize", upstream)
@@ -130,3 +131,44 @@ def test_an_engine_that_is_down_or_silent_is_named() -> None:
 def test_a_url_that_is_not_http_is_refused_with_an_example() -> None:
     with pytest.raises(Exception, match=r"give the full URL, e\.g\. http://"):
         EndpointTokenizer("127.0.0.1:8000/tokenize")
+
+
+def test_credentials_in_the_url_are_refused_without_echoing_them() -> None:
+    with pytest.raises(Exception, match="--engine-api-key") as refused:
+        EndpointTokenizer("http://user:secret@127.0.0.1:8000/tokenize")
+    assert "secret" not in str(refused.value)
+
+
+def test_a_request_the_engine_dropped_before_answering_is_sent_once_more() -> None:
+    """The engine closed the kept-alive connection as the request left: tokenizing
+    changes nothing, so the request goes again on a new connection; the path is sent
+    %-escaped as an HTTP client sends it."""
+
+    async def main() -> None:
+        async def drop_then_answer(
+            r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int
+        ) -> None:
+            await server.request(r)
+            if n == 1:
+                w.write(TOKENS)  # the first request on connection 1 is answered
+                await w.drain()
+                await server.request(r)  # the second is read, then the connection dropped
+                return
+            w.write(TOKENS)
+            await w.drain()
+            await r.read()
+
+        server = Server(drop_then_answer)
+        async with server:
+            upstream = Upstream(timeout=5)
+            tokenizer = EndpointTokenizer(f"{server.url}/v1/tök en?x=a b", upstream)
+            assert await tokenizer.encode("one") == [5, 6, 7]
+            assert await tokenizer.encode("two") == [5, 6, 7]
+            await upstream.close()
+        assert server.connections == 2
+        assert [head.split(b"\r\n")[0] for head, _ in server.requests] == [
+            b"POST /v1/t%C3%B6k%20en?x=a%20b HTTP/1.1"
+        ] * 3
+        assert [json.loads(body)["prompt"] for _, body in server.requests] == ["one", "two", "two"]
+
+    run(main())

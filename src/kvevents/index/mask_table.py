@@ -127,8 +127,21 @@ class MaskTable:
     # --- writing ----------------------------------------------------------------------
 
     def _store(
-        self, slot: int, keys: Sequence[int], tier: Tier, hashes: Sequence[Hash] | None
+        self,
+        slot: int,
+        keys: Sequence[int],
+        tier: Tier,
+        hashes: Sequence[Hash] | None,
+        *,
+        settle: bool = True,
     ) -> None:
+        """Store a chain's keys for a holder, leaf first (parents end up more recent).
+
+        ``settle`` False leaves the memory bound and the hash map's collection to a later
+        store: a chain stored in pieces (``PrefixIndex.apply_steps``) settles once, after
+        its last piece, as one store of it would, so pruning never takes the chain's own
+        older blocks between two pieces.
+        """
         if self._touch_log:
             self._flush_touches()
         blocks = self._blocks
@@ -156,7 +169,7 @@ class MaskTable:
                 self._unlist_changes()  # a rebuild costs less than syncing this many
         if hashes is not None:
             self._hashes.update(zip(hashes, keys, strict=True))
-            if len(self._hashes) > 2 * len(blocks) + 4096:
+            if settle and len(self._hashes) > 2 * len(blocks) + 4096:
                 self._maybe_gc_hashes()
         if self._predicted:
             self.predictions.confirm(slot, keys)
@@ -165,7 +178,7 @@ class MaskTable:
         self._held[slot] += added
         if tier:
             self._offloaded += added
-        if self._entries + self.predictions.count > self.max_entries:
+        if settle and self._entries + self.predictions.count > self.max_entries:
             self._prune()
 
     def _remove(self, slot: int, key: int, tier: Tier | None) -> bool:

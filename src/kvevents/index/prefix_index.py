@@ -346,7 +346,7 @@ class PrefixIndex(GroupedMaskTable):
             # the last piece first: the blocks end in the order one store leaves them
             for end in range(n, 0, -step):
                 start = max(0, end - step)
-                self._store(slot, keys[start:end], tier, hashes[start:end])
+                self._store(slot, keys[start:end], tier, hashes[start:end], settle=not start)
                 if start:
                     yield
         else:

@@ -24,8 +24,10 @@ and compiling the kernels a few seconds the first time on a machine (numba cache
 machine code beside the modules, or in ``NUMBA_CACHE_DIR``). Engines and tools never
 load them. ``KVEVENTS_KERNELS=0`` keeps them off; so does a numba that cannot be
 imported (the reason is in :func:`status`). Loading them sets ``OPENBLAS_NUM_THREADS=1``
-unless it is set or NumPy is already imported: nothing here does linear algebra, and
-NumPy's OpenBLAS would otherwise start a thread per core in every router process.
+unless it is set or NumPy is already imported (:func:`will_load` does it on the main
+thread, before the router loads them in a worker thread): nothing here does linear
+algebra, and NumPy's OpenBLAS would otherwise start a thread per core in every router
+process.
 """
 
 from __future__ import annotations
@@ -141,11 +143,22 @@ def status() -> str:
 
 
 def will_load() -> None:
-    """Say that this process will call :func:`load` soon (status ``waiting``)."""
+    """Say that this process will call :func:`load` soon (status ``waiting``); call it
+    from the main thread."""
     global _status
+    _one_blas_thread()
     with _lock:
         if _kernels is None and _status == _NOT_LOADED:
             _status = "waiting"
+
+
+def _one_blas_thread() -> None:
+    """numba imports NumPy, whose OpenBLAS starts a thread per core (less one) that the
+    kernels never use; idle, they still wake now and then, in every router process. Set
+    from the main thread only: changing the environment while another thread reads it
+    is not safe in C."""
+    if "numpy" not in sys.modules:
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def load() -> Kernels | None:
@@ -162,10 +175,8 @@ def load() -> Kernels | None:
             _status = "off: a big-endian host"
             return None
         _status = "loading"
-        if "numpy" not in sys.modules:
-            # numba imports NumPy, whose OpenBLAS starts a thread per core (less one) that
-            # the kernels never use; idle, they still wake now and then, in every process
-            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        if threading.current_thread() is threading.main_thread():
+            _one_blas_thread()  # else will_load() did, on the main thread
         try:
             kernels = Kernels()
         except Exception as exc:  # no numba, or one that cannot compile here

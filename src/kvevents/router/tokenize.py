@@ -32,16 +32,17 @@ import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import msgspec
 
 from kvevents.errors import ConfigError, KVEventsError
-from kvevents.router.upstream import Upstream, UpstreamError
+from kvevents.router.upstream import FullResponse, MidwayError, Upstream, UpstreamError
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = [
+    "TOKENIZE_TIMEOUT_S",
     "ByteTextTokenizer",
     "ChatError",
     "ChatUnsupported",
@@ -161,6 +162,10 @@ class FileTokenizer:
         )
 
 
+TOKENIZE_TIMEOUT_S = 30.0
+"""Seconds one ``/tokenize`` request may take (connecting, the answer's head and body)."""
+
+
 class _TokenizeAnswer(msgspec.Struct):
     """What ``/tokenize`` answers (vLLM's and our engine's): the ids; other fields ignored."""
 
@@ -172,24 +177,37 @@ class EndpointTokenizer:
 
     Posted through the router's engine client (:class:`~kvevents.router.upstream.Upstream`,
     which the service hands over at start): kept-alive connections, the engines' key and
-    CA bundle, and the service's ``--forward-timeout``. Through httpx, as before, one
-    request cost about 1 ms of the router's CPU; through it, as for the load polls, a
-    tenth of that. Without one (the class used on its own), each request opens and
-    closes a client of its own, with a 30 s timeout.
+    CA bundle. Through httpx, as before, one request cost about 1 ms of the router's CPU;
+    through it, as for the load polls, a tenth of that. Without one (the class used on
+    its own), each request opens and closes a client of its own. Each request has
+    ``timeout`` seconds (:data:`TOKENIZE_TIMEOUT_S`); one that failed before any answer began (the engine
+    closed a kept-alive connection as it left) is sent once more, since tokenizing
+    changes nothing on the engine.
     """
 
-    def __init__(self, url: str, upstream: Upstream | None = None) -> None:
+    def __init__(
+        self, url: str, upstream: Upstream | None = None, *, timeout: float = TOKENIZE_TIMEOUT_S
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(
                 f"--tokenize-endpoint {url!r}: give the full URL, e.g. http://127.0.0.1:8000/tokenize"
             )
+        if "@" in parts.netloc:
+            raise ConfigError(
+                f"--tokenize-endpoint {parts.scheme}://...@{parts.hostname}: credentials in "
+                "the URL are not sent; give the URL without them, and the key with "
+                "--engine-api-key (the router sends it to every engine and to this endpoint)"
+            )
         self.url = url
         self.name = url
         self.upstream = upstream
+        self.timeout = timeout
         # the engine's own base: the posts share its pool of connections with the relay's
         self._base = f"{parts.scheme}://{parts.netloc}"
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # as an HTTP client sends it: characters a request line cannot hold, %-escaped
+        path, query = quote(parts.path or "/", safe=_URL_SAFE), quote(parts.query, safe=_URL_SAFE)
+        self._path = path + (f"?{query}" if query else "")
 
     async def encode(
         self, text: str, *, add_special_tokens: bool = True, model: str | None = None
@@ -215,11 +233,11 @@ class EndpointTokenizer:
         upstream = self.upstream
         try:
             if upstream is not None:
-                response = await upstream.post_whole(self._base, self._path, payload, _JSON)
+                response = await self._post(upstream, payload)
             else:
-                own = Upstream(timeout=30.0)
+                own = Upstream(timeout=self.timeout)
                 try:
-                    response = await own.post_whole(self._base, self._path, payload, _JSON)
+                    response = await self._post(own, payload)
                 finally:
                     await own.close()
         except (UpstreamError, TimeoutError) as exc:
@@ -239,7 +257,23 @@ class EndpointTokenizer:
                 f'{self.url} did not answer {{"tokens": [ids...]}}; is it the engine\'s /tokenize?'
             ) from None
 
+    async def _post(self, upstream: Upstream, payload: bytes) -> FullResponse:
+        """One POST, sent once more if it failed before any answer began."""
+        for attempt in (1, 2):
+            try:
+                return await upstream.post_whole(
+                    self._base, self._path, payload, _JSON, timeout=self.timeout
+                )
+            except MidwayError:
+                raise  # an answer began: the engine took the request
+            except UpstreamError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
+
+_URL_SAFE = "/%:@!$&'()*+,;=-._~"
+"""What a URL's path and query keep as they are (RFC 3986's reserved and unreserved)."""
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(_TokenizeAnswer)
 _JSON = {"Content-Type": "application/json"}

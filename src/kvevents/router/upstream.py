@@ -367,9 +367,17 @@ class Upstream:
         return response
 
     def post_whole(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        timeout: float | None = None,
     ) -> asyncio.Future[FullResponse]:
         """POST ``body`` to ``base + path``; a future of the whole answer.
+
+        ``timeout``: seconds for the whole exchange, instead of the client's own.
 
         It fails with :class:`UpstreamError` or :class:`TimeoutError` when no answer
         began, and with :class:`MidwayError` when one began but did not arrive whole.
@@ -378,7 +386,7 @@ class Upstream:
         """
         loop = asyncio.get_running_loop()
         try:
-            origin, deadline, conn, head = self._start(base, path, body, headers)
+            origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
         except UpstreamError as exc:
             refused: asyncio.Future[FullResponse] = loop.create_future()
             refused.set_exception(exc)
@@ -435,7 +443,12 @@ class Upstream:
         return origin
 
     def _start(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout: float | None = None,
     ) -> tuple[_Origin, float, _Connection | None, bytes]:
         """Where the request goes, its deadline, a kept-alive connection if one is free,
         and its head (built first: a header it refuses takes no connection from the pool)."""
@@ -450,7 +463,8 @@ class Upstream:
         ]
         lines.extend(_header_line(k, v) for k, v in headers.items())
         lines.append(b"\r\n")
-        return origin, now + self.timeout, self._idle(origin, now), b"".join(lines)
+        deadline = now + (self.timeout if timeout is None else timeout)
+        return origin, deadline, self._idle(origin, now), b"".join(lines)
 
     def keep(self, origin: _Origin, conn: _Connection) -> None:
         """Take a connection back whose exchange ended cleanly."""
