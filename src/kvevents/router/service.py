@@ -49,15 +49,15 @@ from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import Holder
 
 FORWARD_ERRORS = (UpstreamError, TimeoutError)
+"""What forwarding to an engine raises when the engine cannot be reached or answer in time."""
 
 APPLY_STEP_BLOCKS = 256
 """Blocks of a long stored or removed chain applied between two checks of the clock."""
 APPLY_SLICE_S = 0.0005
 """Seconds of applying events after which the loop answers waiting requests. A batch of
 an engine serving long prompts holds thousands of block operations (the ingest
-benchmark's Mooncake batches: 1,500 on average, up to 8,000, 1 to 12 ms to apply in
+benchmark's Mooncake batches: 1,500 on average, up to 8,000, 1 to 22 ms to apply in
 one piece), and a request arriving meanwhile waited for all of it."""
-"""What forwarding to an engine raises when the engine cannot be reached or answer in time."""
 _JSON_BODY = {"content-type": "application/json"}
 
 __all__ = [
