@@ -37,7 +37,7 @@ from urllib.parse import quote, urlsplit
 import msgspec
 
 from kvevents.errors import ConfigError, KVEventsError
-from kvevents.router.upstream import FullResponse, MidwayError, Upstream, UpstreamError
+from kvevents.router.upstream import FullResponse, Upstream, UpstreamError
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 
@@ -180,9 +180,10 @@ class EndpointTokenizer:
     CA bundle. Through httpx, as before, one request cost about 1 ms of the router's CPU;
     through it, as for the load polls, a tenth of that. Without one (the class used on
     its own), each request opens and closes a client of its own. Each request has
-    ``timeout`` seconds (:data:`TOKENIZE_TIMEOUT_S`); one that failed before any answer began (the engine
-    closed a kept-alive connection as it left) is sent once more, since tokenizing
-    changes nothing on the engine.
+    ``timeout`` seconds (:data:`TOKENIZE_TIMEOUT_S`); one that failed on a kept-alive
+    connection before any answer began (the engine closed it as the request left) is
+    sent once more (:meth:`Upstream.post_safe`), since tokenizing changes nothing on the
+    engine.
     """
 
     def __init__(
@@ -258,18 +259,9 @@ class EndpointTokenizer:
             ) from None
 
     async def _post(self, upstream: Upstream, payload: bytes) -> FullResponse:
-        """One POST, sent once more if it failed before any answer began."""
-        for attempt in (1, 2):
-            try:
-                return await upstream.post_whole(
-                    self._base, self._path, payload, _JSON, timeout=self.timeout
-                )
-            except MidwayError:
-                raise  # an answer began: the engine took the request
-            except UpstreamError:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        return await upstream.post_safe(
+            self._base, self._path, payload, _JSON, timeout=self.timeout
+        )
 
 
 _URL_SAFE = "/%:@!$&'()*+,;=-._~"

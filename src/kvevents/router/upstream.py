@@ -34,8 +34,9 @@ What it does and does not do:
 * An idle connection is kept ``idle_s`` seconds (2 s: before the engine's uvicorn closes
   it at 5 s, so a request never goes out on a connection the server is closing) and
   reused newest first; one whose answer said ``Connection: close``, whose body was not
-  read to its end, or that failed, is closed. A ``POST`` is never retried: it may
-  already have started a generation. A ``GET`` that failed on a kept-alive connection
+  read to its end, or that failed, is closed. A forwarded ``POST`` is never retried: it
+  may already have started a generation. A ``GET``, and a ``POST`` that changes nothing
+  (:meth:`Upstream.post_safe`: ``/tokenize``), that failed on a kept-alive connection
   before its answer began is sent once more, on a new connection.
 * A stream is read as the reader takes it: past 256 KiB unread, the socket is paused.
 """
@@ -421,18 +422,38 @@ class Upstream:
             origin.netloc,
             self._fixed,
         )
-        deadline = now + timeout
-        conn = self._idle(origin, now)
+        return await self._send_safe(origin, now + timeout, self._idle(origin, now), head, b"")
+
+    async def post_safe(
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        timeout: float | None = None,
+    ) -> FullResponse:
+        """:meth:`post_whole` for a POST that changes nothing on the engine (``/tokenize``):
+        like :meth:`get`, one that failed on a kept-alive connection before its answer
+        began is sent once more on a new connection."""
+        origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
+        return await self._send_safe(origin, deadline, conn, head, body)
+
+    async def _send_safe(
+        self, origin: _Origin, deadline: float, conn: _Connection | None, head: bytes, body: bytes
+    ) -> FullResponse:
+        """The whole answer to a request that may be sent twice: on ``conn`` (kept alive)
+        first, then once on a new connection if that one failed before an answer began."""
         if conn is not None:
             try:
-                kept: FullResponse = await _exchange(conn, head, b"", deadline, whole=True)
+                kept: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
                 return kept
             except MidwayError:
                 raise  # an answer began: the engine took the request
             except UpstreamError:
                 pass
         conn = await self._connect(origin, deadline)
-        response: FullResponse = await _exchange(conn, head, b"", deadline, whole=True)
+        response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
         return response
 
     def _origin(self, base: str) -> _Origin:
