@@ -384,19 +384,21 @@ class Router:
             )
         holders, adapter = self.candidates(model)
         keys = self._keys(token_ids, adapter if lora is None else lora, cache_salt, extra_keys)
-        result = self.index.match_keys(keys)
-        found = result.by_holder()
-        predicted = self.index.predicted(keys, result)
+        found, predicted = self._matched(keys)
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in holders}, predicted
+
+    def _matched(self, keys: Sequence[int]) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
+        """Per holder with any, its confirmed match of ``keys``, and the blocks predictions
+        add per holder (one lookup of the index for both)."""
+        result = self.index.match_keys(keys)
+        return result.by_holder(), self.index.predicted(keys, result)
 
     def _scored(
         self, keys: Sequence[int], holders: list[Holder]
     ) -> tuple[list[HolderScore], dict[Holder, int], dict[Holder, HolderMatch]]:
         """Every candidate's score for a request of ``keys``, the blocks predictions add
         per holder (empty when none count), and the confirmed matches it scored."""
-        result = self.index.match_keys(keys)
-        found = result.by_holder()
-        predicted = self.index.predicted(keys, result)
+        found, predicted = self._matched(keys)
         return self._score(len(keys), holders, found, predicted), predicted, found
 
     def _score(
@@ -456,9 +458,7 @@ class Router:
             if self.index.block_size is not None
             else []  # nothing is stored anywhere yet: by load alone (see route_batch)
         )
-        result = self.index.match_keys(keys)
-        found = result.by_holder()
-        predicted = self.index.predicted(keys, result)
+        found, predicted = self._matched(keys)
         ranking = self._ranking(holders)
         credits = self.index.credits
         n_blocks = len(keys)
