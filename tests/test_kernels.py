@@ -269,6 +269,13 @@ _LOAD_IN_A_THREAD = (
     "loader.start()\n"
     "loader.join()\n"
     "assert kernels.loaded() is not None, kernels.status()\n"
+    # the joined thread can stay listed in /proc a moment while the OS ends it; an
+    # OpenBLAS thread never goes away, so waiting for the count to settle hides none
+    "import os, time\n"
+    "for _ in range(300):\n"
+    "    if len(os.listdir('/proc/self/task')) == 1 or not os.path.isdir('/proc/self/task'):\n"
+    "        break\n"
+    "    time.sleep(0.01)\n"
 )
 
 
