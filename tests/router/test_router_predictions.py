@@ -158,13 +158,12 @@ def test_another_holders_event_does_not_confirm() -> None:
     "signal",
     [
         Reset(worker="http://e:1", dp_rank=0, reason="test", last_seq=3, new_seq=0),
-        Loss(worker="http://e:1", dp_rank=0, reason="test", first_seq=1, last_seq=3),
         None,  # an AllBlocksCleared event
     ],
-    ids=["reset", "loss", "all-blocks-cleared"],
+    ids=["reset", "all-blocks-cleared"],
 )
-def test_reset_loss_and_flush_clear_predictions(signal: Signal | None) -> None:
-    """A holder's reset, loss or AllBlocksCleared drops its predictions, not others'."""
+def test_reset_and_flush_clear_predictions(signal: Signal | None) -> None:
+    """A holder's reset or AllBlocksCleared drops its predictions, not others'."""
     clock = Clock()
     router = make_router(clock)
     router.begin(router.route(sibling(1)))
@@ -179,6 +178,28 @@ def test_reset_loss_and_flush_clear_predictions(signal: Signal | None) -> None:
     assert predicted == {}
     assert router.query_predicted([7, 7, 7, 7])[1] == {other: 2}
     assert router.index.predictions.stats.cleared == 18
+
+
+def test_a_loss_clears_confirmed_blocks_but_keeps_predictions() -> None:
+    """A loss (events missed, e.g. the history a router joining a busy engine cannot
+    replay) forgets what the holder had confirmed, but the requests just sent there
+    still count: their siblings follow them."""
+    clock = Clock()
+    router = make_router(clock)
+    router.handle(Delivery(H0, 0, stored(PREFIX)))
+    fresh = list(range(500, 532))  # a prefix nobody holds: 16 blocks of 2
+    first = router.route([*fresh, 1, 2])
+    router.begin(first)
+    for holder in {H0, first.holder}:
+        loss = Loss(
+            worker=holder.worker, dp_rank=holder.dp_rank, reason="test", first_seq=0, last_seq=3
+        )
+        router.handle(loss)
+    assert router.query(sibling(2))[H0].blocks == 0  # confirmed blocks are gone
+    assert router.query_predicted([*fresh, 3, 4])[1] == {first.holder: 16}
+    second = router.route([*fresh, 3, 4])
+    assert second.holder == first.holder and second.by_prediction
+    assert router.index.predictions.stats.cleared == 0
 
 
 def test_predictions_stay_in_their_namespace() -> None:

@@ -237,8 +237,9 @@ class MaskTable:
         held = map(and_, map(self._blocks.get, keys, repeat(0)), repeat(1 << slot))
         return list(compress(keys, map(not_, held)))
 
-    def _clear_slot(self, slot: int) -> int:
-        """Drop every block of a slot, every tier; returns the entries dropped. O(distinct blocks)."""
+    def _clear_slot(self, slot: int, *, predictions: bool = True) -> int:
+        """Drop every block of a slot, every tier, and (``predictions``) its predicted
+        entries; returns the confirmed entries dropped. O(distinct blocks)."""
         self._flush_touches()
         w = self._width
         mask = (1 << slot) | (1 << (slot + w)) | (1 << (slot + 2 * w))
@@ -259,7 +260,7 @@ class MaskTable:
         if self._refs:
             for rk in [rk for rk in self._refs if rk[1] == slot]:
                 del self._refs[rk]
-        if self._predicted:
+        if predictions and self._predicted:
             self.predictions.clear_slot(slot)
         dropped = self._held[slot]
         self._entries -= dropped

@@ -12,7 +12,9 @@ confirmed blocks) until one of these ends it:
 * **expired**: its time-to-live passes (measured on an injected clock);
 * **withdrawn**: the request failed before the engine had it (only what that request
   added, and only if no later request predicted it again);
-* **cleared**: a ``Reset``, ``Loss`` or ``AllBlocksCleared`` of the holder;
+* **cleared**: a ``Reset`` or ``AllBlocksCleared`` of the holder (a ``Loss`` clears
+  the holder's confirmed blocks but keeps its predictions: see
+  :mod:`kvevents.router.core`);
 * **dropped**: the index's memory bound needs the room (oldest predictions go first,
   before any confirmed block).
 

@@ -196,15 +196,17 @@ class PrefixIndex(GroupedMaskTable):
         slot = self._slots.get(holder)
         return 0 if slot is None else self._held[slot]
 
-    def clear_holder(self, holder: Holder) -> int:
+    def clear_holder(self, holder: Holder, *, predictions: bool = True) -> int:
         """Forget every block of a holder (AllBlocksCleared, a reset, a loss); returns entries dropped.
 
-        The holder stays registered. O(distinct blocks).
+        ``predictions=False`` keeps the holder's predicted entries: a loss says events
+        were missed, not that the requests just sent there will store nothing. The
+        holder stays registered. O(distinct blocks).
         """
         slot = self._slots.get(holder)
         if slot is None:
             return 0
-        dropped = self._clear_slot(slot)
+        dropped = self._clear_slot(slot, predictions=predictions)
         if self._hybrid:
             self._clear_sides(slot)
         self.stats.cleared += 1

@@ -30,7 +30,12 @@ Signals: a ``reset`` (the engine restarted) and a ``loss`` (events that will nev
 arrive) both clear the holder's blocks. After a loss the index cannot know which
 removals it missed; keeping the blocks would send requests, again and again, to a rank
 that no longer has them, while dropping them costs at most one prefill per prefix
-until the rank stores it again.
+until the rank stores it again. A loss keeps the holder's predictions (a reset drops
+them, with the engine's requests): they stand for requests this router sent in the
+last seconds, and the missed events say nothing of those. A router that joins a busy
+engine reports a loss for the history the engine can no longer replay, often while
+the first requests are already routed; dropping their predictions there split
+sibling bursts.
 
 Models: :attr:`Router.models` (:class:`~kvevents.router.models.ModelCatalog`, fed by
 :mod:`kvevents.router.engines`) says which engine serves which model. ``model`` given
@@ -268,7 +273,9 @@ class Router:
         holder = item.holder
         self.signals[(item.kind, holder)] += 1
         if isinstance(item, (Reset, Loss)) and holder is not None:
-            self.index.clear_holder(holder)
+            # a loss keeps the holder's predictions: they stand for requests this router
+            # just sent, which the missed events say nothing about
+            self.index.clear_holder(holder, predictions=isinstance(item, Reset))
             # cleared as of the loss's last seq; a reset starts the stream over
             if isinstance(item, Loss):
                 self.index.applied_seqs[holder] = item.last_seq
