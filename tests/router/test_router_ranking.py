@@ -68,6 +68,14 @@ def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
     # the same Ranking answers every request: another one, and one without predictions
     plain = score(n_blocks + 1, holders, matches, loads, credits=credits, weights=weights)
     assert ranking.top(n_blocks + 1, matches, top, credits=credits) == plain[:top]
+    # what it keeps of the holders that cache nothing serves other requests alike: the
+    # same request again, one that matches nothing, and one matching one holder fewer
+    assert ranking.top(n_blocks, matches, top, credits=credits, predicted=predicted) == got
+    bare = score(n_blocks, holders, {}, loads, credits=credits, weights=weights)
+    assert ranking.top(n_blocks, {}, top, credits=credits) == bare[:top]
+    fewer = dict(list(matches.items())[1:])
+    less = score(n_blocks, holders, fewer, loads, credits=credits, weights=weights)
+    assert ranking.top(n_blocks, fewer, top, credits=credits) == less[:top]
 
 
 def test_costs_that_round_to_a_tie_rank_by_the_next_field() -> None:

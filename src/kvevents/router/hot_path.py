@@ -165,6 +165,20 @@ class RouteAnswer(msgspec.Struct, gc=False):
     scores: list[ScoreAnswer]
 
 
+class _EncodedRouteAnswer(msgspec.Struct, gc=False):
+    """:class:`RouteAnswer` as written: its scores already JSON (see :func:`_score_json`)."""
+
+    worker: str
+    dp_rank: int
+    recorded: bool
+    n_blocks: int
+    block_size: int
+    holders: int
+    predicted_blocks: int
+    by_prediction: bool
+    scores: list[msgspec.Raw]
+
+
 class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
@@ -192,6 +206,45 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
         decision.by_prediction,
         [ScoreAnswer.of(s) for s in scores],
     )
+
+
+def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
+    """:func:`route_answer` as JSON, the same bytes; a score that caches nothing is
+    encoded once (:func:`_score_json`)."""
+    scores = decision.scores if top is None else decision.scores[: max(1, top)]
+    return _ENCODER.encode(
+        _EncodedRouteAnswer(
+            decision.worker,
+            decision.dp_rank,
+            recorded,
+            decision.n_blocks,
+            decision.block_size,
+            decision.candidates,
+            decision.chosen.predicted_blocks,
+            decision.by_prediction,
+            [_score_json(s) for s in scores],
+        )
+    )
+
+
+def _score_json(score: HolderScore) -> msgspec.Raw:
+    """A score as the answer writes it. The scores of holders that cache nothing of a
+    request are the same objects from request to request while the loads stay
+    (:class:`~kvevents.router.scoring.Ranking`): those are kept, by identity."""
+    kept = _SCORES_WRITTEN.get(id(score))
+    if kept is not None and kept[0] is score:
+        return kept[1]
+    raw = msgspec.Raw(_ENCODER.encode(ScoreAnswer.of(score)))
+    if not score.cached_blocks:
+        if len(_SCORES_WRITTEN) >= _SCORES_WRITTEN_MAX:
+            _SCORES_WRITTEN.clear()
+        _SCORES_WRITTEN[id(score)] = (score, raw)  # the score is held: its id stays its own
+    return raw
+
+
+_SCORES_WRITTEN: dict[int, tuple[HolderScore, msgspec.Raw]] = {}
+_SCORES_WRITTEN_MAX = 4096
+"""A bound: a ranking keeps a few scores per request size, and is replaced as loads change."""
 
 
 class HotPath:
@@ -398,7 +451,7 @@ class HotPath:
         decision = _keyed(router.route, tokens, body, top=top)
         if body.record:
             router.record(decision)
-        return _ENCODER.encode(route_answer(decision, recorded=body.record, top=top))
+        return encode_route_answer(decision, recorded=body.record, top=top)
 
 
 def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody, **more: Any) -> T:

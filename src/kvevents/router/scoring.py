@@ -72,16 +72,17 @@ every holder: a holder that caches nothing of the request (no match, no predicti
 costs ``prefill = n`` plus a part that depends on its load alone, so those holders rank
 among themselves as that part does, whatever the request. A Ranking sorts the holders by
 it once (O(holders log holders)); each request then scores only the holders it matched
-and walks the sorted list until it has the ``top`` best of the rest, O(matched + top).
-The router keeps one until the loads change (:meth:`~kvevents.router.core.Router.route`
-with ``top``): across a fleet of 64 ranks, a ``/route`` answer no longer costs a Python
-step per rank.
+and adds the ``top`` best holders as if nobody had matched (a match only lowers a cost,
+so the rest of the answer is among them), O(matched + top). Those are scored once per
+request size and kept, the same objects from request to request. The router keeps a
+Ranking until the loads change (:meth:`~kvevents.router.core.Router.route` with
+``top``): across a fleet of 64 ranks, a ``/route`` answer no longer costs a Python step
+per rank, and on a fleet of any size the holders that cache nothing cost none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any
 
 import msgspec
 
@@ -286,7 +287,7 @@ class Ranking:
     (``tests/router/test_router_ranking.py`` checks it against :func:`score`).
     """
 
-    __slots__ = ("_by_holder", "_entries", "_group_ends", "holders", "weights")
+    __slots__ = ("_by_holder", "_entries", "_group_ends", "_rest", "holders", "weights")
 
     def __init__(
         self,
@@ -319,6 +320,8 @@ class Ranking:
             ends[j] = ends[j + 1] if (here[0], here[1]) == (after[0], after[1]) else j + 1
         self._group_ends = ends
         self._by_holder = {entry[6]: entry for entry in entries}
+        self._rest: dict[tuple[int, int, type], list[_Ranked]] = {}
+        """Per (blocks, count, type of a zero credit): :meth:`_nothing_cached`'s answer."""
 
     def top(
         self,
@@ -330,21 +333,24 @@ class Ranking:
         predicted: Mapping[Holder, int] | None = None,
     ) -> list[HolderScore]:
         """The first ``top`` (at least 1) of :func:`score`'s list for a request of
-        ``n_blocks`` blocks with these matches and predictions; O(matched + top)."""
+        ``n_blocks`` blocks with these matches and predictions; O(matched + top).
+
+        The scores of holders that cache nothing of the request are the same objects
+        from one request to the next while the ranking lives (see :meth:`_nothing_cached`)."""
         top = max(1, top)
         gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
-        weights = self.weights
-        pcredit = weights.predicted_credit
+        pcredit = self.weights.predicted_credit
         by_holder = self._by_holder
-        ranked: list[tuple[bool, float, float, float, int, int, _Entry, HolderMatch, float, int]]
-        ranked = []
+        ranked: list[_Ranked] = []
         touched = set(matches)
         if predicted:
             touched.update(predicted)
+        scored: set[int] = set()  # positions of the holders scored here
         for h in touched:
             entry = by_holder.get(h)
             if entry is None:
                 continue  # not a candidate: score() ignores it too
+            scored.add(entry[5])
             m = matches.get(h, _ZERO)
             on_gpu, on_cpu, on_disk = m
             cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
@@ -354,74 +360,100 @@ class Ranking:
             prefill = n_blocks - cached if n_blocks > cached else 0.0
             cost = prefill + entry[1]
             ranked.append(
-                (entry[0], cost, entry[2], entry[3], entry[4], entry[5], entry, m, cached, p)
+                (
+                    entry[0],
+                    cost,
+                    entry[2],
+                    entry[3],
+                    entry[4],
+                    entry[5],
+                    HolderScore(
+                        worker=h.worker,
+                        dp_rank=h.dp_rank,
+                        matched=m,
+                        cached_blocks=cached,
+                        prefill_blocks=prefill,
+                        pending_blocks=entry[2],
+                        cost=cost,
+                        routed=entry[4],
+                        available=not entry[0],
+                        recent_blocks=entry[3],
+                        balance_blocks=entry[7],
+                        predicted_blocks=p,
+                    ),
+                )
             )
-        # Every other holder caches nothing: its cost is the same prefill plus its own
-        # part, so they come in the entries' order, group by group of equal own parts.
-        # Within a group the order is exact, so at most ``top`` of a group can count;
-        # once ``top`` are taken, a later group counts only if its cost rounds to the
-        # cost of the last one taken (its later fields may then rank it first).
-        nothing = 0 * gpu + 0 * cpu + 0 * disk  # the cached blocks score() finds: 0 or 0.0
+        # The others among the best ``top`` were nobody matched are the others among
+        # the best ``top`` here: a match only lowers its holder's cost, so it never
+        # passes another holder that would not have passed it anyway.
+        rest = self._nothing_cached(n_blocks, top, credits)
+        if not scored:
+            return [item[6] for item in rest[:top]]
+        for item in rest:
+            if item[5] not in scored:
+                ranked.append(item)
+        ranked.sort()  # the positions are unique: the scores are never compared
+        return [item[6] for item in ranked[:top]]
+
+    def _nothing_cached(self, n_blocks: int, count: int, credits: TierCredits) -> list[_Ranked]:
+        """At least the best ``count`` holders (all when fewer) as if none cached anything
+        of a request of ``n_blocks`` blocks, with their sort keys, best first; kept per
+        arguments while the ranking lives.
+
+        Such holders cost the same prefill plus their own part, so they come in the
+        entries' order, group by group of equal own parts. Within a group the order is
+        exact, so at most ``count`` of a group can count; once ``count`` are taken, a
+        later group counts only if its cost rounds to the cost of the last one taken
+        (its later fields may then rank it first)."""
+        nothing = 0 * credits.gpu + 0 * credits.cpu + 0 * credits.disk  # as score(): 0 or 0.0
+        key = (n_blocks, count, type(nothing))
+        found = self._rest.get(key)
+        if found is not None:
+            return found
+        if len(self._rest) >= _REST_KEPT:
+            self._rest.clear()
         prefill = n_blocks - nothing if n_blocks > nothing else 0.0
         entries, group_ends = self._entries, self._group_ends
-        count, j, taken = len(entries), 0, 0
+        size, j, taken = len(entries), 0, 0
         last: tuple[bool, float] | None = None
-        while j < count:
+        out: list[_Ranked] = []
+        while j < size:
             head = entries[j]
             cost = prefill + head[1]
-            if taken >= top and (head[0], cost) != last:
+            if taken >= count and (head[0], cost) != last:
                 break
-            end = group_ends[j]
-            from_group = 0
-            while j < end and from_group < top:
-                entry = entries[j]
-                j += 1
-                if entry[6] in touched:
-                    continue
-                ranked.append(
-                    (
-                        entry[0],
-                        cost,
-                        entry[2],
-                        entry[3],
-                        entry[4],
-                        entry[5],
-                        entry,
-                        _ZERO,
-                        nothing,
-                        0,
-                    )
+            end = min(group_ends[j], j + count)
+            for entry in entries[j:end]:
+                h = entry[6]
+                score = HolderScore(
+                    worker=h.worker,
+                    dp_rank=h.dp_rank,
+                    matched=_ZERO,
+                    cached_blocks=nothing,
+                    prefill_blocks=prefill,
+                    pending_blocks=entry[2],
+                    cost=cost,
+                    routed=entry[4],
+                    available=not entry[0],
+                    recent_blocks=entry[3],
+                    balance_blocks=entry[7],
+                    predicted_blocks=0,
                 )
-                from_group += 1
-            if from_group:
-                taken += from_group
-                last = (head[0], cost)
-            j = end
-        ranked.sort()  # the positions are unique: nothing past them is ever compared
-        return [_score_of(item, n_blocks) for item in ranked[:top]]
+                out.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
+            taken += end - j
+            last = (head[0], cost)
+            j = group_ends[j]
+        out.sort()  # groups whose costs round to a tie rank by their later fields
+        self._rest[key] = out
+        return out
 
 
 _Entry = tuple[bool, float, float, float, int, int, Holder, float]
 """(unavailable, own cost, pending, recent, routed, position, holder, balance)."""
-
-
-def _score_of(item: tuple[Any, ...], n_blocks: int) -> HolderScore:
-    unavailable, cost, pending, recent, routed, _, entry, m, cached, p = item
-    h = entry[6]
-    return HolderScore(
-        worker=h.worker,
-        dp_rank=h.dp_rank,
-        matched=m,
-        cached_blocks=cached,
-        prefill_blocks=n_blocks - cached if n_blocks > cached else 0.0,
-        pending_blocks=pending,
-        cost=cost,
-        routed=routed,
-        available=not unavailable,
-        recent_blocks=recent,
-        balance_blocks=entry[7],
-        predicted_blocks=p,
-    )
+_Ranked = tuple[bool, float, float, float, int, int, HolderScore]
+"""A holder's score behind the fields it is ranked by (see :func:`score`)."""
+_REST_KEPT = 256
+"""Answers of :meth:`Ranking._nothing_cached` a ranking keeps (a bound: one per request size)."""
 
 
 _DEFAULT_WEIGHTS = ScoringWeights()
