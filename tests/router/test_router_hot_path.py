@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router
+from kvevents import Holder, Router
 from kvevents.index.types import HolderMatch
 from kvevents.router.hot_path import ScoreAnswer, encode_route_answer, route_answer
 from kvevents.router.scoring import HolderScore
@@ -304,7 +304,8 @@ def test_the_route_answer_written_is_the_schema_struct_encoded() -> None:
     router = Router(block_size=4)
     for rank in range(6):
         router.add_holder(Holder("http://e:1", rank))
-    router.handle(Delivery(Holder("http://e:1", 2), 0, _stored_batch(list(range(16)))))
+    held = Holder("http://e:1", 2)
+    router.index.store_keys(held, router.index.request_keys(list(range(16))))
     prompts = [list(range(16)), list(range(100, 116)), list(range(8)) + [7] * 8]
     for round_ in range(3):
         for prompt in prompts:
@@ -314,16 +315,3 @@ def test_the_route_answer_written_is_the_schema_struct_encoded() -> None:
                 schema = route_answer(decision, recorded=False, top=top)
                 assert written == msgspec.json.encode(schema)
         router.begin(router.route(prompts[round_], top=1))  # the loads change
-
-
-def _stored_batch(tokens: list[int]) -> KVEventBatch:
-    n = len(tokens) // 4
-    stored = BlockStored(
-        block_hashes=list(range(1, n + 1)),
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=4,
-        lora_id=None,
-        medium=None,
-    )
-    return KVEventBatch(ts=0.0, events=[stored])

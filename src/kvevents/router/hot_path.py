@@ -165,18 +165,11 @@ class RouteAnswer(msgspec.Struct, gc=False):
     scores: list[ScoreAnswer]
 
 
-class _EncodedRouteAnswer(msgspec.Struct, gc=False):
-    """:class:`RouteAnswer` as written: its scores already JSON (see :func:`_score_json`)."""
+class _EncodedRouteAnswer(RouteAnswer, gc=False):
+    """:class:`RouteAnswer` as written: its scores already JSON (see :func:`_score_json`);
+    the field keeps its place."""
 
-    worker: str
-    dp_rank: int
-    recorded: bool
-    n_blocks: int
-    block_size: int
-    holders: int
-    predicted_blocks: int
-    by_prediction: bool
-    scores: list[msgspec.Raw]
+    scores: list[msgspec.Raw]  # type: ignore[assignment]
 
 
 class ErrorAnswer(msgspec.Struct, gc=False):
@@ -195,7 +188,23 @@ _RSGI_JSON_HEADERS = [("content-type", "application/json")]
 def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
     """The ``/route`` answer for a decision: the first ``top`` scores (all when None)."""
     scores = decision.scores if top is None else decision.scores[: max(1, top)]
-    return RouteAnswer(
+    return RouteAnswer(*_head(decision, recorded), [ScoreAnswer.of(s) for s in scores])
+
+
+def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
+    """:func:`route_answer` as JSON, the same bytes; a score that caches nothing is
+    encoded once (:func:`_score_json`)."""
+    scores = decision.scores if top is None else decision.scores[: max(1, top)]
+    return _ENCODER.encode(
+        _EncodedRouteAnswer(*_head(decision, recorded), [_score_json(s) for s in scores])
+    )
+
+
+def _head(
+    decision: RouteDecision, recorded: bool
+) -> tuple[str, int, bool, int, int, int, int, bool]:
+    """The ``/route`` answer's fields before its scores."""
+    return (
         decision.worker,
         decision.dp_rank,
         recorded,
@@ -204,26 +213,6 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
         decision.candidates,
         decision.chosen.predicted_blocks,
         decision.by_prediction,
-        [ScoreAnswer.of(s) for s in scores],
-    )
-
-
-def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
-    """:func:`route_answer` as JSON, the same bytes; a score that caches nothing is
-    encoded once (:func:`_score_json`)."""
-    scores = decision.scores if top is None else decision.scores[: max(1, top)]
-    return _ENCODER.encode(
-        _EncodedRouteAnswer(
-            decision.worker,
-            decision.dp_rank,
-            recorded,
-            decision.n_blocks,
-            decision.block_size,
-            decision.candidates,
-            decision.chosen.predicted_blocks,
-            decision.by_prediction,
-            [_score_json(s) for s in scores],
-        )
     )
 
 

@@ -359,30 +359,8 @@ class Ranking:
                 cached += p * pcredit
             prefill = n_blocks - cached if n_blocks > cached else 0.0
             cost = prefill + entry[1]
-            ranked.append(
-                (
-                    entry[0],
-                    cost,
-                    entry[2],
-                    entry[3],
-                    entry[4],
-                    entry[5],
-                    HolderScore(
-                        worker=h.worker,
-                        dp_rank=h.dp_rank,
-                        matched=m,
-                        cached_blocks=cached,
-                        prefill_blocks=prefill,
-                        pending_blocks=entry[2],
-                        cost=cost,
-                        routed=entry[4],
-                        available=not entry[0],
-                        recent_blocks=entry[3],
-                        balance_blocks=entry[7],
-                        predicted_blocks=p,
-                    ),
-                )
-            )
+            score = _score_of(entry, m, cached, prefill, cost, p)
+            ranked.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
         # The others among the best ``top`` were nobody matched are the others among
         # the best ``top`` here: a match only lowers its holder's cost, so it never
         # passes another holder that would not have passed it anyway.
@@ -424,21 +402,7 @@ class Ranking:
                 break
             end = min(group_ends[j], j + count)
             for entry in entries[j:end]:
-                h = entry[6]
-                score = HolderScore(
-                    worker=h.worker,
-                    dp_rank=h.dp_rank,
-                    matched=_ZERO,
-                    cached_blocks=nothing,
-                    prefill_blocks=prefill,
-                    pending_blocks=entry[2],
-                    cost=cost,
-                    routed=entry[4],
-                    available=not entry[0],
-                    recent_blocks=entry[3],
-                    balance_blocks=entry[7],
-                    predicted_blocks=0,
-                )
+                score = _score_of(entry, _ZERO, nothing, prefill, cost, 0)
                 out.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
             taken += end - j
             last = (head[0], cost)
@@ -454,6 +418,27 @@ _Ranked = tuple[bool, float, float, float, int, int, HolderScore]
 """A holder's score behind the fields it is ranked by (see :func:`score`)."""
 _REST_KEPT = 256
 """Answers of :meth:`Ranking._nothing_cached` a ranking keeps (a bound: one per request size)."""
+
+
+def _score_of(
+    entry: _Entry, matched: HolderMatch, cached: float, prefill: float, cost: float, p: int
+) -> HolderScore:
+    """The score of a ranked holder (``entry``) for one request."""
+    h = entry[6]
+    return HolderScore(
+        worker=h.worker,
+        dp_rank=h.dp_rank,
+        matched=matched,
+        cached_blocks=cached,
+        prefill_blocks=prefill,
+        pending_blocks=entry[2],
+        cost=cost,
+        routed=entry[4],
+        available=not entry[0],
+        recent_blocks=entry[3],
+        balance_blocks=entry[7],
+        predicted_blocks=p,
+    )
 
 
 _DEFAULT_WEIGHTS = ScoringWeights()
