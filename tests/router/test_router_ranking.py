@@ -76,6 +76,10 @@ def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
     fewer = dict(list(matches.items())[1:])
     less = score(n_blocks, holders, fewer, loads, credits=credits, weights=weights)
     assert ranking.top(n_blocks, fewer, top, credits=credits) == less[:top]
+    # what is kept for one count never answers another: a new size, 1 first, then more
+    wider = score(n_blocks + 2, holders, matches, loads, credits=credits, weights=weights)
+    for count in (1, top + 1, top):
+        assert ranking.top(n_blocks + 2, matches, count, credits=credits) == wider[:count]
 
 
 def test_costs_that_round_to_a_tie_rank_by_the_next_field() -> None:

@@ -214,7 +214,7 @@ class Predictions:
         return n
 
     def clear_slot(self, slot: int) -> int:
-        """Drop every prediction of a slot (reset, loss, flush). O(predicted entries)."""
+        """Drop every prediction of a slot (reset, AllBlocksCleared, removal). O(predicted entries)."""
         gone = [rk for rk in self._until if rk[1] == slot]
         for rk in gone:
             del self._until[rk]

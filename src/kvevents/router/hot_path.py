@@ -192,9 +192,13 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
 
 
 def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
-    """:func:`route_answer` as JSON, the same bytes; a score that caches nothing is
-    encoded once (:func:`_score_json`)."""
-    scores = decision.scores if top is None else decision.scores[: max(1, top)]
+    """:func:`route_answer` as JSON, the same bytes. With ``top`` (the decision came
+    from a :class:`~kvevents.router.scoring.Ranking`), a score that caches nothing is
+    encoded once (:func:`_score_json`); every holder's scores (``top`` None) are new
+    objects each time, so they are encoded and not kept."""
+    if top is None:
+        return _ENCODER.encode(route_answer(decision, recorded=recorded, top=None))
+    scores = decision.scores[: max(1, top)]
     return _ENCODER.encode(
         _EncodedRouteAnswer(*_head(decision, recorded), [_score_json(s) for s in scores])
     )

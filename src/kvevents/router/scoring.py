@@ -417,7 +417,8 @@ _Entry = tuple[bool, float, float, float, int, int, Holder, float]
 _Ranked = tuple[bool, float, float, float, int, int, HolderScore]
 """A holder's score behind the fields it is ranked by (see :func:`score`)."""
 _REST_KEPT = 256
-"""Answers of :meth:`Ranking._nothing_cached` a ranking keeps (a bound: one per request size)."""
+"""Answers of :meth:`Ranking._nothing_cached` a ranking keeps (a bound: a few per request size,
+one per ``top`` asked)."""
 
 
 def _score_of(
