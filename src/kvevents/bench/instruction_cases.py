@@ -79,13 +79,7 @@ class AnsweringUpstream(Upstream):
         """The last request forwarded: its path, body and headers."""
 
     def post_whole(
-        self,
-        base: str,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        *,
-        timeout: float | None = None,
+        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> asyncio.Future[FullResponse]:
         self.forwarded += 1
         self.last = (path, body, headers)

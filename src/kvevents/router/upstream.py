@@ -368,17 +368,9 @@ class Upstream:
         return response
 
     def post_whole(
-        self,
-        base: str,
-        path: str,
-        body: bytes,
-        headers: Mapping[str, str],
-        *,
-        timeout: float | None = None,
+        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> asyncio.Future[FullResponse]:
         """POST ``body`` to ``base + path``; a future of the whole answer.
-
-        ``timeout``: seconds for the whole exchange, instead of the client's own.
 
         It fails with :class:`UpstreamError` or :class:`TimeoutError` when no answer
         began, and with :class:`MidwayError` when one began but did not arrive whole.
@@ -387,7 +379,7 @@ class Upstream:
         """
         loop = asyncio.get_running_loop()
         try:
-            origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
+            origin, deadline, conn, head = self._start(base, path, body, headers)
         except UpstreamError as exc:
             refused: asyncio.Future[FullResponse] = loop.create_future()
             refused.set_exception(exc)
@@ -435,7 +427,8 @@ class Upstream:
     ) -> FullResponse:
         """:meth:`post_whole` for a POST that changes nothing on the engine (``/tokenize``):
         like :meth:`get`, one that failed on a kept-alive connection before its answer
-        began is sent once more on a new connection."""
+        began is sent once more on a new connection. ``timeout``: seconds for the whole
+        exchange, instead of the client's own."""
         origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
         return await self._send_safe(origin, deadline, conn, head, body)
 
