@@ -4,8 +4,9 @@
 lazily, from the keys each writer lists. Every test here drives a real
 :class:`~kvevents.index.prefix_index.PrefixIndex` through random writes (stores,
 removals, holders cleared and removed, pruning past ``max_entries``, offloaded tiers,
-more than 64 holders, a snapshot round trip) and after each one compares the compiled
-match of many requests with the plain one over the dict.
+more than 64 holders, whose masks the wide mirror holds, a snapshot round trip) and
+after each one compares the compiled match of many requests with the plain one over
+the dict.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvevents.wire.hashing import content_key_array
 
 BLOCK = 4
 HOLDERS = [Holder(f"http://e{i // 4}", i % 4) for i in range(8)]
+WIDE = [Holder(f"http://w{i // 8}", i % 8) for i in range(150)]
+"""Three words of 64 holders: masks in the wide mirror (:class:`WideMaskMirror`)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,16 +55,18 @@ def _check(index: PrefixIndex, requests: list[array[int]]) -> None:
         fast = index.match_keys(keys)
         assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
         # the keys a request would predict on each holder: compiled, in C, and one by one
-        for slot in range(len(index._holders) + 1):  # and one slot nobody holds
+        slots = len(index._holders) + 1  # and one slot nobody holds
+        edges = {0, 1, 62, 63, 64, 65, 127, 128, 129, slots - 2, slots - 1}
+        for slot in range(slots) if slots <= 16 else sorted(s for s in edges if s < slots):
             one_by_one = [k for k in keys if not index._held_any(k, slot)]
             assert index._not_held(keys, slot) == one_by_one, "compiled, for the predictions"
             assert index._not_held(keys.tolist(), slot) == one_by_one, "from the dict"
 
 
-def _index(**options: int) -> PrefixIndex:
-    """An index of block size ``BLOCK`` with every one of ``HOLDERS`` added."""
+def _index(holders: list[Holder] = HOLDERS, **options: int) -> PrefixIndex:
+    """An index of block size ``BLOCK`` with every one of ``holders`` added."""
     index = PrefixIndex(block_size=BLOCK, **options)
-    for h in HOLDERS:
+    for h in holders:
         index.add_holder(h)
     return index
 
@@ -77,17 +82,24 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), max_entries=st.sampled_from([60, 400, 100_000]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_entries=st.sampled_from([60, 400, 100_000]),
+    wide=st.booleans(),
+)
 def test_random_writes_keep_the_compiled_match_equal_to_the_dict(
-    seed: int, max_entries: int
+    seed: int, max_entries: int, wide: bool
 ) -> None:
     rng = random.Random(seed)
-    index = _index(max_entries=max_entries)
+    holders = WIDE if wide else HOLDERS
+    index = _index(holders, max_entries=max_entries)
     prompts = _prompts(rng, 12)
     requests = [_keys(p) for p in prompts]
+    # on the wide index, writes go mostly to the slots around each word's edges
+    pick = [h for i, h in enumerate(holders) if i % 64 in (0, 1, 62, 63) or i >= 140]
     for _ in range(40):
         op = rng.random()
-        holder = rng.choice(HOLDERS)
+        holder = rng.choice(pick if wide and rng.random() < 0.8 else holders)
         keys = rng.choice(requests)
         if op < 0.5:
             index.store_keys(holder, keys[: rng.randrange(1, len(keys) + 1)])
@@ -139,16 +151,30 @@ def test_the_mirror_grows_and_rebuilds_and_stays_exact() -> None:
     assert mirror is not None and mirror.grown >= 2 and mirror.rebuilds >= 2
 
 
-def test_more_than_64_holders_use_the_dict_match() -> None:
+def test_more_than_64_holders_widen_the_mirror_and_match_exactly() -> None:
+    """Holders join one by one past 64 and 128 (the slots widen twice, every mask moves):
+    the mirror follows, as wide as the slots, and its match stays the dict's."""
     index = PrefixIndex(block_size=BLOCK)
-    holders = [Holder(f"http://w{i}", 0) for i in range(70)]
+    holders = [Holder(f"http://w{i}", 0) for i in range(150)]
     keys = _keys(list(range(BLOCK * 12)))
+    other = _keys(list(range(1, BLOCK * 12 + 1)))
     for i, h in enumerate(holders):
         index.add_holder(h)
         index.store_keys(h, keys[: 1 + i % 12])
+        if i % 3 == 0:
+            index.store_keys(h, other[: 1 + i % 7])
+        if i in (10, 63, 64, 65, 100, 127, 128, 149):
+            _check(index, [keys, other])
+    mirror = index._mirror
+    assert mirror is not None and mirror.words == 3, "the mirror is as wide as the slots"
     match = index.match_keys(keys)
-    assert match.for_slot(69).gpu == 1 + 69 % 12
+    assert match.for_slot(149).gpu == 1 + 149 % 12
+    assert match.for_slot(64).gpu == 1 + 64 % 12
     assert match == _plain(index, keys)
+    index.remove_holder(holders[130])  # a slot of the third word freed
+    index.clear_holder(holders[70])
+    _check(index, [keys, other])
+    assert index.match_keys(keys).for_slot(70).gpu == 0
 
 
 def test_an_index_loaded_from_a_snapshot_matches_exactly() -> None:

@@ -69,7 +69,7 @@ from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
 from kvevents.types import Hash, Holder
 
 if TYPE_CHECKING:
-    from kvevents.kernels.mask_mirror import MaskMirror
+    from kvevents.kernels.mask_mirror import MaskMirror, WideMaskMirror
 
 __all__ = ["MaskTable"]
 
@@ -114,7 +114,7 @@ class MaskTable:
         self._hybrid = 0
         """Slots with side KV-cache groups (:mod:`kvevents.index.groups`); 0 for models
         with full attention only, so their match pays one test per request."""
-        self._mirror: MaskMirror | None = None
+        self._mirror: MaskMirror | WideMaskMirror | None = None
         """The compiled match's flat copy of ``_blocks`` (:mod:`kvevents.kernels.mask_mirror`),
         made on the first match after the kernels load."""
         self._changed: list[int] | None = []
@@ -231,8 +231,8 @@ class MaskTable:
         if self._offloaded:
             return [k for k in keys if not self._held_any(k, slot)]
         words = compiled_keys(keys)
-        mirror = None if words is None or self._width != 64 else self._synced_mirror()
-        if mirror is not None and words is not None:
+        mirror = None if words is None or slot >= self._width else self._synced_mirror()
+        if mirror is not None and words is not None:  # (the kernels read a bit of the row)
             return mirror.not_held(words, slot)
         held = map(and_, map(self._blocks.get, keys, repeat(0)), repeat(1 << slot))
         return list(compress(keys, map(not_, held)))
@@ -279,7 +279,7 @@ class MaskTable:
         if self._offloaded:
             return self._match_tiered(keys)
         mirror = None
-        if type(keys) is array and keys.typecode == "Q" and self._width == 64:
+        if type(keys) is array and keys.typecode == "Q":
             mirror = self._synced_mirror()  # compiled_keys(), spelled out on the hot path
         if mirror is not None:
             segs, i = mirror.match(keys, self._live)  # type: ignore[arg-type]
@@ -296,14 +296,15 @@ class MaskTable:
         instead of on the next match: a router does as its kernels load."""
         self._synced_mirror()
 
-    def _synced_mirror(self) -> MaskMirror | None:
-        """The mirror brought up to date with ``_blocks``; None while the kernels are off."""
+    def _synced_mirror(self) -> MaskMirror | WideMaskMirror | None:
+        """The mirror brought up to date with ``_blocks``; None while the kernels are off.
+        A mirror is as wide as the slots (:meth:`_set_width` makes the next one wider)."""
         mirror = self._mirror
-        if mirror is None:
+        if mirror is None or mirror.words != self._width >> 6:
             compiled = kernels.loaded()
             if compiled is None or self._mirror_off:
                 return None
-            mirror = self._mirror = compiled.mirror()
+            mirror = self._mirror = compiled.mirror(self._width >> 6)
             self._unlist_changes()
         changed = self._changed
         if changed is not None and not changed:

@@ -40,7 +40,7 @@ from array import array
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvevents.kernels.mask_mirror import MaskMirror
+    from kvevents.kernels.mask_mirror import MaskMirror, WideMaskMirror
 
 __all__ = ["Kernels", "load", "loaded", "status", "will_load"]
 
@@ -63,7 +63,7 @@ class Kernels:
 
     def __init__(self) -> None:
         from kvevents.kernels import token_json, xxh3_chain
-        from kvevents.kernels.mask_mirror import MaskMirror, signed64
+        from kvevents.kernels.mask_mirror import MaskMirror, WideMaskMirror, signed64
 
         self._chain = xxh3_chain.chain_keys_into
         self._secret = xxh3_chain.SECRET64
@@ -72,6 +72,7 @@ class Kernels:
         self._parse = token_json.parse_input_ids_into
         self._key = bytes(token_json.INPUT_IDS_KEY)
         self._mirror_class = MaskMirror
+        self._wide_mirror_class = WideMaskMirror
         self._local = threading.local()
         """Per thread, the ``array("I")`` a body's ids are parsed into (see :meth:`parse_input_ids`)."""
         # Compile now (or load numba's cache): never on a request.
@@ -86,10 +87,17 @@ class Kernels:
         warm.match(keys, 1)
         warm.match(keys, (1 << 64) - 1)
         warm.not_held(keys, 0)
+        wide = self.mirror(2)  # compiled now too: not when a 65th holder joins
+        wide.rebuild({1: 1, 2: 3 << 64})
+        wide.sync([2], [0])
+        wide._grow(1)
+        wide.match(keys, (1 << 128) - 1)
+        wide.not_held(keys, 70)
 
-    def mirror(self) -> MaskMirror:
-        """A new, empty mirror of an index's block masks (:mod:`~kvevents.kernels.mask_mirror`)."""
-        return self._mirror_class()
+    def mirror(self, words: int = 1) -> MaskMirror | WideMaskMirror:
+        """A new, empty mirror of an index's block masks (:mod:`~kvevents.kernels.mask_mirror`)
+        for ``64 * words`` holder slots."""
+        return self._mirror_class() if words == 1 else self._wide_mirror_class(words)
 
     def chain_keys(self, tokens: array[int], block_size: int, parent: int) -> array[int] | None:
         """Content keys of ``tokens`` (an ``array("I")``) as an ``array("Q")``, or None

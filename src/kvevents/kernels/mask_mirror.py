@@ -23,7 +23,7 @@ import numpy as np
 
 from kvevents.kernels import block_table
 
-__all__ = ["MaskMirror", "signed64"]
+__all__ = ["MaskMirror", "WideMaskMirror", "signed64"]
 
 _LOW = (1 << 64) - 1
 _MIN_CAPACITY = 1 << 12
@@ -31,6 +31,9 @@ _MIN_CAPACITY = 1 << 12
 
 class MaskMirror:
     """See the module docstring; ``match`` answers as ``MaskTable._segments`` does."""
+
+    words = 1
+    """Words of 64 holders per mask (:class:`WideMaskMirror` has more)."""
 
     def __init__(self) -> None:
         self._keys, self._values = _table(_MIN_CAPACITY)
@@ -94,6 +97,83 @@ class MaskMirror:
         self.rebuilds += 1
 
 
+class WideMaskMirror:
+    """:class:`MaskMirror` for an index of slot width ``64 * words`` (``words`` > 1): the
+    same methods, answering alike. Masks go in and out as Python ints (their GPU tier,
+    the low ``64 * words`` bits), turned into rows of words here."""
+
+    def __init__(self, words: int) -> None:
+        if words < 2:
+            raise ValueError(f"WideMaskMirror(words={words}): one word is MaskMirror's")
+        self.words = words
+        self._low = (1 << (64 * words)) - 1
+        self._keys, self._values = _wide_table(_MIN_CAPACITY, words)
+        self.count = 0
+        self.rebuilds = 0
+        self.grown = 0
+        segments = 64 * words + 1  # at most one per holder, and those holding every block
+        self._dropped = np.zeros((segments, words), dtype=np.uint64)
+        self._lengths = np.zeros(segments, dtype=np.int64)
+        self._held = np.zeros(words, dtype=np.uint64)
+        self._live: tuple[int, np.ndarray] = (0, np.zeros(words, dtype=np.uint64))
+        """The last ``live`` mask a match was given, and its words."""
+
+    def _rows(self, masks: Sequence[int]) -> np.ndarray:
+        """``masks`` (their GPU tier) as a (len, words) array of uint64 rows."""
+        size, low = 8 * self.words, self._low
+        raw = b"".join([(m & low).to_bytes(size, "little") for m in masks])
+        return np.frombuffer(raw, dtype="<u8").reshape(len(masks), self.words)
+
+    def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
+        """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
+        if not keys:
+            return
+        if 2 * (self.count + len(keys)) > len(self._keys):
+            self._grow(self.count + len(keys))
+        words = np.frombuffer(array("Q", keys), dtype=np.uint64)
+        self.count = block_table.apply_wide(
+            words, self._rows(masks), self._keys, self._values, self.count
+        )
+
+    def match(self, keys: array[int], live: int) -> tuple[list[tuple[int, int]], int]:
+        """``(segments, longest)`` of a request's keys (an ``array("Q")``) from ``live``."""
+        if self._live[0] != live:
+            self._live = (live, self._rows([live])[0].copy())
+        dropped, lengths = self._dropped, self._lengths
+        found, longest = block_table.match_wide(
+            keys, self._keys, self._values, self._live[1], self._held, dropped, lengths
+        )
+        rows = dropped[:found].tobytes()
+        size = 8 * self.words
+        segments = [
+            (int.from_bytes(rows[k * size : (k + 1) * size], "little"), int(lengths[k]))
+            for k in range(found)
+        ]
+        return segments, longest
+
+    def not_held(self, keys: array[int], slot: int) -> list[int]:
+        """The keys of ``keys`` (an ``array("Q")``) whose mask lacks ``slot``'s bit, in order."""
+        return block_table.not_held_wide(  # type: ignore[no-any-return]
+            keys, self._keys, self._values, slot
+        ).tolist()
+
+    def _grow(self, n: int) -> None:
+        """A larger table for ``n`` keys, filled from this one (not from the dict)."""
+        keys, values = _wide_table(_capacity(n), self.words)
+        block_table.rehash_wide(self._keys, self._values, keys, values)
+        self._keys, self._values = keys, values
+        self.grown += 1
+
+    def rebuild(self, blocks: dict[int, int]) -> None:
+        """Copy every mask of ``blocks`` afresh (when the changes were not listed)."""
+        n = len(blocks)
+        keys = np.fromiter(blocks, dtype=np.uint64, count=n)
+        self._keys, self._values = _wide_table(_capacity(n), self.words)
+        rows = self._rows(list(blocks.values())) if n else np.zeros((0, self.words), np.uint64)
+        self.count = block_table.apply_wide(keys, rows, self._keys, self._values, 0)
+        self.rebuilds += 1
+
+
 def signed64(value: int) -> int:
     """The int64 with the same 64 bits as ``value`` (0 .. 2**64 - 1): how a uint64 goes
     into a kernel as a plain Python int, which numba unboxes as int64 (a ``np.uint64``
@@ -116,3 +196,8 @@ def _capacity(n: int) -> int:
 def _table(capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """An empty table: keys and masks, ``capacity`` slots each (0: an empty slot)."""
     return np.zeros(capacity, dtype=np.uint64), np.zeros(capacity, dtype=np.uint64)
+
+
+def _wide_table(capacity: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_table` with a row of ``words`` per slot (all 0: an empty slot)."""
+    return np.zeros(capacity, dtype=np.uint64), np.zeros((capacity, words), dtype=np.uint64)
