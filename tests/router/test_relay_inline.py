@@ -275,8 +275,10 @@ def test_a_shutdown_while_the_engine_answers_gets_the_answer_then_closes(
 class _BuggyRouter(Router):
     """A router whose decision code has a bug (a plain KeyError, not a refusal)."""
 
-    def route_batch(self, prompts: Any, **kwargs: Any) -> Any:
+    def route(self, tokens: Any, **kwargs: Any) -> Any:
         raise KeyError("an internal bug")
+
+    route_batch = route
 
 
 def test_an_unexpected_error_is_uvicorns_500_and_the_connection_closes(

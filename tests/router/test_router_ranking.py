@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
 from kvevents.router.core import Router
-from kvevents.router.scoring import Ranking, score
+from kvevents.router.scoring import Ranking, best_score, score
 
 # small values on purpose: equal costs, and so every tie-break, come up often
 _blocks = st.integers(min_value=0, max_value=6)
@@ -82,6 +82,21 @@ def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
         assert ranking.top(n_blocks + 2, matches, count, credits=credits) == wider[:count]
 
 
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_best_score_is_exactly_the_head_of_score(case: tuple) -> None:
+    """The one-pass winner (what a relayed request is routed by) is score()'s first."""
+    holders, loads, matches, predicted, credits, weights, n_blocks, _ = case
+    for guessed in (predicted, None):
+        full = score(
+            n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
+        )
+        one = best_score(
+            n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
+        )
+        assert one == full[0]
+
+
 def test_costs_that_round_to_a_tie_rank_by_the_next_field() -> None:
     """B's own part is below A's, but both vanish next to 8 blocks of prefill: the costs
     tie, and A's lower pending wins, as score() ranks them. Taking only the first of the
@@ -117,9 +132,16 @@ def _router(ranks: int) -> Router:
 
 
 def _same_choice(router: Router, tokens: list[int]) -> None:
-    """route() with top answers the head of route() without it."""
+    """route() with top answers the head of route() without it: with ``top=1`` first,
+    the loads having just changed (one pass, no ranking), then from the new ranking."""
+    assert router._kept_ranking(router.holders()) is None, "called after a change of the loads"
+    one = router.route(tokens, top=1)
+    assert router._kept_ranking(router.holders()) is None, "top=1 built no ranking for itself"
     every = router.route(tokens)
+    assert one.scores == every.scores[:1] and one.by_prediction == every.by_prediction
+    assert (one.worker, one.dp_rank, one.candidates) == (every.worker, every.dp_rank, 4)
     few = router.route(tokens, top=2)
+    assert router.route(tokens, top=1).scores == one.scores, "now from the ranking"
     assert few.scores == every.scores[:2]
     assert (few.worker, few.dp_rank, few.candidates) == (every.worker, every.dp_rank, 4)
     assert few.n_blocks == every.n_blocks and list(few.keys) == list(every.keys)
@@ -139,6 +161,11 @@ def test_the_router_sees_every_change_of_the_loads_it_makes() -> None:
     assert router.route(tokens, top=1).dp_rank == 2
     ticket = router.begin(router.route(tokens, top=1))
     _same_choice(router, tokens)
+    for _ in range(6):
+        router.route(tokens, top=3)  # a /route ranks afresh
+        # a relayed request, from that ranking; its begin and finish change the loads
+        router.finish(router.begin(router.route(tokens, top=1)))
+        _same_choice(router, [t + 1 for t in tokens])
     router.remote_inflight(Holder("http://e", 0), 5, 40.0)
     _same_choice(router, tokens)
     router.remote_routed(Holder("http://e", 1), 200)

@@ -79,6 +79,7 @@ from kvevents.router.scoring import (
     HolderScore,
     Ranking,
     ScoringWeights,
+    best_score,
     choose,
     note_routed,
     score,
@@ -442,7 +443,9 @@ class Router:
         limits the candidates to the engines serving it; ``extra_keys`` as in :meth:`query`.
         ``top``: the decision's ``scores`` are only the best ``top`` (at least 1), found
         without scoring every holder (:class:`~kvevents.router.scoring.Ranking`, kept
-        until the loads change); None scores them all. The choice is the same either way.
+        until the loads change; ``top=1`` with the loads changed since: one pass,
+        :func:`~kvevents.router.scoring.best_score`); None scores them all. The choice is
+        the same either way.
         :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
         if top is None or policy != "kv-aware":
@@ -466,16 +469,36 @@ class Router:
             else []  # nothing is stored anywhere yet: by load alone (see route_batch)
         )
         found, predicted = self._matched(keys)
-        ranking = self._ranking(holders)
         credits = self.index.credits
         n_blocks = len(keys)
-        scores = ranking.top(n_blocks, found, top, credits=credits, predicted=predicted)
-        best = choose(scores)
-        by_prediction = False
-        if best.predicted_blocks:
+        ranking = self._kept_ranking(holders) if top == 1 else self._ranking(holders)
+        if ranking is None:
+            # One answer while the loads changed since the last ranking (a relayed
+            # request changes them each time): one pass, no ranking built for it.
+            def best_of(with_predictions: dict[Holder, int] | None) -> HolderScore:
+                return best_score(
+                    n_blocks,
+                    holders,
+                    found,
+                    self.loads,
+                    credits=credits,
+                    weights=self.weights,
+                    predicted=with_predictions,
+                )
+
+            scores = [best_of(predicted)]
+            best = choose(scores)
+            first = best_of(None) if best.predicted_blocks else best
+        else:
+            scores = ranking.top(n_blocks, found, top, credits=credits, predicted=predicted)
+            best = choose(scores)
             # the best on confirmed blocks alone: again O(matched), no second lookup
-            first = ranking.top(n_blocks, found, 1, credits=credits)[0]
-            by_prediction = first.worker != best.worker or first.dp_rank != best.dp_rank
+            first = (
+                ranking.top(n_blocks, found, 1, credits=credits)[0]
+                if best.predicted_blocks
+                else best
+            )
+        by_prediction = first.worker != best.worker or first.dp_rank != best.dp_rank
         return RouteDecision(
             worker=best.worker,
             dp_rank=best.dp_rank,
@@ -489,12 +512,22 @@ class Router:
 
     def _ranking(self, holders: list[Holder]) -> Ranking:
         """The :class:`Ranking` of a candidate list, as the loads are now."""
-        if self._loads_version != self._rankings_version or len(self._rankings) > 64:
-            self._rankings.clear()
-            self._rankings_version = self._loads_version
+        ranking = self._kept_ranking(holders)
+        if ranking is None:
+            if self._loads_version != self._rankings_version or len(self._rankings) > 64:
+                self._rankings.clear()
+                self._rankings_version = self._loads_version
+            ranking = self._rankings[id(holders)] = Ranking(holders, self.loads, self.weights)
+        return ranking
+
+    def _kept_ranking(self, holders: list[Holder]) -> Ranking | None:
+        """The kept :class:`Ranking` of a candidate list when the loads have not changed
+        since it was made, else None."""
+        if self._loads_version != self._rankings_version:
+            return None
         ranking = self._rankings.get(id(holders))
         if ranking is None or ranking.holders is not holders or ranking.weights is not self.weights:
-            ranking = self._rankings[id(holders)] = Ranking(holders, self.loads, self.weights)
+            return None
         return ranking
 
     @staticmethod

@@ -78,6 +78,7 @@ def create_fastapi_app(
             cache_salt=body.cache_salt,
             policy=service.policy,
             model=body.model,
+            top=1,  # the answer tells the chosen holder's score only
         )
         payload.pop("data_parallel_rank", None)
         payload["routed_dp_rank"] = decision.dp_rank

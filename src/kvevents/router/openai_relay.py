@@ -355,9 +355,13 @@ class OpenAIRelay:
         or None when only ``fields`` were (:func:`token_prompt`)."""
         service = self.service
         router = service.router
+        salt, policy, model = fields.salt, service.policy, fields.model_name
         try:
-            decision = router.route_batch(
-                prompts, cache_salt=fields.salt, policy=service.policy, model=fields.model_name
+            # only the chosen holder's score is used: one prompt is routed with top=1
+            decision = (
+                router.route(prompts[0], cache_salt=salt, policy=policy, model=model, top=1)
+                if len(prompts) == 1
+                else router.route_batch(prompts, cache_salt=salt, policy=policy, model=model)
             )
         except UnknownModelError as exc:
             raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
