@@ -142,6 +142,7 @@ def _same_choice(router: Router, tokens: list[int]) -> None:
     assert (one.worker, one.dp_rank, one.candidates) == (every.worker, every.dp_rank, 4)
     few = router.route(tokens, top=2)
     assert router.route(tokens, top=1).scores == one.scores, "now from the ranking"
+    assert router._kept_ranking(router.holders()) is not None
     assert few.scores == every.scores[:2]
     assert (few.worker, few.dp_rank, few.candidates) == (every.worker, every.dp_rank, 4)
     assert few.n_blocks == every.n_blocks and list(few.keys) == list(every.keys)
@@ -168,6 +169,15 @@ def test_the_router_sees_every_change_of_the_loads_it_makes() -> None:
         _same_choice(router, [t + 1 for t in tokens])
     router.remote_inflight(Holder("http://e", 0), 5, 40.0)
     _same_choice(router, tokens)
+    # /route with "top": 1 and loads that hold still: the second request ranks, and
+    # the ones after it answer from that ranking
+    router.remote_inflight(Holder("http://e", 3), 1, 4.0)
+    first = router.route(tokens, top=1)
+    assert router._kept_ranking(router.holders()) is None
+    assert router.route(tokens, top=1) == first
+    kept = router._kept_ranking(router.holders())
+    assert kept is not None and router.route(tokens, top=1) == first
+    assert router._kept_ranking(router.holders()) is kept
     router.remote_routed(Holder("http://e", 1), 200)
     _same_choice(router, tokens)
     router.record(router.route(tokens, top=1))

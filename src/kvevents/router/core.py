@@ -200,6 +200,9 @@ class Router:
         self._rankings: dict[int, Ranking] = {}
         """Per candidate list (by identity), its :class:`Ranking` at ``_rankings_version``."""
         self._rankings_version = -1
+        self._one_pass_version = -1
+        """The loads' version at the last one-pass choice (``route(top=1)`` without a
+        ranking): a second request at the same version builds the ranking."""
 
     # --- feeding ----------------------------------------------------------------------
 
@@ -471,10 +474,14 @@ class Router:
         found, predicted = self._matched(keys)
         credits = self.index.credits
         n_blocks = len(keys)
-        ranking = self._kept_ranking(holders) if top == 1 else self._ranking(holders)
+        ranking = self._kept_ranking(holders)
+        if ranking is None and (top != 1 or self._one_pass_version == self._loads_version):
+            ranking = self._ranking(holders)  # the loads held still since the last request
         if ranking is None:
-            # One answer while the loads changed since the last ranking (a relayed
+            # One answer while the loads changed since the last request (a relayed
             # request changes them each time): one pass, no ranking built for it.
+            self._one_pass_version = self._loads_version
+
             def best_of(with_predictions: dict[Holder, int] | None) -> HolderScore:
                 return best_score(
                     n_blocks,
