@@ -177,12 +177,13 @@ def test_more_than_64_holders_widen_the_mirror_and_match_exactly() -> None:
     assert index.match_keys(keys).for_slot(70).gpu == 0
 
 
-def test_an_index_loaded_from_a_snapshot_matches_exactly() -> None:
+@pytest.mark.parametrize("holders", [HOLDERS, WIDE], ids=["8 holders", "150 holders"])
+def test_an_index_loaded_from_a_snapshot_matches_exactly(holders: list[Holder]) -> None:
     rng = random.Random(3)
-    index = _index()
+    index = _index(holders)
     requests = [_keys(p) for p in _prompts(rng, 20)]
     for keys in requests:
-        index.store_keys(rng.choice(HOLDERS), keys)
+        index.store_keys(rng.choice(holders), keys)
     _check(index, requests)
     loaded = PrefixIndex.from_bytes(index.to_bytes())
     _check(loaded, requests)
