@@ -6,7 +6,8 @@ Drives :class:`~kvevents.router.hot_path.HotPath` as the ASGI server would (no s
 so the figure is the router's own work per request: body decode, keys, match, score,
 encode) with ``{"input_ids": [...]}`` and, when the router knows models, with
 ``"model"`` as well. ``holders`` ranks of two engines each serving one model; every
-prompt is stored on one rank. Prints CPU microseconds per request (median of 5 rounds).
+prompt is stored on one rank, and the compiled kernels are loaded, as a router loads
+them. Prints CPU microseconds per request (median of 5 rounds).
 Run it on two checkouts to compare a change (the ``model`` row needs one that knows
 models); it is a quick check, not a CI figure.
 """
@@ -16,12 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
-from typing import Any
 
 import msgspec
 
-from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router
+from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router, kernels
+from kvevents.bench.route_fleet import route_request_us
 from kvevents.router.app import create_app
 from kvevents.router.service import RouterService
 
@@ -48,32 +48,13 @@ def _router(holders: int, tokens: int, prompts: int, bs: int) -> tuple[Router, l
     return router, [msgspec.json.encode({"input_ids": b}) for b in bodies]
 
 
-async def _time(app: Any, bodies: list[bytes], requests: int) -> float:
-    sent: list[Any] = []
-
-    async def send(message: Any) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "path": "/route", "method": "POST", "headers": []}
-    start = time.process_time()  # CPU time: the machine is shared, wall time is noise
-    for i in range(requests):
-        body = bodies[i % len(bodies)]
-
-        async def receive(body: bytes = body) -> dict[str, Any]:
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await app(scope, receive, send)
-    elapsed = time.process_time() - start
-    assert sent[0]["status"] == 200, sent[1]
-    return elapsed / requests * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--holders", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
+    kernels.load()  # as the router does (it keys and matches with them once loaded)
     router, plain = _router(args.holders, args.tokens, 64, 16)
     app = create_app(RouterService(router, []))
     rows = {"no model": plain}
@@ -85,7 +66,7 @@ def main() -> None:
         models.set("http://e1", models_from_names(["m1"]))
         rows["model"] = [b[:-1] + b',"model":"m0"}' for b in plain]
     for name, bodies in rows.items():
-        rounds = [asyncio.run(_time(app, bodies, args.requests)) for _ in range(5)]
+        rounds = [asyncio.run(route_request_us(app, bodies, args.requests)) for _ in range(5)]
         print(f"{name:>9}: {statistics.median(rounds):7.1f} us per /route")
 
 
