@@ -11,8 +11,11 @@ before a hit's end.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvevents import Holder, PrefixIndex
 from kvevents.index.groups import reuse_length, window_blocks
+from kvevents.index.snapshot import decode_snapshot
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 32
@@ -283,3 +286,36 @@ def test_more_than_64_holders_widen_the_side_tables_too() -> None:
     assert gpu(index, PROMPT) == 6
     index.apply(H, batch(removed(PROMPT, [5], group=0)))
     assert gpu(index, PROMPT) == 0
+
+
+def test_side_group_events_pause_between_them_and_end_as_one_apply() -> None:
+    """A batch of many hybrid prompts applied in steps: the loop also gets turns between
+    the side group's events, each pause leaves whole events (a hybrid match never
+    longer than the finished batch gives), and the index ends as one apply makes it."""
+    prompts = [[p * 1000 + t for t in range(8 * BS)] for p in range(40)]
+    events: list[object] = []
+    for tokens in prompts:  # as vLLM orders them: the sliding window first, then full
+        events += [sw_store(tokens, 6, 8, None), fa_store(tokens, 0, 8, None)]
+    events += [removed(prompts[0], [6, 7], 0), removed(prompts[0], list(range(8)), 1)]
+    whole, stepped = PrefixIndex(block_size=BS), PrefixIndex(block_size=BS)
+    whole.apply(H, batch(*events))
+    one_apply = whole.to_bytes()  # before any match moves a block (recency)
+    keys = [whole.keys_for(tokens) for tokens in prompts]
+    final = [whole.match_keys(k).by_holder().get(H) for k in keys]
+    pauses = 0
+    for _ in stepped.apply_steps(H, batch(*events), 16):  # no main chain is that long
+        pauses += 1
+        for k, done in zip(keys, final, strict=True):
+            now = stepped.match_keys(k).by_holder().get(H)
+            assert now is None or done is None or now.gpu <= done.gpu or k is keys[0]
+    assert pauses == 5, "the side group's 82 blocks paused after each 16"
+    assert [stepped.match_keys(k).by_holder().get(H) for k in keys] == final
+    untouched = PrefixIndex(block_size=BS)  # no match between steps: none moved a block
+    for _ in untouched.apply_steps(H, batch(*events), 16):
+        pass
+    one, steps = decode_snapshot(one_apply), decode_snapshot(untouched.to_bytes())
+    # the engine-hash map is the same map, filled in another order (its order is unused)
+    assert dict(zip(steps.hashes, steps.hash_keys, strict=True)) == dict(
+        zip(one.hashes, one.hash_keys, strict=True)
+    )
+    assert msgspec.structs.replace(steps, hashes=one.hashes, hash_keys=one.hash_keys) == one

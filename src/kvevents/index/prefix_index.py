@@ -238,7 +238,8 @@ class PrefixIndex(GroupedMaskTable):
 
     def apply_steps(self, holder: Holder, batch: KVEventBatch, step: int) -> Iterator[None]:
         """:meth:`apply`, pausing (a ``yield``) after each ``step`` blocks of a long
-        chain stored or removed; ``step`` 0 never pauses.
+        chain stored or removed (side groups of hybrid models: between events once
+        ``step`` blocks are in); ``step`` 0 never pauses.
 
         A router applies a batch of thousands of blocks this way so that its event loop
         answers requests in between: at each pause the index holds a valid state, the
@@ -273,22 +274,33 @@ class PrefixIndex(GroupedMaskTable):
                     yield from self._apply_removed(slot, event, step)  # type: ignore[arg-type]
             elif kind is AllBlocksCleared:
                 if later:
-                    self._apply_side_events(slot, later)
+                    yield from self._apply_side_events(slot, later, step)
                     later = []
                 self.clear_holder(self._holders[slot])  # type: ignore[arg-type]
                 self.stats.count_event("AllBlocksCleared", "ok")
         if later:
-            self._apply_side_events(slot, later)
+            yield from self._apply_side_events(slot, later, step)
         changed = self._changed
         if self._mirror is not None and changed is not None and len(changed) >= _SYNC_AFTER:
             self._synced_mirror()  # now, not on the next request's path
 
-    def _apply_side_events(self, slot: int, events: list[BlockStored | BlockRemoved]) -> None:
+    def _apply_side_events(
+        self, slot: int, events: list[BlockStored | BlockRemoved], step: int
+    ) -> Iterator[None]:
+        """The side groups' events of a batch, in order, pausing between two events once
+        ``step`` blocks (0: never) have been applied since the last pause. An event is
+        applied in one piece: at each pause the side groups hold whole events, as between
+        two batches (a hybrid request's match is shortened by what they lack)."""
+        done = 0
         for event in events:
+            if step and done >= step:
+                yield
+                done = 0
             if isinstance(event, BlockStored):
                 self._apply_side_stored(slot, event)
             else:
                 self._apply_side_removed(slot, event)
+            done += len(event.block_hashes)
 
     def _apply_stored(self, slot: int, ev: BlockStored, step: int) -> Iterator[None]:
         stats = self.stats
