@@ -169,7 +169,7 @@ class WideMaskMirror:
         n = len(blocks)
         keys = np.fromiter(blocks, dtype=np.uint64, count=n)
         self._keys, self._values = _wide_table(_capacity(n), self.words)
-        rows = self._rows(list(blocks.values())) if n else np.zeros((0, self.words), np.uint64)
+        rows = self._rows(list(blocks.values()))  # read-only rows, as sync gives: one compile
         self.count = block_table.apply_wide(keys, rows, self._keys, self._values, 0)
         self.rebuilds += 1
 
