@@ -234,30 +234,27 @@ def test_sync_mirror_builds_it_before_any_match() -> None:
     assert index.match_keys(keys).for_slot(1).gpu == 9
 
 
-def test_the_wide_kernels_compile_once_at_load_never_on_a_request() -> None:
+@pytest.mark.parametrize("holders", [HOLDERS, WIDE], ids=["8 holders", "150 holders"])
+def test_the_kernels_compile_once_at_load_never_on_a_request(holders: list[Holder]) -> None:
     """numba compiles a kernel again for each new argument type (a read-only array is
-    one): every wide mirror operation, an empty rebuild included, must use the types
-    the kernels were compiled for when they loaded, or a router would stall for
-    seconds on the request that met a new one."""
+    one): every mirror operation, an empty rebuild included, must use the types the
+    kernels were compiled for when they loaded, or a router would stall for seconds
+    on the request that met a new one."""
     from kvevents.kernels import block_table
 
-    wide = [
-        block_table.apply_wide,
-        block_table.rehash_wide,
-        block_table.match_wide,
-        block_table.not_held_wide,
-    ]
-    before = [len(kernel.signatures) for kernel in wide]
-    assert before == [1, 1, 1, 1], "each compiled once as the kernels loaded"
-    empty = _index(WIDE)
+    compiled = [getattr(block_table, name) for name in block_table.__all__ if name != "SEGMENTS"]
+    assert len(compiled) == 8
+    assert [len(kernel.signatures) for kernel in compiled] == [1] * 8, "compiled at load"
+    empty = _index(holders)
     empty.sync_mirror()  # a rebuild from no blocks at all
     keys = _keys(list(range(BLOCK * 12)))
     _check(empty, [keys])
-    index = _index(WIDE)
-    for i, h in enumerate(WIDE):
+    index = _index(holders)
+    for i, h in enumerate(holders):
         index.store_keys(h, keys[: 1 + i % 12])
     _check(index, [keys])
     for n in range(200):  # the table grows
-        index.store_keys(WIDE[n % 150], _keys(list(range(n * 50, n * 50 + BLOCK * 9))))
+        tokens = list(range(n * 50, n * 50 + BLOCK * 9))
+        index.store_keys(holders[n % len(holders)], _keys(tokens))
     _check(PrefixIndex.from_bytes(index.to_bytes()), [keys])
-    assert [len(kernel.signatures) for kernel in wide] == before
+    assert [len(kernel.signatures) for kernel in compiled] == [1] * 8
