@@ -258,3 +258,18 @@ def test_the_kernels_compile_once_at_load_never_on_a_request(holders: list[Holde
         index.store_keys(holders[n % len(holders)], _keys(tokens))
     _check(PrefixIndex.from_bytes(index.to_bytes()), [keys])
     assert [len(kernel.signatures) for kernel in compiled] == [1] * 8
+
+
+def test_wide_rows_keep_the_gpu_tier_of_masks_with_offloaded_bits(
+    compiled: kernels.Kernels,
+) -> None:
+    """A listed mask may carry offloaded tiers past the GPU tier's words: the rows hold
+    its GPU tier alone, as they do for masks that fit."""
+    mirror = compiled.mirror(3)
+    gpu = [1, (1 << 191) | 5, (1 << 130) | (1 << 64)]
+    offloaded = [gpu[0] | (1 << 192), gpu[1], gpu[2] | (7 << 300)]  # CPU/disk bits above
+    for masks in (gpu, offloaded):
+        rows = mirror._rows(masks)
+        assert rows.shape == (3, 3) and not rows.flags.writeable
+        back = [int.from_bytes(row.tobytes(), "little") for row in rows]
+        assert back == gpu

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -119,9 +120,18 @@ class WideMaskMirror:
         """The last ``live`` mask a match was given, and its words."""
 
     def _rows(self, masks: Sequence[int]) -> np.ndarray:
-        """``masks`` (their GPU tier) as a (len, words) array of uint64 rows."""
-        size, low = 8 * self.words, self._low
-        raw = b"".join([(m & low).to_bytes(size, "little") for m in masks])
+        """``masks`` (their GPU tier) as a (len, words) array of uint64 rows, read-only.
+
+        The index's writers list every mask they change, and each one is turned into
+        bytes here, in C (``map``); a mask with offloaded tiers (bits past the GPU
+        tier) does not fit, and then every mask is cut to its GPU tier first."""
+        size = 8 * self.words
+        try:
+            little = repeat("little")  # mypy reads it as str, not the literal to_bytes wants
+            raw = b"".join(map(int.to_bytes, masks, repeat(size), little))  # type: ignore[arg-type]
+        except OverflowError:
+            low = self._low
+            raw = b"".join([(m & low).to_bytes(size, "little") for m in masks])
         return np.frombuffer(raw, dtype="<u8").reshape(len(masks), self.words)
 
     def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
