@@ -269,7 +269,7 @@ def test_wide_rows_keep_the_gpu_tier_of_masks_with_offloaded_bits(
     gpu = [1, (1 << 191) | 5, (1 << 130) | (1 << 64)]
     offloaded = [gpu[0] | (1 << 192), gpu[1], gpu[2] | (7 << 300)]  # CPU/disk bits above
     for masks in (gpu, offloaded):
-        rows = mirror._rows(masks)
+        rows = mirror._table_values(masks)
         assert rows.shape == (3, 3) and not rows.flags.writeable
         back = [int.from_bytes(row.tobytes(), "little") for row in rows]
         assert back == gpu

@@ -35,9 +35,13 @@ class MaskMirror:
 
     words = 1
     """Words of 64 holders per mask (:class:`WideMaskMirror` has more)."""
+    # the table's kernels (a subclass with another table layout names its own)
+    _apply = staticmethod(block_table.apply)
+    _rehash = staticmethod(block_table.rehash)
+    _not_held = staticmethod(block_table.not_held)
 
     def __init__(self) -> None:
-        self._keys, self._values = _table(_MIN_CAPACITY)
+        self._keys, self._values = self._table(_MIN_CAPACITY)
         self.count = 0
         self.rebuilds = 0
         """Rebuilds from the whole dict (the changes were not listed)."""
@@ -47,6 +51,19 @@ class MaskMirror:
         self._dropped = array("Q", bytes(8 * block_table.SEGMENTS))
         self._lengths = array("q", bytes(8 * block_table.SEGMENTS))
 
+    def _table(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """An empty table: keys and masks, ``capacity`` slots each (0: an empty slot)."""
+        return np.zeros(capacity, dtype=np.uint64), np.zeros(capacity, dtype=np.uint64)
+
+    def _table_values(self, masks: Sequence[int]) -> np.ndarray:
+        """``masks`` (their GPU tier) as the table holds them; always of one array type,
+        so that no kernel is compiled again for another."""
+        try:
+            values = array("Q", masks)
+        except OverflowError:  # masks with offloaded tiers: their GPU bits only
+            values = array("Q", [m & _LOW for m in masks])
+        return np.frombuffer(values, dtype=np.uint64)
+
     def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
         """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
         if not keys:
@@ -54,12 +71,8 @@ class MaskMirror:
         if 2 * (self.count + len(keys)) > len(self._keys):
             self._grow(self.count + len(keys))
         words = np.frombuffer(array("Q", keys), dtype=np.uint64)
-        try:
-            values = array("Q", masks)
-        except OverflowError:  # masks with offloaded tiers: their GPU bits only
-            values = array("Q", [m & _LOW for m in masks])
-        self.count = block_table.apply(
-            words, np.frombuffer(values, dtype=np.uint64), self._keys, self._values, self.count
+        self.count = self._apply(
+            words, self._table_values(masks), self._keys, self._values, self.count
         )
 
     def match(self, keys: array[int], live: int) -> tuple[list[tuple[int, int]], int]:
@@ -74,14 +87,12 @@ class MaskMirror:
 
     def not_held(self, keys: array[int], slot: int) -> list[int]:
         """The keys of ``keys`` (an ``array("Q")``) whose mask lacks ``slot``'s bit, in order."""
-        return block_table.not_held(  # type: ignore[no-any-return]
-            keys, self._keys, self._values, slot
-        ).tolist()
+        return self._not_held(keys, self._keys, self._values, slot).tolist()  # type: ignore[no-any-return]
 
     def _grow(self, n: int) -> None:
         """A larger table for ``n`` keys, filled from this one (not from the dict)."""
-        keys, values = _table(_capacity(n))
-        block_table.rehash(self._keys, self._values, keys, values)
+        keys, values = self._table(_capacity(n))
+        self._rehash(self._keys, self._values, keys, values)
         self._keys, self._values = keys, values
         self.grown += 1
 
@@ -89,37 +100,41 @@ class MaskMirror:
         """Copy every mask of ``blocks`` afresh (when the changes were not listed)."""
         n = len(blocks)
         keys = np.fromiter(blocks, dtype=np.uint64, count=n)
-        try:
-            values = np.fromiter(blocks.values(), dtype=np.uint64, count=n)
-        except OverflowError:  # masks with offloaded tiers: their GPU bits only
-            values = np.fromiter((v & _LOW for v in blocks.values()), dtype=np.uint64, count=n)
-        self._keys, self._values = _table(_capacity(n))
-        self.count = block_table.apply(keys, values, self._keys, self._values, 0)
+        values = self._table_values(list(blocks.values()))
+        self._keys, self._values = self._table(_capacity(n))
+        self.count = self._apply(keys, values, self._keys, self._values, 0)
         self.rebuilds += 1
 
 
-class WideMaskMirror:
+class WideMaskMirror(MaskMirror):
     """:class:`MaskMirror` for an index of slot width ``64 * words`` (``words`` > 1): the
-    same methods, answering alike. Masks go in and out as Python ints (their GPU tier,
-    the low ``64 * words`` bits), turned into rows of words here."""
+    same methods, answering alike, over the wide table (a row of words per key). Masks
+    go in and out as Python ints (their GPU tier, the low ``64 * words`` bits), turned
+    into rows of words here."""
+
+    _apply = staticmethod(block_table.apply_wide)
+    _rehash = staticmethod(block_table.rehash_wide)
+    _not_held = staticmethod(block_table.not_held_wide)
 
     def __init__(self, words: int) -> None:
         if words < 2:
             raise ValueError(f"WideMaskMirror(words={words}): one word is MaskMirror's")
         self.words = words
         self._low = (1 << (64 * words)) - 1
-        self._keys, self._values = _wide_table(_MIN_CAPACITY, words)
-        self.count = 0
-        self.rebuilds = 0
-        self.grown = 0
+        super().__init__()
         segments = 64 * words + 1  # at most one per holder, and those holding every block
-        self._dropped = np.zeros((segments, words), dtype=np.uint64)
-        self._lengths = np.zeros(segments, dtype=np.int64)
+        self._dropped_rows = np.zeros((segments, words), dtype=np.uint64)
+        self._lengths_of = np.zeros(segments, dtype=np.int64)
         self._held = np.zeros(words, dtype=np.uint64)
         self._live: tuple[int, np.ndarray] = (0, np.zeros(words, dtype=np.uint64))
         """The last ``live`` mask a match was given, and its words."""
 
-    def _rows(self, masks: Sequence[int]) -> np.ndarray:
+    def _table(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """An empty table with a row of ``words`` per slot (all 0: an empty slot)."""
+        keys = np.zeros(capacity, dtype=np.uint64)
+        return keys, np.zeros((capacity, self.words), dtype=np.uint64)
+
+    def _table_values(self, masks: Sequence[int]) -> np.ndarray:
         """``masks`` (their GPU tier) as a (len, words) array of uint64 rows, read-only.
 
         The index's writers list every mask they change, and each one is turned into
@@ -134,22 +149,11 @@ class WideMaskMirror:
             raw = b"".join([(m & low).to_bytes(size, "little") for m in masks])
         return np.frombuffer(raw, dtype="<u8").reshape(len(masks), self.words)
 
-    def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
-        """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
-        if not keys:
-            return
-        if 2 * (self.count + len(keys)) > len(self._keys):
-            self._grow(self.count + len(keys))
-        words = np.frombuffer(array("Q", keys), dtype=np.uint64)
-        self.count = block_table.apply_wide(
-            words, self._rows(masks), self._keys, self._values, self.count
-        )
-
     def match(self, keys: array[int], live: int) -> tuple[list[tuple[int, int]], int]:
         """``(segments, longest)`` of a request's keys (an ``array("Q")``) from ``live``."""
         if self._live[0] != live:
-            self._live = (live, self._rows([live])[0].copy())
-        dropped, lengths = self._dropped, self._lengths
+            self._live = (live, self._table_values([live])[0].copy())
+        dropped, lengths = self._dropped_rows, self._lengths_of
         found, longest = block_table.match_wide(
             keys, self._keys, self._values, self._live[1], self._held, dropped, lengths
         )
@@ -160,28 +164,6 @@ class WideMaskMirror:
             for k in range(found)
         ]
         return segments, longest
-
-    def not_held(self, keys: array[int], slot: int) -> list[int]:
-        """The keys of ``keys`` (an ``array("Q")``) whose mask lacks ``slot``'s bit, in order."""
-        return block_table.not_held_wide(  # type: ignore[no-any-return]
-            keys, self._keys, self._values, slot
-        ).tolist()
-
-    def _grow(self, n: int) -> None:
-        """A larger table for ``n`` keys, filled from this one (not from the dict)."""
-        keys, values = _wide_table(_capacity(n), self.words)
-        block_table.rehash_wide(self._keys, self._values, keys, values)
-        self._keys, self._values = keys, values
-        self.grown += 1
-
-    def rebuild(self, blocks: dict[int, int]) -> None:
-        """Copy every mask of ``blocks`` afresh (when the changes were not listed)."""
-        n = len(blocks)
-        keys = np.fromiter(blocks, dtype=np.uint64, count=n)
-        self._keys, self._values = _wide_table(_capacity(n), self.words)
-        rows = self._rows(list(blocks.values()))  # read-only rows, as sync gives: one compile
-        self.count = block_table.apply_wide(keys, rows, self._keys, self._values, 0)
-        self.rebuilds += 1
 
 
 def signed64(value: int) -> int:
@@ -201,13 +183,3 @@ def _capacity(n: int) -> int:
     while capacity < 3 * n:
         capacity *= 2
     return capacity
-
-
-def _table(capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """An empty table: keys and masks, ``capacity`` slots each (0: an empty slot)."""
-    return np.zeros(capacity, dtype=np.uint64), np.zeros(capacity, dtype=np.uint64)
-
-
-def _wide_table(capacity: int, words: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_table` with a row of ``words`` per slot (all 0: an empty slot)."""
-    return np.zeros(capacity, dtype=np.uint64), np.zeros((capacity, words), dtype=np.uint64)
