@@ -51,6 +51,12 @@ def _plain(index: PrefixIndex, keys: array[int]) -> object:
 
 
 def _check(index: PrefixIndex, requests: list[array[int]]) -> None:
+    index.sync_mirror()
+    mirror = index._mirror
+    assert mirror is not None
+    gpu = (1 << index._width) - 1
+    held = sum(1 for v in index._blocks.values() if v & gpu)
+    assert mirror.count == held, "the mirror holds the keys with a GPU bit, no more"
     for keys in requests:
         fast = index.match_keys(keys)
         assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
@@ -222,6 +228,31 @@ def test_a_large_batch_of_events_syncs_the_mirror_before_the_next_match() -> Non
     _check(index, requests)
 
 
+@pytest.mark.parametrize("holders", [HOLDERS, WIDE], ids=["8 holders", "150 holders"])
+def test_a_crowded_table_keeps_its_probe_runs_through_cleared_bits(
+    holders: list[Holder],
+) -> None:
+    """Enough keys that many share a probe run, then bits cleared and keys dropped one
+    by one through the sync: a row left empty in a run would hide the keys after it."""
+    rng = random.Random(7)
+    index = _index(holders)
+    index.sync_mirror()
+    requests = [_keys([rng.randrange(10**6) for _ in range(BLOCK * 10)]) for _ in range(150)]
+    for i, keys in enumerate(requests):
+        index.store_keys(holders[i % len(holders)], keys)
+        index.store_keys(holders[(i * 7 + 3) % len(holders)], keys[:4])
+    _check(index, requests)
+    mirror = index._mirror
+    assert mirror is not None and mirror.count > len(mirror._keys) / 8, "crowded enough"
+    for i, keys in enumerate(requests):
+        if i % 3:
+            index.remove_keys(holders[i % len(holders)], keys[rng.randrange(10) :])
+        if i % 5 == 0:
+            index.remove_keys(holders[(i * 7 + 3) % len(holders)], keys[:2])
+    index.clear_holder(holders[2])
+    _check(index, requests)
+
+
 def test_sync_mirror_builds_it_before_any_match() -> None:
     """What a router calls as its kernels load, so a warm-started index's first request
     does not copy every block."""
@@ -243,8 +274,8 @@ def test_the_kernels_compile_once_at_load_never_on_a_request(holders: list[Holde
     from kvevents.kernels import block_table
 
     compiled = [getattr(block_table, name) for name in block_table.__all__ if name != "SEGMENTS"]
-    assert len(compiled) == 8
-    assert [len(kernel.signatures) for kernel in compiled] == [1] * 8, "compiled at load"
+    assert len(compiled) == 10
+    assert [len(kernel.signatures) for kernel in compiled] == [1] * 10, "compiled at load"
     empty = _index(holders)
     empty.sync_mirror()  # a rebuild from no blocks at all
     keys = _keys(list(range(BLOCK * 12)))
@@ -257,7 +288,11 @@ def test_the_kernels_compile_once_at_load_never_on_a_request(holders: list[Holde
         tokens = list(range(n * 50, n * 50 + BLOCK * 9))
         index.store_keys(holders[n % len(holders)], _keys(tokens))
     _check(PrefixIndex.from_bytes(index.to_bytes()), [keys])
-    assert [len(kernel.signatures) for kernel in compiled] == [1] * 8
+    for h in holders[::7]:  # bits cleared and keys dropped, through the sync
+        index.remove_keys(h, keys[:5])
+    index.clear_holder(holders[1])
+    _check(index, [keys])
+    assert [len(kernel.signatures) for kernel in compiled] == [1] * 10
 
 
 def test_wide_rows_keep_the_gpu_tier_of_masks_with_offloaded_bits(

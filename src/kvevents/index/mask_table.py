@@ -120,8 +120,10 @@ class MaskTable:
         self._changed: list[int] | None = []
         """Keys written since the mirror last synced, in order; None when not listed (the
         mirror then rebuilds from the dict)."""
-        self._changed_masks: list[int] = []
-        """The mask each of ``_changed`` was given (0: deleted), read while still in cache."""
+        self._changed_ops: array[int] = array("q")
+        """What happened to each of ``_changed``, for the mirror's sync
+        (:meth:`MaskMirror.sync <kvevents.kernels.mask_mirror.MaskMirror.sync>`): ``slot
+        + 1`` where a holder's GPU bit was set, ``-(slot + 1)`` cleared, 0 dropped."""
         self._mirror_off = False
 
     # --- writing ----------------------------------------------------------------------
@@ -162,9 +164,9 @@ class MaskTable:
         if len(self._canon) > _CANON_LIMIT:
             self._canon.clear()
         changed = self._changed
-        if changed is not None:
+        if changed is not None and not tier:  # the mirror holds the GPU tier alone
             changed.extend(keys)
-            self._changed_masks.extend(map(blocks.__getitem__, keys))
+            self._changed_ops.extend(repeat(slot + 1, len(keys)))
             if len(changed) > _CHANGED_LIMIT:
                 self._unlist_changes()  # a rebuild costs less than syncing this many
         if hashes is not None:
@@ -213,9 +215,9 @@ class MaskTable:
             self._blocks[key] = v = self._canon.get(v, v)
         else:
             del self._blocks[key]
-        if self._changed is not None:
+        if self._changed is not None and not v >> slot & 1:  # its GPU bit went
             self._changed.append(key)
-            self._changed_masks.append(v)
+            self._changed_ops.append(-slot - 1)
         return True
 
     def _held_any(self, key: int, slot: int) -> bool:
@@ -256,7 +258,7 @@ class MaskTable:
                 del blocks[k]
         if self._changed is not None:
             self._changed.extend(hit)
-            self._changed_masks.extend(map(blocks.get, hit, repeat(0)))
+            self._changed_ops.extend(repeat(-slot - 1, len(hit)))
         if self._refs:
             for rk in [rk for rk in self._refs if rk[1] == slot]:
                 del self._refs[rk]
@@ -313,7 +315,7 @@ class MaskTable:
             if changed is None:
                 mirror.rebuild(self._blocks)
             else:
-                mirror.sync(changed, self._changed_masks)
+                mirror.sync(changed, self._changed_ops)
         except OverflowError:  # a key past uint64: only from a caller's own store_keys
             self._mirror, self._mirror_off = None, True
             return None
@@ -321,13 +323,13 @@ class MaskTable:
             self._changed = []
         else:
             changed.clear()
-        self._changed_masks.clear()
+        self._changed_ops = array("q")
         return mirror
 
     def _unlist_changes(self) -> None:
         """Stop listing changes: the next match rebuilds the mirror from the dict."""
         self._changed = None
-        self._changed_masks.clear()
+        self._changed_ops = array("q")
 
     def _segments(self, masks: Iterable[int], n: int) -> tuple[list[tuple[int, int]], int]:
         """``(slot_mask, length)`` pairs (the holders in ``slot_mask`` have exactly
@@ -436,7 +438,7 @@ class MaskTable:
         dropped = 0
         if self._changed is not None:
             self._changed.extend(victims)
-            self._changed_masks.extend(repeat(0, len(victims)))
+            self._changed_ops.extend(repeat(0, len(victims)))
         for k in victims:
             v = self._blocks.pop(k)
             dropped += v.bit_count()

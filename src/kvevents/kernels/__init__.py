@@ -81,7 +81,7 @@ class Kernels:
         self.parse_input_ids(b'{"prompt": [1, 2]}', b'"prompt"')
         warm = self.mirror()
         warm.rebuild({1: 1, 2: 3})
-        warm.sync([2], [0])
+        warm.sync([2, 3, 3, 2], array("q", [1, 2, -2, 0]))
         warm._grow(1)
         assert keys is not None
         warm.match(keys, 1)
@@ -89,7 +89,7 @@ class Kernels:
         warm.not_held(keys, 0)
         wide = self.mirror(2)  # compiled now too: not when a 65th holder joins
         wide.rebuild({1: 1, 2: 3 << 64})
-        wide.sync([2], [0])
+        wide.sync([2, 3, 3, 2], array("q", [70, 2, -2, 0]))
         wide._grow(1)
         wide.match(keys, (1 << 128) - 1)
         wide.not_held(keys, 70)

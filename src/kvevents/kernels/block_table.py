@@ -13,6 +13,10 @@ the whole match one compiled call.
   live mask is never 0); keys are any uint64.
 * :func:`apply` sets or deletes (value 0) keys; deletion shifts the probe run back, so
   there are no tombstones and a lookup stops at the first empty slot.
+* :func:`apply_bits` applies the index's writes as they happened, one holder's bit
+  set or cleared per key (or the key deleted), without the masks: how the mirror
+  keeps up between two matches (a wide mask made into a row of words cost more than
+  the rest of the write).
 * :func:`match` is :meth:`MaskTable._segments` over the mirror: the running AND of the
   masks from ``live``, cut into ``(holders dropped, blocks they hold)`` segments;
 * :func:`not_held` picks the keys whose mask lacks a holder's bit (the blocks a
@@ -34,6 +38,8 @@ from numba import njit, uint64
 __all__ = [
     "SEGMENTS",
     "apply",
+    "apply_bits",
+    "apply_bits_wide",
     "apply_wide",
     "match",
     "match_wide",
@@ -74,6 +80,40 @@ def apply(keys, values, table_keys, table_values, count):
             if table_keys[i] == key:
                 if value != 0:
                     table_values[i] = value
+                else:
+                    _delete(table_keys, table_values, i, mask)
+                    count -= 1
+                break
+            i = (i + uint64(1)) & mask
+    return count
+
+
+@njit(cache=True)
+def apply_bits(keys, ops, table_keys, table_values, count):
+    """Apply ``ops[j]`` to ``keys[j]``, in order; the new count of keys. An op is
+    ``slot + 1`` (set that slot's bit), ``-(slot + 1)`` (clear it; a key left with no
+    bit is deleted) or 0 (delete the key). Same room rule as :func:`apply`."""
+    mask = uint64(len(table_keys) - 1)
+    for j in range(len(keys)):
+        key = keys[j]
+        op = ops[j]
+        bit = uint64(0)
+        if op != 0:
+            bit = uint64(1) << uint64(op - 1 if op > 0 else -op - 1)
+        i = _home(key, mask)
+        while True:
+            held = table_values[i]
+            if held == 0:
+                if op > 0:
+                    table_keys[i] = key
+                    table_values[i] = bit
+                    count += 1
+                break
+            if table_keys[i] == key:
+                if op > 0:
+                    table_values[i] = held | bit
+                elif op < 0 and held & ~bit != 0:
+                    table_values[i] = held & ~bit
                 else:
                     _delete(table_keys, table_values, i, mask)
                     count -= 1
@@ -236,6 +276,38 @@ def apply_wide(keys, values, table_keys, table_values, count):
                 else:
                     _delete_wide(table_keys, table_values, i, mask)
                     count -= 1
+                break
+            i = (i + uint64(1)) & mask
+    return count
+
+
+@njit(cache=True)
+def apply_bits_wide(keys, ops, table_keys, table_values, count):
+    """:func:`apply_bits` for wide tables (slot ``s`` is bit ``s % 64`` of word ``s // 64``)."""
+    mask = uint64(len(table_keys) - 1)
+    for j in range(len(keys)):
+        key = keys[j]
+        op = ops[j]
+        slot = op - 1 if op > 0 else -op - 1
+        word = slot // 64
+        bit = uint64(1) << uint64(slot % 64)
+        i = _home(key, mask)
+        while True:
+            if _row_empty(table_values, i):
+                if op > 0:
+                    table_keys[i] = key
+                    table_values[i, word] = bit
+                    count += 1
+                break
+            if table_keys[i] == key:
+                if op > 0:
+                    table_values[i, word] |= bit
+                else:
+                    if op < 0:
+                        table_values[i, word] &= ~bit
+                    if op == 0 or _row_empty(table_values, i):
+                        _delete_wide(table_keys, table_values, i, mask)
+                        count -= 1
                 break
             i = (i + uint64(1)) & mask
     return count

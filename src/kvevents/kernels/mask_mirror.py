@@ -2,11 +2,14 @@
 
 :class:`MaskMirror` holds the low 64 bits of every block's mask (the GPU tier of up to
 64 holders) in the flat table of :mod:`kvevents.kernels.block_table`. The index does
-not write into it: its writers only list the keys they changed and the masks they gave
-them, read while still in cache (``MaskTable._changed`` and ``_changed_masks``), and
-the next match first applies those (:meth:`MaskMirror.sync`), so the mirror never
-disagrees with the dict when it is read, and a store costs the index two list
-``extend`` calls. The table grows by rehashing itself, in compiled code; it is rebuilt
+not write into it: its writers only list the keys they changed and what they did to
+each, one holder's GPU bit set or cleared or the key dropped (``MaskTable._changed``
+and ``_changed_ops``), and the next match first applies those
+(:meth:`MaskMirror.sync`), so the mirror never disagrees with the dict when it is read,
+and a store costs the index two ``extend`` calls. Listing the bit rather than the mask
+keeps the sync the same few instructions a key at any width: the masks of an index of
+more than 64 holders are Python ints of several words, and turning each changed one
+into a row cost a wide index more than the rest of its write. The table grows by rehashing itself, in compiled code; it is rebuilt
 from the whole dict (:meth:`MaskMirror.rebuild`) only when the index says its changes
 were not listed (a change of slot width, a snapshot loaded, too many changes between
 two matches).
@@ -37,6 +40,7 @@ class MaskMirror:
     """Words of 64 holders per mask (:class:`WideMaskMirror` has more)."""
     # the table's kernels (a subclass with another table layout names its own)
     _apply = staticmethod(block_table.apply)
+    _apply_bits = staticmethod(block_table.apply_bits)
     _rehash = staticmethod(block_table.rehash)
     _not_held = staticmethod(block_table.not_held)
 
@@ -64,16 +68,17 @@ class MaskMirror:
             values = array("Q", [m & _LOW for m in masks])
         return np.frombuffer(values, dtype=np.uint64)
 
-    def sync(self, keys: Sequence[int], masks: Sequence[int]) -> None:
-        """Give each of ``keys`` its mask of ``masks`` (0: deleted), in order."""
+    def sync(self, keys: Sequence[int], ops: array[int]) -> None:
+        """Apply the writes listed since the last sync, in order: ``ops`` (an
+        ``array("q")``, one per key) holds ``slot + 1`` where that holder's GPU bit was
+        set, ``-(slot + 1)`` where it was cleared, 0 where the key was dropped."""
         if not keys:
             return
         if 2 * (self.count + len(keys)) > len(self._keys):
             self._grow(self.count + len(keys))
         words = np.frombuffer(array("Q", keys), dtype=np.uint64)
-        self.count = self._apply(
-            words, self._table_values(masks), self._keys, self._values, self.count
-        )
+        done = np.frombuffer(ops, dtype=np.int64)
+        self.count = self._apply_bits(words, done, self._keys, self._values, self.count)
 
     def match(self, keys: array[int], live: int) -> tuple[list[tuple[int, int]], int]:
         """``(segments, longest)`` of a request's keys (an ``array("Q")``) from ``live``."""
@@ -108,11 +113,12 @@ class MaskMirror:
 
 class WideMaskMirror(MaskMirror):
     """:class:`MaskMirror` for an index of slot width ``64 * words`` (``words`` > 1): the
-    same methods, answering alike, over the wide table (a row of words per key). Masks
-    go in and out as Python ints (their GPU tier, the low ``64 * words`` bits), turned
-    into rows of words here."""
+    same methods, answering alike, over the wide table (a row of words per key). Whole
+    masks (a rebuild's, a match's ``live``) go in as Python ints (their GPU tier, the low
+    ``64 * words`` bits), turned into rows of words here; a sync sets and clears bits."""
 
     _apply = staticmethod(block_table.apply_wide)
+    _apply_bits = staticmethod(block_table.apply_bits_wide)
     _rehash = staticmethod(block_table.rehash_wide)
     _not_held = staticmethod(block_table.not_held_wide)
 
@@ -137,9 +143,8 @@ class WideMaskMirror(MaskMirror):
     def _table_values(self, masks: Sequence[int]) -> np.ndarray:
         """``masks`` (their GPU tier) as a (len, words) array of uint64 rows, read-only.
 
-        The index's writers list every mask they change, and each one is turned into
-        bytes here, in C (``map``); a mask with offloaded tiers (bits past the GPU
-        tier) does not fit, and then every mask is cut to its GPU tier first."""
+        Each mask is turned into bytes in C (``map``); a mask with offloaded tiers (bits
+        past the GPU tier) does not fit, and then every mask is cut to its GPU tier first."""
         size = 8 * self.words
         try:
             little = repeat("little")  # mypy reads it as str, not the literal to_bytes wants
