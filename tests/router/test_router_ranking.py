@@ -9,6 +9,8 @@ and the router that keeps one must see every change of the loads made through it
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -111,6 +113,22 @@ def test_costs_that_round_to_a_tie_rank_by_the_next_field() -> None:
     full = score(8, [a, b, c], {}, loads, weights=weights)
     assert [s.holder for s in full] == [a, b, c] and full[0].cost == full[1].cost
     assert Ranking([a, b, c], loads, weights).top(8, {}, 1) == full[:1]
+
+
+def test_credits_of_minus_zero_count_as_zero() -> None:
+    """A credit of -0.0 is within 0..1; it is kept as 0.0, so no answer says that a
+    holder caching nothing has -0.0 blocks cached, ranked or scored in full."""
+    credits = TierCredits(gpu=-0.0, cpu=-0.0, disk=-0.0)
+    assert [math.copysign(1.0, c) for c in credits.as_tuple()] == [1.0] * 3
+    a, b = Holder("e", 0), Holder("e", 1)
+    loads = {a: HolderLoad(inflight_blocks=1.0)}
+    ranking = Ranking([a, b], loads)
+    for scores in (
+        ranking.top(8, {}, 2, credits=credits),
+        score(8, [a, b], {}, loads, credits=credits),
+    ):
+        assert [math.copysign(1.0, s.cached_blocks) for s in scores] == [1.0, 1.0]
+    assert ranking.top(8, {}, 2, credits=TierCredits(gpu=0.0, cpu=0.0, disk=0.0)) == scores
 
 
 def test_a_fleet_of_ranks_that_cache_nothing_ranks_by_load_and_work() -> None:

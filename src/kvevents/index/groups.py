@@ -58,6 +58,7 @@ operations that must reach them are one mechanism, checked together.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import Any
 
 from kvevents.index.mask_table import MaskTable, Segments
@@ -223,15 +224,15 @@ class GroupedMaskTable(MaskTable):
     ) -> int:
         """Remove blocks by engine hash from a side group; returns how many it did not hold."""
         table = self._slot_sides.get(slot, {}).get(group_idx)
+        if table is None:
+            return len(hashes)
         known = self._hashes
-        missed = 0
-        for h in hashes:
-            k = known.get(h)
-            if k is None or table is None or not table._remove(slot, k, tier):
-                missed += 1
-            elif k not in self._blocks and not self._side_holds(k):
+        keys = list(map(known.get, hashes))
+        held = table._remove_many(slot, keys, tier)
+        for h, k in compress(zip(hashes, keys, strict=True), held):
+            if k not in self._blocks and not self._side_holds(k):  # type: ignore[arg-type]
                 del known[h]
-        return missed
+        return held.count(False)
 
     def _clear_sides(self, slot: int) -> None:
         for table in self._slot_tables.get(slot, ()):

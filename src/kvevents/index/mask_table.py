@@ -151,8 +151,7 @@ class MaskTable:
         canon = self._canon.setdefault
         bit = 1 << (slot + tier * self._width)
         added = 0
-        for i in range(len(keys) - 1, -1, -1):  # leaf first: parents end up more recent
-            k = keys[i]
+        for k in reversed(keys):  # leaf first: parents end up more recent
             v = pop(k, 0)
             if v & bit:
                 rk = (k, slot, int(tier))
@@ -185,40 +184,61 @@ class MaskTable:
 
     def _remove(self, slot: int, key: int, tier: Tier | None) -> bool:
         """Drop one copy of ``key`` from a holder's tier (or each tier); True if it held one."""
-        v = self._blocks.get(key)
-        if v is None:
-            return False
+        return self._remove_many(slot, (key,), tier)[0]
+
+    def _remove_many(self, slot: int, keys: Iterable[int | None], tier: Tier | None) -> list[bool]:
+        """Drop one copy of each of ``keys`` from a holder's tier (or each tier), in order;
+        per key, whether the holder held one (None, an unknown key: False). One call per
+        removal event rather than per block: a removal is half of an engine's events."""
+        blocks = self._blocks
+        get = blocks.get
+        refs = self._refs
+        canon = self._canon
         w = self._width
-        found = False
-        for t in _TIERS if tier is None else (tier,):
-            bit = 1 << (slot + t * w)
-            if not v & bit:
+        bits = [(int(t), 1 << (slot + t * w)) for t in (_TIERS if tier is None else (tier,))]
+        gpu = 1 << slot
+        changed = self._changed
+        ops = self._changed_ops
+        held: list[bool] = []
+        dropped = offloaded = 0
+        for key in keys:
+            v = None if key is None else get(key)
+            if v is None or key is None:
+                held.append(False)
                 continue
-            found = True
-            rk = (key, slot, int(t))
-            extra = self._refs.get(rk)
-            if extra:
-                if extra == 1:
-                    del self._refs[rk]
-                else:
-                    self._refs[rk] = extra - 1
+            found = False
+            for t, bit in bits:
+                if not v & bit:
+                    continue
+                found = True
+                if refs:
+                    rk = (key, slot, t)
+                    extra = refs.get(rk)
+                    if extra:
+                        if extra == 1:
+                            del refs[rk]
+                        else:
+                            refs[rk] = extra - 1
+                        continue
+                v &= ~bit
+                dropped += 1
+                if t:
+                    offloaded += 1
+            held.append(found)
+            if not found:
                 continue
-            v &= ~bit
-            self._entries -= 1
-            self._held[slot] -= 1
-            if t:
-                self._offloaded -= 1
-        if not found:
-            return False
-        self.stats.removed_blocks += 1
-        if v:
-            self._blocks[key] = v = self._canon.get(v, v)
-        else:
-            del self._blocks[key]
-        if self._changed is not None and not v >> slot & 1:  # its GPU bit went
-            self._changed.append(key)
-            self._changed_ops.append(-slot - 1)
-        return True
+            if v:
+                blocks[key] = canon.get(v, v)
+            else:
+                del blocks[key]
+            if changed is not None and not v & gpu:  # its GPU bit went
+                changed.append(key)
+                ops.append(-slot - 1)
+        self.stats.removed_blocks += held.count(True)
+        self._entries -= dropped
+        self._held[slot] -= dropped
+        self._offloaded -= offloaded
+        return held
 
     def _held_any(self, key: int, slot: int) -> bool:
         v = self._blocks.get(key, 0)

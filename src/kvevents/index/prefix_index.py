@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from operator import or_
 from typing import Any
 
@@ -386,12 +386,16 @@ class PrefixIndex(GroupedMaskTable):
         for start in range(0, len(removed), piece):
             if start:
                 yield
-            for h in removed[start : start + piece]:
-                k = hashes.get(h)
-                if k is None or not self._remove(slot, k, tier):
-                    stats.unknown_hash += 1
-                    outcome = "unknown_hash"
-                elif k not in self._blocks and not (self._groups and self._side_holds(k)):
+            some = removed[start : start + piece]
+            keys = list(map(hashes.get, some))
+            held = self._remove_many(slot, keys, tier)
+            missed = held.count(False)
+            if missed:
+                stats.unknown_hash += missed
+                outcome = "unknown_hash"
+            blocks = self._blocks
+            for h, k in compress(zip(some, keys, strict=True), held):
+                if k not in blocks and not (self._groups and self._side_holds(k)):  # type: ignore[arg-type]
                     del hashes[h]
         stats.count_event("BlockRemoved", outcome)
 
@@ -548,11 +552,7 @@ class PrefixIndex(GroupedMaskTable):
         slot = self._slots.get(holder)
         if slot is None:
             return 0
-        held = 0
-        for k in keys:
-            if self._remove(slot, k, tier):
-                held += 1
-        return held
+        return self._remove_many(slot, keys, tier).count(True)
 
     # --- matching -------------------------------------------------------------------
 

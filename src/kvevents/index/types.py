@@ -107,6 +107,10 @@ class TierCredits(msgspec.Struct, frozen=True, kw_only=True):
                     f"TierCredits: {name}={value!r} must be between 0 and 1 "
                     "(the fraction of a block's prefill a cached copy saves)"
                 )
+            if value == 0.0 and isinstance(value, float):
+                # -0.0 passes the bound but would make "nothing cached" -0.0, a figure
+                # the router's answers would carry and its kept rankings tell apart
+                msgspec.structs.force_setattr(self, name, 0.0)
 
     def as_tuple(self) -> tuple[float, float, float]:
         return (self.gpu, self.cpu, self.disk)
