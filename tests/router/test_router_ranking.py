@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
 from kvevents.router.core import Router
-from kvevents.router.scoring import Ranking, best_score, score
+from kvevents.router.scoring import Ranking, best_score, score, top_scores
 
 # small values on purpose: equal costs, and so every tie-break, come up often
 _blocks = st.integers(min_value=0, max_value=6)
@@ -86,9 +86,10 @@ def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(cases())
-def test_best_score_is_exactly_the_head_of_score(case: tuple) -> None:
-    """The one-pass winner (what a relayed request is routed by) is score()'s first."""
-    holders, loads, matches, predicted, credits, weights, n_blocks, _ = case
+def test_one_pass_scores_are_exactly_the_head_of_score(case: tuple) -> None:
+    """The one-pass winner (what a relayed request is routed by) is score()'s first, and
+    the one-pass best few (a /route right after the loads changed) its head."""
+    holders, loads, matches, predicted, credits, weights, n_blocks, top = case
     for guessed in (predicted, None):
         full = score(
             n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
@@ -97,6 +98,18 @@ def test_best_score_is_exactly_the_head_of_score(case: tuple) -> None:
             n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
         )
         assert one == full[0]
+        for count in (top, 2, 1):
+            few = top_scores(
+                n_blocks,
+                holders,
+                matches,
+                loads,
+                count,
+                credits=credits,
+                weights=weights,
+                predicted=guessed,
+            )
+            assert few == full[:count]
 
 
 def test_costs_that_round_to_a_tie_rank_by_the_next_field() -> None:
@@ -181,9 +194,14 @@ def test_the_router_sees_every_change_of_the_loads_it_makes() -> None:
     ticket = router.begin(router.route(tokens, top=1))
     _same_choice(router, tokens)
     for _ in range(6):
-        router.route(tokens, top=3)  # a /route ranks afresh
+        router.route(tokens, top=3)  # a /route, from the ranking kept
         # a relayed request, from that ranking; its begin and finish change the loads
         router.finish(router.begin(router.route(tokens, top=1)))
+        # a /route right after: one pass, no ranking built for it
+        three = router.route(tokens, top=3)
+        assert router._kept_ranking(router.holders()) is None
+        assert three.scores == router.route(tokens).scores[:3]
+        router.finish(router.begin(router.route(tokens, top=1)))  # ranks, then changes
         _same_choice(router, [t + 1 for t in tokens])
     router.remote_inflight(Holder("http://e", 0), 5, 40.0)
     _same_choice(router, tokens)

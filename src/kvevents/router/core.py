@@ -79,10 +79,10 @@ from kvevents.router.scoring import (
     HolderScore,
     Ranking,
     ScoringWeights,
-    best_score,
     choose,
     note_routed,
     score,
+    top_scores,
 )
 from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
@@ -201,7 +201,7 @@ class Router:
         """Per candidate list (by identity), its :class:`Ranking` at ``_rankings_version``."""
         self._rankings_version = -1
         self._one_pass_version = -1
-        """The loads' version at the last one-pass choice (``route(top=1)`` without a
+        """The loads' version at the last one-pass choice (``route(top=...)`` without a
         ranking): a second request at the same version builds the ranking."""
 
     # --- feeding ----------------------------------------------------------------------
@@ -446,9 +446,10 @@ class Router:
         limits the candidates to the engines serving it; ``extra_keys`` as in :meth:`query`.
         ``top``: the decision's ``scores`` are only the best ``top`` (at least 1), found
         without scoring every holder (:class:`~kvevents.router.scoring.Ranking`, kept
-        until the loads change; ``top=1`` with the loads changed since: one pass,
-        :func:`~kvevents.router.scoring.best_score`); None scores them all. The choice is
-        the same either way.
+        until the loads change and built by the second request that finds them
+        unchanged; with the loads changed since the last request: one pass,
+        :func:`~kvevents.router.scoring.top_scores`); None scores them all. The choice
+        is the same either way.
         :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
         if top is None or policy != "kv-aware":
@@ -475,27 +476,30 @@ class Router:
         credits = self.index.credits
         n_blocks = len(keys)
         ranking = self._kept_ranking(holders)
-        if ranking is None and (top != 1 or self._one_pass_version == self._loads_version):
+        if ranking is None and self._one_pass_version == self._loads_version:
             ranking = self._ranking(holders)  # the loads held still since the last request
         if ranking is None:
-            # One answer while the loads changed since the last request (a relayed
-            # request changes them each time): one pass, no ranking built for it.
+            # One answer while the loads changed since the last request (a relayed or
+            # recorded request changes them each time): one pass, no ranking built for it.
             self._one_pass_version = self._loads_version
 
-            def best_of(with_predictions: dict[Holder, int] | None) -> HolderScore:
-                return best_score(
+            def best_of(
+                with_predictions: dict[Holder, int] | None, count: int
+            ) -> list[HolderScore]:
+                return top_scores(
                     n_blocks,
                     holders,
                     found,
                     self.loads,
+                    count,
                     credits=credits,
                     weights=self.weights,
                     predicted=with_predictions,
                 )
 
-            scores = [best_of(predicted)]
+            scores = best_of(predicted, top)
             best = choose(scores)
-            first = best_of(None) if best.predicted_blocks else best
+            first = best_of(None, 1)[0] if best.predicted_blocks else best
         else:
             scores = ranking.top(n_blocks, found, top, credits=credits, predicted=predicted)
             best = choose(scores)

@@ -65,7 +65,7 @@ conversations that tie on a shared prefix spread by work, not by request count),
 to the holder this router has sent fewer requests so far, then to the earlier holder.
 
 :func:`score` and :func:`choose` are pure functions, O(holders) per decision, and
-:func:`best_score` the winner alone, in one cheaper pass; :func:`note_routed` updates
+:func:`top_scores` the best few alone, in one cheaper pass; :func:`note_routed` updates
 the loads in place, O(holders) per routed request.
 
 :class:`Ranking` answers the best few of :func:`score`'s list, exactly, without scoring
@@ -83,7 +83,9 @@ per rank, and on a fleet of any size the holders that cache nothing cost none.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -102,6 +104,7 @@ __all__ = [
     "note_routed",
     "pending_blocks",
     "score",
+    "top_scores",
 ]
 
 
@@ -290,17 +293,43 @@ def best_score(
     weights: ScoringWeights | None = None,
     predicted: Mapping[Holder, int] | None = None,
 ) -> HolderScore:
-    """``score(...)[0]``, the same figures, in one pass that makes no other holder's
-    score (still O(holders), about half the cost per holder); ValueError without holders.
+    """``score(...)[0]``: :func:`top_scores` of one; ValueError without holders."""
+    return top_scores(
+        n_blocks,
+        holders,
+        matches,
+        loads,
+        1,
+        credits=credits,
+        weights=weights,
+        predicted=predicted,
+    )[0]
 
-    For a decision that only needs its winner while the loads change under every
-    request, as a relayed request's do (:meth:`~kvevents.router.core.Router.route`
-    with ``top=1``), where a :class:`Ranking` would be built for one request. The
-    arithmetic is :func:`score`'s, written out again on purpose (a shared helper per
-    holder cost :func:`score` a third more); ``tests/router/test_router_ranking.py``
-    holds the two equal.
+
+def top_scores(
+    n_blocks: int,
+    holders: Sequence[Holder],
+    matches: Mapping[Holder, HolderMatch],
+    loads: Mapping[Holder, HolderLoad],
+    top: int,
+    *,
+    credits: TierCredits = DEFAULT_CREDITS,
+    weights: ScoringWeights | None = None,
+    predicted: Mapping[Holder, int] | None = None,
+) -> list[HolderScore]:
+    """``score(...)[:top]`` (``top`` at least 1), the same figures, in one pass that makes
+    no other holder's score (still O(holders), about half the cost per holder);
+    ValueError without holders.
+
+    For a decision made while the loads change under every request, as a relayed
+    request's or a recorded ``/route``'s do (:meth:`~kvevents.router.core.Router.route`),
+    where a :class:`Ranking` would be built for one request. The arithmetic is
+    :func:`score`'s, written out again on purpose (a shared helper per holder cost
+    :func:`score` a third more); ``tests/router/test_router_ranking.py`` holds the two
+    equal.
     """
     weights = weights or _DEFAULT_WEIGHTS
+    top = max(1, top)
     get_load = loads.get
     held = [get_load(h, _IDLE) for h in holders]
     least = min([load.recent_blocks for load in held if load.available], default=0.0)
@@ -310,8 +339,10 @@ def best_score(
     pcredit = weights.predicted_credit
     get_match = matches.get
     get_predicted = predicted.get if predicted else None
-    best_key: tuple[bool, float, float, float, int, int] | None = None
-    best: tuple[Holder, HolderMatch, float, float, float, int] | None = None
+    # the best ``top`` so far, best first, behind their sort keys (unique: i), and the
+    # key a holder must beat once ``top`` are kept (one comparison per holder)
+    kept: list[tuple[tuple[bool, float, float, float, int, int], tuple[Any, ...]]] = []
+    bound: tuple[bool, float, float, float, int, int] | None = None
     for i, h in enumerate(holders):
         load = held[i]
         m = get_match(h, _ZERO)
@@ -327,26 +358,40 @@ def best_score(
         balance = recent - least if recent > least else 0.0
         cost = prefill + (load_weight * pending + balance_weight * balance)
         key = (not load.available, cost, pending, recent, load.routed, i)
-        if best_key is None or key < best_key:
-            best_key, best = key, (h, m, cached, prefill, balance, p)
-    if best_key is None or best is None:
-        raise ValueError("best_score: no holders to choose from")
-    unavailable, cost, pending, recent, routed, _ = best_key
-    h, m, cached, prefill, balance, p = best
-    return HolderScore(
-        worker=h.worker,
-        dp_rank=h.dp_rank,
-        matched=m,
-        cached_blocks=cached,
-        prefill_blocks=prefill,
-        pending_blocks=pending,
-        cost=cost,
-        routed=routed,
-        available=not unavailable,
-        recent_blocks=recent,
-        balance_blocks=balance,
-        predicted_blocks=p,
-    )
+        if bound is None or key < bound:
+            insort(kept, (key, (h, m, cached, prefill, balance, p)))
+            if len(kept) > top:
+                kept.pop()
+            if len(kept) == top:
+                bound = kept[-1][0]
+    if not kept:
+        raise ValueError("top_scores: no holders to choose from")
+    out = []
+    for (unavailable, cost, pending, recent, routed, _), (
+        h,
+        m,
+        cached,
+        prefill,
+        balance,
+        p,
+    ) in kept:
+        out.append(
+            HolderScore(
+                worker=h.worker,
+                dp_rank=h.dp_rank,
+                matched=m,
+                cached_blocks=cached,
+                prefill_blocks=prefill,
+                pending_blocks=pending,
+                cost=cost,
+                routed=routed,
+                available=not unavailable,
+                recent_blocks=recent,
+                balance_blocks=balance,
+                predicted_blocks=p,
+            )
+        )
+    return out
 
 
 class Ranking:
