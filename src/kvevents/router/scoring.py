@@ -367,14 +367,8 @@ def top_scores(
     if not kept:
         raise ValueError("top_scores: no holders to choose from")
     out = []
-    for (unavailable, cost, pending, recent, routed, _), (
-        h,
-        m,
-        cached,
-        prefill,
-        balance,
-        p,
-    ) in kept:
+    for key, (h, m, cached, prefill, balance, p) in kept:
+        unavailable, cost, pending, recent, routed, _ = key
         out.append(
             HolderScore(
                 worker=h.worker,
