@@ -285,22 +285,24 @@ def test_garbage_frames_are_counted_and_skipped(zmq_context: zmq.Context) -> Non
 
 def test_unreachable_endpoint_is_reported_and_never_blocks_others(make_publisher: Factory) -> None:
     """A stream whose endpoint never comes up is reported Unreachable while the other stream delivers."""
-    with socket.socket() as s:  # a port nobody listens on
+    # a port bound and never listened on, held for the whole test: released, the OS
+    # could hand it to the live publisher's port-0 bind below, and "dead" would answer
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    live = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    dead_spec = StreamSpec(worker="dead", dp_rank=0, endpoint=dead, replay_endpoint=dead)
-    with Subscriber(streams=[dead_spec, spec_for(live, "live")], replay_timeout=0.5) as sub:
-        for n in range(20):
-            live.publish(batch(n))
-        items = collect(
-            sub,
-            until=lambda got: len(deliveries(got)) == 20 and bool(signals(got, "unreachable")),
-        )
-        unreachable = signals(items, "unreachable")
-        assert isinstance(unreachable[0], Unreachable) and unreachable[0].address == dead
-        assert {d.holder for d in deliveries(items)} == {Holder("live", 0)}
-        assert sub.stats()[Holder("dead", 0)].status == "unreachable"
+        live = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        dead_spec = StreamSpec(worker="dead", dp_rank=0, endpoint=dead, replay_endpoint=dead)
+        with Subscriber(streams=[dead_spec, spec_for(live, "live")], replay_timeout=0.5) as sub:
+            for n in range(20):
+                live.publish(batch(n))
+            items = collect(
+                sub,
+                until=lambda got: len(deliveries(got)) == 20 and bool(signals(got, "unreachable")),
+            )
+            unreachable = signals(items, "unreachable")
+            assert isinstance(unreachable[0], Unreachable) and unreachable[0].address == dead
+            assert {d.holder for d in deliveries(items)} == {Holder("live", 0)}
+            assert sub.stats()[Holder("dead", 0)].status == "unreachable"
 
 
 def test_stream_that_comes_up_later_is_followed_from_seq_0(make_publisher: Factory) -> None:
