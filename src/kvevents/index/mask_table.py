@@ -182,10 +182,6 @@ class MaskTable:
         if settle and self._entries + self.predictions.count > self.max_entries:
             self._prune()
 
-    def _remove(self, slot: int, key: int, tier: Tier | None) -> bool:
-        """Drop one copy of ``key`` from a holder's tier (or each tier); True if it held one."""
-        return self._remove_many(slot, (key,), tier)[0]
-
     def _remove_many(self, slot: int, keys: Iterable[int | None], tier: Tier | None) -> list[bool]:
         """Drop one copy of each of ``keys`` from a holder's tier (or each tier), in order;
         per key, whether the holder held one (None, an unknown key: False). One call per

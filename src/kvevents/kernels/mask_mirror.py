@@ -9,7 +9,8 @@ and ``_changed_ops``), and the next match first applies those
 and a store costs the index two ``extend`` calls. Listing the bit rather than the mask
 keeps the sync the same few instructions a key at any width: the masks of an index of
 more than 64 holders are Python ints of several words, and turning each changed one
-into a row cost a wide index more than the rest of its write. The table grows by rehashing itself, in compiled code; it is rebuilt
+into a row cost a wide index more than the rest of its write. The table grows by
+rehashing itself, in compiled code; it is rebuilt
 from the whole dict (:meth:`MaskMirror.rebuild`) only when the index says its changes
 were not listed (a change of slot width, a snapshot loaded, too many changes between
 two matches).

@@ -90,6 +90,10 @@ from kvevents.types import Holder
 
 __all__ = ["POLICIES", "Policy", "RouteDecision", "Router", "Ticket"]
 
+_ONE_PASS_TOP = 16
+"""The most scores a request takes in one pass (each holder is compared with the
+``top``-th best so far; past this many, a ranking is built instead)."""
+
 Policy = Literal["kv-aware", "round-robin"]
 """How :meth:`Router.route` chooses (see the module docstring)."""
 POLICIES: tuple[Policy, ...] = get_args(Policy)
@@ -476,7 +480,9 @@ class Router:
         credits = self.index.credits
         n_blocks = len(keys)
         ranking = self._kept_ranking(holders)
-        if ranking is None and self._one_pass_version == self._loads_version:
+        if ranking is None and (
+            top > _ONE_PASS_TOP or self._one_pass_version == self._loads_version
+        ):
             ranking = self._ranking(holders)  # the loads held still since the last request
         if ranking is None:
             # One answer while the loads changed since the last request (a relayed or
