@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
 from kvevents.router.core import Router
-from kvevents.router.scoring import Ranking, best_score, score, top_scores
+from kvevents.router.scoring import Ranking, score, top_scores
 
 # small values on purpose: equal costs, and so every tie-break, come up often
 _blocks = st.integers(min_value=0, max_value=6)
@@ -94,10 +94,6 @@ def test_one_pass_scores_are_exactly_the_head_of_score(case: tuple) -> None:
         full = score(
             n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
         )
-        one = best_score(
-            n_blocks, holders, matches, loads, credits=credits, weights=weights, predicted=guessed
-        )
-        assert one == full[0]
         for count in (top, 2, 1):
             few = top_scores(
                 n_blocks,

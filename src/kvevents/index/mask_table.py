@@ -198,8 +198,7 @@ class MaskTable:
         held: list[bool] = []
         dropped = offloaded = 0
         for key in keys:
-            v = None if key is None else get(key)
-            if v is None or key is None:
+            if key is None or (v := get(key)) is None:
                 held.append(False)
                 continue
             found = False

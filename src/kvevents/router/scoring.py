@@ -99,7 +99,6 @@ __all__ = [
     "HolderScore",
     "Ranking",
     "ScoringWeights",
-    "best_score",
     "choose",
     "note_routed",
     "pending_blocks",
@@ -281,29 +280,6 @@ def score(
         )
     ranked.sort()
     return [entry[-1] for entry in ranked]
-
-
-def best_score(
-    n_blocks: int,
-    holders: Sequence[Holder],
-    matches: Mapping[Holder, HolderMatch],
-    loads: Mapping[Holder, HolderLoad],
-    *,
-    credits: TierCredits = DEFAULT_CREDITS,
-    weights: ScoringWeights | None = None,
-    predicted: Mapping[Holder, int] | None = None,
-) -> HolderScore:
-    """``score(...)[0]``: :func:`top_scores` of one; ValueError without holders."""
-    return top_scores(
-        n_blocks,
-        holders,
-        matches,
-        loads,
-        1,
-        credits=credits,
-        weights=weights,
-        predicted=predicted,
-    )[0]
 
 
 def top_scores(
