@@ -301,9 +301,12 @@ def test_refused_subscribers_get_nothing_and_both_sides_say_so(
     assert any("refused" in r.getMessage() for r in caplog.records)
 
 
-def test_a_curve_stream_is_not_connected_before_its_handshake(keys: dict[str, Path]) -> None:
-    """A TCP listener that accepts and never speaks: a CURVE stream to it has a connection
-    but no handshake, so it says "connecting", never "connected"."""
+@pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain"])
+def test_a_stream_is_not_connected_before_its_handshake(keys: dict[str, Path], curve: bool) -> None:
+    """A TCP listener that accepts and never speaks (an HTTP port given as the endpoint,
+    say): a stream to it, CURVE or plain, has a connection but no handshake, so it says
+    "connecting", never "connected"; when the handshake times out it is reported, with
+    what to check."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10.0)
     accepted: list[socket.socket] = []
@@ -313,7 +316,7 @@ def test_a_curve_stream_is_not_connected_before_its_handshake(keys: dict[str, Pa
     spec = StreamSpec.from_endpoint(
         f"tcp://127.0.0.1:{port}",
         worker="w",
-        curve_server_key=CurveKeyPair.load(keys["server"], "t").public,
+        curve_server_key=CurveKeyPair.load(keys["server"], "t").public if curve else None,
     )
     try:
         with Subscriber(
@@ -327,6 +330,11 @@ def test_a_curve_stream_is_not_connected_before_its_handshake(keys: dict[str, Pa
                 seen.add(sub.stats()[Holder("w", 0)].status)
                 time.sleep(0.01)
             assert seen == {StreamStatus.CONNECTING}
+            if not curve:  # the handshake's time limit (5 s) then says what is wrong
+                items = collect(sub, until=lambda got: bool(signals(got, "unreachable")))
+                (refused,) = signals(items, "unreachable")
+                assert "no ZMQ handshake within 5 s" in refused.reason
+                assert sub.stats()[Holder("w", 0)].status == StreamStatus.REFUSED
     finally:
         for conn in accepted:
             conn.close()

@@ -305,6 +305,38 @@ def test_unreachable_endpoint_is_reported_and_never_blocks_others(make_publisher
             assert sub.stats()[Holder("dead", 0)].status == "unreachable"
 
 
+def test_replay_endpoint_given_as_live_is_refused_not_connected(make_publisher: Factory) -> None:
+    """A publisher's replay (ROUTER) endpoint given as a stream's live one: ZMQ drops the
+    connection mid-handshake, often without a handshake event. The stream is reported
+    once, says why, never shows "connected", and retries at the retry pace, not in a
+    loop; the other stream delivers."""
+    pub = make_publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    assert pub.replay_endpoint is not None
+    typo = StreamSpec(worker="typo", dp_rank=0, endpoint=pub.replay_endpoint)
+    with Subscriber(streams=[typo, spec_for(pub, "good")], retry_max=0.5) as sub:
+        statuses: set[str] = set()
+
+        def done(got: list) -> bool:
+            statuses.add(sub.stats()[Holder("typo", 0)].status)
+            return len(deliveries(got)) == 10 and bool(signals(got, "unreachable"))
+
+        for n in range(10):
+            pub.publish(batch(n))
+        items = collect(sub, until=done)
+        (unreachable,) = signals(items, "unreachable")
+        assert unreachable.worker == "typo" and "not a PUB socket" in unreachable.reason
+        assert {d.holder for d in deliveries(items)} == {Holder("good", 0)}
+        started = time.monotonic()
+        time.sleep(1.5)
+        statuses.add(sub.stats()[Holder("typo", 0)].status)
+        stats = sub.stats()[Holder("typo", 0)]
+        # one attempt per retry_max (0.5 s) at most, give or take one: a loop makes hundreds
+        assert 1 <= stats.handshake_failures <= 2 + (time.monotonic() - started) / 0.5 + 1
+        assert "connected" not in statuses and stats.status == "refused"
+        assert "not a PUB socket" in (stats.handshake_error or "")
+        assert sub.get(timeout=0.2) is None  # reported once: no signal per retry
+
+
 def test_stream_that_comes_up_later_is_followed_from_seq_0(make_publisher: Factory) -> None:
     """Subscribing before the publisher exists works once it starts: everything from seq 0 arrives."""
     ports = []

@@ -14,11 +14,20 @@ subscriber's stats and ``Unreachable`` signal show.
 
 from __future__ import annotations
 
+import errno
+
 import zmq
 
 from kvevents.curve_keys import CurveKeyPair
 
-__all__ = ["HANDSHAKE_EVENTS", "handshake_failure_reason", "secure_client"]
+__all__ = ["HANDSHAKE_EVENTS", "HANDSHAKE_TIMEOUT_MS", "handshake_failure_reason", "secure_client"]
+
+HANDSHAKE_TIMEOUT_MS = 5000
+"""How long a connection may take to complete its ZMTP handshake (``ZMQ_HANDSHAKE_IVL``;
+libzmq's default is 30 s). libzmq does the handshake on its own I/O thread, in
+milliseconds on any network a fleet runs on; what takes longer is an address where
+something other than a ZMQ publisher listens (an HTTP port, say), which would otherwise
+look connected for 30 s before it was reported."""
 
 HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -50,7 +59,11 @@ def secure_client(
 def handshake_failure_reason(
     event: int, value: int, server_key: str | None, key_pair: CurveKeyPair | None
 ) -> str:
-    """Why a handshake failed, from the client's side, with what to do about it."""
+    """Why a handshake failed, from the client's side, with what to do about it.
+
+    ``event`` is the monitor's event, ``value`` its errno or protocol error (0: the
+    connection dropped before the handshake ended, and libzmq reported nothing more).
+    """
     if server_key is not None and key_pair is None:
         return "the publisher requires CURVE but this subscriber has no key pair: no data; " + _HOW
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -76,9 +89,20 @@ def handshake_failure_reason(
     if server_key is not None:
         return (
             f"the CURVE handshake did not complete (is {server_key} the publisher's public "
-            f"key?): no data; {_HOW}"
+            f"key, and this its endpoint?): no data; {_HOW}"
         )
+    if value in (errno.EAGAIN, errno.ETIMEDOUT):
+        return (
+            f"no ZMQ handshake within {HANDSHAKE_TIMEOUT_MS / 1000:g} s: something accepts "
+            "TCP connections at this address but does not speak ZMQ (an HTTP port?): no "
+            "data; check the endpoint (the engine's /server_info lists its event endpoints)"
+        )
+    # what closes the connection mid-handshake: a ZMQ socket of another kind, or (when
+    # libzmq reports no mechanism mismatch, as it at times does not) a CURVE publisher
     return (
-        f"the handshake did not complete (errno {value}): no data; if the publisher requires "
-        f"CURVE, this stream has no server key: {_HOW}"
+        "the peer closed the connection during the ZMQ handshake"
+        + (f" (errno {value})" if value else "")
+        + ": no data; either the address is not a PUB socket (a replay endpoint given as "
+        "the live one?: the engine's /server_info lists its event endpoints), or the "
+        f"publisher requires CURVE and this stream has no server key: {_HOW}"
     )

@@ -29,11 +29,12 @@ class StreamStatus(StrEnum):
 
     ``CONNECTING`` -> ``CONNECTED`` <-> ``DISCONNECTED`` (dropped, reconnecting); a
     connection attempt that fails, at any point, makes it ``UNREACHABLE`` until one
-    succeeds. ``REFUSED``: the connection is made but the handshake fails (a CURVE key
-    the publisher refuses, or CURVE on one side only): no data arrives until a handshake
-    succeeds, and ``handshake_error`` in the stats says why. A CURVE stream is
-    ``CONNECTED`` only once its handshake succeeds: until then it stays ``CONNECTING``
-    (a TCP connection alone says nothing of the key). Members are their strings
+    succeeds. ``REFUSED``: the connection is made but the ZMQ handshake fails (a CURVE
+    key the publisher refuses, CURVE on one side only, or an address where no PUB
+    socket listens): no data arrives until a handshake succeeds, and
+    ``handshake_error`` in the stats says why. A stream is ``CONNECTED`` only once its
+    handshake succeeds: until then it stays ``CONNECTING`` (a TCP connection alone says
+    nothing of what listens, or of the key). Members are their strings
     ("connected", ...), as JSON shows them.
     """
 

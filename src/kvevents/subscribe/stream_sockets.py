@@ -11,9 +11,11 @@ first failed connection attempt of a streak is reported as an
 :class:`~kvevents.subscribe.items.Unreachable` signal (ZMQ itself keeps retrying with backoff
 up to ``reconnect_max_ms``).
 
+A stream's status stays ``CONNECTING`` from the TCP connection until the ZMQ handshake
+succeeds, which must happen within ``HANDSHAKE_TIMEOUT_MS``: an address where something
+else listens (an HTTP port, a replay socket given as the live one) never looks connected.
 A stream with a CURVE server key (its spec's, or the subscriber's default) connects both
-sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`); its status stays
-``CONNECTING`` from the TCP connection until the handshake succeeds. A failed handshake
+sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A failed handshake
 makes the status ``REFUSED``, is counted, and the first of a streak is reported as an
 ``Unreachable`` signal saying why. libzmq does not retry some refusals at all and others
 every 100 ms, so after a refused handshake the socket is connected again once,
@@ -31,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvevents.curve_keys import CurveKeyPair
 from kvevents.subscribe.curve_client import (
     HANDSHAKE_EVENTS,
+    HANDSHAKE_TIMEOUT_MS,
     handshake_failure_reason,
     secure_client,
 )
@@ -74,6 +77,7 @@ class StreamSockets:
         self.curve_server_key = spec.curve_server_key or curve_server_key
         self.retry_at: float | None = None  # reconnect then, after a refused handshake
         self._refused = False  # the last handshake failed
+        self._handshaking = False  # connected, the handshake not ended yet
         self.holder = Holder(spec.worker, spec.dp_rank)
         self.topic = spec.topic.encode()
         self.tracker = StreamTracker(
@@ -98,6 +102,7 @@ class StreamSockets:
             sub.setsockopt(zmq.MAXMSGSIZE, max_message_size)
             sub.setsockopt(zmq.RECONNECT_IVL, 100)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
+            sub.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             secure_client(sub, curve_key_pair, self.curve_server_key)
             self.monitor: zmq.Socket[bytes] = sub.get_monitor_socket(_MONITORED)
@@ -130,20 +135,28 @@ class StreamSockets:
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
                 if not self._refused:
-                    # A CURVE stream is connected once its handshake succeeds (below): a
-                    # TCP connection whose handshake then fails or never ends is not one.
-                    self.counters.status = (
-                        StreamStatus.CONNECTING if self.curve_server_key else StreamStatus.CONNECTED
-                    )
+                    # Connected once the ZMQ handshake succeeds (below), CURVE or not: a
+                    # TCP connection whose handshake then fails or never ends is not one
+                    # (a wrong address where something else listens, or a refused key).
+                    self.counters.status = StreamStatus.CONNECTING
+                self._handshaking = True
                 self._unreachable_reported = False
                 actions += self.tracker.on_connected()
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.counters.status = StreamStatus.CONNECTED
                 self.counters.handshake_error = None
-                self._refused = False
+                self._refused = self._handshaking = False
             elif kind & HANDSHAKE_EVENTS:
+                self._handshaking = False
                 signals += self._on_refused(int(kind), int(event["value"]))
             elif kind == zmq.EVENT_DISCONNECTED:
+                if self._handshaking:
+                    # Dropped before the handshake ended, and libzmq said nothing of it:
+                    # what a socket of another kind (or a publisher refusing this one's
+                    # mechanism, at times) does. A failed handshake like the others: no
+                    # reconnecting at once, or a wrong address would loop here.
+                    self._handshaking = False
+                    signals += self._on_refused(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
                 self.tracker.on_disconnected()
                 if self._refused:  # connected again later (retry_at), not at once
                     self.retry_at = now + self._reconnect_max_ms / 1000
