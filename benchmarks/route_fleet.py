@@ -1,4 +1,5 @@
-"""What one ``/route`` costs as the fleet grows: the best few scored, against every holder.
+"""What one ``/route`` costs as the fleet grows: the best few scored, against every holder,
+and what a relayed or recorded request costs the router.
 
     python benchmarks/route_fleet.py [--ranks 4 16 64 256] [--requests 4000] [--rounds 5] [--json OUT]
 
@@ -29,11 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     results = run_route_fleet_bench(ranks=args.ranks, requests=args.requests, rounds=args.rounds)
-    print("ranks   route, top 4   route, every holder   POST /route in process   (CPU us)")
+    print(
+        "ranks   route, top 4   route, every holder   POST /route in process   "
+        "relayed (top 1, begin, finish)   recorded (top 4, record)   (CPU us)"
+    )
     for count, fleet in results["fleets"].items():
         print(
             f"{count:>5}   {fleet['top_us']:12.1f}   {fleet['every_us']:19.1f}   "
-            f"{fleet['request_us']:22.1f}"
+            f"{fleet['request_us']:22.1f}   {fleet['relayed_us']:30.1f}   "
+            f"{fleet['recorded_us']:24.1f}"
         )
     write_results(args.json, results)
     print(f"wrote {args.json}")

@@ -17,6 +17,7 @@ def test_a_tiny_run_reports_every_fleet_size() -> None:
     assert set(r["fleets"]) == {"4", "70"}
     for fleet in r["fleets"].values():
         assert fleet["top_us"] > 0 and fleet["every_us"] > 0 and fleet["request_us"] > 0
+        assert fleet["relayed_us"] > 0 and fleet["recorded_us"] > 0
 
 
 def test_no_fleet_is_refused() -> None:

@@ -42,13 +42,15 @@ def test_begin_and_finish_notes_add_and_remove_in_flight_load_once(tmp_path: Pat
     try:
         notes.apply(_note("begin"))
         notes.apply(_note("begin"))  # the same note twice
-        load = router.loads[H]
+        load = router.loads[H]  # a copy, as the router's loads hand out
         assert (load.inflight_requests, load.inflight_blocks) == (1, 5.0)
         assert load.recent_blocks == 8.0
         notes.apply(_note("finish"))
         notes.apply(_note("finish"))  # late duplicate: nothing left to remove
+        load = router.loads[H]
         assert (load.inflight_requests, load.inflight_blocks) == (0, 0.0)
         notes.apply(_note("finish", ticket=7))  # a finish whose begin never came
+        load = router.loads[H]
         assert (load.inflight_requests, load.inflight_blocks) == (0, 0.0)
     finally:
         asyncio.run(notes.close())
@@ -97,8 +99,8 @@ def test_local_decisions_are_sent_as_notes_a_peer_applies(tmp_path: Path) -> Non
                     a_router.finish(ticket)
                     await asyncio.sleep(0.05)
                     b._remote.clear()
-                    b_router.loads[H].inflight_requests = 0
-                    b_router.loads[H].inflight_blocks = 0.0
+                    left = b_router.loads[H]  # the note that landed, taken out again
+                    b_router.remote_inflight(H, -left.inflight_requests, -left.inflight_blocks)
                     b.received = 0
                 ticket = a_router.begin(decision)
                 await asyncio.sleep(0.05)

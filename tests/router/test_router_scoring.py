@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
-from kvevents.router.scoring import choose, note_routed, pending_blocks, score
+from kvevents.router.scoring import choose, pending_blocks, score
 
 H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
 
@@ -93,19 +93,6 @@ def test_recent_work_above_the_least_loaded_available_holder_is_weighted() -> No
     assert choose(score(10, [H0, H1], prefix, loads)).holder == H0  # 2 + 0.05 * 40 < 10
     loads[H0].recent_blocks = 400.0
     assert choose(score(10, [H0, H1], prefix, loads)).holder == H1  # 2 + 0.05 * 300 > 10
-
-
-def test_note_routed_adds_prompt_blocks_and_halves_recent_work_every_half_life() -> None:
-    """Each routed request decays every holder's recent work; after half_life requests elsewhere it has halved."""
-    weights = ScoringWeights(balance_half_life=4.0)
-    loads = {H0: HolderLoad(), H1: HolderLoad()}
-    assert note_routed(loads, H0, 100.0, weights) is loads[H0]
-    for _ in range(4):
-        note_routed(loads, H1, 1.0, weights)
-    assert loads[H0].recent_blocks == pytest.approx(50.0)
-    assert loads[H1].recent_blocks == pytest.approx(sum(0.5 ** (k / 4) for k in range(4)))
-    note_routed(loads, H2, 8.0, weights)
-    assert loads[H2].recent_blocks == 8.0  # a holder not seen before is added
 
 
 def test_unavailable_holders_are_never_chosen() -> None:

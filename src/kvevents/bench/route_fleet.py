@@ -12,7 +12,13 @@ the compiled kernels loaded as the router loads them. Per fleet size:
 * ``every_us``: :meth:`Router.route` scoring every holder (``"all_scores": true``, and
   every ``/route`` before 2026-12-03), in the same run;
 * ``request_us``: the whole ``POST /route`` request through the router's ASGI app
-  (body decode, route with ``top=4``, answer encode).
+  (body decode, route with ``top=4``, answer encode);
+* ``relayed_us``: what a relayed completion asks of the router, :meth:`Router.route`
+  with ``top=1`` then :meth:`~Router.begin` and :meth:`~Router.finish`: the loads
+  change under every request, so no ranking serves it (the load table's scan does,
+  :mod:`kvevents.router.load_board`);
+* ``recorded_us``: a ``/route`` with ``"record": true``, :meth:`Router.route` with
+  ``top=4`` then :meth:`~Router.record`: the loads change under every request too.
 
 Both ways must choose the same holder for every prompt, or the benchmark fails.
 """
@@ -100,16 +106,27 @@ def _measure(count: int, prompts: int, tokens: int, requests: int, rounds: int) 
     bodies = [msgspec.json.encode({"input_ids": ids}) for ids in chosen]
     chosen = [array("I", ids) for ids in chosen]  # what the body's parser hands the router
     n = len(chosen)
-    top_us, every_us, request_us = [], [], []
-    for _ in range(rounds):
-        top_us.append(_cpu_us(lambda i: router.route(chosen[i % n], top=_TOP), requests))
-        every_us.append(_cpu_us(lambda i: router.route(chosen[i % n]), requests))
-        request_us.append(asyncio.run(route_request_us(app, bodies, requests)))
-    return {
-        "top_us": round(statistics.median(top_us), 2),
-        "every_us": round(statistics.median(every_us), 2),
-        "request_us": round(statistics.median(request_us), 2),
+
+    def relayed(i: int) -> None:
+        router.finish(router.begin(router.route(chosen[i % n], top=1)))
+
+    def recorded(i: int) -> None:
+        router.record(router.route(chosen[i % n], top=_TOP))
+
+    figures: dict[str, list[float]] = {
+        "top_us": [],
+        "every_us": [],
+        "request_us": [],
+        "relayed_us": [],
+        "recorded_us": [],
     }
+    for _ in range(rounds):
+        figures["top_us"].append(_cpu_us(lambda i: router.route(chosen[i % n], top=_TOP), requests))
+        figures["every_us"].append(_cpu_us(lambda i: router.route(chosen[i % n]), requests))
+        figures["request_us"].append(asyncio.run(route_request_us(app, bodies, requests)))
+        figures["relayed_us"].append(_cpu_us(relayed, requests))
+        figures["recorded_us"].append(_cpu_us(recorded, requests))
+    return {name: round(statistics.median(values), 2) for name, values in figures.items()}
 
 
 def run_route_fleet_bench(

@@ -14,6 +14,9 @@ kernels do that work in one call each, without a Python object per token or per 
 * :mod:`~kvevents.kernels.block_table` matches such keys against a flat mirror of the
   index's block masks (:mod:`~kvevents.kernels.mask_mirror`), one compiled call instead
   of a dict lookup per block.
+* :mod:`~kvevents.kernels.load_scan` picks the best holders by load from the router's
+  load table (:mod:`kvevents.router.load_board`), one call instead of a Python step
+  per holder when every request changes the loads (relayed requests).
 
 All are optional and only ever an acceleration: the answers are the same without them
 (``tests/test_kernels.py`` checks every block size and random bodies against the plain
@@ -62,7 +65,7 @@ class Kernels:
     """
 
     def __init__(self) -> None:
-        from kvevents.kernels import token_json, xxh3_chain
+        from kvevents.kernels import load_scan, token_json, xxh3_chain
         from kvevents.kernels.mask_mirror import MaskMirror, WideMaskMirror, signed64
 
         self._chain = xxh3_chain.chain_keys_into
@@ -73,6 +76,7 @@ class Kernels:
         self._key = bytes(token_json.INPUT_IDS_KEY)
         self._mirror_class = MaskMirror
         self._wide_mirror_class = WideMaskMirror
+        self._best_unmatched = load_scan.best_unmatched
         self._local = threading.local()
         """Per thread, the ``array("I")`` a body's ids are parsed into (see :meth:`parse_input_ids`)."""
         # Compile now (or load numba's cache): never on a request.
@@ -93,6 +97,7 @@ class Kernels:
         wide._grow(1)
         wide.match(keys, (1 << 128) - 1)
         wide.not_held(keys, 70)
+        self.best_unmatched(array("q", [0, 1]), array("d", bytes(96)), 1.0, 8.0, 0.1, 0.05, 8.0, 1)
 
     def mirror(self, words: int = 1) -> MaskMirror | WideMaskMirror:
         """A new, empty mirror of an index's block masks (:mod:`~kvevents.kernels.mask_mirror`)
@@ -108,6 +113,27 @@ class Kernels:
         keys = array("Q", bytes(8 * (len(tokens) // block_size)))
         self._chain(tokens, block_size, self._signed64(parent), self._secret, keys)
         return keys
+
+    def best_unmatched(
+        self,
+        slots: array[int],
+        table: array[float],
+        scale: float,
+        n_blocks: float,
+        load_weight: float,
+        balance_weight: float,
+        foreign_blocks: float,
+        count: int,
+    ) -> tuple[list[int], float]:
+        """The positions of the best ``count`` candidates by load alone, best first,
+        and the least recent work among the available ones
+        (:func:`~kvevents.kernels.load_scan.best_unmatched`; ``slots`` an ``array("q")``,
+        ``table`` the board's ``array("d")``)."""
+        out = array("q", bytes(8 * count))
+        kept, least = self._best_unmatched(
+            slots, table, scale, n_blocks, load_weight, balance_weight, foreign_blocks, out
+        )
+        return out[:kept].tolist(), least
 
     def parse_input_ids(
         self, body: bytes, lead: bytes | None = None

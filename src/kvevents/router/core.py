@@ -73,6 +73,7 @@ from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.batch import combine_scores
+from kvevents.router.load_board import LoadBoard, board_top_scores
 from kvevents.router.models import ModelCatalog, UnknownModelError
 from kvevents.router.scoring import (
     HolderLoad,
@@ -80,9 +81,6 @@ from kvevents.router.scoring import (
     Ranking,
     ScoringWeights,
     choose,
-    note_routed,
-    score,
-    top_scores,
 )
 from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
@@ -186,10 +184,11 @@ class Router:
         self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
         self._next_turn = 0
         self.weights = weights or ScoringWeights()
-        self.loads: dict[Holder, HolderLoad] = {}
-        """Per holder, what the router knows of its load. Read it freely; change it only
-        through this class's methods (``update_load``, ``begin``, ``remote_inflight``...):
-        they tell the ranking :meth:`route` keeps for ``top`` that it is out of date."""
+        self.loads = LoadBoard()
+        """Per holder, what the router knows of its load: a read-only mapping to
+        ``HolderLoad`` copies (:mod:`~kvevents.router.load_board`). It changes only
+        through this class's methods (``update_load``, ``begin``, ``remote_inflight``...),
+        which also tell the ranking :meth:`route` keeps for ``top`` that it is out of date."""
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
         self.batches_applied = 0
         self.routes: Counter[Holder] = Counter()
@@ -229,7 +228,7 @@ class Router:
         ):
             block_size = None  # keep the router's size for this holder's events
         self.index.add_holder(holder, block_size=block_size)
-        self.loads.setdefault(holder, HolderLoad())
+        self.loads.slot(holder)
         self._loads_version += 1
 
     def restore_index(self, index: PrefixIndex) -> None:
@@ -242,7 +241,7 @@ class Router:
             index.block_size = self.index.block_size
         self.index = index
         for holder in index.holders():
-            self.loads.setdefault(holder, HolderLoad())
+            self.loads.slot(holder)
         self._loads_version += 1
 
     def declare_block_size(
@@ -271,7 +270,7 @@ class Router:
         it is applied whole; handle nothing else until the generator is exhausted."""
         if isinstance(item, Delivery):
             if item.holder not in self.loads:
-                self.loads[item.holder] = HolderLoad()
+                self.loads.slot(item.holder)
                 self._loads_version += 1
             batch = self.block_sizes.check(item.holder, item.batch)
             yield from self.index.apply_steps(item.holder, batch, step)
@@ -304,26 +303,22 @@ class Router:
             if not isinstance(entry, dict) or not isinstance(entry.get("dp_rank"), int):
                 continue
             holder = Holder(worker, entry["dp_rank"])
-            load = self.loads.get(holder)
-            if load is None:
-                load = self.loads[holder] = HolderLoad()
+            if holder not in self.loads:
+                self.loads.slot(holder)
                 self._loads_version += 1
             if self.index.slot_of(holder) is None:
                 self.index.add_holder(holder)
-            before = (load.available, load.engine_requests)
-            load.available = bool(entry.get("available", True))
             running = entry.get("running", 0)
             waiting = entry.get("waiting", 0)
-            if isinstance(running, int) and isinstance(waiting, int):
-                load.engine_requests = running + waiting
-            if (load.available, load.engine_requests) != before:
+            told = isinstance(running, int) and isinstance(waiting, int)
+            if self.loads.set_engine(
+                holder, bool(entry.get("available", True)), running + waiting if told else None
+            ):
                 self._loads_version += 1  # an idle engine's polls change nothing
 
     def set_worker_available(self, worker: str, available: bool) -> None:
         """Mark every rank of an engine (un)available, e.g. when its ``/load`` stops answering."""
-        for holder, load in self.loads.items():
-            if holder.worker == worker:
-                load.available = available
+        self.loads.set_worker_available(worker, available)
         self._loads_version += 1
 
     # --- deciding ---------------------------------------------------------------------
@@ -423,11 +418,13 @@ class Router:
         found: dict[Holder, HolderMatch],
         predicted: dict[Holder, int] | None,
     ) -> list[HolderScore]:
-        return score(
-            n_blocks,
-            holders,
-            found,
+        # score() exactly, every holder in order, without a HolderLoad copy per holder
+        return board_top_scores(
             self.loads,
+            holders,
+            n_blocks,
+            found,
+            len(holders),
             credits=self.index.credits,
             weights=self.weights,
             predicted=predicted,
@@ -451,8 +448,8 @@ class Router:
         ``top``: the decision's ``scores`` are only the best ``top`` (at least 1), found
         without scoring every holder (:class:`~kvevents.router.scoring.Ranking`, kept
         until the loads change and built by the second request that finds them
-        unchanged; with the loads changed since the last request: one pass,
-        :func:`~kvevents.router.scoring.top_scores`); None scores them all. The choice
+        unchanged; with the loads changed since the last request: the load table,
+        :func:`~kvevents.router.load_board.board_top_scores`); None scores them all. The choice
         is the same either way.
         :class:`~kvevents.errors.RouterNotReadyError` while no rank is known or available.
         """
@@ -492,11 +489,11 @@ class Router:
             def best_of(
                 with_predictions: dict[Holder, int] | None, count: int
             ) -> list[HolderScore]:
-                return top_scores(
-                    n_blocks,
-                    holders,
-                    found,
+                return board_top_scores(
                     self.loads,
+                    holders,
+                    n_blocks,
+                    found,
                     count,
                     credits=credits,
                     weights=self.weights,
@@ -534,7 +531,9 @@ class Router:
             if self._loads_version != self._rankings_version or len(self._rankings) > 64:
                 self._rankings.clear()
                 self._rankings_version = self._loads_version
-            ranking = self._rankings[id(holders)] = Ranking(holders, self.loads, self.weights)
+            ranking = self._rankings[id(holders)] = Ranking(
+                holders, self.loads.snapshot(), self.weights
+            )
         return ranking
 
     def _kept_ranking(self, holders: list[Holder]) -> Ranking | None:
@@ -629,10 +628,8 @@ class Router:
         """Count a request forwarded to the chosen holder as in-flight and recent load."""
         holder = decision.holder  # a new Holder per read: read once
         self._record(decision, holder)
-        load = self.loads[holder]
         blocks = decision.chosen.prefill_blocks
-        load.inflight_requests += 1
-        load.inflight_blocks += blocks
+        self.loads.add_inflight(holder, 1, blocks)
         self._loads_version += 1
         ticket = Ticket(holder, blocks, next(self._tickets))
         if self.predicting and decision.keys:
@@ -663,8 +660,7 @@ class Router:
         return self.index.predict(holder, decision.keys)
 
     def _record(self, decision: RouteDecision, holder: Holder) -> None:
-        load = note_routed(self.loads, holder, decision.n_blocks, self.weights)
-        load.routed += 1
+        self.loads.note_routed(holder, decision.n_blocks, self.weights.decay, count=True)
         self._loads_version += 1
         self.routes[holder] += 1
         if decision.by_prediction:
@@ -687,19 +683,13 @@ class Router:
 
     def remote_routed(self, holder: Holder, n_blocks: int) -> None:
         """A peer router sent a request of ``n_blocks`` prompt blocks to ``holder``."""
-        note_routed(self.loads, Holder(*holder), n_blocks, self.weights)
+        self.loads.note_routed(holder, n_blocks, self.weights.decay, count=False)
         self._loads_version += 1
 
     def remote_inflight(self, holder: Holder, requests: int, blocks: float) -> None:
         """Add (or, negative, remove) in-flight requests and their uncached blocks."""
-        load = self.loads.get(holder)
-        if load is None:
-            if requests <= 0:
-                return
-            load = self.loads[Holder(*holder)] = HolderLoad()
-        load.inflight_requests = max(0, load.inflight_requests + requests)
-        load.inflight_blocks = max(0.0, load.inflight_blocks + blocks)
-        self._loads_version += 1
+        if self.loads.add_inflight(holder, requests, blocks):
+            self._loads_version += 1
 
     # --- inspecting -------------------------------------------------------------------
 

@@ -64,9 +64,11 @@ The lowest cost wins; ties go to the lower ``pending``, then the lower ``recent`
 conversations that tie on a shared prefix spread by work, not by request count), then
 to the holder this router has sent fewer requests so far, then to the earlier holder.
 
-:func:`score` and :func:`choose` are pure functions, O(holders) per decision, and
-:func:`top_scores` the best few alone, in one cheaper pass; :func:`note_routed` updates
-the loads in place, O(holders) per routed request.
+:func:`score` and :func:`choose` are pure functions, O(holders) per decision. The
+router keeps its loads in a table (:mod:`kvevents.router.load_board`), where a routed
+request decays every holder's ``recent`` in O(1), and while the loads change under
+every request (relayed ones) it takes the best few from one compiled scan of it
+(:func:`~kvevents.router.load_board.board_top_scores`, ``score(...)[:top]`` exactly).
 
 :class:`Ranking` answers the best few of :func:`score`'s list, exactly, without scoring
 every holder: a holder that caches nothing of the request (no match, no prediction)
@@ -83,9 +85,7 @@ per rank, and on a fleet of any size the holders that cache nothing cost none.
 
 from __future__ import annotations
 
-from bisect import insort
-from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -100,10 +100,8 @@ __all__ = [
     "Ranking",
     "ScoringWeights",
     "choose",
-    "note_routed",
     "pending_blocks",
     "score",
-    "top_scores",
 ]
 
 
@@ -190,25 +188,6 @@ def pending_blocks(load: HolderLoad, weights: ScoringWeights) -> float:
     return load.inflight_blocks + weights.foreign_request_blocks * foreign
 
 
-def note_routed(
-    loads: MutableMapping[Holder, HolderLoad],
-    holder: Holder,
-    blocks: float,
-    weights: ScoringWeights,
-) -> HolderLoad:
-    """Count a request of ``blocks`` prompt blocks sent to ``holder`` in ``recent``.
-
-    Every holder's ``recent`` decays by one request's worth, then ``holder``'s (added to
-    ``loads`` if missing) grows by ``blocks``. Returns ``holder``'s load. O(holders).
-    """
-    decay = weights.decay
-    for load in loads.values():
-        load.recent_blocks *= decay
-    chosen = loads.setdefault(holder, HolderLoad())
-    chosen.recent_blocks += blocks
-    return chosen
-
-
 def score(
     n_blocks: int,
     holders: Sequence[Holder],
@@ -280,88 +259,6 @@ def score(
         )
     ranked.sort()
     return [entry[-1] for entry in ranked]
-
-
-def top_scores(
-    n_blocks: int,
-    holders: Sequence[Holder],
-    matches: Mapping[Holder, HolderMatch],
-    loads: Mapping[Holder, HolderLoad],
-    top: int,
-    *,
-    credits: TierCredits = DEFAULT_CREDITS,
-    weights: ScoringWeights | None = None,
-    predicted: Mapping[Holder, int] | None = None,
-) -> list[HolderScore]:
-    """``score(...)[:top]`` (``top`` at least 1), the same figures, in one pass that makes
-    no other holder's score (still O(holders), about half the cost per holder);
-    ValueError without holders.
-
-    For a decision made while the loads change under every request, as a relayed
-    request's or a recorded ``/route``'s do (:meth:`~kvevents.router.core.Router.route`),
-    where a :class:`Ranking` would be built for one request. The arithmetic is
-    :func:`score`'s, written out again on purpose (a shared helper per holder cost
-    :func:`score` a third more); ``tests/router/test_router_ranking.py`` holds the two
-    equal.
-    """
-    weights = weights or _DEFAULT_WEIGHTS
-    top = max(1, top)
-    get_load = loads.get
-    held = [get_load(h, _IDLE) for h in holders]
-    least = min([load.recent_blocks for load in held if load.available], default=0.0)
-    gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
-    load_weight, balance_weight = weights.load_weight, weights.balance_weight
-    foreign_blocks = weights.foreign_request_blocks
-    pcredit = weights.predicted_credit
-    get_match = matches.get
-    get_predicted = predicted.get if predicted else None
-    # the best ``top`` so far, best first, behind their sort keys (unique: i), and the
-    # key a holder must beat once ``top`` are kept (one comparison per holder)
-    kept: list[tuple[tuple[bool, float, float, float, int, int], tuple[Any, ...]]] = []
-    bound: tuple[bool, float, float, float, int, int] | None = None
-    for i, h in enumerate(holders):
-        load = held[i]
-        m = get_match(h, _ZERO)
-        on_gpu, on_cpu, on_disk = m
-        cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
-        p = 0 if get_predicted is None else get_predicted(h, 0)
-        if p:
-            cached += p * pcredit
-        prefill = n_blocks - cached if n_blocks > cached else 0.0
-        foreign = load.engine_requests - load.inflight_requests
-        pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
-        recent = load.recent_blocks
-        balance = recent - least if recent > least else 0.0
-        cost = prefill + (load_weight * pending + balance_weight * balance)
-        key = (not load.available, cost, pending, recent, load.routed, i)
-        if bound is None or key < bound:
-            insort(kept, (key, (h, m, cached, prefill, balance, p)))
-            if len(kept) > top:
-                kept.pop()
-            if len(kept) == top:
-                bound = kept[-1][0]
-    if not kept:
-        raise ValueError("top_scores: no holders to choose from")
-    out = []
-    for key, (h, m, cached, prefill, balance, p) in kept:
-        unavailable, cost, pending, recent, routed, _ = key
-        out.append(
-            HolderScore(
-                worker=h.worker,
-                dp_rank=h.dp_rank,
-                matched=m,
-                cached_blocks=cached,
-                prefill_blocks=prefill,
-                pending_blocks=pending,
-                cost=cost,
-                routed=routed,
-                available=not unavailable,
-                recent_blocks=recent,
-                balance_blocks=balance,
-                predicted_blocks=p,
-            )
-        )
-    return out
 
 
 class Ranking:

@@ -1,0 +1,128 @@
+"""LoadBoard: the router's loads in one table, ``recent`` decayed by one scale.
+
+What it must keep: every holder's ``recent`` is what decaying each one per routed
+request would give (the scale folded in long before float64 runs out), in-flight
+counts never go below zero, and what it shows as ``Router.loads`` are copies that say
+what the board holds. That its best few are ``score()``'s head is
+``tests/router/test_router_ranking.py``'s.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvevents import Holder, HolderLoad, ScoringWeights
+from kvevents.router import load_board
+from kvevents.router.core import Router
+from kvevents.router.load_board import LoadBoard
+
+H0, H1, H2 = Holder("http://a", 0), Holder("http://a", 1), Holder("http://b", 0)
+
+
+def test_recent_work_halves_every_half_life_and_a_new_holder_is_added() -> None:
+    """Each routed request decays every holder's recent work; after half_life requests
+    elsewhere it has halved. Only the router's own requests count in ``routed``."""
+    decay = ScoringWeights(balance_half_life=4.0).decay
+    board = LoadBoard()
+    board.slot(H1)
+    board.note_routed(H0, 100.0, decay, count=True)
+    for _ in range(4):
+        board.note_routed(H1, 1.0, decay, count=False)
+    assert board[H0].recent_blocks == pytest.approx(50.0)
+    assert board[H1].recent_blocks == pytest.approx(sum(0.5 ** (k / 4) for k in range(4)))
+    assert (board[H0].routed, board[H1].routed) == (1, 0)
+    board.note_routed(H2, 8.0, decay, count=True)
+    assert board[H2].recent_blocks == pytest.approx(8.0)  # a holder not seen before
+    assert list(board) == [H1, H0, H2] and len(board) == 3
+
+
+@pytest.mark.parametrize("decay", [0.99, 0.5, 1e-30, 0.0])
+def test_recent_work_is_what_decaying_every_holder_gives(decay: float) -> None:
+    """Thousands of requests, the scale folded in many times over (0.5 ** 3,000 is far
+    below float64's smallest number): every holder's recent work is, within rounding,
+    what multiplying each one by the decay per request gives."""
+    rng = random.Random(7)
+    holders = [Holder("http://e", r) for r in range(8)]
+    board = LoadBoard()
+    expected = dict.fromkeys(holders, 0.0)
+    for _ in range(3000):
+        chosen, blocks = rng.choice(holders), float(rng.randrange(1, 200))
+        board.note_routed(chosen, blocks, decay, count=True)
+        for h in expected:
+            expected[h] *= decay
+        expected[chosen] += blocks
+    for h in holders:
+        assert board[h].recent_blocks == pytest.approx(expected[h], rel=1e-9, abs=1e-300)
+    assert board.scale >= load_board._FOLD_BELOW
+
+
+def test_in_flight_counts_never_go_below_zero() -> None:
+    """Late or repeated removals stop at zero; removing from an unknown holder adds none."""
+    board = LoadBoard()
+    board.add_inflight(H0, 1, 5.0)
+    board.add_inflight(H0, -1, -5.0)
+    board.add_inflight(H0, -1, -5.0)
+    assert (board[H0].inflight_requests, board[H0].inflight_blocks) == (0, 0.0)
+    board.add_inflight(H1, -1, -3.0)
+    assert H1 not in board
+
+
+def test_polls_say_whether_they_changed_anything() -> None:
+    """An engine's poll changes availability and its request count; the same poll
+    again changes nothing (the router keeps its ranking then)."""
+    board = LoadBoard()
+    assert board.set_engine(H0, True, 3)
+    assert not board.set_engine(H0, True, 3)
+    assert not board.set_engine(H0, True)  # no count told: the last one stays
+    assert board.set_engine(H0, False)
+    assert board[H0] == HolderLoad(engine_requests=3, available=False)
+    board.set_engine(H1, True, 0)
+    board.set_engine(H2, True, 0)
+    board.set_worker_available("http://a", False)
+    assert [board[h].available for h in (H0, H1, H2)] == [False, False, True]
+
+
+def test_router_loads_are_copies_of_what_the_board_holds() -> None:
+    """``Router.loads`` shows the board: changing a copy changes nothing, and each
+    change through the router shows in the next read."""
+    router = Router(block_size=4)
+    router.add_holder(H0, block_size=4)
+    shown = router.loads[H0]
+    shown.inflight_requests = 9  # a copy: the router's loads are not changed so
+    assert router.loads[H0].inflight_requests == 0
+    ticket = router.begin(router.route([1, 2, 3, 4]))
+    assert router.loads[H0].inflight_requests == 1 and router.loads[H0].routed == 1
+    router.finish(ticket)
+    assert router.loads[H0] == HolderLoad(routed=1, recent_blocks=1.0)
+    assert router.loads.snapshot() is router.loads.snapshot()  # built once per change
+
+
+def test_a_fleet_routes_by_the_compiled_scan_compiled_once_at_load() -> None:
+    """Past a few dozen candidates a relayed request's choice comes from the compiled
+    scan, with the argument types it was compiled for at load (a new type would compile
+    again on a request), and it is the holder score() puts first."""
+    from kvevents import kernels
+
+    compiled = kernels.load()
+    assert compiled is not None, kernels.status()
+    from kvevents.kernels import load_scan
+
+    assert len(load_scan.best_unmatched.signatures) == 1
+    router = Router(block_size=4)
+    holders = [Holder(f"http://e{r // 8}", r % 8) for r in range(load_board._COMPILED_FROM + 8)]
+    for h in holders:
+        router.add_holder(h, block_size=4)
+    router.index.store_keys(holders[5], router.index.keys_for(list(range(16))))
+    rng = random.Random(3)
+    tickets = []
+    for n in range(200):
+        prompt = list(range(16)) if n % 3 == 0 else [rng.randrange(1000) for _ in range(8)]
+        chosen = router.route(prompt, top=1)
+        every = router.route(prompt)  # all scored by score(), over the same loads
+        assert chosen.scores == every.scores[:1]
+        tickets.append(router.begin(chosen))
+        if n % 2:
+            router.finish(tickets.pop(0))
+    assert len(load_scan.best_unmatched.signatures) == 1
