@@ -126,3 +126,30 @@ def test_a_fleet_routes_by_the_compiled_scan_compiled_once_at_load() -> None:
         if n % 2:
             router.finish(tickets.pop(0))
     assert len(load_scan.best_unmatched.signatures) == 1
+
+
+def test_the_table_the_scan_reads_is_every_row_as_it_is_now() -> None:
+    """The compiled scan reads a copy of the rows, brought up to date from the rows that
+    changed since it last read them: one row per slot, equal to what the board shows."""
+    board = LoadBoard()
+    holders = [Holder("http://e", r) for r in range(5)]
+    for h in holders[:3]:
+        board.slot(h)
+    assert len(board.table()) == 3 * 6
+    board.add_inflight(holders[1], 2, 7.5)
+    board.note_routed(holders[4], 3.0, 0.5, count=True)  # a new slot, and a decay
+    board.set_engine(holders[0], False, 4)
+    table = board.table()
+    assert len(board) == 4 and len(table) == 4 * 6  # holders[3] never came
+    for h in board:
+        slot = board.slot(h)
+        available, engine, inflight, blocks, raw, routed = table[slot * 6 : slot * 6 + 6]
+        shown = board[h]
+        assert (available != 0.0, engine, inflight, blocks, raw * board.scale, routed) == (
+            shown.available,
+            shown.engine_requests,
+            shown.inflight_requests,
+            shown.inflight_blocks,
+            shown.recent_blocks,
+            shown.routed,
+        )

@@ -99,7 +99,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         them: the rows changed since the last call are copied in first."""
         table, rows, stale = self._table, self._rows, self._stale
         if len(table) < _STRIDE * len(rows):
-            table.extend(bytes(8 * (_STRIDE * len(rows) - len(table))))
+            table.frombytes(bytes(8 * (_STRIDE * len(rows) - len(table))))
         for slot in stale:
             table[slot * _STRIDE : slot * _STRIDE + _STRIDE] = array("d", rows[slot])
         stale.clear()
