@@ -31,7 +31,6 @@ from __future__ import annotations
 from array import array
 from bisect import insort
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 from kvevents import kernels
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
@@ -277,12 +276,12 @@ def board_top_scores(
     pcredit = weights.predicted_credit
     get_match = matches.get
     get_predicted = predicted.get if predicted else None
-    # the best ``top`` so far, best first, behind their sort keys (unique: i), and the
-    # key a holder must beat once ``top`` are kept (one comparison per holder)
-    kept: list[tuple[tuple[bool, float, float, float, float, int], tuple[Any, ...]]] = []
-    bound: tuple[bool, float, float, float, float, int] | None = None
-    every = top >= len(order)  # all of them, sorted once at the end
+    # the best ``top`` so far (all of them when ``top`` covers every one, sorted once at
+    # the end), best first, each score behind its sort key (unique: i), and the key a
+    # holder must beat once ``top`` are kept (one comparison per holder)
+    every = top >= len(order)
     ranked: list[tuple[bool, float, float, float, float, int, HolderScore]] = []
+    bound: tuple[bool, float, float, float, float, int] | None = None
     for i in order:
         h = holders[i]
         available, engine, inflight, blocks, raw, routed = rows[i]
@@ -298,52 +297,16 @@ def board_top_scores(
         recent = raw * scale
         balance = recent - least if recent > least else 0.0
         cost = prefill + (lw * pending + bw * balance)
-        if every:  # scored now, ranked by the fields before it (i is unique)
-            ranked.append(
-                (
-                    available == 0.0,
-                    cost,
-                    pending,
-                    recent,
-                    routed,
-                    i,
-                    HolderScore(
-                        worker=h.worker,
-                        dp_rank=h.dp_rank,
-                        matched=m,
-                        cached_blocks=cached,
-                        prefill_blocks=prefill,
-                        pending_blocks=pending,
-                        cost=cost,
-                        routed=int(routed),
-                        available=available != 0.0,
-                        recent_blocks=recent,
-                        balance_blocks=balance,
-                        predicted_blocks=p,
-                    ),
-                )
-            )
+        unavailable = available == 0.0
+        if bound is not None and (unavailable, cost, pending, recent, routed, i) > bound:
             continue
-        key = (available == 0.0, cost, pending, recent, routed, i)
-        if bound is None or key < bound:
-            insort(kept, (key, (h, m, cached, prefill, balance, p)))
-            if len(kept) > top:
-                kept.pop()
-            if len(kept) == top:
-                bound = kept[-1][0]
-    if every:
-        ranked.sort()
-        return [entry[-1] for entry in ranked]
-    out = []
-    for (unavailable, cost, pending, recent, routed, _), (
-        h,
-        m,
-        cached,
-        prefill,
-        balance,
-        p,
-    ) in kept:
-        out.append(
+        entry = (
+            unavailable,
+            cost,
+            pending,
+            recent,
+            routed,
+            i,
             HolderScore(
                 worker=h.worker,
                 dp_rank=h.dp_rank,
@@ -357,6 +320,16 @@ def board_top_scores(
                 recent_blocks=recent,
                 balance_blocks=balance,
                 predicted_blocks=p,
-            )
+            ),
         )
-    return out
+        if every:
+            ranked.append(entry)
+            continue
+        insort(ranked, entry)
+        if len(ranked) > top:
+            ranked.pop()
+        if len(ranked) == top:
+            bound = ranked[-1][:6]
+    if every:
+        ranked.sort()
+    return [entry[-1] for entry in ranked]
