@@ -17,6 +17,7 @@ import pytest
 import trustme
 from upstream_support import OK, Script, Server, answer_once, keep_alive, read_request, run, serving
 
+from kvevents import http_auth
 from kvevents.router.upstream import MidwayError, Upstream, UpstreamError
 
 
@@ -269,6 +270,44 @@ def test_https_engines_are_verified_with_the_given_context(tmp_path: Path) -> No
             await stranger.post(url, "/x", b"{}", {})
         server.close()
 
+    run(main())
+
+
+def test_without_a_context_https_engines_are_verified_as_httpx_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Upstream made without ``tls`` (a tokenizer endpoint used on its own, say)
+    still verifies engines: a throwaway CA is refused, and trusted once
+    ``SSL_CERT_FILE`` names it (what httpx honours too; without it the bundle is
+    certifi's, which no test CA can be in)."""
+    ca = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(served)
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+
+    async def main() -> None:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await read_request(r)
+            w.write(OK)
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
+                await Upstream(timeout=5).post(url, "/x", b"{}", {})
+            monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+            http_auth._default_trust.cache_clear()
+            assert await (await Upstream(timeout=5).post(url, "/x", b"{}", {})).read() == b"{}"
+        finally:
+            http_auth._default_trust.cache_clear()
+            server.close()
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    http_auth._default_trust.cache_clear()
     run(main())
 
 

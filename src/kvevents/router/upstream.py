@@ -54,6 +54,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvevents.errors import KVEventsError
+from kvevents.http_auth import ClientCredentials
 
 __all__ = ["FullResponse", "MidwayError", "Response", "Upstream", "UpstreamError"]
 
@@ -336,7 +337,12 @@ class _Connection(asyncio.Protocol):
 
 class Upstream:
     """Forwards ``POST`` requests to engines, and polls them with ``GET``, over a pool of
-    kept-alive connections per engine."""
+    kept-alive connections per engine.
+
+    ``tls``: the context ``https://`` engines are verified with (the router's, from
+    ``--ssl-ca-certs``); None trusts what httpx trusts by default (``SSL_CERT_FILE`` or
+    ``SSL_CERT_DIR``, else certifi's bundle: a slim container often has no system
+    store), one context for the process."""
 
     def __init__(
         self,
@@ -520,7 +526,8 @@ class Upstream:
         kwargs: dict[str, Any] = {}
         if origin.tls:
             kwargs = {
-                "ssl": self._tls or ssl.create_default_context(),
+                # without the service's context: the trust httpx gave it, made once
+                "ssl": self._tls or ClientCredentials().verify(),
                 "server_hostname": origin.host,
             }
         try:
