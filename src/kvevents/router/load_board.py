@@ -7,12 +7,14 @@ relayed request (or a ``/route`` with ``record``) changes them every time, thoug
 in Python every holder then cost about half a microsecond per request, plus the decay
 of every holder's ``recent`` work: 180 us a request at 256 ranks, 600 at 1,024. Here:
 
-* the loads are a flat float64 table, :data:`~kvevents.kernels.load_scan.STRIDE`
-  numbers per holder slot (availability, the engine's requests, this router's requests
-  and blocks in flight, the raw recent work, the requests routed), so the best holders
-  by load come out of one compiled scan (:mod:`kvevents.kernels.load_scan`) when the
-  kernels are loaded and the candidates many, and out of one Python pass otherwise
-  (:func:`board_top_scores`);
+* every holder's load is a row of six floats (availability, the engine's requests,
+  this router's requests and blocks in flight, the raw recent work, the requests
+  routed): a Python list per slot, which one Python pass over the candidates reads,
+  and a copy of all of them in one flat float64 table
+  (:data:`~kvevents.kernels.load_scan.STRIDE` per slot; only the rows changed since
+  are copied, when it is read), which the compiled scan
+  (:mod:`kvevents.kernels.load_scan`) reads when the kernels are loaded and the
+  candidates many (:func:`board_top_scores`);
 * ``recent`` is stored raw, beside one scale that every routed request multiplies by
   the decay: a holder's recent work is ``raw * scale``, and a request routed adds
   ``blocks / scale`` to its holder's raw figure, so the decay costs one multiplication,
