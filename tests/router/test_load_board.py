@@ -80,8 +80,9 @@ def test_polls_say_whether_they_changed_anything() -> None:
     assert board[H0] == HolderLoad(engine_requests=3, available=False)
     board.set_engine(H1, True, 0)
     board.set_engine(H2, True, 0)
-    board.set_worker_available("http://a", False)
+    assert board.set_worker_available("http://a", False)
     assert [board[h].available for h in (H0, H1, H2)] == [False, False, True]
+    assert not board.set_worker_available("http://a", False)  # said again: no change
 
 
 def test_router_loads_are_copies_of_what_the_board_holds() -> None:

@@ -318,8 +318,8 @@ class Router:
 
     def set_worker_available(self, worker: str, available: bool) -> None:
         """Mark every rank of an engine (un)available, e.g. when its ``/load`` stops answering."""
-        self.loads.set_worker_available(worker, available)
-        self._loads_version += 1
+        if self.loads.set_worker_available(worker, available):
+            self._loads_version += 1  # a down engine's polls say so again and again
 
     # --- deciding ---------------------------------------------------------------------
 

@@ -207,10 +207,12 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         self._snapshot = None
         return True
 
-    def set_worker_available(self, worker: str, available: bool) -> None:
-        """Every rank of ``worker`` on the board (un)available."""
+    def set_worker_available(self, worker: str, available: bool) -> bool:
+        """Every rank of ``worker`` on the board (un)available; True when any changed."""
+        changed = False
         for holder in [h for h in self._slots if h.worker == worker]:
-            self.set_engine(holder, available)
+            changed |= self.set_engine(holder, available)
+        return changed
 
     # --- reading loads for a decision -------------------------------------------------
 
