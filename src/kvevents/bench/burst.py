@@ -44,7 +44,16 @@ __all__ = ["DEFAULT_MODES", "run_burst_bench"]
 
 _DP_SIZE = 4
 _PAGE = 16
-_EVENTS_CONFIG = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "bind": True})
+# with a replay endpoint, as the README advises: each mode's router joins an engine
+# that holds the earlier modes' blocks, and replays their history before it is measured
+_EVENTS_CONFIG = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+        "bind": True,
+    }
+)
 DEFAULT_MODES: dict[str, list[str]] = {
     "predictions_off": ["--prediction-ttl", "0"],
     "predictions_on": [],  # the router's defaults
@@ -103,15 +112,34 @@ async def _send(
     return list(await asyncio.gather(*(group(i, g) for i, g in enumerate(groups))))
 
 
-def _wait_ranks(url: str, timeout: float = 60.0) -> None:
+def _wait_ranks(url: str, engine_url: str, timeout: float = 60.0) -> None:
+    """Until the router at ``url`` follows every rank and has applied every batch the
+    (idle) engine published before it joined: the earlier modes' history, replayed on
+    join. A mode measured while that replay is still coming in would route its first
+    groups on an index that lacks blocks the engine holds."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=10.0) as client:
+        published = {
+            r["dp_rank"]: r["batches_published"]
+            for r in client.get(f"{engine_url}/load").json()["ranks"]
+        }
         while time.monotonic() < deadline:
-            streams = client.get(f"{url}/workers").json()["streams"]
-            if sum(s["status"] == "connected" for s in streams) >= _DP_SIZE:
+            workers = client.get(f"{url}/workers").json()
+            connected = sum(s["status"] == "connected" for s in workers["streams"])
+            applied = {
+                h["dp_rank"]: -1 if h["applied_seq"] is None else h["applied_seq"]
+                for h in workers["holders"]
+                if h["worker"] == engine_url
+            }
+            if connected >= _DP_SIZE and all(
+                applied.get(rank, -1) + 1 >= count for rank, count in published.items()
+            ):
                 return
             time.sleep(0.1)
-    raise KVEventsError(f"the router at {url} did not connect to {_DP_SIZE} ranks in {timeout:g} s")
+    raise KVEventsError(
+        f"the router at {url} did not follow {_DP_SIZE} ranks and apply their "
+        f"{sum(published.values())} published batches in {timeout:g} s"
+    )
 
 
 def _figures(
@@ -187,7 +215,7 @@ def run_burst_bench(
             )
             try:
                 url = router.start(timeout=60.0)
-                _wait_ranks(url)
+                _wait_ranks(url, engine_url)
                 work = _groups(groups, siblings, prefix_tokens, seed=seed * 1000 + i)
                 t0 = time.monotonic()
                 done = asyncio.run(_run(url, work, group_interval_s, sibling_interval_s))
