@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,9 @@ from kvevents import (
     Unreachable,
     ZmqEventPublisher,
 )
+from kvevents.subscribe.stream_sockets import StreamSockets
+from kvevents.wire.codec import encode_batch
+from kvevents.wire.frames import live_frames
 from subscriber_support import collect, deliveries, signals, wait_for
 
 Factory = Callable[..., ZmqEventPublisher]
@@ -336,6 +340,99 @@ def test_replay_endpoint_given_as_live_is_refused_not_connected(make_publisher: 
         assert "connected" not in statuses and stats.status == "refused"
         assert "not a PUB socket" in (stats.handshake_error or "")
         assert sub.get(timeout=0.2) is None  # reported once: no signal per retry
+
+
+def test_a_stream_recovered_after_a_refused_handshake_is_not_reconnected_later(
+    make_publisher: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first connection is dropped mid-handshake (a listener that accepts and
+    closes: a publisher restarting, a proxy whose upstream is not up), then the real
+    publisher answers on that port and libzmq's own reconnect succeeds. The stream must
+    keep that connection: a reconnect of ours at ``retry_max`` would drop it and lose
+    what is published meanwhile (when a batch goes out during it)."""
+    retried_while = []
+    retry = StreamSockets.retry
+
+    def watched(self: StreamSockets) -> None:
+        retried_while.append(self.counters.status)
+        retry(self)
+
+    monkeypatch.setattr(StreamSockets, "retry", watched)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10.0)
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    spec = StreamSpec(worker="w", dp_rank=0, endpoint=endpoint)
+    with Subscriber(streams=[spec], retry_max=1.0) as sub:
+        conn, _ = listener.accept()
+        conn.close()
+        listener.close()
+        deadline = time.monotonic() + 10.0
+        while True:  # the port is free once the listener's close is through
+            try:
+                pub = make_publisher(endpoint, None)
+                break
+            except EndpointError:
+                assert time.monotonic() < deadline, "the port never came free"
+                time.sleep(0.02)
+        items: list = []
+        n = 0
+        until = time.monotonic() + 2.5  # past retry_max after the refusal
+        while time.monotonic() < until:  # a few hundred batches, none dropped on the way
+            pub.publish(batch(n))
+            n += 1
+            while (item := sub.get(timeout=0.01)) is not None:
+                items.append(item)
+            time.sleep(0.005)
+        items += collect(
+            sub, until=lambda got: any(d.seq == n - 1 for d in deliveries(items + got))
+        )
+        seqs = [d.seq for d in deliveries(items)]
+        assert sub.stats()[Holder("w", 0)].status == "connected"
+        # joined late, it may miss a first few (no replay endpoint: one Loss at most, at
+        # the start); once following, nothing is lost
+        assert seqs == list(range(seqs[0], n))
+        assert [s.kind for s in signals(items) if s.kind not in ("unreachable", "loss")] == []
+        losses = signals(items, "loss")
+        assert len(losses) <= 1 and all(loss.last_seq < seqs[0] for loss in losses)
+        assert "connected" not in retried_while  # no reconnect of a working connection
+
+
+def test_a_publisher_of_an_older_zmq_protocol_is_connected_once_data_arrives() -> None:
+    """A publisher speaking ZMTP 2.0 (libzmq 3.x) completes no handshake that libzmq
+    reports: its stream says "connected" once its first batch arrives, not
+    "connecting" for ever, and its batches are delivered."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10.0)
+    frames = live_frames(b"", 0, encode_batch(batch(0)))
+
+    def zmtp2_pub() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"\xff" + bytes(8) + b"\x7f")  # the signature
+            conn.recv(10)
+            conn.sendall(b"\x01\x01")  # revision 1 (ZMTP 2.0), socket type PUB
+            conn.sendall(b"\x00\x00")  # an empty identity
+            time.sleep(0.3)  # the subscription comes in meanwhile
+            for i, frame in enumerate(frames):
+                more = 0 if i == len(frames) - 1 else 1
+                conn.sendall(bytes([more, len(frame)]) + frame)  # short frames
+            time.sleep(2.0)
+
+    server = threading.Thread(target=zmtp2_pub, daemon=True)
+    server.start()
+    spec = StreamSpec(
+        worker="old",
+        dp_rank=0,
+        endpoint=f"tcp://{listener.getsockname()[0]}:{listener.getsockname()[1]}",
+    )
+    try:
+        with Subscriber(streams=[spec]) as sub:
+            items = collect(sub, until=lambda got: len(deliveries(got)) == 1)
+            assert deliveries(items)[0].seq == 0
+            assert sub.stats()[Holder("old", 0)].status == "connected"
+    finally:
+        server.join(timeout=5.0)
+        listener.close()
 
 
 def test_stream_that_comes_up_later_is_followed_from_seq_0(make_publisher: Factory) -> None:

@@ -111,7 +111,8 @@ def test_a_fleet_routes_by_the_compiled_scan_compiled_once_at_load() -> None:
     from kvevents.kernels import load_scan
 
     assert len(load_scan.best_unmatched.signatures) == 1
-    router = Router(block_size=4)
+    # weights given as ints are floats to the kernel: no second signature
+    router = Router(block_size=4, weights=ScoringWeights(load_weight=1, balance_weight=0))
     holders = [Holder(f"http://e{r // 8}", r % 8) for r in range(load_board._COMPILED_FROM + 8)]
     for h in holders:
         router.add_holder(h, block_size=4)

@@ -273,13 +273,12 @@ def test_https_engines_are_verified_with_the_given_context(tmp_path: Path) -> No
     run(main())
 
 
-def test_without_a_context_https_engines_are_verified_as_httpx_would(
+def test_without_a_context_https_engines_are_verified_against_the_system_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An Upstream made without ``tls`` (a tokenizer endpoint used on its own, say)
-    still verifies engines: a throwaway CA is refused, and trusted once
-    ``SSL_CERT_FILE`` names it (what httpx honours too; without it the bundle is
-    certifi's, which no test CA can be in)."""
+    still verifies engines, against the system's store as the router's own context
+    does: a throwaway CA is refused, and trusted once ``SSL_CERT_FILE`` names it."""
     ca = trustme.CA()
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(served)
@@ -299,15 +298,15 @@ def test_without_a_context_https_engines_are_verified_as_httpx_would(
             with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
                 await Upstream(timeout=5).post(url, "/x", b"{}", {})
             monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
-            http_auth._default_trust.cache_clear()
+            http_auth._trusting.cache_clear()
             assert await (await Upstream(timeout=5).post(url, "/x", b"{}", {})).read() == b"{}"
         finally:
-            http_auth._default_trust.cache_clear()
+            http_auth._trusting.cache_clear()
             server.close()
 
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
-    http_auth._default_trust.cache_clear()
+    http_auth._trusting.cache_clear()
     run(main())
 
 

@@ -130,8 +130,15 @@ class Kernels:
         (:func:`~kvevents.kernels.load_scan.best_unmatched`; ``slots`` an ``array("q")``,
         ``table`` the board's ``array("d")``)."""
         out = array("q", bytes(8 * count))
-        kept, least = self._best_unmatched(
-            slots, table, scale, n_blocks, load_weight, balance_weight, foreign_blocks, out
+        kept, least = self._best_unmatched(  # floats all: one compiled signature
+            slots,
+            table,
+            float(scale),
+            float(n_blocks),
+            float(load_weight),
+            float(balance_weight),
+            float(foreign_blocks),
+            out,
         )
         return out[:kept].tolist(), least
 

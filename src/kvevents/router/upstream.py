@@ -340,9 +340,9 @@ class Upstream:
     kept-alive connections per engine.
 
     ``tls``: the context ``https://`` engines are verified with (the router's, from
-    ``--ssl-ca-certs``); None trusts what httpx trusts by default (``SSL_CERT_FILE`` or
-    ``SSL_CERT_DIR``, else certifi's bundle: a slim container often has no system
-    store), one context for the process."""
+    ``--ssl-ca-certs``); None trusts the system's store (``SSL_CERT_FILE`` and
+    ``SSL_CERT_DIR`` honoured), as the router does without ``--ssl-ca-certs``, through
+    one context for the process (making one per connection read the store each time)."""
 
     def __init__(
         self,
@@ -526,8 +526,9 @@ class Upstream:
         kwargs: dict[str, Any] = {}
         if origin.tls:
             kwargs = {
-                # without the service's context: the trust httpx gave it, made once
-                "ssl": self._tls or ClientCredentials().verify(),
+                # without the service's context: the system's trust store, as the
+                # router's own (--ssl-ca-certs unset), one context for the process
+                "ssl": self._tls or ClientCredentials().ssl_context(),
                 "server_hostname": origin.host,
             }
         try:

@@ -22,12 +22,13 @@ from kvevents.curve_keys import CurveKeyPair
 
 __all__ = ["HANDSHAKE_EVENTS", "HANDSHAKE_TIMEOUT_MS", "handshake_failure_reason", "secure_client"]
 
-HANDSHAKE_TIMEOUT_MS = 5000
+HANDSHAKE_TIMEOUT_MS = 10_000
 """How long a connection may take to complete its ZMTP handshake (``ZMQ_HANDSHAKE_IVL``;
-libzmq's default is 30 s). libzmq does the handshake on its own I/O thread, in
-milliseconds on any network a fleet runs on; what takes longer is an address where
-something other than a ZMQ publisher listens (an HTTP port, say), which would otherwise
-look connected for 30 s before it was reported."""
+libzmq's default is 30 s). A handshake takes milliseconds on any network a fleet runs
+on (a CURVE one waits for the publisher's authenticator, a Python thread, so an engine
+that holds the GIL for seconds delays it: hence 10 s, not less); what takes longer is
+an address where something other than a ZMQ publisher listens (an HTTP port, say),
+which would otherwise look connected for 30 s before it was reported."""
 
 HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -102,7 +103,8 @@ def handshake_failure_reason(
     return (
         "the peer closed the connection during the ZMQ handshake"
         + (f" (errno {value})" if value else "")
-        + ": no data; either the address is not a PUB socket (a replay endpoint given as "
-        "the live one?: the engine's /server_info lists its event endpoints), or the "
-        f"publisher requires CURVE and this stream has no server key: {_HOW}"
+        + ": no data until a handshake succeeds (retried); if this lasts, either the "
+        "address is not a PUB socket (a replay endpoint given as the live one?: the "
+        "engine's /server_info lists its event endpoints), or the publisher requires "
+        f"CURVE and this stream has no server key: {_HOW}"
     )

@@ -48,7 +48,7 @@ from kvevents.subscribe.items import (
     Signal,
     Unreachable,
 )
-from kvevents.subscribe.stats import SAMPLE_INTERVAL, StreamStats
+from kvevents.subscribe.stats import SAMPLE_INTERVAL, StreamStats, StreamStatus
 from kvevents.subscribe.stream import (
     MAX_SEQ_JUMP,
     CancelReplay,
@@ -312,6 +312,9 @@ class SubscriberLoop:
         sock, tracker = st.sub, st.tracker
         recv, unpack = sock.recv, _SEQ.unpack
         st.activity, st.probed = now, False
+        if st.counters.status is not StreamStatus.CONNECTED:
+            # data came, so a handshake happened (a ZMTP 1.0/2.0 publisher reports none)
+            st.handshake_done()
         skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
             # Frame by frame without copying: about 3x cheaper than recv_multipart, whose

@@ -12,7 +12,7 @@ first failed connection attempt of a streak is reported as an
 up to ``reconnect_max_ms``).
 
 A stream's status stays ``CONNECTING`` from the TCP connection until the ZMQ handshake
-succeeds, which must happen within ``HANDSHAKE_TIMEOUT_MS``: an address where something
+succeeds, which must happen within ``curve_client.HANDSHAKE_TIMEOUT_MS`` (10 s): an address where something
 else listens (an HTTP port, a replay socket given as the live one) never looks connected.
 A stream with a CURVE server key (its spec's, or the subscriber's default) connects both
 sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A failed handshake
@@ -31,9 +31,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.curve_keys import CurveKeyPair
+from kvevents.subscribe import curve_client
 from kvevents.subscribe.curve_client import (
     HANDSHAKE_EVENTS,
-    HANDSHAKE_TIMEOUT_MS,
     handshake_failure_reason,
     secure_client,
 )
@@ -102,7 +102,7 @@ class StreamSockets:
             sub.setsockopt(zmq.MAXMSGSIZE, max_message_size)
             sub.setsockopt(zmq.RECONNECT_IVL, 100)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_max_ms)
-            sub.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
+            sub.setsockopt(zmq.HANDSHAKE_IVL, curve_client.HANDSHAKE_TIMEOUT_MS)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             secure_client(sub, curve_key_pair, self.curve_server_key)
             self.monitor: zmq.Socket[bytes] = sub.get_monitor_socket(_MONITORED)
@@ -143,9 +143,10 @@ class StreamSockets:
                 self._unreachable_reported = False
                 actions += self.tracker.on_connected()
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.counters.status = StreamStatus.CONNECTED
-                self.counters.handshake_error = None
-                self._refused = self._handshaking = False
+                self.handshake_done()
+                # libzmq reconnected by itself after a refusal: no reconnect of ours
+                # later, which would drop this working connection
+                self.retry_at = None
             elif kind & HANDSHAKE_EVENTS:
                 self._handshaking = False
                 signals += self._on_refused(int(kind), int(event["value"]))
@@ -176,6 +177,13 @@ class StreamSockets:
                             f"up to every {self._reconnect_max_ms / 1000:g} s",
                         )
                     )
+
+    def handshake_done(self) -> None:
+        """The stream is connected: its handshake succeeded, or (a publisher whose ZMQ
+        protocol predates handshake events) a message arrived."""
+        self.counters.status = StreamStatus.CONNECTED
+        self.counters.handshake_error = None
+        self._refused = self._handshaking = False
 
     def _on_refused(self, kind: int, value: int) -> list[Signal]:
         """A failed handshake: counted, the status and reason set, the first one reported."""
