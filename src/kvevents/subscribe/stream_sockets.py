@@ -12,14 +12,16 @@ first failed connection attempt of a streak is reported as an
 up to ``reconnect_max_ms``).
 
 A stream's status stays ``CONNECTING`` from the TCP connection until the ZMQ handshake
-succeeds, which must happen within ``curve_client.HANDSHAKE_TIMEOUT_MS`` (10 s): an address where something
-else listens (an HTTP port, a replay socket given as the live one) never looks connected.
-A stream with a CURVE server key (its spec's, or the subscriber's default) connects both
-sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A failed handshake
-makes the status ``REFUSED``, is counted, and the first of a streak is reported as an
-``Unreachable`` signal saying why. libzmq does not retry some refusals at all and others
-every 100 ms, so after a refused handshake the socket is connected again once,
-``reconnect_max_ms`` later (:attr:`StreamSockets.retry_at`), whatever libzmq does.
+succeeds (or, from a publisher too old to report one, a batch arrives), which must
+happen within ``curve_client.HANDSHAKE_TIMEOUT_MS`` (10 s): an address where something
+else listens (an HTTP port, a replay socket given as the live one) never looks
+connected. A stream with a CURVE server key (its spec's, or the subscriber's default)
+connects both sockets as CURVE clients (:mod:`kvevents.subscribe.curve_client`). A
+failed handshake, or a connection dropped before its handshake ended, makes the status
+``REFUSED``, is counted, and the first of a streak is reported as an ``Unreachable``
+signal saying why. libzmq does not retry some refusals at all and others every 100 ms,
+so after a refused handshake the socket is connected again once, ``reconnect_max_ms``
+later (:attr:`StreamSockets.retry_at`), unless libzmq's own retry has succeeded by then.
 """
 
 from __future__ import annotations
