@@ -100,10 +100,11 @@ def handshake_failure_reason(
         )
     # what closes the connection mid-handshake: a ZMQ socket of another kind, or (when
     # libzmq reports no mechanism mismatch, as it at times does not) a CURVE publisher
+    # (no errno in the text: libzmq reports the same refusal with one or with none,
+    # and a new text is reported as a new refusal)
     return (
-        "the peer closed the connection during the ZMQ handshake"
-        + (f" (errno {value})" if value else "")
-        + ": no data until a handshake succeeds (retried); if this lasts, either the "
+        "the peer closed the connection during the ZMQ handshake: no data until a "
+        "handshake succeeds (retried); if this lasts, either the "
         "address is not a PUB socket (a replay endpoint given as the live one?: the "
         "engine's /server_info lists its event endpoints), or the publisher requires "
         f"CURVE and this stream has no server key: {_HOW}"

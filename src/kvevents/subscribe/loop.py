@@ -312,9 +312,9 @@ class SubscriberLoop:
         sock, tracker = st.sub, st.tracker
         recv, unpack = sock.recv, _SEQ.unpack
         st.activity, st.probed = now, False
-        if st.counters.status is not StreamStatus.CONNECTED:
+        if st.counters.status is StreamStatus.CONNECTING:
             # data came, so a handshake happened (a ZMTP 1.0/2.0 publisher reports none)
-            st.handshake_done()
+            self._apply(st, st.handshake_done(), now, out)
         skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
             # Frame by frame without copying: about 3x cheaper than recv_multipart, whose

@@ -143,9 +143,8 @@ class StreamSockets:
                     self.counters.status = StreamStatus.CONNECTING
                 self._handshaking = True
                 self._unreachable_reported = False
-                actions += self.tracker.on_connected()
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshake_done()
+                actions += self.handshake_done()
                 # libzmq reconnected by itself after a refusal: no reconnect of ours
                 # later, which would drop this working connection
                 self.retry_at = None
@@ -180,12 +179,15 @@ class StreamSockets:
                         )
                     )
 
-    def handshake_done(self) -> None:
+    def handshake_done(self) -> list[TrackerAction]:
         """The stream is connected: its handshake succeeded, or (a publisher whose ZMQ
-        protocol predates handshake events) a message arrived."""
+        protocol predates handshake events) a message arrived while connecting. The
+        tracker hears of the connection now, not at the TCP connection: a refused
+        attempt is no reconnection to verify."""
         self.counters.status = StreamStatus.CONNECTED
         self.counters.handshake_error = None
         self._refused = self._handshaking = False
+        return self.tracker.on_connected()
 
     def _on_refused(self, kind: int, value: int) -> list[Signal]:
         """A failed handshake: counted, the status and reason set, the first one reported."""
