@@ -162,3 +162,17 @@ def test_before_any_block_size_is_known_requests_are_spread_by_load() -> None:
     router.handle(Delivery(H1, 0, stored([10, 11], [1, 2, 3, 4])))  # now a size is known
     assert router.index.block_size == 2
     assert router.route([1, 2, 3, 4, 5, 6]).dp_rank == 1
+
+
+def test_holder_summary_gives_each_holder_its_own_signals() -> None:
+    """/workers' per-holder signal counts: each holder's kinds and counts, none of
+    another holder's, none of the signals that name no holder."""
+    router = Router(block_size=4)
+    for h in (H0, H1):
+        router.add_holder(h, block_size=4)
+    router.handle(Gap(worker=H0.worker, dp_rank=0, first_seq=1, last_seq=2))
+    router.handle(Gap(worker=H0.worker, dp_rank=0, first_seq=5, last_seq=5))
+    router.handle(Reset(worker=H0.worker, dp_rank=0, last_seq=9, new_seq=0, reason="t"))
+    router.signals[("unreachable", None)] += 1  # a signal of no one holder
+    summary = {(s["worker"], s["dp_rank"]): s["signals"] for s in router.holder_summary()}
+    assert summary == {tuple(H0): {"gap": 2, "reset": 1}, tuple(H1): {}}
