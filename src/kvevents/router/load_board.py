@@ -78,6 +78,8 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         self._stale: set[int] = set()
         """Slots whose row changed since :meth:`table` last copied it."""
         self._slots: dict[Holder, int] = {}
+        self._by_worker: dict[str, list[Holder]] = {}
+        """Each engine's holders (what an engine's failed poll changes, without a scan)."""
         self._snapshot: dict[Holder, HolderLoad] | None = None
         self._candidates: dict[int, _Candidates] = {}
 
@@ -146,7 +148,9 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         """``holder``'s slot, added idle (available, nothing counted) when new."""
         slot = self._slots.get(holder)
         if slot is None:
-            slot = self._slots[Holder(*holder)] = len(self._rows)
+            holder = Holder(*holder)
+            slot = self._slots[holder] = len(self._rows)
+            self._by_worker.setdefault(holder.worker, []).append(holder)
             self._rows.append([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             self._stale.add(slot)
             self._snapshot = None
@@ -210,7 +214,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
     def set_worker_available(self, worker: str, available: bool) -> bool:
         """Every rank of ``worker`` on the board (un)available; True when any changed."""
         changed = False
-        for holder in [h for h in self._slots if h.worker == worker]:
+        for holder in self._by_worker.get(worker, ()):
             changed |= self.set_engine(holder, available)
         return changed
 
