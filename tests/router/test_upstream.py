@@ -247,6 +247,19 @@ def test_a_long_stream_read_slowly_arrives_whole() -> None:
     run(main())
 
 
+async def _https_answering(served: ssl.SSLContext) -> tuple[asyncio.Server, str]:
+    """A TLS server (``served``: its certificate) that answers each request with OK."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(OK)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
+    return server, f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
 def test_https_engines_are_verified_with_the_given_context(tmp_path: Path) -> None:
     ca = trustme.CA()
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -255,14 +268,7 @@ def test_https_engines_are_verified_with_the_given_context(tmp_path: Path) -> No
     ca.configure_trust(trusted)
 
     async def main() -> None:
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            await read_request(r)
-            w.write(OK)
-            await w.drain()
-            w.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
-        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        server, url = await _https_answering(served)
         client = Upstream(timeout=5, tls=trusted)
         assert await (await client.post(url, "/x", b"{}", {})).read() == b"{}"
         stranger = Upstream(timeout=5, tls=ssl.create_default_context())
@@ -286,14 +292,7 @@ def test_without_a_context_https_engines_are_verified_against_the_system_store(
     ca.cert_pem.write_to_path(str(bundle))
 
     async def main() -> None:
-        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            await read_request(r)
-            w.write(OK)
-            await w.drain()
-            w.close()
-
-        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
-        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        server, url = await _https_answering(served)
         try:
             with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
                 await Upstream(timeout=5).post(url, "/x", b"{}", {})
