@@ -145,9 +145,6 @@ class StreamSockets:
                 self._unreachable_reported = False
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 actions += self.handshake_done()
-                # libzmq reconnected by itself after a refusal: no reconnect of ours
-                # later, which would drop this working connection
-                self.retry_at = None
             elif kind & HANDSHAKE_EVENTS:
                 self._handshaking = False
                 signals += self._on_refused(int(kind), int(event["value"]))
@@ -187,6 +184,9 @@ class StreamSockets:
         self.counters.status = StreamStatus.CONNECTED
         self.counters.handshake_error = None
         self._refused = self._handshaking = False
+        # libzmq may have reconnected by itself after a refusal: no reconnect of ours
+        # later, which would drop this working connection
+        self.retry_at = None
         return self.tracker.on_connected()
 
     def _on_refused(self, kind: int, value: int) -> list[Signal]:
