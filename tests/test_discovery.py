@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +28,8 @@ from kvevents.subscribe.discovery import (
     normalize_engine_url,
     streams_from_kv_event_sources,
 )
+from kvevents.subscribe.engine_watcher import EngineWatcher
+from subscriber_support import wait_for
 
 
 def info(**kv: Any) -> dict[str, Any]:
@@ -281,3 +285,44 @@ def test_discover_falls_back_to_vllms_kv_event_sources(
     with pytest.raises(DiscoveryError, match="publishing looks off") as caught:
         discover(url)
     assert caught.value.reached  # it answered: not unreachable
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["no replay endpoint", "replay endpoints"])
+def test_an_engine_without_replay_endpoints_is_warned_of_once(
+    http_server: tuple[str, dict[str, tuple[int, bytes]]],
+    caplog: pytest.LogCaptureFixture,
+    replay: bool,
+) -> None:
+    """Following an engine whose ranks have no replay endpoint logs one warning naming
+    it and its ranks (what the subscriber misses can never be fetched again); rechecks
+    of the same ranks say nothing more, and an engine with replay endpoints nothing."""
+    url, routes = http_server
+    extra = {"replay_endpoint_port_base": 6000} if replay else {}
+    routes["/server_info"] = (200, json.dumps(info(dp_size=2, **extra)).encode())
+    added: list[StreamSpec] = []
+    closing = threading.Event()
+    watcher = EngineWatcher(
+        url,
+        url,
+        timeout=5.0,
+        retry_initial=0.1,
+        retry_max=0.1,
+        closing=closing,
+        add_spec=added.append,
+        report=lambda signal: None,
+        replace_spec=lambda spec: None,
+        recheck=0.05,
+    )
+    caplog.set_level(logging.WARNING, logger="kvevents.subscribe.engine_watcher")
+    watcher.thread.start()
+    try:
+        wait_for(lambda: watcher.attempts >= 1 and len(added) == 2, what="both ranks followed")
+        time.sleep(0.3)  # several rechecks of the same two ranks
+    finally:
+        closing.set()
+        watcher.thread.join(5.0)
+    warned = [r.getMessage() for r in caplog.records if "replay endpoint" in r.getMessage()]
+    if replay:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and url in warned[0] and "rank(s) 0, 1" in warned[0]

@@ -17,6 +17,7 @@ thread within one request timeout.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -30,6 +31,8 @@ from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.types import StrEnum
 
 __all__ = ["DiscoveryState", "EngineStatus", "EngineWatcher"]
+
+log = logging.getLogger(__name__)
 
 
 class DiscoveryState(StrEnum):
@@ -165,6 +168,19 @@ class EngineWatcher:
 
     def _follow(self, specs: list[StreamSpec]) -> None:
         """Add ranks not followed yet; replace those whose stream moved."""
+        unrecoverable = [
+            s.dp_rank for s in specs if s.replay_endpoint is None and s.dp_rank not in self._followed
+        ]
+        if unrecoverable:
+            log.warning(
+                "engine %s publishes rank(s) %s without a replay endpoint: batches this "
+                "subscriber misses (while disconnected, or published before it joined) "
+                "cannot be fetched again; each is reported as a loss, and the blocks they "
+                "stored stay unknown until stored again. Give the engine's kv-events "
+                "config a replay_endpoint to recover them",
+                self.url,
+                ", ".join(map(str, sorted(unrecoverable))),
+            )
         for spec in specs:
             known = self._followed.get(spec.dp_rank)
             if known == spec:
