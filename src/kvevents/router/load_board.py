@@ -177,9 +177,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         """A request of ``blocks`` prompt blocks went to ``holder``: every holder's recent
         work decays by ``decay`` (the scale), then ``holder``'s grows by ``blocks``;
         ``count``: it is also counted in ``routed`` (this router's own request). O(1)."""
-        slot = self._slots.get(holder)
-        if slot is None:
-            slot = self.slot(holder)
+        slot = self.slot(holder)
         scale = self.scale * decay
         if scale < _FOLD_BELOW:
             for row in self._rows:

@@ -169,7 +169,9 @@ class EngineWatcher:
     def _follow(self, specs: list[StreamSpec]) -> None:
         """Add ranks not followed yet; replace those whose stream moved."""
         unrecoverable = [
-            s.dp_rank for s in specs if s.replay_endpoint is None and s.dp_rank not in self._followed
+            s.dp_rank
+            for s in specs
+            if s.replay_endpoint is None and s.dp_rank not in self._followed
         ]
         if unrecoverable:
             log.warning(
