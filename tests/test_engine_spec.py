@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,35 @@ def test_model_names_the_models_an_engine_serves() -> None:
     assert EngineSpec.create("http://c:1").models == ()
     with pytest.raises(ConfigError, match="names no model"):
         EngineSpec.create("http://c:1", model=" , ")
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["no replay endpoint", "replay endpoint"])
+def test_described_streams_without_a_replay_endpoint_are_warned_of(
+    caplog: pytest.LogCaptureFixture, replay: bool
+) -> None:
+    """Following a described engine whose streams have no replay endpoint logs one
+    warning that names the engine and the option to give; with one, nothing."""
+    spec = EngineSpec.create(
+        "127.0.0.1:8000",
+        kv_endpoint="tcp://*:5557",
+        replay_endpoint="tcp://*:5600" if replay else None,
+        dp_size=2,
+    )
+
+    class Following:
+        def __init__(self) -> None:
+            self.streams: list[StreamSpec] = []
+
+        def add_stream(self, stream: StreamSpec) -> None:
+            self.streams.append(stream)
+
+    following = Following()
+    caplog.set_level(logging.WARNING, logger="kvevents.subscribe.engine_spec")
+    spec.follow(following)  # type: ignore[arg-type]
+    assert following.streams == spec.streams() and len(following.streams) == 2
+    warned = [r.getMessage() for r in caplog.records if "replay endpoint" in r.getMessage()]
+    if replay:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert "http://127.0.0.1:8000" in warned[0] and "--replay-endpoint" in warned[0]

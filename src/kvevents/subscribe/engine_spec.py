@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -62,6 +63,8 @@ __all__ = [
     "load_engines_file",
     "parse_engines_document",
 ]
+
+log = logging.getLogger(__name__)
 
 EngineKind = Literal["vllm", "sglang", "kvevents"]
 """How a request reaches one rank: vLLM's header, or SGLang's (and ours) body field."""
@@ -181,7 +184,19 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     def follow(self, subscriber: Subscriber) -> None:
         """Have ``subscriber`` follow this engine: its described streams, else its URL."""
         if self.described:
-            for stream in self.streams():
+            streams = self.streams()
+            if self.replay_endpoint is None:
+                log.warning(
+                    "engine %s: its streams are given without a replay endpoint: batches "
+                    "this subscriber misses (while disconnected, or published before it "
+                    "joined) cannot be fetched again; each is reported as a loss, and the "
+                    "blocks they stored stay unknown until stored again. Give the replay "
+                    "socket's address (--replay-endpoint after its --engine, or "
+                    "replay_endpoint in the engines file; the engine's kv-events config "
+                    "must set replay_endpoint too) to recover them",
+                    self.worker,
+                )
+            for stream in streams:
                 subscriber.add_stream(stream)
         else:
             subscriber.add_engine(
