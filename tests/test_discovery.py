@@ -29,6 +29,7 @@ from kvevents.subscribe.discovery import (
     streams_from_kv_event_sources,
 )
 from kvevents.subscribe.engine_watcher import EngineWatcher
+from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
 from subscriber_support import wait_for
 
 
@@ -326,3 +327,4 @@ def test_an_engine_without_replay_endpoints_is_warned_of_once(
         assert warned == []
     else:
         assert len(warned) == 1 and url in warned[0] and "rank(s) 0, 1" in warned[0]
+        assert MISSED_WITHOUT_REPLAY in warned[0]

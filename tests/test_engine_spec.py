@@ -12,6 +12,7 @@ import pytest
 from kvevents import ConfigError, EngineSpec, StreamSpec, load_engines_file
 from kvevents.cli.engine_args import add_engine_arguments, endpoint_specs, engine_specs
 from kvevents.subscribe.engine_spec import parse_engines_document
+from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
 
 
 def test_tcp_endpoints_are_offset_per_rank_and_wildcards_take_the_url_host() -> None:
@@ -259,3 +260,4 @@ def test_described_streams_without_a_replay_endpoint_are_warned_of(
     else:
         assert len(warned) == 1
         assert "http://127.0.0.1:8000" in warned[0] and "--replay-endpoint" in warned[0]
+        assert MISSED_WITHOUT_REPLAY in warned[0]

@@ -52,6 +52,7 @@ from kvevents.curve_keys import parse_public_key
 from kvevents.endpoints import Endpoint, PortPlan
 from kvevents.errors import ConfigError, EndpointError
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
+from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
 
 if TYPE_CHECKING:
     from kvevents.subscribe.subscriber import Subscriber
@@ -187,14 +188,12 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
             streams = self.streams()
             if self.replay_endpoint is None:
                 log.warning(
-                    "engine %s: its streams are given without a replay endpoint: batches "
-                    "this subscriber misses (while disconnected, or published before it "
-                    "joined) cannot be fetched again; each is reported as a loss, and the "
-                    "blocks they stored stay unknown until stored again. Give the replay "
-                    "socket's address (--replay-endpoint after its --engine, or "
+                    "engine %s: its streams are given without a replay endpoint: %s. Give "
+                    "the replay socket's address (--replay-endpoint after its --engine, or "
                     "replay_endpoint in the engines file; the engine's kv-events config "
                     "must set replay_endpoint too) to recover them",
                     self.worker,
+                    MISSED_WITHOUT_REPLAY,
                 )
             for stream in streams:
                 subscriber.add_stream(stream)

@@ -28,6 +28,7 @@ from kvevents.errors import DiscoveryError
 from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, discover
 from kvevents.subscribe.items import Signal, Unreachable
+from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
 from kvevents.types import StrEnum
 
 __all__ = ["DiscoveryState", "EngineStatus", "EngineWatcher"]
@@ -175,13 +176,11 @@ class EngineWatcher:
         ]
         if unrecoverable:
             log.warning(
-                "engine %s publishes rank(s) %s without a replay endpoint: batches this "
-                "subscriber misses (while disconnected, or published before it joined) "
-                "cannot be fetched again; each is reported as a loss, and the blocks they "
-                "stored stay unknown until stored again. Give the engine's kv-events "
-                "config a replay_endpoint to recover them",
+                "engine %s publishes rank(s) %s without a replay endpoint: %s. Give the "
+                "engine's kv-events config a replay_endpoint to recover them",
                 self.url,
                 ", ".join(map(str, sorted(unrecoverable))),
+                MISSED_WITHOUT_REPLAY,
             )
         for spec in specs:
             known = self._followed.get(spec.dp_rank)

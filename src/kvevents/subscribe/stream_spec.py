@@ -18,6 +18,7 @@ from kvevents.errors import DiscoveryError, EndpointError
 
 __all__ = [
     "HOW_TO_ENABLE",
+    "MISSED_WITHOUT_REPLAY",
     "StreamSpec",
     "engine_host",
     "normalize_engine_url",
@@ -31,6 +32,14 @@ HOW_TO_ENABLE = (
     '(add "replay_endpoint":"tcp://*:5600" so consumers can recover gaps)'
 )
 """The hint every "publishing looks off" error ends with."""
+
+MISSED_WITHOUT_REPLAY = (
+    "batches this subscriber misses (while disconnected, or published before it joined) "
+    "cannot be fetched again; each is reported as a loss, and the blocks they stored stay "
+    "unknown until stored again"
+)
+"""What following a stream without a replay endpoint costs: the middle of every warning
+that says so (discovered engines and engines described by hand alike)."""
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
