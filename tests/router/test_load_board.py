@@ -17,6 +17,7 @@ from kvevents import Holder, HolderLoad, ScoringWeights
 from kvevents.router import load_board
 from kvevents.router.core import Router
 from kvevents.router.load_board import LoadBoard
+from kvevents.router.scoring import pending_blocks
 
 H0, H1, H2 = Holder("http://a", 0), Holder("http://a", 1), Holder("http://b", 0)
 
@@ -155,3 +156,47 @@ def test_the_table_the_scan_reads_is_every_row_as_it_is_now() -> None:
             shown.recent_blocks,
             shown.routed,
         )
+
+
+def test_a_request_ending_between_polls_leaves_no_foreign_request_behind() -> None:
+    """The engine's count moves with this router's requests between its polls: a poll
+    taken while a request of ours ran, then the request's end, leaves the rank idle
+    (before, it looked busy with a foreign request until the next poll); the engine's
+    own requests stay counted as the poll said; a request begun after a poll is not
+    taken for one of the engine's own; and the count never goes below zero."""
+    weights = ScoringWeights()
+    board = LoadBoard()
+    board.add_inflight(H0, 1, 5.0)
+    # polled while it ran: the one request it counts is ours, as the board had it
+    assert not board.set_engine(H0, True, 1)
+    board.add_inflight(H0, -1, -5.0)
+    assert board[H0] == HolderLoad(engine_requests=0)
+    assert pending_blocks(board[H0], weights) == 0.0
+
+    board.set_engine(H1, True, 3)  # two of the engine's own, and ours
+    board.add_inflight(H1, 1, 2.0)
+    board.set_engine(H1, True, 3)
+    assert pending_blocks(board[H1], weights) == 2.0 + 2 * weights.foreign_request_blocks
+    board.add_inflight(H1, -1, -2.0)
+    assert board[H1].engine_requests == 2
+    assert pending_blocks(board[H1], weights) == 2 * weights.foreign_request_blocks
+
+    board.set_engine(H2, True, 0)
+    board.add_inflight(H2, 2, 4.0)  # begun after the poll: the engine has them, ours
+    assert (board[H2].engine_requests, pending_blocks(board[H2], weights)) == (2, 4.0)
+    board.set_engine(H2, True, 1)  # the poll saw one of them: the other began after it
+    board.add_inflight(H2, -2, -4.0)
+    board.add_inflight(H2, -1, -2.0)  # a late removal: nothing below zero
+    assert board[H2] == HolderLoad(engine_requests=0)
+
+
+def test_a_router_polled_while_its_request_ran_sees_the_rank_idle_once_it_ends() -> None:
+    """Through the router: an engine's ``/load`` taken while the router's request ran
+    there, then that request's end: the rank's score has nothing pending."""
+    router = Router(block_size=4)
+    router.add_holder(H0, block_size=4)
+    ticket = router.begin(router.route([1, 2, 3, 4]))
+    router.update_load("http://a", {"ranks": [{"dp_rank": 0, "running": 1, "waiting": 0}]})
+    router.finish(ticket)
+    assert router.loads[H0].engine_requests == 0
+    assert router.route([5, 6, 7, 8]).scores[0].pending_blocks == 0.0

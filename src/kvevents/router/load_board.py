@@ -158,17 +158,28 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
 
     def add_inflight(self, holder: Holder, requests: int, blocks: float) -> bool:
         """Add (or, negative, remove) requests in flight and their uncached blocks; never
-        below zero. Removing from a holder not on the board does nothing (False)."""
+        below zero. Removing from a holder not on the board does nothing (False).
+
+        The engine's request count moves with them (never below zero either): a request
+        this router (or a peer) begins or ends after the engine's last poll is one more
+        or one fewer on the engine now. The engine's requests that are not this
+        router's, ``engine - inflight``, so stay what the poll said until the next one:
+        a request that ends between two polls leaves no phantom behind (before, the
+        rank then looked busy with a foreign request until the next poll), and one begun
+        between them is not taken for one of the engine's own."""
         slot = self._slots.get(holder)
         if slot is None:
             if requests <= 0:
                 return False
             slot = self.slot(holder)
         row = self._rows[slot]
-        requests_now = row[_INFLIGHT] + requests
+        before = row[_INFLIGHT]
+        requests_now = before + requests
         blocks_now = row[_BLOCKS] + blocks
         row[_INFLIGHT] = requests_now if requests_now > 0.0 else 0.0
         row[_BLOCKS] = blocks_now if blocks_now > 0.0 else 0.0
+        engine_now = row[_ENGINE] + (row[_INFLIGHT] - before)
+        row[_ENGINE] = engine_now if engine_now > 0.0 else 0.0
         self._stale.add(slot)
         self._snapshot = None
         return True

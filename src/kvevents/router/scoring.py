@@ -22,7 +22,11 @@ cached, so the cost, not a rule, decides between the prefix and the holder's loa
 queued on the holder now, in blocks: the uncached blocks of requests this router sent
 and has not seen finish, plus the requests the engine reports running or waiting
 (``/load``, or vLLM's ``/metrics``) that this router did not send, each counted as
-``foreign_request_blocks``.
+``foreign_request_blocks``. Those are counted as of the engine's last poll: the
+requests this router begins and ends between two polls move ``engine_requests`` with
+``inflight_requests`` (:meth:`LoadBoard.add_inflight
+<kvevents.router.load_board.LoadBoard.add_inflight>`), so a request that has just
+ended is not taken for a foreign one until the next poll.
 
 ``recent`` is the work this router gave the holder lately: the prompt blocks of each
 request sent to it, halved every ``balance_half_life`` requests routed (to any
@@ -144,7 +148,9 @@ class HolderLoad(msgspec.Struct, kw_only=True):
     """What the router knows of one holder's load."""
 
     engine_requests: int = 0
-    """Running plus waiting requests, as the engine's ``/load`` last reported."""
+    """Running plus waiting requests on the engine: the count its last poll reported
+    (``/load``, or vLLM's ``/metrics``), plus the requests this router and its peers
+    began there since, less those that ended since (never below 0)."""
     inflight_requests: int = 0
     """Requests this router forwarded to the holder and has not seen finish."""
     inflight_blocks: float = 0.0
