@@ -200,3 +200,34 @@ def test_a_router_polled_while_its_request_ran_sees_the_rank_idle_once_it_ends()
     router.finish(ticket)
     assert router.loads[H0].engine_requests == 0
     assert router.route([5, 6, 7, 8]).scores[0].pending_blocks == 0.0
+
+
+def test_a_request_ending_while_a_poll_waits_is_taken_out_of_the_engines_count() -> None:
+    """The engine may count a request that ends while its poll is on the way back: a
+    poll that says which requests had ended when it asked (``ended_before``) takes those
+    that ended since out of the count, the engine's own requests stay, and the count
+    never goes below zero; without it the ended request lingers as a foreign one."""
+    router = Router(block_size=4)
+    for rank in (0, 1):
+        router.add_holder(Holder("http://a", rank), block_size=4)
+    ours = [router.begin(router.route([1, 2, 3, 4])) for _ in range(2)]
+    assert {t.holder.dp_rank for t in ours} == {0, 1}
+    asked = router.requests_ended("http://a")
+    assert asked == {0: 0.0, 1: 0.0}
+    for ticket in ours:
+        router.finish(ticket)  # ended while the poll waited, counted by the engine
+    answer = {
+        "ranks": [
+            {"dp_rank": 0, "running": 1, "waiting": 0},  # ours alone
+            {"dp_rank": 1, "running": 2, "waiting": 1},  # ours and two of the engine's own
+        ]
+    }
+    router.update_load("http://a", answer, ended_before=asked)
+    assert [router.loads[Holder("http://a", r)].engine_requests for r in (0, 1)] == [0, 2]
+    assert router.requests_ended("http://a") == {0: 1.0, 1: 1.0}
+
+    router.update_load("http://a", answer)  # not told what had ended: taken as said
+    assert [router.loads[Holder("http://a", r)].engine_requests for r in (0, 1)] == [1, 3]
+    idle = {"ranks": [{"dp_rank": 0, "running": 0, "waiting": 0}]}
+    router.update_load("http://a", idle, ended_before={0: 0.0})  # counted after it ended
+    assert router.loads[Holder("http://a", 0)].engine_requests == 0

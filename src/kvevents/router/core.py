@@ -291,8 +291,27 @@ class Router:
         elif isinstance(item, (Gap, Unreachable)):
             pass  # informational: the missed batches follow, or discovery retries
 
-    def update_load(self, worker: str, body: dict[str, Any]) -> None:
-        """Take an engine's ``/load`` body: ``{"ranks": [{"dp_rank", "running", "waiting", "available"}]}``."""
+    def requests_ended(self, worker: str) -> dict[int, float]:
+        """Per rank of ``worker``, the requests in flight there that have ended so far
+        (:meth:`LoadBoard.ended <kvevents.router.load_board.LoadBoard.ended>`): what a
+        load poll takes before it asks, for :meth:`update_load`'s ``ended_before``."""
+        loads = self.loads
+        return {h.dp_rank: loads.ended(h) for h in loads.holders_of(worker)}
+
+    def update_load(
+        self, worker: str, body: dict[str, Any], *, ended_before: dict[int, float] | None = None
+    ) -> None:
+        """Take an engine's ``/load`` body: ``{"ranks": [{"dp_rank", "running", "waiting", "available"}]}``.
+
+        ``ended_before``: :meth:`requests_ended` as it was when the poll asked. The
+        requests that ended since may be in the engine's count, though the board has
+        already taken them out (:meth:`LoadBoard.add_inflight
+        <kvevents.router.load_board.LoadBoard.add_inflight>`): they are taken out of the
+        count too, so that none lingers as a foreign request until the next poll. (Had
+        the engine counted after they ended, this counts the rank's other requests
+        short by as many until then; the count never goes below zero, so an idle rank
+        is shown idle either way.)
+        """
         ranks = body.get("ranks")
         if not isinstance(ranks, list):
             raise ValueError(
@@ -310,10 +329,13 @@ class Router:
                 self.index.add_holder(holder)
             running = entry.get("running", 0)
             waiting = entry.get("waiting", 0)
-            told = isinstance(running, int) and isinstance(waiting, int)
-            if self.loads.set_engine(
-                holder, bool(entry.get("available", True)), running + waiting if told else None
-            ):
+            count: int | None = None
+            if isinstance(running, int) and isinstance(waiting, int):
+                count = running + waiting
+                before = None if ended_before is None else ended_before.get(holder.dp_rank)
+                if before is not None and count > 0:
+                    count = max(0, count - int(self.loads.ended(holder) - before))
+            if self.loads.set_engine(holder, bool(entry.get("available", True)), count):
                 self._loads_version += 1  # an idle engine's polls change nothing
 
     def set_worker_available(self, worker: str, available: bool) -> None:

@@ -256,13 +256,16 @@ async def _poll_load(
     router: Router, state: EngineState, upstream: Upstream, timeout: float
 ) -> None:
     spec = state.spec
+    # taken before asking: the requests that end while the poll waits may be in the
+    # engine's count, though they have left the router's (Router.update_load)
+    ended = router.requests_ended(spec.worker)
     if spec.engine_kind == "kvevents":
         response = await _polled(upstream, spec.url, "/load", timeout)
         if response.status != 200:
             raise DiscoveryError(f"GET {spec.url}/load answered HTTP {response.status}")
         # Each rank's availability is the engine's word for it (a dead, restarting or
         # stalled rank says available: false), so nothing here marks the worker available.
-        router.update_load(spec.worker, json.loads(response.body))
+        router.update_load(spec.worker, json.loads(response.body), ended_before=ended)
         state.load_source = "/load"
         return
     response = await _polled(upstream, spec.url, "/health", timeout)
@@ -293,7 +296,7 @@ async def _poll_load(
             )
     for entry in scraped:
         loads[entry["dp_rank"]] = entry
-    router.update_load(spec.worker, {"ranks": list(loads.values())})
+    router.update_load(spec.worker, {"ranks": list(loads.values())}, ended_before=ended)
     # Set once the poll is over, so /workers never shows a half-done poll.
     if scraped:
         state.load_source, state.metrics_error = "/metrics", None

@@ -82,6 +82,8 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         """Each engine's holders (what an engine's failed poll changes, without a scan)."""
         self._snapshot: dict[Holder, HolderLoad] | None = None
         self._candidates: dict[int, _Candidates] = {}
+        self._ended: list[float] = []
+        """Per slot, the requests in flight there that have ended so far (see :meth:`ended`)."""
 
     @classmethod
     def of(cls, loads: Mapping[Holder, HolderLoad]) -> LoadBoard:
@@ -152,6 +154,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
             slot = self._slots[holder] = len(self._rows)
             self._by_worker.setdefault(holder.worker, []).append(holder)
             self._rows.append([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+            self._ended.append(0.0)
             self._stale.add(slot)
             self._snapshot = None
         return slot
@@ -178,7 +181,10 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         blocks_now = row[_BLOCKS] + blocks
         row[_INFLIGHT] = requests_now if requests_now > 0.0 else 0.0
         row[_BLOCKS] = blocks_now if blocks_now > 0.0 else 0.0
-        engine_now = row[_ENGINE] + (row[_INFLIGHT] - before)
+        change = row[_INFLIGHT] - before
+        if change < 0.0:
+            self._ended[slot] -= change
+        engine_now = row[_ENGINE] + change
         row[_ENGINE] = engine_now if engine_now > 0.0 else 0.0
         self._stale.add(slot)
         self._snapshot = None
@@ -202,6 +208,18 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
             row[_ROUTED] += 1.0
         self._stale.add(slot)
         self._snapshot = None
+
+    def holders_of(self, worker: str) -> Sequence[Holder]:
+        """The holders of engine ``worker`` on the board, in the order they came."""
+        return self._by_worker.get(worker, ())
+
+    def ended(self, holder: Holder) -> float:
+        """Requests in flight on ``holder`` (this router's and its peers') that have
+        ended so far: what a load poll reads before it asks, to take out of the
+        engine's count those that end while it waits (:meth:`Router.update_load
+        <kvevents.router.core.Router.update_load>`)."""
+        slot = self._slots.get(holder)
+        return 0.0 if slot is None else self._ended[slot]
 
     def set_engine(
         self, holder: Holder, available: bool, engine_requests: int | None = None
