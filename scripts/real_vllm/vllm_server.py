@@ -22,7 +22,6 @@ reuses them, as a restarted engine would.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import os
@@ -35,7 +34,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,13 +55,6 @@ CHAT_TEMPLATE = (
 # Servers started by this process, by pid. vLLM outlives the call that started it, so
 # its Popen is kept here (dropping a live Popen warns) and reaped by stop().
 _LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
-# A process that restarts vLLM (the restart test) exits with the new server running on
-# purpose: the script's `stop` ends it by its process group. Interpreter shutdown drops
-# its Popen then, whose warning (with a traceback header) said nothing wrong. Filtered at
-# exit, not at import: pytest puts back its own filters after every test.
-atexit.register(
-    warnings.filterwarnings, "ignore", r"subprocess \d+ is still running", ResourceWarning
-)
 
 
 @dataclass
