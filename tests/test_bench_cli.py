@@ -183,3 +183,17 @@ def test_a_failing_benchmark_is_recorded_and_the_others_still_run(
     )
     assert doc["errors"] == {"publisher": "RuntimeError: subscriber process died"}
     assert doc["results"] == {"index": {"quick": True}}
+
+
+@pytest.mark.parametrize(
+    ("via", "shown", "met"), [(30.5, "(+2.5 ms)", False), (27.0, "(-1.0 ms)", True)]
+)
+def test_the_completions_headline_signs_what_the_router_adds(
+    via: float, shown: str, met: bool
+) -> None:
+    """The router's added p50 is written with its sign either way (a negative one as
+    ``-1.0``, not ``+-1.0``) and compared with +2 ms."""
+    runs = {"completions_direct": {"p50_ms": 28.0}, "completions_via_router": {"p50_ms": via}}
+    rows = {f.what: f for f in headlines({"router": {"runs": runs}})}
+    row = rows["/v1/completions p50: engine direct / through the router"]
+    assert row.measured.endswith(shown) and row.met is met

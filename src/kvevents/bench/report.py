@@ -260,7 +260,7 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
         yield Figure(
             "router",
             "/v1/completions p50: engine direct / through the router",
-            f"{direct['p50_ms']:.1f} / {via['p50_ms']:.1f} ms (+{added:.1f} ms)",
+            f"{direct['p50_ms']:.1f} / {via['p50_ms']:.1f} ms ({added:+.1f} ms)",
             "<= +2 ms",
             added <= 2.0,
         )
