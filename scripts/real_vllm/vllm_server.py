@@ -52,9 +52,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}w6 {% endif %}"
 )
 
-# Servers started by this process, by pid. vLLM outlives the call that started it, so
-# its Popen is kept here (dropping a live Popen warns) and reaped by stop().
-_LAUNCHED: dict[int, subprocess.Popen[bytes]] = {}
+# vLLM is started detached (see start()): a shell in a new session puts it in the
+# background and exits, so no process that starts a server is ever its parent. The tests'
+# process restarts vLLM and leaves it running for the script to stop; a Popen of it
+# would warn at that process's exit, and a child killed by stop() would stay a zombie
+# until reaped. Its output goes to the log; $! is the launcher's answer.
+_LAUNCH = 'log=$1; shift; "$@" >>"$log" 2>&1 </dev/null & echo $!'
 
 
 @dataclass
@@ -209,6 +212,15 @@ def _read_pgid(state_dir: str | Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _session_of(pid: int) -> int:
+    """The process group of ``pid`` (the launcher's session: vLLM's group); ``pid`` itself
+    when it has already exited (its group is then gone too, and wait_ready says so)."""
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return pid
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -252,9 +264,6 @@ def stop(
             deadline = time.monotonic() + 10.0
             while _group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-    proc = _LAUNCHED.pop(pgid, None)
-    if proc is not None:
-        proc.wait(timeout=5.0)
     (Path(state_dir) / PID_FILE).unlink(missing_ok=True)
     return ran
 
@@ -265,21 +274,17 @@ def _log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def wait_ready(spec: ServerSpec, proc: subprocess.Popen[bytes] | None, timeout: float) -> float:
+def wait_ready(spec: ServerSpec, timeout: float) -> float:
     """Block until ``GET /v1/models`` answers 200; return seconds waited.
 
-    Fails (SystemExit with the log's tail) when the process exits or the deadline passes.
+    Fails (SystemExit with the log's tail) when the server's process group is gone or
+    the deadline passes.
     """
     start = time.monotonic()
     deadline = start + timeout
     pgid = _read_pgid(spec.state_dir)
     while True:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(
-                f"vLLM exited with code {proc.returncode} while starting; log {spec.log_path}:\n"
-                + _log_tail(spec.log_path)
-            )
-        if proc is None and pgid is not None and not _group_alive(pgid):
+        if pgid is not None and not _group_alive(pgid):
             raise SystemExit(
                 f"vLLM died while starting; log {spec.log_path}:\n" + _log_tail(spec.log_path)
             )
@@ -309,19 +314,26 @@ def start(spec: ServerSpec, *, timeout: float = READY_TIMEOUT_S) -> float:
     spec.chat_template_path.write_text(CHAT_TEMPLATE)
     with spec.log_path.open("ab") as log:
         log.write(f"\n=== start {time.strftime('%H:%M:%S')}: {shlex.join(spec.argv())}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            spec.argv(),
-            env=spec.env(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: killpg stops the engine cores too
+    # The launcher leads a new session, so its process group (its pid) is vLLM's too, the
+    # engine cores included: one killpg stops them all. It exits at once (see _LAUNCH).
+    launcher = subprocess.run(
+        ["/bin/sh", "-c", _LAUNCH, "vllm-launcher", str(spec.log_path), *spec.argv()],
+        env=spec.env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30.0,
+        start_new_session=True,
+        check=False,
+    )
+    if launcher.returncode != 0 or not launcher.stdout.strip().isdigit():
+        raise SystemExit(
+            f"could not launch vLLM (the launcher exited {launcher.returncode}: "
+            f"{launcher.stderr.strip() or launcher.stdout.strip()}); log {spec.log_path}"
         )
-    _LAUNCHED[proc.pid] = proc
-    (state / PID_FILE).write_text(str(proc.pid))
+    (state / PID_FILE).write_text(str(_session_of(int(launcher.stdout))))
     try:
-        return wait_ready(spec, proc, timeout)
+        return wait_ready(spec, timeout)
     except BaseException:
         stop(state, timeout=5.0)
         raise
