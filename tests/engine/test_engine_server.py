@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -90,6 +92,33 @@ def test_load_and_health_report_every_rank(engine: Engine) -> None:
     health = engine.http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert [r["state"] for r in health.json()["ranks"]] == ["running"] * 3
+
+
+def test_load_counts_a_request_until_its_answer_leaves() -> None:
+    """A request is in /load's running count for as long as its step takes, even when the
+    step finishes it: a 1-token request of 300 tokens prefilled at 100 tokens/s is counted
+    while its answer is still 3 s away, and not once the answer has come."""
+    eng = Engine(["--prefill-tokens-per-s", "100"], None)
+    answered: dict[str, Any] = {}
+
+    def generate() -> None:
+        body = {"input_ids": list(range(1, 301)), "max_new_tokens": 1}
+        answered["response"] = eng.http.post("/generate", json=body, timeout=30.0)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    try:
+        thread.start()
+        seen = 0
+        deadline = time.monotonic() + 2.0  # well inside the step's 3 s
+        while seen < 1 and time.monotonic() < deadline:
+            seen = eng.http.get("/load").json()["ranks"][0]["running"]
+            time.sleep(0.05)
+        assert seen == 1 and "response" not in answered
+        thread.join(timeout=30.0)
+        assert answered["response"].status_code == 200
+        assert eng.http.get("/load").json()["ranks"][0]["running"] == 0
+    finally:
+        eng.stop()
 
 
 def test_flush_one_rank(engine: Engine) -> None:

@@ -112,7 +112,8 @@ class LoadAnswer(msgspec.Struct):
     dp_size: int
     ranks: list[dict[str, Any]]
     """Per rank: ``dp_rank``, ``available`` and the scheduler's load figures, or
-    ``available: false`` with ``error`` when the rank did not answer in time."""
+    ``available: false`` with ``error`` when the rank did not answer in time. ``running``
+    counts a request until its answer leaves, through the step that finishes it."""
 
 
 class KvBlocksAnswer(msgspec.Struct):

@@ -206,6 +206,12 @@ class _RankServer:
             result: Any = {"events": sched.flush()}
         elif op == "load":
             result = sched.load() | {"pid": os.getpid(), "malformed_control": self.malformed}
+            # A request the scheduler finished stays the rank's until its step's simulated
+            # time is over and its answer leaves (_due), as a real engine's step holds it:
+            # counted as running until then. Left out, a router that counts the answers
+            # still to come as in flight took the rank's own requests for fewer than they
+            # are, for as long as a step takes.
+            result["running"] += sum(len(done) for _, done in self._due)
             stats = self.publisher.stats  # CURVE handshakes refused: a subscriber gets nothing
             result |= {
                 "curve_handshakes": stats.curve_handshakes,
