@@ -21,6 +21,7 @@ from kvevents.router.core import Router
 from kvevents.router.engines import (
     SLOW_POLLS_TOLERATED,
     EngineState,
+    _poll_load,
     vllm_rank_loads,
     watch_engine,
 )
@@ -84,6 +85,8 @@ class _SlowLoadEngine(BaseHTTPRequestHandler):
     delay = 0.0
     body_delay = 0.0
     discovery_delay = 0.0
+    running: ClassVar[tuple[int, int]] = (1, 1)
+    """Each rank's running requests in the /load answer."""
     load_peers: ClassVar[list[tuple[str, int]]] = []
 
     def do_GET(self) -> None:
@@ -95,7 +98,10 @@ class _SlowLoadEngine(BaseHTTPRequestHandler):
             body = json.dumps(
                 {
                     "dp_size": 2,
-                    "ranks": [{"dp_rank": r, "running": 1, "waiting": 0} for r in (0, 1)],
+                    "ranks": [
+                        {"dp_rank": r, "running": type(self).running[r], "waiting": 0}
+                        for r in (0, 1)
+                    ],
                 }
             ).encode()
             self.send_response(200)
@@ -134,6 +140,7 @@ def _slow_engine() -> Iterator[str]:
     finally:
         _SlowLoadEngine.delay = _SlowLoadEngine.discovery_delay = 0.0
         _SlowLoadEngine.body_delay = 0.0
+        _SlowLoadEngine.running = (1, 1)
         _SlowLoadEngine.load_peers = []
         server.shutdown()
         thread.join(10.0)
@@ -206,6 +213,57 @@ def test_a_load_answer_whose_body_is_late_is_slow_not_down() -> None:
             await _until("a slow poll", lambda: state.slow_polls >= 1)
             assert state.error is None and all(router.loads[h].available for h in holders)
             assert state.slow is not None and "keep their last known state" in state.slow
+
+    with _slow_engine() as url:
+        asyncio.run(run(url))
+
+
+def test_a_request_that_ends_while_a_poll_waits_is_taken_out_only_if_counted() -> None:
+    """A poll notes what had ended as the engine's answer begins to arrive. A request
+    whose end came before the answer began was let go before the engine counted: the
+    count is taken as said. One that ends while the answer's body is on its way was in
+    the count: it is taken out, so it does not linger as the engine's own request."""
+    router = Router(block_size=4)
+    heads: list[dict[int, float]] = []
+    noted = router.requests_ended
+
+    def noting(worker: str) -> dict[int, float]:
+        heads.append(noted(worker))
+        return heads[-1]
+
+    router.requests_ended = noting  # type: ignore[method-assign]
+
+    async def run(url: str) -> None:
+        state, holders = _two_rank_engine(url)
+        upstream = Upstream(timeout=60.0)
+        try:
+            await _poll_load(router, state, upstream, 5.0)  # one own request per rank
+            assert [router.loads[h].engine_requests for h in holders] == [1, 1]
+            ticket = router.begin(router.route([1, 2, 3, 4]))
+            rank = ticket.holder.dp_rank
+            assert router.loads[holders[rank]].engine_requests == 2
+
+            # ended before the engine answered: it no longer counts the request
+            _SlowLoadEngine.delay = 0.5
+            poll = asyncio.create_task(_poll_load(router, state, upstream, 5.0))
+            await asyncio.sleep(0.2)
+            assert len(heads) == 1  # the answer has not begun
+            router.finish(ticket)
+            await poll
+            assert [router.loads[h].engine_requests for h in holders] == [1, 1]
+
+            # ends while the answer's body comes: the engine counted it with its own one
+            _SlowLoadEngine.delay, _SlowLoadEngine.body_delay = 0.0, 0.5
+            ticket = router.begin(router.route([1, 2, 3, 4]))
+            rank = ticket.holder.dp_rank
+            _SlowLoadEngine.running = (2, 1) if rank == 0 else (1, 2)
+            poll = asyncio.create_task(_poll_load(router, state, upstream, 5.0))
+            await _until("the answer's head", lambda: len(heads) == 3)
+            router.finish(ticket)
+            await poll
+            assert [router.loads[h].engine_requests for h in holders] == [1, 1]
+        finally:
+            await upstream.close()
 
     with _slow_engine() as url:
         asyncio.run(run(url))

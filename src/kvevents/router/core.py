@@ -294,7 +294,8 @@ class Router:
     def requests_ended(self, worker: str) -> dict[int, float]:
         """Per rank of ``worker``, the requests in flight there that have ended so far
         (:meth:`LoadBoard.ended <kvevents.router.load_board.LoadBoard.ended>`): what a
-        load poll takes before it asks, for :meth:`update_load`'s ``ended_before``."""
+        load poll notes as the engine's answer begins to arrive, for
+        :meth:`update_load`'s ``ended_before``."""
         loads = self.loads
         return {h.dp_rank: loads.ended(h) for h in loads.holders_of(worker)}
 
@@ -303,14 +304,16 @@ class Router:
     ) -> None:
         """Take an engine's ``/load`` body: ``{"ranks": [{"dp_rank", "running", "waiting", "available"}]}``.
 
-        ``ended_before``: :meth:`requests_ended` as it was when the poll asked. The
-        requests that ended since may be in the engine's count, though the board has
-        already taken them out (:meth:`LoadBoard.add_inflight
+        ``ended_before``: :meth:`requests_ended` as it was when the engine's answer
+        began to arrive (the poller notes it as the answer's head is read). The engine
+        counted before it answered, so the requests that ended since may be in its
+        count, though the board has already taken them out (:meth:`LoadBoard.add_inflight
         <kvevents.router.load_board.LoadBoard.add_inflight>`): they are taken out of the
-        count too, so that none lingers as a foreign request until the next poll. (Had
-        the engine counted after they ended, this counts the rank's other requests
-        short by as many until then; the count never goes below zero, so an idle rank
-        is shown idle either way.)
+        count too, so that none lingers as a foreign request until the next poll. One
+        that ended before the answer came (its own answer arrived first) is not taken
+        out: the engine had let it go when it counted. (Noted when the poll asked, such
+        requests were taken out a second time, and the rank's other requests counted
+        short by as many until the next poll.) The count never goes below zero.
         """
         ranks = body.get("ranks")
         if not isinstance(ranks, list):

@@ -59,6 +59,7 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -237,12 +238,18 @@ async def _discover(
     return streams_from_kv_event_sources(sources.json(), engine_url=spec.url, worker=spec.worker)
 
 
-async def _polled(upstream: Upstream, url: str, path: str, timeout: float) -> FullResponse:
-    """``GET url + path`` whole (``_check_authorized``'s refusal for a 401 or 403). An
-    answer that began but was not whole within ``timeout`` is a TimeoutError (a slow
-    engine), as one that never began is."""
+async def _polled(
+    upstream: Upstream,
+    url: str,
+    path: str,
+    timeout: float,
+    on_head: Callable[[], None] | None = None,
+) -> FullResponse:
+    """``GET url + path`` whole (``_check_authorized``'s refusal for a 401 or 403;
+    ``on_head`` as :meth:`Upstream.get` takes it). An answer that began but was not
+    whole within ``timeout`` is a TimeoutError (a slow engine), as one that never began is."""
     try:
-        response = await upstream.get(url, path, timeout=timeout)
+        response = await upstream.get(url, path, timeout=timeout, on_head=on_head)
     except MidwayError as exc:
         if isinstance(exc.cause, TimeoutError):
             raise TimeoutError(f"GET {url}{path}: {exc}") from exc
@@ -256,11 +263,17 @@ async def _poll_load(
     router: Router, state: EngineState, upstream: Upstream, timeout: float
 ) -> None:
     spec = state.spec
-    # taken before asking: the requests that end while the poll waits may be in the
-    # engine's count, though they have left the router's (Router.update_load)
-    ended = router.requests_ended(spec.worker)
+    # What had ended when the engine's answer began to arrive: it counted before it
+    # answered, so a request that ended before then (its answer came first) is not in the
+    # count, and one that ends while the rest of the answer comes (or waits for the poll
+    # to resume) may be, though it has left the router's count (Router.update_load).
+    ended: dict[int, float] = {}
+
+    def answered() -> None:
+        ended.update(router.requests_ended(spec.worker))
+
     if spec.engine_kind == "kvevents":
-        response = await _polled(upstream, spec.url, "/load", timeout)
+        response = await _polled(upstream, spec.url, "/load", timeout, answered)
         if response.status != 200:
             raise DiscoveryError(f"GET {spec.url}/load answered HTTP {response.status}")
         # Each rank's availability is the engine's word for it (a dead, restarting or
@@ -279,7 +292,7 @@ async def _poll_load(
     # all zero when it fails: a load read earlier must not linger as phantom work.
     loads = {r: {"dp_rank": r, "running": 0, "waiting": 0} for r in range(spec.ranks)}
     try:
-        metrics = await upstream.get(spec.url, "/metrics", timeout=5.0)
+        metrics = await upstream.get(spec.url, "/metrics", timeout=5.0, on_head=answered)
         if metrics.status != 200:
             raise DiscoveryError(f"answered HTTP {metrics.status}")
         scraped = vllm_rank_loads(metrics.body.decode("utf-8", "replace"))

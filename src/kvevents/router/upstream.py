@@ -47,7 +47,7 @@ import asyncio
 import collections
 import socket
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -153,6 +153,8 @@ class _Connection(asyncio.Protocol):
         """The exchange's future: its :class:`Response` once the head is in, or (``_whole``)
         its :class:`FullResponse` once all of it is."""
         self._whole = False
+        self._on_head: Callable[[], None] | None = None
+        """Called once the final answer's head is in (see :meth:`Upstream.get`)."""
         self._status = 0  # the final answer's status, once its head is in
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -214,6 +216,9 @@ class _Connection(asyncio.Protocol):
             return
         headers = self._headers
         self._status = status
+        on_head, self._on_head = self._on_head, None
+        if on_head is not None:
+            on_head()
         self._framed = "content-length" in headers or "transfer-encoding" in headers
         self._keep_alive = self._parser.should_keep_alive()  # reset by the message's end
         if not self._whole and not head.done():
@@ -255,14 +260,22 @@ class _Connection(asyncio.Protocol):
     # --- used by Upstream and Response ---
 
     def send(
-        self, head: bytes, body: bytes, deadline: float, *, whole: bool = False
+        self,
+        head: bytes,
+        body: bytes,
+        deadline: float,
+        *,
+        whole: bool = False,
+        on_head: Callable[[], None] | None = None,
     ) -> asyncio.Future[Any]:
         """Write the request; the answer's head arrives in the future returned (its
         :class:`Response`), or with ``whole`` all of it does (its :class:`FullResponse`).
-        At ``deadline`` (loop time) an exchange not yet over fails with TimeoutError."""
+        At ``deadline`` (loop time) an exchange not yet over fails with TimeoutError.
+        ``on_head`` is called as the final answer's head is read."""
         assert self._transport is not None
         loop = asyncio.get_running_loop()
         self._whole = whole
+        self._on_head = on_head
         self._head = loop.create_future()
         self._timer = loop.call_at(deadline, self._fail, TimeoutError())
         self._transport.write(head + body if len(body) < 65536 else head)
@@ -401,10 +414,19 @@ class Upstream:
         response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
         return response
 
-    async def get(self, base: str, path: str, *, timeout: float) -> FullResponse:
+    async def get(
+        self,
+        base: str,
+        path: str,
+        *,
+        timeout: float,
+        on_head: Callable[[], None] | None = None,
+    ) -> FullResponse:
         """GET ``base + path`` and its whole answer within ``timeout`` seconds: the
         engines' load polls (:mod:`kvevents.router.engines`), on the same kept-alive
-        connections as the requests forwarded to them.
+        connections as the requests forwarded to them. ``on_head`` is called when the
+        answer's head is read, before its body (a load poll notes then what had ended:
+        the engine counted before it answered).
 
         Errors as :meth:`post_whole`'s. A GET changes nothing on the engine, so one that
         failed on a kept-alive connection (the engine closed it as the request left) is
@@ -420,7 +442,8 @@ class Upstream:
             origin.netloc,
             self._fixed,
         )
-        return await self._send_safe(origin, now + timeout, self._idle(origin, now), head, b"")
+        conn = self._idle(origin, now)
+        return await self._send_safe(origin, now + timeout, conn, head, b"", on_head)
 
     async def post_safe(
         self,
@@ -439,20 +462,30 @@ class Upstream:
         return await self._send_safe(origin, deadline, conn, head, body)
 
     async def _send_safe(
-        self, origin: _Origin, deadline: float, conn: _Connection | None, head: bytes, body: bytes
+        self,
+        origin: _Origin,
+        deadline: float,
+        conn: _Connection | None,
+        head: bytes,
+        body: bytes,
+        on_head: Callable[[], None] | None = None,
     ) -> FullResponse:
         """The whole answer to a request that may be sent twice: on ``conn`` (kept alive)
         first, then once on a new connection if that one failed before an answer began."""
         if conn is not None:
             try:
-                kept: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
+                kept: FullResponse = await _exchange(
+                    conn, head, body, deadline, whole=True, on_head=on_head
+                )
                 return kept
             except MidwayError:
                 raise  # an answer began: the engine took the request
             except UpstreamError:
                 pass
         conn = await self._connect(origin, deadline)
-        response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
+        response: FullResponse = await _exchange(
+            conn, head, body, deadline, whole=True, on_head=on_head
+        )
         return response
 
     def _origin(self, base: str) -> _Origin:
@@ -546,11 +579,17 @@ class Upstream:
 
 
 async def _exchange(
-    conn: _Connection, head: bytes, body: bytes, deadline: float, *, whole: bool
+    conn: _Connection,
+    head: bytes,
+    body: bytes,
+    deadline: float,
+    *,
+    whole: bool,
+    on_head: Callable[[], None] | None = None,
 ) -> Any:
     """One exchange on ``conn`` (:meth:`_Connection.send`), awaited; a timeout, a cancel or
     a failure ends it, and the connection is closed."""
-    pending = conn.send(head, body, deadline, whole=whole)
+    pending = conn.send(head, body, deadline, whole=whole, on_head=on_head)
     try:
         return await pending
     except BaseException:
