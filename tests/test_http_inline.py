@@ -288,15 +288,20 @@ def test_an_unexpected_error_inline_is_a_json_500_and_the_connection_stays(
     asyncio.run(go())
 
 
-def test_a_request_arriving_during_shutdown_is_answered_then_closed() -> None:
+_LONG_TEXT = json.dumps({"text": "a prompt of text, tokenized by the ASGI side " * 8}).encode()
+
+
+@pytest.mark.parametrize("body", [_BODIES[0], _LONG_TEXT], ids=["inline", "asgi"])
+def test_a_request_arriving_during_shutdown_is_answered_then_closed(body: bytes) -> None:
     """uvicorn's graceful shutdown closes idle connections; one whose inline request's
-    body is still arriving gets its answer first, with ``connection: close``."""
+    body is still arriving gets its answer first, with ``connection: close``, whether it
+    is then answered inline or (a text body to tokenize) by the ASGI side."""
 
     async def go() -> None:
         at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
         host, port = at.split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        whole = _post(b"/route", _BODIES[0])
+        whole = _post(b"/route", body)
         writer.write(whole[:-100])
         await writer.drain()
         deadline = asyncio.get_running_loop().time() + 10.0
@@ -314,9 +319,64 @@ def test_a_request_arriving_during_shutdown_is_answered_then_closed() -> None:
         writer.close()
         await asyncio.wait_for(task, 20.0)
         assert _status(answer) == 200 and b"connection: close" in answer.lower()
-        assert _body(answer)["dp_rank"] == 1
+        assert _body(answer)["worker"] == "http://engine"
 
     asyncio.run(go())
+
+
+def test_a_request_read_with_an_inline_one_is_not_cut_off_by_the_keep_alive_timer() -> None:
+    """Two requests in one write, the second's last bytes sent after uvicorn's keep-alive
+    timeout: the first, answered inline, armed that timer from inside the parser, and the
+    second began in the same data; it is answered all the same."""
+
+    async def go() -> None:
+        at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
+        server.config.timeout_keep_alive = 0.3  # each new connection reads it
+        host, port = at.split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            second = _post(b"/query", _BODIES[1])
+            writer.write(_post(b"/route", _BODIES[0]) + second[:-10])
+            await writer.drain()
+            first = await asyncio.wait_for(reader.readuntil(b'"scores"'), 10.0)
+            assert _status(first) == 200
+            await asyncio.sleep(0.8)  # past the keep-alive timeout
+            writer.write(second[-10:])
+            await writer.drain()
+            rest = await asyncio.wait_for(reader.readuntil(b'"matches"'), 10.0)
+            assert b"HTTP/1.1 200 " in rest
+        finally:
+            writer.close()
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+
+    asyncio.run(go())
+
+
+def test_an_upgrade_request_is_left_to_uvicorn() -> None:
+    """A POST to /route that asks to upgrade the connection (a WebSocket) is uvicorn's
+    to decide, not answered inline (uvicorn's upgrade reads what its own header handling
+    sets): both servers answer it alike, and none of it inline."""
+
+    async def check(servers: _Servers) -> None:
+        before = _Counting.inline_answers
+        data = _post(
+            b"/route",
+            _BODIES[0],
+            b"connection: Upgrade",
+            b"upgrade: websocket",
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==",
+            b"sec-websocket-version: 13",
+        )
+        ours, theirs = [
+            (await asyncio.to_thread(_raw, at, data, answers=1))[0]
+            for at in (servers.inline, servers.plain)
+        ]
+        assert _status(ours) == _status(theirs)  # the body is the upgrade's: not read
+        assert _body(ours) == _body(theirs)
+        assert _Counting.inline_answers == before
+
+    _run(check)
 
 
 def test_an_answer_held_to_the_round_end_still_precedes_the_400_behind_it() -> None:
@@ -448,3 +508,43 @@ def _raw_to_end(at: str, data: bytes) -> bytes:
         while chunk := sock.recv(65536):
             out += chunk
         return out
+
+
+class _RaisingApp:
+    """An app whose inline answers raise at once: ``/sync`` from ``answer_inline``,
+    ``/async`` from ``answer_async_inline`` (before any answer to come is made)."""
+
+    inline_paths = frozenset({b"/sync"})
+    async_inline_paths = frozenset({b"/async"})
+    inline_limit = LIMIT
+
+    def answer_inline(self, path: bytes, headers: Any, body: bytes) -> None:
+        raise KeyError("a bug answering inline")
+
+    def answer_async_inline(self, path: bytes, headers: Any, body: bytes) -> None:
+        raise KeyError("a bug before the answer to come")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("every request here is answered inline")
+
+
+@pytest.mark.parametrize("path", [b"/sync", b"/async"])
+def test_an_app_that_raises_inline_is_a_logged_500_and_the_connection_closes(
+    path: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception out of the app's inline answer is not the parser's: the client gets
+    uvicorn's plain 500 with ``connection: close`` (not a 400 for its request), and the
+    error is logged with its traceback."""
+
+    async def go() -> None:
+        at, server, task = await _serve(_RaisingApp(), "off")
+        try:
+            answer = await asyncio.to_thread(_raw_to_end, at, _post(path, b"{}"))
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+        assert _status(answer) == 500 and b"connection: close" in answer.lower()
+        assert answer.endswith(b"Internal Server Error")
+        assert "the app failed answering a request" in caplog.text and "KeyError" in caplog.text
+
+    asyncio.run(go())

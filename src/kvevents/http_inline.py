@@ -18,12 +18,16 @@ A request goes inline only when all of these hold, checked when its headers are 
 the method is POST; its path is one of the app's :attr:`InlineApp.inline_paths`; no
 earlier request on the connection is still being answered (pipelined requests keep
 their order) and the client is reading its answers (uvicorn's back-pressure applies
-otherwise); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``;
-and its ``Content-Length`` is within :attr:`InlineApp.inline_limit`. When the app's
+otherwise); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``, nor
+asks to upgrade the connection (uvicorn decides a WebSocket); and its
+``Content-Length`` is within :attr:`InlineApp.inline_limit`. When the app's
 :meth:`InlineApp.answer_inline` then returns None (a body it cannot answer
 synchronously, such as text to tokenize, or a missing API key), the request becomes an
 ordinary ASGI cycle with the body already read, so every request is answered by the
-app, one way or the other, exactly once.
+app, one way or the other, exactly once. An exception out of an inline answer is
+uvicorn's plain 500, logged, and the connection closes, as when an ASGI app raises.
+An inline answer arms uvicorn's keep-alive timer from inside the parser; a request that
+begins in the same data stops it again, as new data does.
 
 An :class:`AsyncInlineApp` may also answer some paths later: with a coroutine, which
 the protocol runs as a task, or with a future (the router's relay, resolved from its
@@ -128,10 +132,24 @@ def _subclass() -> type[Any] | None:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools is a dependency
         return None
-    needed = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+    needed = (
+        "on_message_begin",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "on_response_complete",
+        "_unset_keepalive_if_required",
+    )
     if not all(hasattr(HttpToolsProtocol, name) for name in needed):  # pragma: no cover
         log.warning("this uvicorn's httptools protocol lacks %s: no inline path", needed)
         return None
+
+    def _head(status: int, headers: list[tuple[bytes, bytes]], answer: bytes) -> bytes:
+        """An answer's status line and headers, ``content-length`` last, without the blank line."""
+        lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status]
+        lines.extend(b"%s: %s\r\n" % header for header in headers)
+        lines.append(b"content-length: %d\r\n" % len(answer))
+        return b"".join(lines)
 
     class InlineHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's protocol, with the inline path of the module docstring."""
@@ -164,6 +182,14 @@ def _subclass() -> type[Any] | None:
             else:
                 held.hold(data)
 
+        def on_message_begin(self) -> None:
+            # A request begins: the connection is not idle. An inline answer arms
+            # uvicorn's keep-alive timer from inside the parser (on_response_complete),
+            # so a request read from the same data would otherwise run under that timer,
+            # and a slow body or a relayed answer be cut off when it fires.
+            self._unset_keepalive_if_required()
+            super().on_message_begin()
+
         def on_headers_complete(self) -> None:
             path = self._inline_candidate()
             if path is None:
@@ -177,6 +203,8 @@ def _subclass() -> type[Any] | None:
             if app is None or self.parser.get_method() != b"POST" or self.expect_100_continue:
                 return None
             if self.pipeline or not (self.cycle is None or self.cycle.response_complete):
+                return None
+            if self.parser.should_upgrade():  # uvicorn decides: a WebSocket or a 400
                 return None
             if self.flow.write_paused:  # a client not reading: uvicorn's back-pressure
                 return None
@@ -215,7 +243,12 @@ def _subclass() -> type[Any] | None:
             self._inline_body = []
             if path in self._async_paths:
                 assert self._async_app is not None
-                pending = self._async_app.answer_async_inline(path, self.headers, body)
+                try:
+                    pending = self._async_app.answer_async_inline(path, self.headers, body)
+                except Exception as exc:  # a bug: answered as one in the answer to come
+                    failed: asyncio.Future[InlineAnswer] = self.loop.create_future()
+                    failed.set_exception(exc)
+                    pending = failed
                 if pending is None:
                     self._serve_as_asgi(body)
                 else:
@@ -223,7 +256,17 @@ def _subclass() -> type[Any] | None:
                 return
             app = self._inline_app
             assert app is not None
-            answered = app.answer_inline(path, self.headers, body)
+            try:
+                answered = app.answer_inline(path, self.headers, body)
+            except Exception:  # a bug: uvicorn's plain 500, logged, and the connection closes
+                log.exception("the app failed answering a request")
+                status, headers, answer = _PLAIN_500
+                self.transport.write(
+                    _head(status, headers, answer) + b"connection: close\r\n\r\n" + answer
+                )
+                self.transport.close()
+                self.on_response_complete()  # counted, as uvicorn counts every answer
+                return
             if answered is None:
                 self._serve_as_asgi(body)
                 return
@@ -240,6 +283,7 @@ def _subclass() -> type[Any] | None:
             else:
                 self.transport.write(head + b"connection: close\r\n\r\n" + answer)
                 self.transport.close()
+                self.on_response_complete()  # counted, as uvicorn counts every answer
 
         def _keep_alive(self) -> bool:
             return (
@@ -251,6 +295,8 @@ def _subclass() -> type[Any] | None:
         def _serve_as_asgi(self, body: bytes) -> None:
             """The app's ASGI side answers the request, its body already read."""
             super().on_headers_complete()
+            if self._close_after:  # a shutdown began while its body arrived
+                self.cycle.keep_alive = False
             self.cycle.body += body
             self.cycle.more_body = False
             self.cycle.message_event.set()
@@ -278,17 +324,14 @@ def _subclass() -> type[Any] | None:
             exchange.response_complete = True
             if exchange.disconnected or self.transport.is_closing():
                 return  # the client went away: as uvicorn's cycle, nothing is written
-            lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status]
-            lines.extend(b"%s: %s\r\n" % header for header in headers)
-            lines.append(b"content-length: %d\r\n" % len(answer))
+            head = _head(status, headers, answer)
             if exchange.keep_alive:
-                lines += (b"\r\n", answer)
-                self._send(b"".join(lines))
+                self._send(head + b"\r\n" + answer)
                 self.on_response_complete()  # the next pipelined request, or keep-alive
             else:
-                lines += (b"connection: close\r\n\r\n", answer)
-                self.transport.write(b"".join(lines))
+                self.transport.write(head + b"connection: close\r\n\r\n" + answer)
                 self.transport.close()
+                self.on_response_complete()  # counted, as uvicorn counts every answer
 
     return InlineHttpToolsProtocol
 
