@@ -27,6 +27,7 @@ from kvevents.http_inline import AsyncInlineApp, protocol_for
 from kvevents.http_serving import bind_http, start_http
 from kvevents.router.app import create_app
 from kvevents.router.hot_path import HotPath
+from kvevents.router.openai_relay import OpenAIRelay
 from kvevents.router.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.wire.hashing import content_keys
@@ -250,6 +251,31 @@ def test_a_client_leaving_before_its_answer_ends_the_request(engine: FakeEngine)
                 json={"prompt": PROMPT, "max_tokens": 1},
             )
         assert answer.status_code == 200 and answer.headers["x-kvevents-dp-rank"] == "1"
+
+    _run(engine, "sglang", check)
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["token-prompt", "text-prompt"])
+def test_a_relayed_request_cancelled_while_the_engine_answers_leaves_the_count(
+    engine: FakeEngine, text: bool
+) -> None:
+    """The relay's answer cancelled (a forced shutdown, a caller's own timeout) while it
+    waits for the engine's: the request leaves the in-flight count, whichever way its
+    prompt was read."""
+
+    async def check(plane: _Plane) -> None:
+        relay = OpenAIRelay(plane.service, max_body_bytes=1 << 20)
+        prompt: Any = " ".join(f"w{t}" for t in PROMPT) if text else PROMPT
+        raw = json.dumps({"prompt": prompt, "max_tokens": 1, "delay_s": 2.0}).encode()
+        answering = asyncio.ensure_future(relay.answer(False, {}, raw))
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while plane.inflight() != 1:
+            assert asyncio.get_running_loop().time() < deadline, "the request never began"
+            await asyncio.sleep(0.02)
+        answering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await answering
+        assert plane.inflight() == 0
 
     _run(engine, "sglang", check)
 

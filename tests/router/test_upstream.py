@@ -10,7 +10,9 @@ on the wire.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,33 @@ def test_a_body_without_a_length_ends_with_the_connection() -> None:
             client = Upstream(timeout=5)
             answer = await client.post(server.url, "/x", b"{}", {})
             assert await answer.read() == b"all of it"
+            await client.close()
+
+    run(main())
+
+
+def test_a_body_without_a_length_cut_by_a_reset_is_an_error_not_the_whole_answer() -> None:
+    """The end of the connection ends such a body only when the engine closes it: a reset
+    (the engine crashed, a proxy gave up) leaves it cut short, which the client says."""
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\npart of it")
+            await w.drain()
+            await asyncio.sleep(0.2)  # the head and the part are read first
+            sock = w.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            w.transport.abort()  # closed with a reset (linger 0)
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            with pytest.raises(UpstreamError, match="closed the connection midway"):
+                await answer.read()
             await client.close()
 
     run(main())

@@ -395,6 +395,9 @@ class OpenAIRelay:
             upstream = await service.upstream.post(fwd.url, fwd.path, fwd.content, fwd.headers)
         except FORWARD_ERRORS as exc:
             return self._unreachable(fwd, exc)
+        except BaseException:  # cancelled (a forced shutdown, a caller's timeout): it ends here
+            service.router.finish(fwd.ticket, failed=True)
+            raise
         status = upstream.status
         service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
         media = _media(upstream.headers)
