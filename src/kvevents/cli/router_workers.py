@@ -8,18 +8,22 @@ that ends (:mod:`kvevents.router.peers`, over ``ipc://`` sockets in a private fo
 the balance and in-flight terms of each one's cost see all N processes' traffic.
 
 The parent process only supervises: it reserves the port (bound, never listening, so
-it receives no connection; with ``--port 0`` this is where the OS picks it), starts the
-workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL`` once every
-worker accepts requests, restarts a worker that dies (at most once per second), and on
-SIGINT or SIGTERM stops them all (SIGTERM, then SIGKILL after 10 s). A worker that dies
-comes back with an empty index that its subscriber refills by replay where the engines
-keep a replay buffer, and its peers' view of its in-flight requests ages out
+it receives no connection; with ``--port 0`` this is where the OS picks it; a given port
+must be free, for ``SO_REUSEPORT`` would let a second group share it with the first),
+starts the workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL``
+once every worker accepts requests, restarts a worker that dies (1 s later, doubling up
+to 30 s while it keeps dying within a minute of its start), and on SIGINT or SIGTERM
+stops them all (SIGTERM, then SIGKILL after 10 s). A worker stops by itself when the
+parent is gone (killed), so none is left serving the port unsupervised. A worker that
+dies comes back with an empty index that its subscriber refills by replay where the
+engines keep a replay buffer, and its peers' view of its in-flight requests ages out
 (:data:`~kvevents.router.peers.DEFAULT_NOTE_TTL`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -48,6 +52,11 @@ log = logging.getLogger("kvevents.router")
 
 _READY_TIMEOUT = 120.0
 _STOP_TIMEOUT = 10.0
+_RESTART_DELAY = 1.0
+"""Seconds before a dead worker is started again; doubled while it keeps dying young."""
+_RESTART_DELAY_MAX = 30.0
+_STABLE_AFTER = 60.0
+"""A worker that ran this long before it died is restarted after the first delay again."""
 
 
 def _endpoint(folder: str, index: int) -> str:
@@ -93,8 +102,23 @@ def _worker_main(
         service.peers = peers
 
         def announce(url: str) -> None:
-            ready.send(url)
+            with contextlib.suppress(OSError):  # the parent reads it; gone, it stops us
+                ready.send(url)
+            ready.close()
             service.serving()
+
+        # The parent gone (killed: it stops its workers itself otherwise), nothing would
+        # stop this worker, which would go on serving the port: stop as on SIGTERM.
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            loop = asyncio.get_running_loop()
+
+            def orphaned() -> None:
+                loop.remove_reader(parent.sentinel)
+                log.error("router worker %d: the supervising process is gone; stopping", index)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            loop.add_reader(parent.sentinel, orphaned)
 
         try:
             app = create_app(
@@ -135,6 +159,11 @@ def serve_workers(
     ``security``'s key and TLS (default: neither).
     """
     security = security or RouterSecurity()
+    if args.port != 0:
+        # SO_REUSEPORT lets a second group bind beside one already serving the port (the
+        # kernel would then share the connections out between the two): bound once
+        # without it, the port must be free.
+        bind_http(args.host, args.port, "router", listen=False).close()
     reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
     folder = tempfile.mkdtemp(prefix="kvevents-router-")
@@ -185,28 +214,18 @@ def serve_workers(
                     raise KVEventsError(
                         f"router worker {index} was not ready within {_READY_TIMEOUT:g} s"
                     )
-            url = conn.recv()
+            try:
+                url = conn.recv()
+            except EOFError:  # it closed its end, dying: its exit code says more
+                proc.join(5.0)
+                raise KVEventsError(
+                    f"router worker {index} exited with code {proc.exitcode} before it "
+                    "was ready (its error is above)"
+                ) from None
             conn.close()
         reserve.close()
         print(ready_prefix + url, flush=True)
-        last_restart = 0.0
-        while not stopping:
-            sentinels = [p.sentinel for p in procs.values()]
-            multiprocessing.connection.wait(sentinels, timeout=0.5)
-            for index, proc in list(procs.items()):
-                if proc.is_alive() or stopping:
-                    continue
-                wait = last_restart + 1.0 - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                log.error(
-                    "router worker %d (pid %s) exited with code %s; starting it again",
-                    index,
-                    proc.pid,
-                    proc.exitcode,
-                )
-                last_restart = time.monotonic()
-                start(index)
+        _supervise(procs, start, lambda: stopping)
         return 0
     finally:
         reserve.close()
@@ -214,6 +233,60 @@ def serve_workers(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _supervise(
+    procs: dict[int, BaseProcess],
+    start: Callable[[int], tuple[BaseProcess, Any]],
+    stopping: Callable[[], bool],
+) -> None:
+    """Restart the workers that die until ``stopping()``: each after a delay that doubles
+    while it keeps dying young (module docstring); a restarted worker's ready message is
+    read (and logged) as it comes, so that its announcement finds the parent listening."""
+    born = dict.fromkeys(procs, time.monotonic())
+    delay = dict.fromkeys(procs, 0.0)
+    due: dict[int, float] = {}  # dead workers: when each starts again
+    ready: dict[int, Any] = {}  # restarted workers not serving yet: the parent's pipe end
+    while not stopping():
+        now = time.monotonic()
+        for index, proc in procs.items():
+            if index in due or proc.is_alive():
+                continue
+            young = now - born[index] < _STABLE_AFTER
+            delay[index] = (
+                min(max(2 * delay[index], _RESTART_DELAY), _RESTART_DELAY_MAX)
+                if young
+                else _RESTART_DELAY
+            )
+            due[index] = now + delay[index]
+            log.error(
+                "router worker %d (pid %s) exited with code %s; starting it again in %g s",
+                index,
+                proc.pid,
+                proc.exitcode,
+                delay[index],
+            )
+            stale = ready.pop(index, None)
+            if stale is not None:
+                stale.close()
+        for index, when in list(due.items()):
+            if when <= now and not stopping():
+                del due[index]
+                ready[index] = start(index)[1]
+                born[index] = time.monotonic()
+        for index, conn in list(ready.items()):
+            if not conn.poll():
+                continue
+            with contextlib.suppress(EOFError, OSError):  # EOF: it died first (above)
+                conn.recv()
+                log.warning("router worker %d (pid %s) serves again", index, procs[index].pid)
+            conn.close()
+            del ready[index]
+        timeout = min([0.5, *(max(0.0, when - now) for when in due.values())])
+        alive = [p.sentinel for i, p in procs.items() if i not in due]
+        multiprocessing.connection.wait(alive + list(ready.values()), timeout=timeout)
+    for conn in ready.values():
+        conn.close()
 
 
 def _stop_all(procs: list[BaseProcess]) -> None:

@@ -1,0 +1,114 @@
+"""`kvevents router --workers N` supervised: a worker that dies is replaced and serves, the
+workers do not outlive a killed parent, and a port another group serves is refused.
+
+Real processes: a `kvevents engine` and `kvevents router --workers 2` subprocesses; which
+worker answers a request is read from `/workers` (`process`), a new connection each time
+so that the kernel spreads them over the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine(["--dp-size", "2", "--page-size", "4"], KV_CONFIG)
+    yield eng
+    eng.stop()
+
+
+def _workers_seen(url: str, tries: int = 16) -> dict[int, int]:
+    """Per worker index that answered one of ``tries`` new connections, its pid."""
+    seen: dict[int, int] = {}
+    for _ in range(tries):
+        with httpx.Client(base_url=url, timeout=10.0) as fresh:
+            process = fresh.get("/workers").json()["process"]
+        seen[process["index"]] = process["pid"]
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone for this purpose
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_killed_worker_is_replaced_by_one_that_stays_and_serves(engine: Engine) -> None:
+    """SIGKILL one of two workers: a new process takes its index, answers on the port,
+    and is still the same process seconds later (it does not die and come back)."""
+    proc = RouterProc([engine.url], "--workers", "2")
+    try:
+        pids: dict[int, int] = {}
+        wait_until(lambda: len(pids.update(_workers_seen(proc.url)) or pids) == 2, 30, "both")
+        os.kill(pids[1], signal.SIGKILL)
+        replaced: dict[int, int] = {}
+
+        def new_worker_answers() -> bool:
+            seen = _workers_seen(proc.url)
+            if seen.get(1, pids[1]) != pids[1]:
+                replaced[1] = seen[1]
+            return bool(replaced)
+
+        wait_until(new_worker_answers, 30, "a new worker 1 answering on the port")
+        time.sleep(3.0)  # a worker that fails after it starts would be gone and replaced
+        assert _alive(replaced[1])
+        wait_until(lambda: _workers_seen(proc.url).get(1) == replaced[1], 10, "it answering")
+        assert _alive(pids[0]) and _workers_seen(proc.url).get(0, pids[0]) == pids[0]
+    finally:
+        proc.stop()
+    assert "starting it again" in proc.stderr and "serves again" in proc.stderr
+
+
+def test_workers_stop_when_their_parent_is_killed(engine: Engine) -> None:
+    """The supervising process SIGKILLed (it cannot stop them): its workers stop by
+    themselves, and the port is free again."""
+    proc = RouterProc([engine.url], "--workers", "2")
+    pids: dict[int, int] = {}
+    try:
+        wait_until(lambda: len(pids.update(_workers_seen(proc.url)) or pids) == 2, 30, "both")
+        proc.proc.kill()
+        proc.wait_exit()
+        wait_until(lambda: not any(_alive(p) for p in pids.values()), 20, "the workers to stop")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{proc.url}/health", timeout=5.0)
+    finally:
+        proc.stop(expect=None)
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_port_another_router_group_serves_is_refused(engine: Engine) -> None:
+    """`SO_REUSEPORT` would let a second `--workers` group bind beside a first on the same
+    port and take part of its connections: the second is refused, naming the port."""
+    first = RouterProc([engine.url], "--workers", "2")
+    try:
+        port = first.url.rsplit(":", 1)[1]
+        argv = ["router", "--engine", engine.url, "--port", port, "--workers", "2"]
+        second = subprocess.run(
+            [sys.executable, "-m", "kvevents.cli.main", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode != 0
+        assert f"127.0.0.1:{port} cannot be bound" in second.stderr
+        assert "choose another --port" in second.stderr
+    finally:
+        first.stop()
