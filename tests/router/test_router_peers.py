@@ -77,6 +77,55 @@ def test_own_notes_are_ignored_and_lost_finishes_age_out(tmp_path: Path) -> None
         ctx.term()
 
 
+def test_a_notes_time_to_live_is_never_longer_than_this_routers(tmp_path: Path) -> None:
+    """A sender's ttl counts when shorter than ours; a longer, infinite, NaN or
+    non-positive one is ours (30 s here), so no peer keeps a request in flight for ever.
+    Begins finished before their time leave nothing behind when it comes."""
+    ctx = zmq.asyncio.Context()
+    clock = Clock()
+    router, notes = _peer(tmp_path, clock, ctx)
+    try:
+        for ticket, ttl in enumerate([10.0, 1e9, float("inf"), float("nan"), -1.0, 0.0], 1):
+            note = msgspec.structs.replace(_note("begin", ticket=ticket), ttl=ttl)
+            notes.apply(note)
+        notes.apply(_note("begin", ticket=7))
+        notes.apply(_note("finish", ticket=7))  # finished: its due line is skipped
+        assert router.loads[H].inflight_requests == 6
+        clock.now += 11.0
+        notes.expire()
+        assert (router.loads[H].inflight_requests, notes.expired) == (5, 1)
+        clock.now += 20.0
+        notes.expire()
+        assert (router.loads[H].inflight_requests, notes.expired) == (0, 6)
+        clock.now += 31.0  # and what was remembered of them is forgotten in turn
+        notes.expire()
+        assert (notes._remote, notes._done, notes._due) == ({}, {}, [])
+    finally:
+        asyncio.run(notes.close())
+        ctx.term()
+
+
+def test_notes_about_engines_this_router_does_not_follow_are_ignored(tmp_path: Path) -> None:
+    """On a shared subject, another group's notes name engines this router does not
+    follow: counted as foreign, they add no holder and take nothing from the recent
+    work of this router's own holders."""
+    ctx = zmq.asyncio.Context()
+    clock = Clock()
+    router, notes = _peer(tmp_path, clock, ctx)
+    try:
+        notes.apply(_note("routed", ticket=1))  # our own engine's: some recent work
+        before = router.loads[H].recent_blocks
+        for rank in range(50):
+            other = LoadNote("other", "routed", "http://elsewhere", rank, 100 + rank, 64, 0.0, 30.0)
+            notes.apply(other)
+        assert notes.foreign == 50 and notes.received == 51
+        assert list(router.loads) == [H]
+        assert router.loads[H].recent_blocks == before
+    finally:
+        asyncio.run(notes.close())
+        ctx.term()
+
+
 def test_local_decisions_are_sent_as_notes_a_peer_applies(tmp_path: Path) -> None:
     """begin/finish on one router reach another over real sockets and move its load."""
 

@@ -314,7 +314,15 @@ class ProcessCollector(Collector):
             sent = CounterMetricFamily(
                 _P + "peer_notes", "load notes to and from peer routers", labels=["direction"]
             )
-            for direction in ("sent", "received", "malformed", "expired", "dropped", "duplicates"):
+            for direction in (
+                "sent",
+                "received",
+                "malformed",
+                "expired",
+                "dropped",
+                "duplicates",
+                "foreign",
+            ):
                 sent.add_metric([direction], notes[direction])
             yield sent
             inflight = GaugeMetricFamily(

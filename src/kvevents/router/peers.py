@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import itertools
 import logging
 import time
@@ -189,9 +190,15 @@ class LoadNotes:
         self.duplicates = 0
         self.malformed = 0
         self.expired = 0
+        self.foreign = 0
+        """Notes about holders this router does not follow (another group's engines on a
+        shared ``--sync-subject``), ignored."""
         self._remote: dict[tuple[str, int], tuple[Holder, float, float]] = {}
         # notes already applied whose duplicates must change nothing: key -> forget after
         self._done: dict[tuple[str, int], float] = {}
+        # when each entry of both is due, earliest first: (until, key, in _remote); an
+        # entry removed or renewed since leaves its line here, skipped when it comes up
+        self._due: list[tuple[float, tuple[str, int], bool]] = []
         self._routed_ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._next_sweep = clock() + 1.0
@@ -256,38 +263,54 @@ class LoadNotes:
             return
         self.received += 1
         holder = Holder(note.worker, note.dp_rank)
+        if holder not in self.router.loads:  # not an engine rank this router follows
+            self.foreign += 1
+            return
         key = (note.sender, note.ticket)
         now = self.clock()
         if key in self._done or (note.kind == "begin" and key in self._remote):
             self.duplicates += 1
             return
+        # the sender's time-to-live, but never longer than ours (nor NaN, infinite or <= 0)
+        until = now + (min(note.ttl, self.ttl) if note.ttl > 0 else self.ttl)
         if note.kind == "routed":
             self.router.remote_routed(holder, note.n_blocks)
-            self._done[key] = now + note.ttl
+            self._forget_at(key, until)
         elif note.kind == "begin":
             self.router.remote_routed(holder, note.n_blocks)
             self.router.remote_inflight(holder, 1, note.inflight_blocks)
-            self._remote[key] = (holder, note.inflight_blocks, now + note.ttl)
+            self._remote[key] = (holder, note.inflight_blocks, until)
+            heapq.heappush(self._due, (until, key, True))
         elif note.kind == "finish":
             held = self._remote.pop(key, None)
             if held is not None:
                 self.router.remote_inflight(held[0], -1, -held[1])
-            self._done[key] = now + note.ttl  # a late begin, or a duplicate, changes nothing
+            self._forget_at(key, until)  # a late begin, or a duplicate, changes nothing
         if now >= self._next_sweep:
             self.expire()
+
+    def _forget_at(self, key: tuple[str, int], until: float) -> None:
+        self._done[key] = until
+        heapq.heappush(self._due, (until, key, False))
 
     def expire(self) -> None:
         """Drop peers' in-flight requests whose time-to-live has passed."""
         now = self.clock()
         self._next_sweep = now + 1.0
-        stale = [k for k, (_, _, until) in self._remote.items() if until <= now]
-        for key in stale:
-            holder, blocks, _ = self._remote.pop(key)
-            self.router.remote_inflight(holder, -1, -blocks)
+        due = self._due
+        while due and due[0][0] <= now:  # O(entries due), not a walk over all of them
+            until, key, in_flight = heapq.heappop(due)
+            if not in_flight:
+                if self._done.get(key) == until:
+                    del self._done[key]
+                continue
+            held = self._remote.get(key)
+            if held is None or held[2] != until:
+                continue  # finished since
+            del self._remote[key]
+            self.router.remote_inflight(held[0], -1, -held[1])
             self.expired += 1
-            self._done[key] = now + self.ttl
-        for key in [k for k, until in self._done.items() if until <= now]:
-            del self._done[key]
+            self._forget_at(key, now + self.ttl)
 
     @property
     def remote_inflight(self) -> int:
@@ -303,6 +326,7 @@ class LoadNotes:
             "duplicates": self.duplicates,
             "malformed": self.malformed,
             "expired": self.expired,
+            "foreign": self.foreign,
             "peer_inflight": self.remote_inflight,
         }
 
