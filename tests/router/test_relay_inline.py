@@ -20,6 +20,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 from openai_support import FakeEngine
+from upstream_support import Script, Server, serving
 
 from kvevents import Holder, Router, kernels
 from kvevents.http_auth import ApiKey
@@ -432,3 +433,61 @@ def test_a_relay_on_a_kept_alive_engine_connection_runs_no_task(engine: FakeEngi
         assert plane.inflight() == 0
 
     _run(engine, "sglang", check)
+
+
+def test_a_stream_a_client_stops_reading_leaves_the_count_when_the_engine_is_done() -> None:
+    """A streamed completion whose client stops reading (its socket open): the relay
+    stops reading the engine too, and once the engine's side ends (here the forward
+    timeout) the request leaves the in-flight count, though the client still holds
+    its stream. Before, it stayed counted as long as the client's socket lived."""
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            while True:
+                head = (await server.request(r), server.requests[-1][0])[1]
+                if head.startswith(b"GET /health "):
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                if not head.startswith(b"POST /v1/completions"):
+                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+                w.write(b"transfer-encoding: chunked\r\n\r\n")
+                event = b"data: " + b"x" * 65_000 + b"\n\n"
+                for _ in range(1024):  # far more than the sockets between hold
+                    w.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await w.drain()
+
+        return serve
+
+    async def go() -> None:
+        async with serving(make) as engine:
+            router = Router(block_size=BS)
+            spec = EngineSpec.create(
+                engine.url, kv_endpoint="tcp://127.0.0.1:5999", dp_size=2, kind="vllm"
+            )
+            service = RouterService(router, [spec], load_interval=60.0, forward_timeout=1.0)
+            at, server, task = await _serve(create_app(service), "on")
+            host, port = at.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "stream": True}).encode()
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
+                    b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT)
+                inflight = lambda: sum(x.inflight_requests for x in router.loads.values())  # noqa: E731
+                assert inflight() == 1
+                deadline = asyncio.get_running_loop().time() + TIMEOUT
+                while inflight() != 0:  # the client reads nothing more meanwhile
+                    assert asyncio.get_running_loop().time() < deadline, "still counted"
+                    await asyncio.sleep(0.05)
+                assert not writer.is_closing()
+            finally:
+                writer.close()
+                server.should_exit = True
+                await asyncio.wait_for(task, 20.0)
+
+    asyncio.run(go())

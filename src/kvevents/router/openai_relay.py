@@ -414,6 +414,17 @@ class OpenAIRelay:
             upstream.release()
             return self._answered(fwd, status, media, payload)
         router = service.router
+        ended = False
+
+        def end() -> None:
+            """The request leaves the engine's count once: when the engine's answer ends
+            (a client that stops reading holds its stream, not the rank), or the relay does."""
+            nonlocal ended
+            if not ended:
+                ended = True
+                router.finish(fwd.ticket)
+
+        upstream.on_end(end)
 
         async def relay() -> AsyncIterator[bytes]:
             tracker = _UsageTracker()
@@ -427,7 +438,7 @@ class OpenAIRelay:
                 yield b"\n\n"
             finally:
                 upstream.release()
-                router.finish(fwd.ticket)
+                end()
                 service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
         return Answer(status, [(b"content-type", media), *fwd.shown], stream=relay())

@@ -139,6 +139,17 @@ class Response:
         self._done = True
         self._conn.release()
 
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the answer has ended on the engine's side: all of it
+        received (read by the caller or not), failed, or the connection closed; at once
+        if it already has. A relayed stream counts its request off the engine then, not
+        when a slow client has read the last of it."""
+        conn = self._conn
+        if self._done or conn._complete or conn._error is not None or conn.closed:
+            callback()
+            return
+        conn._on_end = callback
+
 
 class _Connection(asyncio.Protocol):
     """One connection, one exchange at a time; httptools parses the answers."""
@@ -155,6 +166,8 @@ class _Connection(asyncio.Protocol):
         self._whole = False
         self._on_head: Callable[[], None] | None = None
         """Called once the final answer's head is in (see :meth:`Upstream.get`)."""
+        self._on_end: Callable[[], None] | None = None
+        """Called once the answer has ended (see :meth:`Response.on_end`)."""
         self._status = 0  # the final answer's status, once its head is in
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -242,6 +255,7 @@ class _Connection(asyncio.Protocol):
         if self._whole:
             self._hand_over()
             return
+        self._ended()
         self._wake()
 
     def _hand_over(self) -> None:
@@ -276,6 +290,7 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._whole = whole
         self._on_head = on_head
+        self._on_end = None
         self._head = loop.create_future()
         self._timer = loop.call_at(deadline, self._fail, TimeoutError())
         self._transport.write(head + body if len(body) < 65536 else head)
@@ -325,6 +340,12 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._transport is not None:
             self._transport.close()
+        self._ended()
+
+    def _ended(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
