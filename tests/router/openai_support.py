@@ -5,7 +5,7 @@
 * ``POST /v1/completions``: records ``(headers, raw body)``; answers a completion whose
   ``usage.prompt_tokens_details.cached_tokens`` is :attr:`FakeEngine.cached_tokens`.
   A body with ``delay_s`` is answered that many seconds late; one with ``fail_status``
-  answers that status with an error. With ``"stream": true``
+  answers that status with an error (and ``retry_after``: that ``Retry-After`` header). With ``"stream": true``
   it sends :attr:`FakeEngine.chunks` SSE chunks ``data: {"i": n}``,
   then ``data: [DONE]``; after the first chunk it waits (at most 20 s) until the test
   calls :meth:`FakeEngine.release`, so a test can prove chunks are relayed as they come.
@@ -75,7 +75,8 @@ class FakeEngine:
                 await asyncio.sleep(body["delay_s"])
             if "fail_status" in body:
                 error = {"error": {"message": "asked to fail", "code": body["fail_status"]}}
-                return JSONResponse(error, status_code=body["fail_status"])
+                retry = {"retry-after": str(body["retry_after"])} if "retry_after" in body else {}
+                return JSONResponse(error, status_code=body["fail_status"], headers=retry)
             if body.get("stream"):
                 return StreamingResponse(self._stream(), media_type="text/event-stream")
             usage = {

@@ -172,12 +172,17 @@ def test_sglang_body_gets_exactly_one_rank_however_the_client_spelled_its_own(
     assert json.loads(body) == {"prompt": [prefix], "max_tokens": 1, "routed_dp_rank": 0}
 
 
-def test_streaming_relays_each_chunk_as_it_arrives(plane: dict, router: RouterProc) -> None:
-    """A streamed answer's first chunk reaches the client while the engine still holds the rest; all arrive in order."""
+@pytest.mark.parametrize("stream", [True, "true", 1], ids=["true", "string", "one"])
+def test_streaming_relays_each_chunk_as_it_arrives(
+    plane: dict, router: RouterProc, stream: object
+) -> None:
+    """A streamed answer's first chunk reaches the client while the engine still holds
+    the rest; all arrive in order. ``stream`` is read as the engines read it: ``"true"``
+    and ``1`` ask for a stream too."""
     a = plane["a"]
     prefix = list(range(300, 308))
     held(router, plane["pubs_a"], a.url, 0, prefix)
-    request = {"prompt": prefix, "stream": True, "max_tokens": 5}
+    request = {"prompt": prefix, "stream": stream, "max_tokens": 5}
     with router.http.stream("POST", "/v1/completions", json=request) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -218,6 +223,11 @@ def test_engine_errors_are_relayed_with_the_decision(plane: dict, router: Router
     assert response.headers["x-kvevents-worker"] in (plane["a"].url, plane["b"].url)
     line = next(x for x in router.http.get("/metrics").text.splitlines() if 'status="422"' in x)
     assert line.startswith("kvevents_router_requests_total{") and line.endswith(" 1.0")
+    for prompt in (list(range(400, 408)), "w1 w2 w3"):  # relayed inline, and through ASGI
+        busy = router.post(
+            "/v1/completions", {"prompt": prompt, "fail_status": 503, "retry_after": 7}
+        )
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "7"
 
 
 def test_metrics_count_routed_requests_and_matched_tokens(plane: dict, router: RouterProc) -> None:

@@ -52,8 +52,19 @@ class RelayFields(msgspec.Struct):
     def salt(self) -> str | None:
         return self.cache_salt if isinstance(self.cache_salt, str) else None
 
+    @property
+    def wants_stream(self) -> bool:
+        """``stream`` read as the engines read it (pydantic's lax booleans): true, 1 and
+        1.0, and the strings ``true``, ``1``, ``yes``, ``on``, ``t``, ``y`` in any case.
+        Anything else is no stream; a value the engine refuses comes back as its 400."""
+        value = self.stream
+        if isinstance(value, str):
+            return value.lower() in _TRUE_WORDS
+        return value is True or (type(value) in (int, float) and value == 1)
+
 
 _ROUTED_RANK, _CLIENT_RANK = "routed_dp_rank", "data_parallel_rank"
+_TRUE_WORDS = frozenset({"true", "1", "yes", "on", "t", "y"})
 
 
 class _PromptBody(RelayFields):

@@ -231,7 +231,7 @@ class OpenAIRelay:
         fast = token_prompt(raw)
         if fast is None:
             return None
-        if fast[1].stream is True:
+        if fast[1].wants_stream:
             self._streamed = (raw, fast)  # the ASGI path takes it up (_token_prompt)
             return None
         return self._relay_whole(_forwarded(raw_headers), raw, *fast)
@@ -400,8 +400,8 @@ class OpenAIRelay:
             raise
         status = upstream.status
         service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
-        media = _media(upstream.headers)
-        if fields.stream is not True or status != 200:
+        passed = _engine_headers(upstream.headers)
+        if not fields.wants_stream or status != 200:
             try:
                 payload = await upstream.read()
             except FORWARD_ERRORS as exc:
@@ -412,7 +412,7 @@ class OpenAIRelay:
                 service.router.finish(fwd.ticket, failed=status != 200)
                 raise
             upstream.release()
-            return self._answered(fwd, status, media, payload)
+            return self._answered(fwd, status, passed, payload)
         router = service.router
         ended = False
 
@@ -441,7 +441,7 @@ class OpenAIRelay:
                 end()
                 service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
-        return Answer(status, [(b"content-type", media), *fwd.shown], stream=relay())
+        return Answer(status, [*passed, *fwd.shown], stream=relay())
 
     def _relay_whole(
         self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
@@ -486,7 +486,7 @@ class OpenAIRelay:
                 self.service.requests.record(
                     fwd.endpoint, fwd.decision, fwd.prompt_tokens, full.status
                 )
-                answer = self._answered(fwd, full.status, _media(full.headers), full.body)
+                answer = self._answered(fwd, full.status, _engine_headers(full.headers), full.body)
             elif isinstance(error, MidwayError):
                 self.service.requests.record(
                     fwd.endpoint, fwd.decision, fwd.prompt_tokens, error.status
@@ -518,14 +518,16 @@ class OpenAIRelay:
         midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
         return Answer.error(OpenAIError(502, midway, "bad_gateway"), fwd.shown)
 
-    def _answered(self, fwd: _Forward, status: int, media: bytes, payload: bytes) -> Answer:
+    def _answered(
+        self, fwd: _Forward, status: int, passed: list[tuple[bytes, bytes]], payload: bytes
+    ) -> Answer:
         """The engine's whole answer, as the client gets it; the request ended, and the
         engine's usage counted when it says."""
         service = self.service
         service.router.finish(fwd.ticket, failed=status != 200)
         if status == 200:
             service.requests.record_usage(fwd.decision.holder, engine_usage_of_json(payload))
-        return Answer(status, [(b"content-type", media), *fwd.shown], payload)
+        return Answer(status, [*passed, *fwd.shown], payload)
 
 
 class _Forward:
@@ -598,10 +600,15 @@ async def _until_gone(
         raise error  # a bug, not the client leaving: let the server log it
 
 
-def _media(headers: Mapping[str, str]) -> bytes:
-    """The engine's content type, as a header value to answer with (JSON when it gave none)."""
+def _engine_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """The engine's headers the client gets: its content type (JSON when it gave none),
+    and ``retry-after`` when it said when to try again (a 429 or 503 of a busy engine)."""
     media = headers.get("content-type")
-    return _JSON_BYTES if media is None else media.encode("latin-1")
+    passed = [(b"content-type", _JSON_BYTES if media is None else media.encode("latin-1"))]
+    retry = headers.get("retry-after")
+    if retry is not None:
+        passed.append((b"retry-after", retry.encode("latin-1")))
+    return passed
 
 
 def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
