@@ -87,6 +87,23 @@ def test_bad_specs_are_refused_naming_the_engine(fields: dict, message: str) -> 
     assert "http://h:8000" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://user:s3cret@h:8000", "credentials in the URL are not sent"),
+        ("http://h:8000/v1?x=1", "a query string or #fragment"),
+        ("http://h:8000#part", "a query string or #fragment"),
+    ],
+)
+def test_engine_urls_with_parts_never_used_are_refused(url: str, message: str) -> None:
+    """Credentials, a query string or a fragment in an engine's URL would be dropped
+    silently from every request: refused, saying what to write, without the secret."""
+    with pytest.raises(ConfigError) as info:
+        EngineSpec.create(url)
+    assert message in str(info.value)
+    assert "s3cret" not in str(info.value)
+
+
 def test_json_and_toml_files_list_engines(tmp_path: Path) -> None:
     """A JSON file and the same engines as TOML give the same specs, in file order."""
     engines = [

@@ -115,6 +115,10 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
             "content-type": "application/json",
             "authorization": "Bearer sk-test",
             "X-data-parallel-rank": "0",  # the client's own is replaced
+            "connection": "keep-alive, x-hop",  # x-hop is for this connection only
+            "x-hop": "1",
+            "proxy-connection": "keep-alive",
+            "x-end-to-end": "kept",
         },
     )
     assert response.status_code == 200, response.text
@@ -127,6 +131,8 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
     headers, body = a.received[-1]
     assert headers["x-data-parallel-rank"] == "1"
     assert "authorization" not in headers  # the client's key is for the router, never the engine's
+    assert "x-hop" not in headers and "proxy-connection" not in headers
+    assert headers["x-end-to-end"] == "kept"
     assert body == raw
 
 

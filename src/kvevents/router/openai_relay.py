@@ -79,6 +79,7 @@ _DROP_HEADERS = frozenset(
         "te",
         "trailer",
         "proxy-authorization",
+        "proxy-connection",
         "authorization",  # the client's key is for the router; engines get the router's own
         "accept-encoding",
         "expect",  # the body is whole already: no 100 Continue to wait for
@@ -267,7 +268,9 @@ class OpenAIRelay:
 
     async def rsgi(self, scope: Any, proto: Any) -> None:
         """Answer one granian RSGI request for a path of :data:`RELAYED`."""
-        headers = {k.lower(): v for k, v in scope.headers.items() if k.lower() not in _DROP_HEADERS}
+        headers = _forwarded(
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()
+        )
         try:
             raw = await read_rsgi_body(scope, proto, self.max_body_bytes)
             answer = await self.answer(RELAYED[scope.path], headers, raw)
@@ -612,12 +615,14 @@ def _engine_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
 
 
 def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The client's headers that go on to the engine (see :data:`_DROP_HEADERS`)."""
-    return {
-        k.decode("latin-1"): v.decode("latin-1")
-        for k, v in raw_headers
-        if k not in _DROP_RAW_HEADERS
-    }
+    """The client's headers that go on to the engine: not those of :data:`_DROP_HEADERS`,
+    nor those its ``Connection`` header names (hop-by-hop, for this connection only)."""
+    raw_headers = list(raw_headers)
+    drop = _DROP_RAW_HEADERS
+    for name, value in raw_headers:
+        if name == b"connection":
+            drop = drop | {token.strip().lower() for token in value.split(b",")}
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k not in drop}
 
 
 def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: bool) -> bytes:

@@ -131,8 +131,21 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def _validate(self) -> None:
         where = f"engine {self.url}"
-        if not httpx.URL(self.url).host:
+        parsed = httpx.URL(self.url)
+        if not parsed.host:
             raise ConfigError(f"{where}: cannot read a host from the URL; write http://HOST:PORT")
+        if parsed.userinfo:  # the router's requests would go without them, unauthenticated
+            scheme, _, rest = self.url.partition("://")
+            shown = f"{scheme}://***@{rest.partition('@')[2]}"  # never the secret itself
+            raise ConfigError(
+                f"engine {shown}: credentials in the URL are not sent; give the engine's key "
+                "with --engine-api-key (or KVEVENTS_ENGINE_API_KEY) and write http://HOST:PORT"
+            )
+        if parsed.query or parsed.fragment:
+            raise ConfigError(
+                f"{where}: a query string or #fragment in an engine's URL is not used; write "
+                "its base URL, http://HOST:PORT (with a path prefix if it has one)"
+            )
         if self.model is not None and not self.models:
             raise ConfigError(
                 f"{where}: model={self.model!r} names no model; give e.g. model=llama"
