@@ -91,6 +91,7 @@ def test_bad_specs_are_refused_naming_the_engine(fields: dict, message: str) -> 
     ("url", "message"),
     [
         ("http://user:s3cret@h:8000", "credentials in the URL are not sent"),
+        ("http://user:s3cret@s3cret@h:8000", "credentials in the URL are not sent"),
         ("http://h:8000/v1?x=1", "a query string or #fragment"),
         ("http://h:8000#part", "a query string or #fragment"),
     ],
@@ -101,6 +102,9 @@ def test_engine_urls_with_parts_never_used_are_refused(url: str, message: str) -
     with pytest.raises(ConfigError) as info:
         EngineSpec.create(url)
     assert message in str(info.value)
+    assert "s3cret" not in str(info.value)
+    with pytest.raises(ConfigError) as info:  # refused before any other error names it
+        EngineSpec.create(url, port=1)
     assert "s3cret" not in str(info.value)
 
 

@@ -112,6 +112,7 @@ def test_notes_about_engines_this_router_does_not_follow_are_ignored(tmp_path: P
     ctx = zmq.asyncio.Context()
     clock = Clock()
     router, notes = _peer(tmp_path, clock, ctx)
+    notes.follows = {H.worker}.__contains__  # what RouterService.workers gives it
     try:
         notes.apply(_note("routed", ticket=1))  # our own engine's: some recent work
         before = router.loads[H].recent_blocks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -112,3 +113,43 @@ def test_a_port_another_router_group_serves_is_refused(engine: Engine) -> None:
         assert "choose another --port" in second.stderr
     finally:
         first.stop()
+
+
+def test_two_groups_started_together_on_one_port_do_not_share_it(engine: Engine) -> None:
+    """Two `--workers 2` groups started at once on the same free port: until workers
+    listen, only the parents' reserve sockets hold it, which do not see each other; the
+    group's claim on the port does. One serves, the other is refused, naming the port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    argv = [sys.executable, "-m", "kvevents.cli.main", "router", "--engine", engine.url]
+    argv += ["--port", port, "--workers", "2"]
+    groups = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        refused = []
+        deadline = time.monotonic() + 60
+        while not refused and time.monotonic() < deadline:
+            refused = [g for g in groups if g.poll() is not None]
+            time.sleep(0.1)
+        assert len(refused) == 1, "one of the two groups must be refused"
+        (loser,) = refused
+        assert loser.returncode != 0
+        assert f"127.0.0.1:{port} cannot be bound" in loser.communicate(timeout=10)[1]
+        (winner,) = [g for g in groups if g is not loser]
+
+        def serving() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5.0).is_success
+            except httpx.HTTPError:
+                return False
+
+        wait_until(serving, 30, "the other group serving")
+        assert winner.poll() is None
+    finally:
+        for group in groups:
+            if group.poll() is None:
+                group.send_signal(signal.SIGTERM)
+            group.communicate(timeout=30)

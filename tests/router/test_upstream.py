@@ -147,6 +147,34 @@ def test_a_body_without_a_length_cut_by_a_reset_is_an_error_not_the_whole_answer
     run(main())
 
 
+def test_a_body_without_a_length_past_the_deadline_fails_even_read_late() -> None:
+    """The deadline closes the connection, which asyncio reports as a clean close: that
+    is not the body's end. A reader that comes after it gets the part that came, then
+    the timeout, not a whole answer."""
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            await server.request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\npart of it")
+            await w.drain()
+            await asyncio.sleep(5.0)  # and the rest never comes
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=0.3)
+            answer = await client.post(server.url, "/x", b"{}", {})
+            await asyncio.sleep(0.8)  # past the deadline before reading anything
+            chunks = answer.chunks()
+            assert await chunks.__anext__() == b"part of it"
+            with pytest.raises(TimeoutError):
+                await chunks.__anext__()
+            await client.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize(
     ("sent", "words"),
     [

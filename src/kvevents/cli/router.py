@@ -442,7 +442,9 @@ async def serve(
     notes = None
     if service.sync is not None and service.peers is None:
         sender = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
-        notes = service.peers = LoadNotes(service.router, sender, [service.sync])
+        notes = service.peers = LoadNotes(
+            service.router, sender, [service.sync], follows=service.workers.__contains__
+        )
         notes.start()
     try:
 

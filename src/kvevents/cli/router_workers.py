@@ -9,7 +9,8 @@ the balance and in-flight terms of each one's cost see all N processes' traffic.
 
 The parent process only supervises: it reserves the port (bound, never listening, so
 it receives no connection; with ``--port 0`` this is where the OS picks it; a given port
-must be free, for ``SO_REUSEPORT`` would let a second group share it with the first),
+must be free, for ``SO_REUSEPORT`` would let a second group share it with the first, and
+a lock file named after the host and port marks it as this group's from the start),
 starts the workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL``
 once every worker accepts requests, restarts a worker that dies (1 s later, doubling up
 to 30 s while it keeps dying within a minute of its start), and on SIGINT or SIGTERM
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -40,7 +42,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from kvevents.cli.security import RouterSecurity
-from kvevents.errors import KVEventsError
+from kvevents.errors import EndpointError, KVEventsError
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
 from kvevents.router.peers import PeerNotes
@@ -97,6 +99,7 @@ def _worker_main(
             own=_endpoint(folder, index),
             peers=[_endpoint(folder, j) for j in range(workers) if j != index],
             extra=[] if service.sync is None else [service.sync],
+            follows=service.workers.__contains__,
         )
         peers.start()
         service.peers = peers
@@ -166,6 +169,11 @@ def serve_workers(
         bind_http(args.host, args.port, "router", listen=False).close()
     reserve = bind_http(args.host, args.port, "router", reuse_port=True, listen=False)
     port = reserve.getsockname()[1]
+    try:
+        claim = _claim_port(args.host, port)
+    except BaseException:
+        reserve.close()
+        raise
     folder = tempfile.mkdtemp(prefix="kvevents-router-")
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, BaseProcess] = {}
@@ -233,6 +241,30 @@ def serve_workers(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(folder, ignore_errors=True)
+        if claim is not None:
+            os.close(claim)
+
+
+def _claim_port(host: str, port: int) -> int | None:
+    """The group's claim on ``host:port``, held for its life: a lock on a file named
+    after them. Until its workers listen, the port is held only by the parent's reserve
+    socket, which a second group's bind does not see as taken; the lock does. None when
+    the file is another user's (the kernel keeps users' SO_REUSEPORT groups apart)."""
+    path = os.path.join(tempfile.gettempdir(), f"kvevents-router-{host}-{port}.lock")
+    try:
+        claim = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(claim)
+        raise EndpointError(
+            f"router HTTP address {host}:{port} cannot be bound (another `kvevents router "
+            "--workers` group is starting or serving on it): choose another --port (0 lets "
+            "the OS pick)"
+        ) from None
+    return claim
 
 
 def _supervise(

@@ -269,7 +269,7 @@ class OpenAIRelay:
     async def rsgi(self, scope: Any, proto: Any) -> None:
         """Answer one granian RSGI request for a path of :data:`RELAYED`."""
         headers = _forwarded(
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()
+            [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()]
         )
         try:
             raw = await read_rsgi_body(scope, proto, self.max_body_bytes)
@@ -614,15 +614,18 @@ def _engine_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return passed
 
 
-def _forwarded(raw_headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     """The client's headers that go on to the engine: not those of :data:`_DROP_HEADERS`,
     nor those its ``Connection`` header names (hop-by-hop, for this connection only)."""
-    raw_headers = list(raw_headers)
     drop = _DROP_RAW_HEADERS
     for name, value in raw_headers:
-        if name == b"connection":
+        if name == b"connection" and value.lower() not in _CONNECTION_ONLY:
             drop = drop | {token.strip().lower() for token in value.split(b",")}
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k not in drop}
+
+
+_CONNECTION_ONLY = frozenset({b"keep-alive", b"close"})
+"""``Connection`` values that name no other header (the usual ones): nothing to split."""
 
 
 def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: bool) -> bytes:

@@ -165,6 +165,8 @@ class LoadNotes:
     """Send this router's notes on every transport; apply the others' to ``router``.
 
     ``sender``: this router's id, unique across every router that shares notes.
+    ``follows``: whether a note's engine (its ``worker``) is one this router follows;
+    notes about others are counted as ``foreign`` and ignored (None: every engine).
     ``clock`` is injectable for tests. Not thread-safe: one event loop.
     """
 
@@ -176,6 +178,7 @@ class LoadNotes:
         *,
         ttl: float = DEFAULT_NOTE_TTL,
         clock: Callable[[], float] = time.monotonic,
+        follows: Callable[[str], bool] | None = None,
     ) -> None:
         if not ttl > 0:
             raise ValueError(f"note ttl={ttl!r}: must be a positive number of seconds")
@@ -184,6 +187,7 @@ class LoadNotes:
         self.transports = list(transports)
         self.ttl = ttl
         self.clock = clock
+        self.follows = follows
         self.sent = 0
         self.dropped = 0
         self.received = 0
@@ -262,10 +266,11 @@ class LoadNotes:
         if note.sender == self.sender:
             return
         self.received += 1
-        holder = Holder(note.worker, note.dp_rank)
-        if holder not in self.router.loads:  # not an engine rank this router follows
+        follows = self.follows
+        if follows is not None and not follows(note.worker):  # another group's engine
             self.foreign += 1
             return
+        holder = Holder(note.worker, note.dp_rank)
         key = (note.sender, note.ticket)
         now = self.clock()
         if key in self._done or (note.kind == "begin" and key in self._remote):
@@ -349,6 +354,7 @@ class PeerNotes(LoadNotes):
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         extra: Sequence[NoteTransport] = (),
+        follows: Callable[[str], bool] | None = None,
     ) -> None:
         transport = ZmqNoteTransport(own, peers, context=context)
-        super().__init__(router, sender, [transport, *extra], ttl=ttl, clock=clock)
+        super().__init__(router, sender, [transport, *extra], ttl=ttl, clock=clock, follows=follows)

@@ -162,6 +162,9 @@ class RouterService:
                     Holder(spec.worker, 0), spec.block_size, source="configured", origin=origin
                 )
         self.engines = [s.url for s in specs]
+        self.workers = frozenset(s.worker for s in specs)
+        """The engines this router follows, as holders name them (a load note about
+        another is not this router's: :class:`~kvevents.router.peers.LoadNotes`)."""
         self.subscriber = subscriber
         self.load_interval = load_interval
         self.models_interval = models_interval

@@ -203,9 +203,10 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._head is None or self._complete:
             return
-        if self._status and not self._framed and exc is None:
+        if self._status and not self._framed and exc is None and self._error is None:
             self.on_message_complete()  # a body without a length ends with the connection
-            return  # (closed cleanly: a reset cut it short, and fails below)
+            return  # (closed cleanly by the engine: a reset, or our own close after a
+            # failure such as the deadline, leaves it cut short, and fails below)
         why = f": {exc}" if exc else ""
         self._fail(UpstreamError(f"the engine closed the connection midway{why}"))
 

@@ -108,6 +108,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def create(cls, url: str, **fields: Any) -> EngineSpec:
         """A validated spec; ``fields`` are the other attributes (None: not given)."""
+        if isinstance(url, str):  # first: no later error may print a URL's password
+            _refuse_credentials(normalize_engine_url(url))
         unknown = sorted(set(fields) - set(FIELDS))
         if unknown:
             raise ConfigError(
@@ -117,6 +119,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"engine url {url!r} must be an HTTP URL like http://127.0.0.1:8000")
         normalized = normalize_engine_url(url)
+        _refuse_credentials(normalized)
         kind = fields.get("kind")
         if kind is not None and kind not in ENGINE_KINDS:  # before msgspec's terser message
             raise ConfigError(
@@ -134,13 +137,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         parsed = httpx.URL(self.url)
         if not parsed.host:
             raise ConfigError(f"{where}: cannot read a host from the URL; write http://HOST:PORT")
-        if parsed.userinfo:  # the router's requests would go without them, unauthenticated
-            scheme, _, rest = self.url.partition("://")
-            shown = f"{scheme}://***@{rest.partition('@')[2]}"  # never the secret itself
-            raise ConfigError(
-                f"engine {shown}: credentials in the URL are not sent; give the engine's key "
-                "with --engine-api-key (or KVEVENTS_ENGINE_API_KEY) and write http://HOST:PORT"
-            )
         if parsed.query or parsed.fragment:
             raise ConfigError(
                 f"{where}: a query string or #fragment in an engine's URL is not used; write "
@@ -317,3 +313,18 @@ def load_engines_file(path: str | Path) -> list[EngineSpec]:
                 f"{where} is not valid JSON ({exc}); name it *.toml to write TOML"
             ) from None
     return parse_engines_document(document, where)
+
+
+def _refuse_credentials(url: str) -> None:
+    """ConfigError for a URL with ``user:password@`` in it (the router's requests would
+    go without them, unauthenticated), naming the URL without them."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return  # refused with its own message later
+    if parsed.userinfo:
+        shown = f"{parsed.scheme}://***@{parsed.netloc.decode('ascii', 'replace')}"
+        raise ConfigError(
+            f"engine {shown}: credentials in the URL are not sent; give the engine's key "
+            "with --engine-api-key (or KVEVENTS_ENGINE_API_KEY) and write http://HOST:PORT"
+        )
