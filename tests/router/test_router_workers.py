@@ -8,6 +8,7 @@ so that the kernel spreads them over the workers.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -15,10 +16,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+
+from kvevents.cli import router_workers
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +157,46 @@ def test_two_groups_started_together_on_one_port_do_not_share_it(engine: Engine)
             if group.poll() is None:
                 group.send_signal(signal.SIGTERM)
             group.communicate(timeout=30)
+
+
+def _silent_worker(ready: Any) -> None:
+    """A worker that holds its ready pipe and never says it is ready."""
+    time.sleep(60)
+
+
+def test_a_restarted_worker_that_hangs_before_it_is_ready_is_stopped_and_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supervisor's loop on real processes that never say they are ready: a worker
+    that died is started again, and the new one, silent past the ready bound (1 s here,
+    as the first start is bounded), is stopped and started again in its turn."""
+    monkeypatch.setattr(router_workers, "_READY_TIMEOUT", 1.0)
+    ctx = multiprocessing.get_context("spawn")
+    procs: dict[int, Any] = {}
+    started: list[Any] = []
+
+    def start(index: int) -> tuple[Any, Any]:
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_silent_worker, args=(child_end,))
+        proc.start()
+        child_end.close()
+        procs[index] = proc
+        started.append(proc)
+        return proc, parent_end
+
+    try:
+        start(0)
+        started[0].kill()  # the first worker dies
+        started[0].join(10)
+        deadline = time.monotonic() + 30
+        router_workers._supervise(
+            procs, start, lambda: len(started) >= 3 or time.monotonic() > deadline
+        )
+        assert len(started) >= 3, "the hung restart was not stopped and started again"
+        started[1].join(10)
+        assert started[1].exitcode == -signal.SIGKILL
+    finally:
+        for proc in started:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)

@@ -13,7 +13,8 @@ must be free, for ``SO_REUSEPORT`` would let a second group share it with the fi
 a lock file named after the host and port marks it as this group's from the start),
 starts the workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL``
 once every worker accepts requests, restarts a worker that dies (1 s later, doubling up
-to 30 s while it keeps dying within a minute of its start), and on SIGINT or SIGTERM
+to 30 s while it keeps dying within a minute of its start) or that is not ready 120 s
+after a restart (it is stopped first), and on SIGINT or SIGTERM
 stops them all (SIGTERM, then SIGKILL after 10 s). A worker stops by itself when the
 parent is gone (killed), so none is left serving the port unsupervised. A worker that
 dies comes back with an empty index that its subscriber refills by replay where the
@@ -308,6 +309,19 @@ def _supervise(
                 born[index] = time.monotonic()
         for index, conn in list(ready.items()):
             if not conn.poll():
+                proc = procs[index]
+                if now - born[index] > _READY_TIMEOUT and proc.is_alive() and proc.pid:
+                    # hung before serving, as a first start is bounded: stopped, it is
+                    # started again with the others that die
+                    log.error(
+                        "router worker %d (pid %s) was not ready within %g s; stopping it",
+                        index,
+                        proc.pid,
+                        _READY_TIMEOUT,
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGKILL)
+                    born[index] = now  # a restart after a hang counts as dying young
                 continue
             with contextlib.suppress(EOFError, OSError):  # EOF: it died first (above)
                 conn.recv()
