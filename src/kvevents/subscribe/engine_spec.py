@@ -119,7 +119,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"engine url {url!r} must be an HTTP URL like http://127.0.0.1:8000")
         normalized = normalize_engine_url(url)
-        _refuse_credentials(normalized)
         kind = fields.get("kind")
         if kind is not None and kind not in ENGINE_KINDS:  # before msgspec's terser message
             raise ConfigError(
