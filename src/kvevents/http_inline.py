@@ -261,11 +261,7 @@ def _subclass() -> type[Any] | None:
             except Exception:  # a bug: uvicorn's plain 500, logged, and the connection closes
                 log.exception("the app failed answering a request")
                 status, headers, answer = _PLAIN_500
-                self.transport.write(
-                    _head(status, headers, answer) + b"connection: close\r\n\r\n" + answer
-                )
-                self.transport.close()
-                self.on_response_complete()  # counted, as uvicorn counts every answer
+                self._write_and_close(_head(status, headers, answer), answer)
                 return
             if answered is None:
                 self._serve_as_asgi(body)
@@ -281,9 +277,13 @@ def _subclass() -> type[Any] | None:
                 self._send(head + b"\r\n" + answer)
                 self.on_response_complete()  # uvicorn's keep-alive timer and pipelining
             else:
-                self.transport.write(head + b"connection: close\r\n\r\n" + answer)
-                self.transport.close()
-                self.on_response_complete()  # counted, as uvicorn counts every answer
+                self._write_and_close(head, answer)
+
+        def _write_and_close(self, head: bytes, answer: bytes) -> None:
+            """The connection's last answer (``head`` without its blank line), then its end."""
+            self.transport.write(head + b"connection: close\r\n\r\n" + answer)
+            self.transport.close()
+            self.on_response_complete()  # counted, as uvicorn counts every answer
 
         def _keep_alive(self) -> bool:
             return (
@@ -329,9 +329,7 @@ def _subclass() -> type[Any] | None:
                 self._send(head + b"\r\n" + answer)
                 self.on_response_complete()  # the next pipelined request, or keep-alive
             else:
-                self.transport.write(head + b"connection: close\r\n\r\n" + answer)
-                self.transport.close()
-                self.on_response_complete()  # counted, as uvicorn counts every answer
+                self._write_and_close(head, answer)
 
     return InlineHttpToolsProtocol
 
