@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any
@@ -416,18 +417,11 @@ class OpenAIRelay:
                 raise
             upstream.release()
             return self._answered(fwd, status, passed, payload)
-        router = service.router
-        ended = False
-
-        def end() -> None:
-            """The request leaves the engine's count once: when the engine's answer ends
-            (a client that stops reading holds its stream, not the rank), or the relay does."""
-            nonlocal ended
-            if not ended:
-                ended = True
-                router.finish(fwd.ticket)
-
-        upstream.on_end(end)
+        # The request leaves the engine's count when the engine's answer ends (received,
+        # failed, or its connection closed, as the relay's release does when a client
+        # leaves), not when the client has read it: one that stops reading holds its
+        # stream, not the rank.
+        upstream.on_end(functools.partial(service.router.finish, fwd.ticket))
 
         async def relay() -> AsyncIterator[bytes]:
             tracker = _UsageTracker()
@@ -441,7 +435,6 @@ class OpenAIRelay:
                 yield b"\n\n"
             finally:
                 upstream.release()
-                end()
                 service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
         return Answer(status, [*passed, *fwd.shown], stream=relay())
