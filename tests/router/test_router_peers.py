@@ -7,10 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq.asyncio
 
 from kvevents import Holder, Router
-from kvevents.router.peers import LoadNote, LoadNotes, PeerNotes
+from kvevents.router.peers import LoadNote, LoadNotes, PeerNotes, sender_id
 
 H = Holder("http://engine", 0)
 
@@ -212,6 +213,65 @@ def test_notes_go_out_on_every_transport_and_group_copies_are_ignored() -> None:
             nats_like.deliver(routed)
             assert router.loads[H].recent_blocks > before
             assert (notes.received, notes.duplicates) == (2, 1)
+        finally:
+            await notes.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_peer_takes_its_earlier_runs_in_flight_requests_with_it() -> None:
+    """The first note of a later run in a seat (``SEAT#RUN``) drops what the earlier run
+    left in flight, and the earlier run's late notes change nothing; senders without a
+    seat, or in another seat, are left alone."""
+    router = Router(block_size=16)
+    router.add_holder(H)
+    notes = LoadNotes(router, sender_id("g/0", "a"), [FakeTransport()], ttl=30.0)
+    old, new = sender_id("g/1", "run1"), sender_id("g/1", "run2")
+    notes.apply(_note("begin", ticket=1, sender=old))
+    notes.apply(_note("begin", ticket=2, sender=old))
+    notes.apply(_note("begin", ticket=1, sender="seatless"))
+    notes.apply(_note("begin", ticket=1, sender=sender_id("g/2", "run1")))
+    assert router.loads[H].inflight_requests == 4
+    notes.apply(_note("routed", ticket=-1, sender=new))
+    assert (router.loads[H].inflight_requests, notes.superseded) == (2, 2)
+    notes.apply(_note("begin", ticket=3, sender=old))  # the dead run, late: ignored
+    notes.apply(_note("finish", ticket=1, sender=old))
+    assert (router.loads[H].inflight_requests, notes.superseded) == (2, 4)
+    notes.apply(_note("begin", ticket=1, sender=new))  # the new run's own ticket 1 counts
+    assert router.loads[H].inflight_requests == 3
+    with pytest.raises(ValueError, match="must not contain '#'"):
+        sender_id("a#b", "run")
+
+
+def test_a_newcomer_hears_again_of_the_requests_in_flight_here() -> None:
+    """When a sender is heard for the first time, this router sends ``begin`` again for
+    each of its requests still in flight (not for those finished), so a peer that started
+    after them counts them too; a peer that had them takes the copies as duplicates."""
+
+    async def main() -> None:
+        router = Router(block_size=16)
+        router.add_holder(H)
+        wire = FakeTransport()
+        notes = LoadNotes(router, sender_id("g/0", "a"), [wire], ttl=30.0)
+        notes.start()
+        try:
+            tickets = [router.begin(router.route(list(range(64 + i)))) for i in range(3)]
+            router.finish(tickets[0])
+            sent = len(wire.sent)
+            peer_router = Router(block_size=16)
+            peer_router.add_holder(H)
+            peer = LoadNotes(peer_router, sender_id("g/1", "b"), [FakeTransport()], ttl=30.0)
+            notes.apply(_note("routed", ticket=-1, sender=peer.sender))
+            resent = [msgspec.msgpack.decode(raw, type=LoadNote) for raw in wire.sent[sent:]]
+            assert [(n.kind, n.ticket) for n in resent] == [("begin", t.id) for t in tickets[1:]]
+            assert notes.resent == 2
+            for note in resent:
+                peer.apply(note)
+            load = peer_router.loads[H]
+            assert load.inflight_requests == 2
+            assert load.inflight_blocks == sum(t.blocks for t in tickets[1:])
+            notes.apply(_note("routed", ticket=-2, sender=peer.sender))  # not new: no resend
+            assert len(wire.sent) == sent + 2
         finally:
             await notes.close()
 

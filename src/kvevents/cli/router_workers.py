@@ -46,7 +46,7 @@ from kvevents.cli.security import RouterSecurity
 from kvevents.errors import EndpointError, KVEventsError
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
-from kvevents.router.peers import PeerNotes
+from kvevents.router.peers import PeerNotes, sender_id
 from kvevents.router.service import RouterService
 
 __all__ = ["serve_workers"]
@@ -96,7 +96,7 @@ def _worker_main(
     async def main() -> int:
         peers = PeerNotes(
             service.router,
-            sender=f"{group}/{index}-{os.getpid()}-{time.time_ns()}",
+            sender=sender_id(f"{group}/{index}", f"{os.getpid()}-{time.time_ns()}"),
             own=_endpoint(folder, index),
             peers=[_endpoint(folder, j) for j in range(workers) if j != index],
             extra=[] if service.sync is None else [service.sync],

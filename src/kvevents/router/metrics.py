@@ -322,6 +322,8 @@ class ProcessCollector(Collector):
                 "dropped",
                 "duplicates",
                 "foreign",
+                "superseded",
+                "resent",
             ):
                 sent.add_metric([direction], notes[direction])
             yield sent

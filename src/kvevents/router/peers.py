@@ -26,6 +26,14 @@ most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
 duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
 this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
 ``finish`` change nothing; what is remembered for that is forgotten after ``ttl``.
+
+A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
+(:func:`sender_id`; a ``--workers`` process's seat is its group and index). The first
+note of a new run drops the in-flight requests of the run before it in that seat (it
+died: they will never finish, and would count until their ``ttl``), and the first note
+of any sender never heard before makes this process send ``begin`` again for each
+request it has in flight: the newcomer did not hear the first ones, and the others take
+the copies as the duplicates they are.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ __all__ = [
     "SyncTransport",
     "ZmqNoteTransport",
     "cancel_and_wait",
+    "sender_id",
 ]
 
 
@@ -85,6 +94,19 @@ class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
     n_blocks: int
     inflight_blocks: float
     ttl: float
+
+
+def sender_id(seat: str, run: str) -> str:
+    """A sender id naming a seat (a stable place, e.g. a worker index) and this run of it:
+    a later run in the same seat supersedes the earlier one (see the module docstring)."""
+    if "#" in seat:
+        raise ValueError(f"note sender seat {seat!r}: must not contain '#'")
+    return f"{seat}#{run}"
+
+
+def _seat(sender: str) -> str | None:
+    seat, sep, _ = sender.rpartition("#")
+    return seat if sep else None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -197,6 +219,15 @@ class LoadNotes:
         self.foreign = 0
         """Notes about holders this router does not follow (another group's engines on a
         shared ``--sync-subject``), ignored."""
+        self.superseded = 0
+        """Peers' in-flight requests dropped, and notes ignored, because a later run of
+        their sender's seat spoke (the sender was restarted)."""
+        self.resent = 0
+        """``begin`` notes sent again for a sender heard for the first time."""
+        self._senders: set[str] = {sender}
+        self._seats: dict[str, str] = {}  # seat -> the latest sender heard in it
+        self._gone: set[str] = set()  # senders a later run of their seat superseded
+        self._own: dict[int, tuple[Ticket, int]] = {}  # this router's requests in flight
         self._remote: dict[tuple[str, int], tuple[Holder, float, float]] = {}
         # notes already applied whose duplicates must change nothing: key -> forget after
         self._done: dict[tuple[str, int], float] = {}
@@ -211,6 +242,14 @@ class LoadNotes:
     # --- sending ----------------------------------------------------------------------
 
     def _local(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
+        if ticket is not None:
+            if kind == "begin":
+                self._own[ticket.id] = (ticket, n_blocks)
+            else:
+                self._own.pop(ticket.id, None)
+        self._send(kind, holder, n_blocks, ticket)
+
+    def _send(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
         note = LoadNote(
             self.sender,
             kind,
@@ -263,7 +302,12 @@ class LoadNotes:
 
     def apply(self, note: LoadNote) -> None:
         """Apply one peer note to the router's loads, once (own notes are ignored)."""
-        if note.sender == self.sender:
+        if note.sender not in self._senders:
+            if note.sender in self._gone:  # a dead run's note, late
+                self.superseded += 1
+                return
+            self._new_sender(note.sender)
+        elif note.sender == self.sender:
             return
         self.received += 1
         follows = self.follows
@@ -293,6 +337,25 @@ class LoadNotes:
             self._forget_at(key, until)  # a late begin, or a duplicate, changes nothing
         if now >= self._next_sweep:
             self.expire()
+
+    def _new_sender(self, sender: str) -> None:
+        """A sender heard for the first time: drop what an earlier run of its seat left
+        in flight, and tell it of this router's own requests in flight."""
+        self._senders.add(sender)
+        seat = _seat(sender)
+        if seat is not None:
+            earlier = self._seats.get(seat)
+            self._seats[seat] = sender
+            if earlier is not None:
+                for key in [key for key in self._remote if key[0] == earlier]:
+                    holder, blocks, _ = self._remote.pop(key)
+                    self.router.remote_inflight(holder, -1, -blocks)
+                    self.superseded += 1
+                self._senders.discard(earlier)
+                self._gone.add(earlier)
+        for ticket, n_blocks in list(self._own.values()):
+            self._send("begin", ticket.holder, n_blocks, ticket)
+            self.resent += 1
 
     def _forget_at(self, key: tuple[str, int], until: float) -> None:
         self._done[key] = until
@@ -332,6 +395,8 @@ class LoadNotes:
             "malformed": self.malformed,
             "expired": self.expired,
             "foreign": self.foreign,
+            "superseded": self.superseded,
+            "resent": self.resent,
             "peer_inflight": self.remote_inflight,
         }
 
