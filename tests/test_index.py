@@ -195,6 +195,16 @@ def test_duplicate_store_needs_two_removals() -> None:
     assert index.holder_hashes(A) == set() and len(index) == 0
 
 
+def test_one_removal_may_name_a_duplicated_block_twice() -> None:
+    """Both copies of a block stored twice removed by one event naming its hash twice:
+    the block is gone, and nothing raises (it did, and stopped the router's consumer)."""
+    index = PrefixIndex(block_size=2)
+    index.apply(A, batch(stored([1], [1, 2]), stored([1], [1, 2])))
+    index.apply(A, batch(BlockRemoved(block_hashes=[1, 1])))
+    assert index.holder_hashes(A) == set() and len(index) == 0
+    assert index.stats.unknown_hash == 0
+
+
 def test_clear_and_remove_holder_touch_only_that_holder() -> None:
     """clear_holder empties one holder and keeps it registered; remove_holder frees its slot."""
     index = PrefixIndex(block_size=2)

@@ -319,3 +319,14 @@ def test_side_group_events_pause_between_them_and_end_as_one_apply() -> None:
         zip(one.hashes, one.hash_keys, strict=True)
     )
     assert msgspec.structs.replace(steps, hashes=one.hashes, hash_keys=one.hash_keys) == one
+
+
+def test_one_side_group_removal_may_name_a_duplicated_block_twice() -> None:
+    """Sliding-window blocks stored twice, removed by one event naming each hash twice
+    once their full-attention copies are gone: nothing left, nothing raises."""
+    index = stored_200()
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None)))  # the same blocks again
+    index.apply(H, batch(removed(PROMPT, [5, 4, 3, 2, 1, 0], group=1)))
+    index.apply(H, batch(removed(PROMPT, [5, 5, 4, 4], group=0)))
+    assert index.group_entries() == {"sliding_window:0:64": 0} and len(index) == 0
+    assert index.stats.unknown_hash == 0

@@ -54,6 +54,28 @@ def test_reset_and_loss_clear_only_that_holder(signal_cls: type) -> None:
     assert router.signals[(signal_cls.kind, H0)] == 1
 
 
+def test_a_batch_that_fails_to_apply_clears_its_holder_and_the_next_ones_apply(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug while applying one batch must not stop the router's consumer: the failure
+    is counted and logged, the half-applied holder is cleared, later batches apply."""
+    router = make_router()
+    router.handle(Delivery(H0, 0, stored([1], [5, 6])))
+    apply_steps = router.index.apply_steps
+
+    def broken(*args: object, **kwargs: object) -> object:
+        yield from apply_steps(*args, **kwargs)  # type: ignore[arg-type]
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(router.index, "apply_steps", broken)
+    router.handle(Delivery(H0, 1, stored([2], [7, 8], parent=1)))
+    assert router.apply_failures == 1 and "batch seq 1 of http://e:1 rank 0" in caplog.text
+    assert router.query([5, 6, 7, 8])[H0].gpu == 0
+    monkeypatch.setattr(router.index, "apply_steps", apply_steps)
+    router.handle(Delivery(H0, 2, stored([3], [9, 10])))
+    assert router.query([9, 10])[H0].gpu == 1 and router.batches_applied == 3
+
+
 def test_load_and_inflight_requests_steer_away() -> None:
     """Engine /load figures and the router's own in-flight requests count as pending work."""
     router = make_router()

@@ -231,7 +231,7 @@ class GroupedMaskTable(MaskTable):
         held = table._remove_many(slot, keys, tier)
         for h, k in compress(zip(hashes, keys, strict=True), held):
             if k not in self._blocks and not self._side_holds(k):  # type: ignore[arg-type]
-                del known[h]
+                known.pop(h, None)  # one event may name a hash twice (a duplicated block)
         return held.count(False)
 
     def _clear_sides(self, slot: int) -> None:

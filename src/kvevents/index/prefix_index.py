@@ -396,7 +396,7 @@ class PrefixIndex(GroupedMaskTable):
             blocks = self._blocks
             for h, k in compress(zip(some, keys, strict=True), held):
                 if k not in blocks and not (self._groups and self._side_holds(k)):  # type: ignore[arg-type]
-                    del hashes[h]
+                    hashes.pop(h, None)  # one event may name a hash twice (a duplicated block)
         stats.count_event("BlockRemoved", outcome)
 
     # --- events with extra keys, and side KV-cache groups (kvevents.index.groups) --------

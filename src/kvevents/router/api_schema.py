@@ -72,6 +72,8 @@ class IndexSummary(msgspec.Struct):
     blocks: int
     block_size: int | None
     batches_applied: int
+    apply_failures: int
+    """Batches whose applying failed (a bug; logged): their holder's entries were dropped."""
 
 
 class WorkersAnswer(msgspec.Struct):

@@ -61,6 +61,7 @@ feeding, deciding, in-flight bookkeeping and peers' notes all update the same lo
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -85,6 +86,8 @@ from kvevents.router.scoring import (
 from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
 from kvevents.types import Holder
+
+log = logging.getLogger("kvevents.router")
 
 __all__ = ["POLICIES", "Policy", "RouteDecision", "Router", "Ticket"]
 
@@ -191,6 +194,8 @@ class Router:
         which also tell the ranking :meth:`route` keeps for ``top`` that it is out of date."""
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
         self.batches_applied = 0
+        self.apply_failures = 0
+        """Batches whose applying raised (a bug): each one's holder was cleared."""
         self.routes: Counter[Holder] = Counter()
         self.note_listeners: list[NoteListener] = []
         self._tickets = itertools.count(1)
@@ -272,8 +277,20 @@ class Router:
             if item.holder not in self.loads:
                 self.loads.slot(item.holder)
                 self._loads_version += 1
-            batch = self.block_sizes.check(item.holder, item.batch)
-            yield from self.index.apply_steps(item.holder, batch, step)
+            try:
+                batch = self.block_sizes.check(item.holder, item.batch)
+                yield from self.index.apply_steps(item.holder, batch, step)
+            except Exception:  # a bug, not the stream's fault: the consumer must go on
+                self.apply_failures += 1
+                log.exception(
+                    "applying batch seq %d of %s rank %d failed; its entries are dropped "
+                    "until the engine stores them again",
+                    item.seq,
+                    item.holder.worker,
+                    item.holder.dp_rank,
+                )
+                # half applied, its entries are not to be trusted: none beats wrong ones
+                self.index.clear_holder(item.holder, predictions=False)
             self.index.applied_seqs[item.holder] = item.seq
             self.batches_applied += 1
             return

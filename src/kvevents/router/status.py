@@ -53,6 +53,7 @@ def workers_document(service: RouterService) -> dict[str, Any]:
             "blocks": router.index.num_blocks,
             "block_size": router.index.block_size,
             "batches_applied": router.batches_applied,
+            "apply_failures": router.apply_failures,
         },
         "block_size_mismatches": [
             msgspec.to_builtins(m) for m in router.block_sizes.mismatches.values()
