@@ -22,6 +22,7 @@ from kvevents.router.engines import (
     SLOW_POLLS_TOLERATED,
     EngineState,
     _poll_load,
+    _register,
     vllm_rank_loads,
     watch_engine,
 )
@@ -357,3 +358,59 @@ def test_start_waits_for_a_hanging_engine_only_as_long_as_its_bound(
         _SlowLoadEngine.discovery_delay = 3.0
         took = asyncio.run(run(url))
     assert 0.3 <= took < 2.5
+
+
+class _VllmByUrl(BaseHTTPRequestHandler):
+    """A vLLM with two DP ranks that says so only in /kv_event_sources; /metrics: METRICS."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        sources = {
+            str(r): {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
+            | {"endpoint": f"tcp://*:{5557 + r}"}
+            for r in (0, 1)
+        }
+        body = {
+            "/kv_event_sources": json.dumps(sources).encode(),
+            "/health": b"",
+            "/metrics": METRICS.encode(),
+        }.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_vllm_given_by_url_alone_gets_every_discovered_ranks_metrics_load() -> None:
+    """``--engine URL --engine-kind vllm`` (its ranks found in /kv_event_sources): each
+    rank's running and waiting requests from /metrics reach the router, rank 1's too
+    (they were dropped: the poll knew only of the one rank its spec named)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _VllmByUrl)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def main() -> None:
+        router = Router()
+        state = EngineState(EngineSpec.create(url, kind="vllm"))
+        upstream = Upstream(timeout=10.0)
+        try:
+            async with httpx.AsyncClient() as client:
+                await asyncio.wait_for(_register(router, state, client, 5.0), 10.0)
+            await asyncio.wait_for(_poll_load(router, state, upstream, 5.0), 10.0)
+        finally:
+            await upstream.close()
+        assert router.holders() == [Holder(url, 0), Holder(url, 1)]
+        assert (state.load_source, state.metrics_error) == ("/metrics", None)
+        assert router.loads[Holder(url, 0)].engine_requests == 7  # 2 running, 5 waiting
+        assert router.loads[Holder(url, 1)].engine_requests == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()
+        server.server_close()

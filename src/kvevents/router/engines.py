@@ -290,7 +290,10 @@ async def _poll_load(
         return
     # Every rank's load comes from this scrape, zero for a rank it does not mention, and
     # all zero when it fails: a load read earlier must not linger as phantom work.
-    loads = {r: {"dp_rank": r, "running": 0, "waiting": 0} for r in range(spec.ranks)}
+    # The ranks: those configured and those discovered (a vLLM given by URL alone says
+    # how many it runs only through /kv_event_sources: its spec knows of rank 0).
+    ranks = sorted({*range(spec.ranks), *(h.dp_rank for h in router.loads.holders_of(spec.worker))})
+    loads = {r: {"dp_rank": r, "running": 0, "waiting": 0} for r in ranks}
     try:
         metrics = await upstream.get(spec.url, "/metrics", timeout=5.0, on_head=answered)
         if metrics.status != 200:
@@ -305,7 +308,7 @@ async def _poll_load(
         if not scraped:
             state.metrics_error = (
                 f"GET {spec.url}/metrics has no vllm:num_requests_* gauges for engine "
-                f"labels 0..{spec.ranks - 1} (found {labels or 'none'})"
+                f"labels {ranks} (found {labels or 'none'})"
             )
     for entry in scraped:
         loads[entry["dp_rank"]] = entry
