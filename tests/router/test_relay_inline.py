@@ -26,6 +26,7 @@ from kvevents import Holder, Router, kernels
 from kvevents.http_auth import ApiKey
 from kvevents.http_inline import AsyncInlineApp, protocol_for
 from kvevents.http_serving import bind_http, start_http
+from kvevents.router import openai_relay as relay_module
 from kvevents.router.app import create_app
 from kvevents.router.hot_path import HotPath
 from kvevents.router.openai_relay import OpenAIRelay
@@ -491,3 +492,36 @@ def test_a_stream_a_client_stops_reading_leaves_the_count_when_the_engine_is_don
                 await asyncio.wait_for(task, 20.0)
 
     asyncio.run(go())
+
+
+async def _relay_that_fails(starts: bool) -> list[str]:
+    """What released the stream when the relay fails, having read it (``starts``) or not."""
+    released: list[str] = []
+
+    async def stream() -> Any:
+        try:
+            yield b"chunk"
+        finally:
+            released.append("by the stream")
+
+    chunks = stream()
+
+    async def relay() -> None:
+        if starts:
+            async for _ in chunks:
+                pass
+        raise OSError("the client is gone")
+
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    await relay_module._until_gone(relay(), gone, chunks, lambda: released.append("by the answer"))
+    return released
+
+
+def test_a_stream_the_relay_never_started_is_released_all_the_same() -> None:
+    """The relay failing before it reads the engine's stream (a server refusing to start
+    the answer for a client already gone): the stream generator never ran its cleanup,
+    so the answer's own release frees the engine connection (and with it the request's
+    in-flight count); after a stream that ran, that release is a second call, which
+    :meth:`Response.release <kvevents.router.upstream.Response.release>` ignores."""
+    assert asyncio.run(_relay_that_fails(starts=False)) == ["by the answer"]
+    assert asyncio.run(_relay_that_fails(starts=True)) == ["by the stream", "by the answer"]

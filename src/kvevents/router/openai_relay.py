@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import functools
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -120,7 +120,7 @@ class Answer:
     """What the relay answers: a status, headers (latin-1 bytes, as a server writes them),
     and a body or a stream of chunks."""
 
-    __slots__ = ("body", "headers", "status", "stream")
+    __slots__ = ("body", "headers", "release", "status", "stream")
 
     def __init__(
         self,
@@ -128,11 +128,15 @@ class Answer:
         headers: list[tuple[bytes, bytes]],
         body: bytes = b"",
         stream: AsyncIterator[bytes] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
         self.body = body
         self.stream = stream
+        self.release = release
+        """With a stream: frees what it holds (idempotent) even if it never starts (a
+        generator closed before its first step skips its own cleanup)."""
 
     @classmethod
     def error(cls, exc: OpenAIError, shown: Iterable[tuple[bytes, bytes]] = ()) -> Answer:
@@ -265,7 +269,7 @@ class OpenAIRelay:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        await _until_gone(relay(), gone(), stream)
+        await _until_gone(relay(), gone(), stream, answer.release)
 
     async def rsgi(self, scope: Any, proto: Any) -> None:
         """Answer one granian RSGI request for a path of :data:`RELAYED`."""
@@ -287,7 +291,7 @@ class OpenAIRelay:
             async for chunk in stream:
                 await transport.send_bytes(chunk)
 
-        await _until_gone(relay(), proto.client_disconnect(), stream)
+        await _until_gone(relay(), proto.client_disconnect(), stream, answer.release)
 
     async def answer(self, chat: bool, headers: dict[str, str], raw: bytes) -> Answer:
         """The answer to one request: ``headers`` are the client's to forward (hop-by-hop,
@@ -437,7 +441,7 @@ class OpenAIRelay:
                 upstream.release()
                 service.requests.record_usage(fwd.decision.holder, tracker.usage())
 
-        return Answer(status, [*passed, *fwd.shown], stream=relay())
+        return Answer(status, [*passed, *fwd.shown], stream=relay(), release=upstream.release)
 
     def _relay_whole(
         self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
@@ -571,10 +575,14 @@ def _inline(answer: Answer) -> InlineAnswer:
 
 
 async def _until_gone(
-    relay: Awaitable[None], gone: Awaitable[Any], stream: AsyncIterator[bytes]
+    relay: Awaitable[None],
+    gone: Awaitable[Any],
+    stream: AsyncIterator[bytes],
+    release: Callable[[], None] | None = None,
 ) -> None:
     """Run ``relay`` until it ends or ``gone`` (the client left) does, whichever is first;
-    then close ``stream``, so the engine's connection and the in-flight count are freed."""
+    then close ``stream`` and call ``release``, so the engine's connection and the
+    in-flight count are freed even when the relay stopped before the stream started."""
     relaying, watching = asyncio.ensure_future(relay), asyncio.ensure_future(gone)
     try:
         await asyncio.wait((relaying, watching), return_when=asyncio.FIRST_COMPLETED)
@@ -589,6 +597,8 @@ async def _until_gone(
         if close is not None:
             with contextlib.suppress(RuntimeError):  # already closed by its own end
                 await close()
+        if release is not None:
+            release()
     error = results[0]
     if isinstance(error, BaseException) and not isinstance(
         error, (asyncio.CancelledError, OSError, RuntimeError)
