@@ -121,6 +121,87 @@ def test_gap_the_replay_cannot_fill_ends_without_a_replay_loop() -> None:
     assert not t.replaying
 
 
+def test_a_gap_the_replay_cannot_fill_is_told_once() -> None:
+    """The retry of a gap replay that gave nothing is not a second gap: one Gap signal,
+    one count (the same gap was signalled and counted twice)."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    t.accept_in_order(0, p(0))
+    out = t.on_live(5, p(5))
+    out += t.on_replay_end()  # nothing: asked again
+    out += t.on_replay_end()  # nothing again: lost
+    assert [type(a) for a in out if isinstance(a, Signal)] == [Gap, Loss]
+    assert t.gaps == 1 and delivered(out) == [5]
+
+
+def test_a_restart_while_a_gap_replay_is_out_is_a_reset_at_once() -> None:
+    """The publisher starts again (live seq 8 -> 0) while a gap replay is out: Reset at
+    once, the old publisher's buffered batch dropped, the old replay's answer replaced
+    by a join from 0; every batch of the new publisher is then delivered (its first ones
+    were dropped as already delivered, and an old batch was handed out as its seq 8)."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(6):
+        assert t.accept_in_order(s, p(s))
+    assert RequestReplay(6) in t.on_live(8, p(8))
+    out = t.on_live(0, p(0, gen=1))
+    assert isinstance(out[0], Reset) and out[0].new_seq == 0 and out[1] == RequestReplay(0)
+    out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_end()
+    for s in range(1, 10):
+        if t.accept_in_order(s, p(s, gen=1)):
+            out.append(Deliver(s, p(s, gen=1), False))
+        else:
+            out += t.on_live(s, p(s, gen=1))
+    assert [a.payload for a in out if isinstance(a, Deliver)] == [p(s, gen=1) for s in range(10)]
+    assert not any(isinstance(a, (Loss, Reset)) for a in out)
+
+
+def test_a_restart_across_a_reconnect_drops_what_the_old_publisher_sent() -> None:
+    """A gap replay is out with the old publisher's seq 8 buffered; the connection drops
+    and a new publisher, which has published seqs 0 and 1, answers the verification:
+    Reset, and the old seq 8 is dropped (it was handed out as the new publisher's 8,
+    and the new one's own 2..8 were then skipped as delivered)."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(6):
+        assert t.accept_in_order(s, p(s))
+    assert RequestReplay(6) in t.on_live(8, p(8))
+    t.on_disconnected()
+    assert t.on_connected() == [RequestReplay(5)]  # verify from the anchor
+    out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_reply(1, p(1, gen=1))
+    out += t.on_replay_end()  # no seq 5 in its buffer: it restarted
+    assert isinstance(out[0], Reset) and out[-1] == RequestReplay(0)
+    out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_reply(1, p(1, gen=1))
+    out += t.on_replay_end()
+    for s in range(2, 9):
+        if t.accept_in_order(s, p(s, gen=1)):
+            out.append(Deliver(s, p(s, gen=1), False))
+        else:
+            out += t.on_live(s, p(s, gen=1))
+    assert [a.payload for a in out if isinstance(a, Deliver)] == [p(s, gen=1) for s in range(9)]
+    assert not t.replaying and t.pending == []
+
+
+def test_a_verification_that_times_out_is_asked_once_more() -> None:
+    """After a reconnect, the verifying replay timing out (the restarted engine's replay
+    endpoint not up yet) is asked again once before live seqs are judged alone: the
+    second answer still tells a restart apart."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(4):
+        assert t.accept_in_order(s, p(s))
+    t.on_disconnected()
+    assert t.on_connected() == [RequestReplay(3)]
+    assert t.on_live(6, p(6, gen=1)) == []
+    assert t.on_replay_timeout() == [RequestReplay(3)]
+    out = t.on_replay_reply(3, p(3, gen=1))
+    assert isinstance(out[0], Reset) and out[-1] == RequestReplay(0)
+
+
 def test_replay_timeout_reports_loss_and_delivers_buffered_messages() -> None:
     """A replay that times out (again after one retry) reports its range lost and hands out the buffered live messages."""
     t = StreamTracker("w", 0, has_replay=True)

@@ -17,7 +17,8 @@ Invariants
   nothing, a remaining gap is reported lost instead of replayed again, so there is no
   loop. A replay that times out after delivering something (the publisher dropped the
   rest of its answer) is asked again from where it stopped, at most twice in a row; one
-  that timed out with nothing while live messages wait is asked again once.
+  that timed out with nothing while live messages wait is asked again once, and so is
+  a verifying one (see below). A gap is signalled once, however often it is asked for.
 * A gap at the very end of a burst shows no symptom until the next message. With a
   replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
   a while: a replay from ``last + 1`` that returns only the end marker when nothing
@@ -27,9 +28,11 @@ Invariants
 Restart detection
 -----------------
 * Live seqs from one publisher only grow. A live seq at or below the highest one seen
-  live (``live_high``) means the publisher started again: :class:`Reset`. A live seq
-  above ``live_high`` but at or below ``last`` is the late live copy of a batch a
-  replay already delivered, and is skipped.
+  live (``live_high``) means the publisher started again: :class:`Reset`, at once even
+  while a replay is outstanding (the live messages buffered for it are the old
+  publisher's, and are dropped with the rest of its state). A live seq above
+  ``live_high`` but at or below ``last`` is the late live copy of a batch a replay
+  already delivered, and is skipped.
 * After the connection dropped and came back (``on_disconnected``/``on_connected``), a
   restarted engine may already have published past ``last`` (seq then looks like it
   moved forward). With a replay endpoint, the tracker asks for a replay from the last
@@ -38,8 +41,10 @@ Restart detection
   limits: a publisher that no longer buffers the anchor cannot be checked (what was
   skipped is reported as :class:`Loss`); without a replay endpoint a forward jump after
   a reconnect is reported as :class:`Loss`, and a reconnect that continues exactly at
-  ``last + 1`` is taken as the same publisher. A restarted publisher whose payload at
-  the anchor's seq is byte-identical to the old one is not told apart (its batches
+  ``last + 1`` is taken as the same publisher. When the check finds another publisher,
+  the live messages buffered before the drop (the old one's) are dropped; those that
+  came after it are the new one's and follow its replay. A restarted publisher whose
+  payload at the anchor's seq is byte-identical to the old one is not told apart (its batches
   carry wall-clock timestamps, so this does not happen in practice).
 
 Implausible seqs
@@ -138,7 +143,10 @@ class StreamTracker:
         self.replaying = False
         self.purpose = Purpose.JOIN
         self.replay_start = 0
-        self.pending: list[tuple[int, bytes]] = []
+        # live messages held during a replay: seq, payload, and the connection they came
+        # on (``_connection`` when they arrived: it counts the drops)
+        self.pending: list[tuple[int, bytes, int]] = []
+        self._connection = 0
         self.suspect = False  # the connection dropped since `last` was delivered
         self._verified = False
         self._progress = False
@@ -206,12 +214,18 @@ class StreamTracker:
             # so this is not a restart (that would go back to ``live_high`` or below).
             self.live_high = seq
             return out
-        self.live_high = seq
+        high, self.live_high = self.live_high, seq
         if self.replaying and self.purpose is Purpose.PROBE:
             self.replaying = False  # this message shows any gap by itself
             out.append(CancelReplay())
         if self.replaying:
-            self.pending.append((seq, payload))
+            if seq <= high:
+                # The publisher started again while the replay was out: what it buffered
+                # is the old one's, and so is the replay's answer (the new replay
+                # from 0 that the reset asks for replaces it).
+                self.pending = []
+                self._reset(seq, f"sequence went back from {high} to {seq} during a replay", out)
+            self.pending.append((seq, payload, self._connection))
             if len(self.pending) > self.max_pending:
                 self._abandon_replay(
                     f"more than {self.max_pending} live messages arrived during the replay", out
@@ -282,6 +296,13 @@ class StreamTracker:
         if not self.replaying:
             return out
         unverified = self.purpose is Purpose.VERIFY and not self._verified
+        if unverified and self._timeout_retries < 1:
+            # The publisher's replay endpoint was not up yet after the reconnect (an
+            # engine starting again): ask once more before the next messages are judged
+            # by their seqs alone.
+            self._timeout_retries += 1
+            self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
+            return out
         if not unverified and (
             (self._progress and self._timeout_retries < 2)
             or (self.pending and self._timeout_retries < 1)
@@ -316,6 +337,7 @@ class StreamTracker:
 
     def on_disconnected(self) -> None:
         """The live connection dropped: what comes next may be another publisher."""
+        self._connection += 1
         if self.last >= 0:
             self.suspect = True
 
@@ -341,15 +363,18 @@ class StreamTracker:
         out: list[TrackerAction],
         replay_allowed: bool,
         reason: str,
+        connection: int | None = None,
     ) -> None:
-        """Handle one message outside a replay (live, or buffered during one).
+        """Handle one message outside a replay (live, or buffered during one: then
+        ``connection`` is the one it came on).
 
         ``reason`` explains a loss when a gap cannot be replayed.
         """
+        held = (seq, payload, self._connection if connection is None else connection)
         if self.suspect:
             self.suspect = False
             if seq > self.last and replay_allowed and self.can_verify:
-                self.pending.append((seq, payload))
+                self.pending.append(held)
                 self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
                 return
             if seq > self.last + 1:
@@ -358,16 +383,17 @@ class StreamTracker:
             self._deliver(seq, payload, out)
         elif seq > self.last + 1:
             if replay_allowed:
-                self.gaps += 1
-                out.append(
-                    Gap(
-                        worker=self.worker,
-                        dp_rank=self.dp_rank,
-                        first_seq=self.last + 1,
-                        last_seq=seq - 1,
+                if self._fruitless_start != self.last + 1:  # not the retry of one told
+                    self.gaps += 1
+                    out.append(
+                        Gap(
+                            worker=self.worker,
+                            dp_rank=self.dp_rank,
+                            first_seq=self.last + 1,
+                            last_seq=seq - 1,
+                        )
                     )
-                )
-                self.pending.append((seq, payload))
+                self.pending.append(held)
                 self._begin_replay(Purpose.GAP, self.last + 1, out)
             else:
                 self._lose(self.last + 1, seq - 1, reason, out)
@@ -375,22 +401,22 @@ class StreamTracker:
         else:
             self._reset(seq, f"sequence went back from {self.last} to {seq}", out)
             if self.replaying:
-                self.pending.append((seq, payload))
+                self.pending.append(held)
             else:
-                self._follow(seq, payload, out, False, reason)
+                self._follow(seq, payload, out, False, reason, held[2])
 
     def _flush(
         self,
-        pending: list[tuple[int, bytes]],
+        pending: list[tuple[int, bytes, int]],
         out: list[TrackerAction],
         replay_allowed: bool,
         reason: str,
     ) -> None:
         """Hand out messages buffered during a replay, in arrival order."""
-        for i, (seq, payload) in enumerate(pending):
+        for i, (seq, payload, connection) in enumerate(pending):
             if seq <= self.last and not self.suspect:
                 continue  # the replay delivered it already
-            self._follow(seq, payload, out, replay_allowed, reason)
+            self._follow(seq, payload, out, replay_allowed, reason, connection)
             if self.replaying:  # a further gap or a reset started another replay
                 self.pending.extend(pending[i + 1 :])
                 return
@@ -422,6 +448,8 @@ class StreamTracker:
             )
         )
         self.resets += 1
+        if new_seq is None:  # another publisher since the drop: what came before is the old one's
+            self.pending = [held for held in self.pending if held[2] == self._connection]
         self.last = -1
         self.live_high = -1 if new_seq is None else new_seq
         self.anchor_seq, self.anchor_payload = -1, None
