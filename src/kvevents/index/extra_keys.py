@@ -107,6 +107,10 @@ def keys_with_extras(
     for i, start in enumerate(range(0, len(data) - step + 1, step)):
         key = _xxh3(data[start : start + step], key)
         if i < n and per_block[i]:
-            key = _xxh3(_EXTRA_TAG + _encode(per_block[i]), key)
+            try:
+                encoded = _encode(per_block[i])
+            except (TypeError, OverflowError) as exc:  # an int past 64 bits: overflow
+                raise TypeError(f"block {i}'s extra keys {per_block[i]!r:.80}: {exc}") from None
+            key = _xxh3(_EXTRA_TAG + encoded, key)
         keys.append(key)
     return keys

@@ -369,6 +369,9 @@ class HotPath:
             return None
         except _REFUSALS as exc:
             return _refusal(exc)
+        except Exception:  # a bug: a JSON 500 on every server, as the inline path answers
+            log.exception("the router failed answering a request")
+            return 500, _error("internal error: see the router's log")
 
     def answer_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes

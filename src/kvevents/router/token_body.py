@@ -11,6 +11,7 @@ by msgspec as before; errors are always those of that decoder.
 
 from __future__ import annotations
 
+import re
 from array import array
 from typing import Annotated, Any
 
@@ -61,6 +62,9 @@ class BadRequest(RequestError):
 
 
 _DECODER = msgspec.json.Decoder(TokensBody)
+_LONE_HIGH_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
 _WHITESPACE = b" \t\r\n"
 
 
@@ -80,6 +84,11 @@ def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | N
     try:
         body = _DECODER.decode(raw)
     except msgspec.DecodeError as exc:
+        if _LONE_HIGH_SURROGATE.search(raw):  # msgspec calls it truncated input
+            raise BadRequest(
+                "request body: a string is not valid Unicode: a \\ud800-\\udbff escape "
+                "must be followed by a \\udc00-\\udfff one (a surrogate pair)"
+            ) from None
         raise BadRequest(f"request body: {exc}") from None
     except RecursionError:  # a 500 on /generate otherwise (found by test_http_api.py)
         raise BadRequest("request body: JSON nested too deeply") from None
