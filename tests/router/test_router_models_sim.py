@@ -150,3 +150,45 @@ def test_a_list_of_prompts_is_routed_whole_and_answered_per_prompt(
     assert result["object"] == "text_completion"
     assert [c["index"] for c in result["choices"]] == [0, 1, 2]
     assert result["usage"]["prompt_tokens"] == 16 and result["usage"]["completion_tokens"] == 6
+
+
+def test_generate_keys_its_request_as_the_engine_runs_it(
+    plane: tuple[Engine, Engine, RouterProc],
+) -> None:
+    """``/generate`` keys a request by the adapter it runs under (``lora_path``, SGLang's
+    name, or a ``model`` naming an adapter, which the router then passes on as
+    ``lora_path``) and by its per-block ``extra_keys``, as ``/route`` does: the blocks the
+    router counts as cached are the tokens the engine finds cached. (They were keyed as
+    the base model's plain text: 6 blocks claimed, 0 found.)"""
+    _, _, router = plane
+    images: list[object] = [[["img", 0]], None, None, None, None, None]
+    for n, extra in enumerate(({"lora_path": "sql"}, {"model": "sql"}, {"extra_keys": images})):
+        prompt = list(range(3000 + 100 * n, 3024 + 100 * n))  # 6 blocks
+        base = {"input_ids": prompt, "model": "alpha", "max_new_tokens": 1}
+        assert router.post("/generate", base).status_code == 200  # cached as plain text
+        wait_until(lambda p=prompt: matched(router, p, "alpha") != {}, 10, "the base prompt")
+        body = base | extra
+        for expected in (0, len(prompt)):  # first nothing cached, then all of it
+            answer = router.post("/generate", body)
+            assert answer.status_code == 200, answer.text
+            routed, engine_cached = answer.json()["router"], answer.json()["cached_tokens"]
+            assert routed["cached_blocks"] * PAGE == engine_cached == expected, (extra, routed)
+            wait_until(
+                lambda body=body: (
+                    max(m["matched_tokens"] for m in router.post("/query", body).json()["matches"])
+                    == PAGE * 6
+                ),
+                10,
+                f"the request with {extra} indexed",
+            )
+
+
+def test_generate_refuses_two_different_adapter_names(
+    plane: tuple[Engine, Engine, RouterProc],
+) -> None:
+    """``lora`` and ``lora_path`` naming different adapters is a 400 saying so."""
+    _, _, router = plane
+    body = {"input_ids": [1, 2, 3, 4], "lora": "sql", "lora_path": "other"}
+    for path in ("/generate", "/route"):
+        answer = router.post(path, body)
+        assert answer.status_code == 400 and "name the adapter once" in answer.text

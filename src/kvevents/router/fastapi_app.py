@@ -16,7 +16,7 @@ from kvevents.api import install
 from kvevents.errors import RouterNotReadyError
 from kvevents.router.api_schema import OPERATIONS, RoutedTo
 from kvevents.router.bodies import BodyTooLarge, Disconnected, read_body
-from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
+from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES, keyed
 from kvevents.router.metrics import render
 from kvevents.router.models import UnknownModelError
 from kvevents.router.openai import add_openai_routes
@@ -72,14 +72,12 @@ def create_fastapi_app(
             raise BadRequest(f"request body: {exc}") from None
         if not isinstance(payload, dict):
             raise BadRequest("request body must be a JSON object")
-        decision = router.route(
-            tokens,
-            lora=body.lora,
-            cache_salt=body.cache_salt,
-            policy=service.policy,
-            model=body.model,
-            top=1,  # the answer tells the chosen holder's score only
-        )
+        if body.adapter is None and body.model is not None and router.models.adapter(body.model):
+            # keyed under the adapter its model names, so it must run under it: an
+            # engine's /generate (SGLang's, ours) takes the adapter as lora_path only
+            payload["lora_path"] = body.model
+        # keyed as /route keys it: the adapter, the salt and the per-block extra keys
+        decision = keyed(router.route, tokens, body, policy=service.policy, top=1)
         payload.pop("data_parallel_rank", None)
         payload["routed_dp_rank"] = decision.dp_rank
         ticket = router.begin(decision)

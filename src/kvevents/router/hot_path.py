@@ -91,6 +91,7 @@ __all__ = [
     "RouteAnswer",
     "Scope",
     "Send",
+    "keyed",
 ]
 
 
@@ -415,7 +416,7 @@ class HotPath:
 
     def _query_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
-        matches, predicted = _keyed(router.query_predicted, tokens, body)
+        matches, predicted = keyed(router.query_predicted, tokens, body)
         get = predicted.get
         bs = router.index.block_size or 0
         return _ENCODER.encode(
@@ -444,20 +445,20 @@ class HotPath:
     def _route_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
         top = None if body.all_scores else body.top
-        decision = _keyed(router.route, tokens, body, top=top)
+        decision = keyed(router.route, tokens, body, top=top)
         if body.record:
             router.record(decision)
         return encode_route_answer(decision, recorded=body.record, top=top)
 
 
-def _keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody, **more: Any) -> T:
+def keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody, **more: Any) -> T:
     """``decide`` (``Router.route`` or ``query_predicted``) for the body's request, with
     ``more`` arguments; extra keys that cannot be keyed (ValueError) are the body's
     fault: 400."""
     try:
         return decide(
             tokens,
-            lora=body.lora,
+            lora=body.adapter,
             cache_salt=body.cache_salt,
             model=body.model,
             extra_keys=body.extra_keys,

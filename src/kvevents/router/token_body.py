@@ -41,6 +41,8 @@ class TokensBody(msgspec.Struct):
     text: str | None = None
     messages: list[Any] | None = None
     lora: str | None = None
+    lora_path: str | None = None
+    """SGLang's ``/generate`` name for the adapter: the same as ``lora`` (see :attr:`adapter`)."""
     cache_salt: str | None = None
     extra_keys: list[list[Any] | None] | None = None
     """Per block, the keys the engine adds to its hash (vLLM's ``BlockStored.extra_keys``
@@ -55,6 +57,11 @@ class TokensBody(msgspec.Struct):
     """``/route`` only: how many scores to answer, the chosen holder's first."""
     all_scores: bool = False
     """``/route`` only: answer every holder's score (``top`` is then ignored)."""
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter the request runs under: ``lora``, else ``lora_path``."""
+        return self.lora if self.lora is not None else self.lora_path
 
 
 class BadRequest(RequestError):
@@ -80,6 +87,8 @@ def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | N
     if compiled is not None:
         fast = _decode_compiled(compiled, raw)
         if fast is not None:
+            if fast[1].lora_path is not None:
+                _check_adapter(fast[1])
             return fast
     try:
         body = _DECODER.decode(raw)
@@ -92,6 +101,8 @@ def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | N
         raise BadRequest(f"request body: {exc}") from None
     except RecursionError:  # a 500 on /generate otherwise (found by test_http_api.py)
         raise BadRequest("request body: JSON nested too deeply") from None
+    if body.lora_path is not None:
+        _check_adapter(body)
     if body.messages is not None and not chat:
         raise BadRequest('"messages" is for chats: send them to /v1/chat/completions')
     given = [body.input_ids, body.text, body.messages]
@@ -105,6 +116,13 @@ def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | N
         return array("I", body.input_ids), body
     except OverflowError:
         raise BadRequest(f"input_ids: every token id must be an int in 0..{2**32 - 1}") from None
+
+
+def _check_adapter(body: TokensBody) -> None:
+    if body.lora is not None and body.lora != body.lora_path:
+        raise BadRequest(
+            f'"lora" is {body.lora!r} but "lora_path" is {body.lora_path!r}: name the adapter once'
+        )
 
 
 def _decode_compiled(compiled: kernels.Kernels, raw: bytes) -> tuple[array[int], TokensBody] | None:
