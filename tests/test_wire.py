@@ -278,3 +278,45 @@ def test_seq_round_trip(seq: int) -> None:
     """Sequence numbers are 8 bytes big-endian and read back unchanged."""
     frame = wire.encode_seq(seq)
     assert len(frame) == 8 and wire.decode_seq(frame) == seq
+
+
+def _positional_stored(*tail: object) -> bytes:
+    event = ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", *tail]
+    return msgspec.msgpack.encode([1.0, [event], 0])
+
+
+def test_positional_stores_are_read_in_their_engines_field_order() -> None:
+    """After ``medium`` vLLM's positional BlockStored has lora_name, extra_keys,
+    group_idx, ...; SGLang's cache_salt, session_id, lora_name: each is read in its own
+    order (vLLM's were read in SGLang's: an adapter's name became a cache salt, and a
+    group_idx failed the whole batch)."""
+    (vllm,) = wire.decode_batch(_positional_stored("sql", [None, ["img"]], 0, "full")).events
+    assert (vllm.lora_name, vllm.extra_keys, vllm.group_idx, vllm.cache_salt) == (
+        "sql",
+        [None, ["img"]],
+        0,
+        None,
+    )
+    assert vllm.kv_cache_spec_kind == "full"
+    (plain,) = wire.decode_batch(_positional_stored(None, None, 0)).events
+    assert (plain.group_idx, plain.lora_name, plain.cache_salt) == (0, None, None)
+    (lone,) = wire.decode_batch(_positional_stored("sql")).events
+    assert (lone.lora_name, lone.cache_salt) == ("sql", None)  # ambiguous: vLLM's reading
+    (sglang,) = wire.decode_batch(_positional_stored("salt", "session", "sql")).events
+    assert (sglang.cache_salt, sglang.session_id, sglang.lora_name) == ("salt", "session", "sql")
+    (named,) = wire.decode_batch(_positional_stored(None, None, "sql")).events
+    assert (named.lora_name, named.cache_salt, named.group_idx) == ("sql", None, None)
+
+
+def test_stores_no_positional_layout_holds_are_encoded_as_maps() -> None:
+    """A store with fields of both engines, or SGLang's cache_salt alone (which would read
+    as vLLM's lora_name), goes as a tagged map in an "array" batch, and comes back equal."""
+    base = dict(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2)
+    both = BlockStored(**base, lora_id=None, medium=None, cache_salt="s", group_idx=0)
+    salted = BlockStored(**base, lora_id=None, medium=None, cache_salt="s")
+    named = BlockStored(**base, lora_id=None, medium=None, lora_name="sql")
+    batch = KVEventBatch(ts=1.0, events=[both, salted, named], data_parallel_rank=0)
+    raw = wire.encode_batch(batch, encoding="array")
+    kinds = [type(e).__name__ for e in msgspec.msgpack.decode(raw)[1]]
+    assert kinds == ["dict", "dict", "list"]
+    assert wire.decode_batch(raw) == batch

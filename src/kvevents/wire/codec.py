@@ -52,13 +52,84 @@ def _array_twin(cls: type[KVCacheEvent]) -> type[msgspec.Struct]:
     return msgspec.defstruct(cls.__name__, fields, tag=cls.__name__, array_like=True, gc=False)
 
 
-def _positional(event: KVCacheEvent) -> list[Any]:
-    """``[tag, f1, f2, ...]`` with trailing optional fields left out while they are nil."""
+def _positional(event: KVCacheEvent) -> list[Any] | KVCacheEvent:
+    """``[tag, f1, f2, ...]`` with trailing optional fields left out while they are nil;
+    a ``BlockStored`` in its engine's layout (see :func:`_stored_layout`), or the event
+    itself (a tagged map) when no positional layout holds it unambiguously."""
+    if type(event) is BlockStored:
+        return _positional_stored(event)
     values = [getattr(event, name) for name in event.__struct_fields__]
     keep = _REQUIRED_COUNT[type(event)]
     while len(values) > keep and values[-1] is None:
         values.pop()
     return [type(event).__name__, *values]
+
+
+# --- BlockStored: two positional layouts ------------------------------------------------
+# After the six shared fields, SGLang's positional BlockStored goes on with cache_salt,
+# session_id, lora_name; vLLM's with lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+# kv_cache_spec_sliding_window. The types of the fields that follow tell them apart.
+
+_SHARED_STORED = 6
+_SGLANG_TAIL: tuple[str, ...] = ("cache_salt", "session_id", "lora_name")
+_VLLM_TAIL: tuple[str, ...] = (
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+
+
+def _stored_layout(tail: list[Any]) -> tuple[str, ...]:
+    """Which engine's fields follow ``medium`` in a positional ``BlockStored``.
+
+    vLLM's when there are more than three, or the second is a list (``extra_keys``) or
+    the third an int (``group_idx``); SGLang's when the second or third is a string
+    (``session_id``, ``lora_name``). A lone string (with nils) is ambiguous: it is read
+    as vLLM's ``lora_name``, though SGLang's ``cache_salt`` alone looks the same (our
+    own encoder never writes that: such an event goes as a map).
+    """
+    n = len(tail)
+    if n > 3 or (n > 1 and isinstance(tail[1], list)) or (n > 2 and type(tail[2]) is int):
+        return _VLLM_TAIL
+    if (n > 1 and isinstance(tail[1], str)) or (n > 2 and isinstance(tail[2], str)):
+        return _SGLANG_TAIL
+    return _VLLM_TAIL
+
+
+def _positional_stored(event: BlockStored) -> list[Any] | BlockStored:
+    sglang_only = event.cache_salt is not None or event.session_id is not None
+    vllm_only = (
+        event.extra_keys is not None
+        or event.group_idx is not None
+        or event.kv_cache_spec_kind is not None
+        or event.kv_cache_spec_sliding_window is not None
+    )
+    if sglang_only and vllm_only:
+        return event  # no engine's layout holds both
+    layout = _SGLANG_TAIL if sglang_only else _VLLM_TAIL
+    tail = [getattr(event, name) for name in layout]
+    while tail and tail[-1] is None:
+        tail.pop()
+    if _stored_layout(tail) is not layout:
+        return event  # SGLang's cache_salt alone would read as vLLM's lora_name
+    shared = [getattr(event, name) for name in event.__struct_fields__[:_SHARED_STORED]]
+    return ["BlockStored", *shared, *tail]
+
+
+def _stored_twin(tail: tuple[str, ...]) -> type[msgspec.Struct]:
+    """A positional decoding twin of BlockStored with the shared fields and ``tail``."""
+    by_name = {f.name: f for f in msgspec.structs.fields(BlockStored)}
+    names = [*BlockStored.__struct_fields__[:_SHARED_STORED], *tail]
+    fields: list[tuple[Any, ...]] = []
+    for name in names:
+        f = by_name[name]
+        if name in _LIST_FIELDS:
+            fields.append((name, f.type, msgspec.field(default_factory=list)))
+        else:
+            fields.append((name, f.type, _LENIENT_DEFAULTS.get(name) if f.required else f.default))
+    return msgspec.defstruct("BlockStored", fields, tag="BlockStored", array_like=True, gc=False)
 
 
 _LIST_FIELDS = ("block_hashes", "token_ids")
@@ -87,6 +158,10 @@ _MAP_LENIENT = {
 _MAP_LENIENT_TO_PUBLIC = {twin: cls for cls, twin in _MAP_LENIENT.items()}
 
 _ArrayEvent = Union[tuple(_ARRAY_DECODE.values())]  # type: ignore[valid-type]  # noqa: UP007
+_STORED_DECODERS = {
+    layout: msgspec.msgpack.Decoder(_stored_twin(layout)) for layout in (_SGLANG_TAIL, _VLLM_TAIL)
+}
+_GENERIC_DECODER = msgspec.msgpack.Decoder()
 _LenientMapEvent = Union[tuple(_MAP_LENIENT.values())]  # type: ignore[valid-type]  # noqa: UP007
 
 
@@ -125,6 +200,10 @@ def encode_batch(batch: KVEventBatch, encoding: Literal["map", "array"] = "map")
 def _decode_event(raw: msgspec.Raw) -> Event:
     data = bytes(raw)
     if data and (data[0] & 0xF0 == 0x90 or data[0] in (0xDC, 0xDD)):  # msgpack array
+        items = _GENERIC_DECODER.decode(data)
+        if items and items[0] == "BlockStored":
+            layout = _stored_layout(items[1 + _SHARED_STORED :])
+            return _to_public(_STORED_DECODERS[layout].decode(data), BlockStored)
         twin = _ARRAY_EVENT_DECODER.decode(data)
         return _to_public(twin, _ARRAY_TO_PUBLIC[type(twin)])
     twin = _LENIENT_MAP_EVENT_DECODER.decode(data)

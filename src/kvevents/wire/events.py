@@ -3,7 +3,8 @@
 Fields beyond the six shared ones of ``BlockStored`` are declared in SGLang's order
 (``cache_salt``, ``session_id``, ``lora_name``) followed by vLLM's additions; new fields
 are only ever appended, with defaults, so publishers and subscribers upgrade
-independently. How the structs travel as bytes is :mod:`kvevents.wire.codec`.
+independently. How the structs travel as bytes is :mod:`kvevents.wire.codec` (whose
+positional ``BlockStored`` follows each engine's own field order, not this one).
 
 Engine block hashes are kept exactly as sent: SGLang sends signed int64, vLLM unsigned
 uint64 (often above 2**63) or 32 raw bytes. :func:`hash_to_int` folds any of them into
