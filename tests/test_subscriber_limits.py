@@ -102,3 +102,30 @@ def test_an_impossible_seq_is_malformed_not_a_loss_of_1e19_batches(
             assert stats.malformed == 3 and stats.lost == 0 and stats.last_seq == 1
     finally:
         xpub.close(linger=0)
+
+
+def test_a_stream_zmq_refuses_shows_refused_and_its_holder_can_be_added_again(
+    zmq_context: zmq.Context,
+) -> None:
+    """An address ZMQ will not take is an Unreachable item, and the stream's stats say
+    ``refused`` with the reason (they said ``connecting`` for ever); the same holder can
+    then be followed at a working address (it was "already followed")."""
+    bad = StreamSpec(worker="w", dp_rank=0, endpoint="tcp://a b:5557", replay_endpoint=None)
+    pub = ZmqEventPublisher(0, "tcp://127.0.0.1:0", None, bind=True, context=zmq_context)
+    try:
+        with Subscriber(streams=[bad], tail_probe=None) as sub:
+            items = collect(sub, until=lambda got: bool(signals(got, "unreachable")))
+            assert "not followed" in signals(items, "unreachable")[0].reason  # type: ignore[attr-defined]
+            stats = sub.stats()[Holder("w", 0)]
+            assert stats.status == "refused" and "ZMQ refused" in (stats.error or "")
+            sub.add_stream(StreamSpec(worker="w", dp_rank=0, endpoint=pub.endpoint))
+            wait_for(lambda: sub.stats()[Holder("w", 0)].status == "connected", 20, "it")
+
+            def published(got: list[object]) -> bool:
+                pub.publish(batch(len(got)))
+                return bool(deliveries(got))  # type: ignore[arg-type]
+
+            collect(sub, until=published)
+            assert sub.stats()[Holder("w", 0)].error is None
+    finally:
+        pub.shutdown(timeout=1.0)

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvevents.curve_keys import CurveKeyPair
@@ -115,6 +116,9 @@ class SubscriberLoop:
         self.tail_probe = tail_probe
         self.clock = clock
         self.streams: dict[Holder, StreamSockets] = {}
+        self.refused: dict[Holder, StreamStats] = {}
+        """Streams ZMQ refused to follow (a malformed address): their stats, ``refused``,
+        until the holder is added or replaced with an address that works."""
         self._commands: deque[tuple[Command, Any]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -136,7 +140,7 @@ class SubscriberLoop:
             self._wake_w.send(b"\0")
 
     def snapshot(self, now: float) -> list[StreamStats]:
-        return [st.stats(now) for st in list(self.streams.values())]
+        return [st.stats(now) for st in list(self.streams.values())] + list(self.refused.values())
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -259,15 +263,23 @@ class SubscriberLoop:
                 curve_server_key=self.curve_server_key,
             )
         except zmq.ZMQError as exc:
+            reason = f"ZMQ refused the address ({exc}); this stream is not followed"
             out.append(
                 Unreachable(
                     worker=spec.worker,
                     dp_rank=spec.dp_rank,
                     address=spec.endpoint,
-                    reason=f"ZMQ refused the address ({exc}); this stream is not followed",
+                    reason=reason,
                 )
             )
+            empty = StreamStats.empty(
+                spec.worker, spec.dp_rank, spec.endpoint, spec.replay_endpoint
+            )
+            self.refused[Holder(spec.worker, spec.dp_rank)] = msgspec.structs.replace(
+                empty, status=StreamStatus.REFUSED, error=reason
+            )
             return
+        self.refused.pop(st.holder, None)
         self.streams[st.holder] = st
         self._monitor_sockets.add(st.monitor)
         self._register(st.monitor, lambda now, out: self._on_monitor(st, now, out))

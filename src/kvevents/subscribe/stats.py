@@ -49,7 +49,8 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of one stream.
 
     ``status``: a :class:`StreamStatus`: "connecting" (not connected yet), "connected",
-    "disconnected" (dropped, reconnecting) or "unreachable" (connection attempts fail). ``last_seq`` is None before
+    "disconnected" (dropped, reconnecting), "unreachable" (connection attempts fail) or
+    "refused" (its handshake was refused, or ZMQ refused its address: ``error``). ``last_seq`` is None before
     the first delivery. ``age_s`` is the time since the last message (live or replayed)
     arrived; ``lag_s`` how far that batch's timestamp was behind the local wall clock on
     arrival. ``lost`` counts sequence numbers, the other counters batches or events.
@@ -81,6 +82,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     curve: bool = False
     handshake_failures: int = 0
     handshake_error: str | None = None
+    error: str | None = None
+    """Why a ``refused`` stream is not followed when no handshake was refused (ZMQ
+    refused its address); None otherwise."""
 
     @classmethod
     def empty(

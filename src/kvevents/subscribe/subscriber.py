@@ -279,7 +279,7 @@ class Subscriber:
     def _add_spec(self, spec: StreamSpec) -> None:
         holder = Holder(spec.worker, spec.dp_rank)
         with self._lock:
-            if holder in self._specs:
+            if holder in self._specs and holder not in self._loop.refused:
                 raise ValueError(
                     f"Subscriber: stream {holder} is already followed; give distinct workers "
                     "or dp_ranks to distinct endpoints"
