@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import zmq
 
@@ -129,3 +130,27 @@ def test_a_stream_zmq_refuses_shows_refused_and_its_holder_can_be_added_again(
             assert sub.stats()[Holder("w", 0)].error is None
     finally:
         pub.shutdown(timeout=1.0)
+
+
+def test_a_newer_engines_event_type_is_counted_and_the_rest_delivered(
+    zmq_context: zmq.Context,
+) -> None:
+    """A batch with an event type this subscriber does not know is delivered without it
+    (no Loss, so the router keeps the holder's entries), and the stream's stats count it
+    and name the type."""
+    xpub, address = bind_local(zmq_context, zmq.XPUB)
+    try:
+        with Subscriber(streams=[StreamSpec.from_endpoint(address, worker="g")]) as sub:
+            wait_subscribed(xpub)
+            stored = msgspec.to_builtins(batch(0).events[0]) | {"type": "BlockStored"}
+            future = {"type": "BlockPinned", "block_hashes": [0]}
+            payload = msgspec.msgpack.encode([1.0, [stored, future], 0])
+            xpub.send_multipart(live_frames(b"", 0, payload))
+            items = collect(sub, until=lambda got: len(deliveries(got)) == 1)
+            assert deliveries(items)[0].batch.events == batch(0).events
+            assert not signals(items, "loss")
+            stats = sub.stats()[Holder("g", 0)]
+            assert (stats.unknown_events, stats.unknown_event_type) == (1, "BlockPinned")
+            assert stats.decode_errors == 0
+    finally:
+        xpub.close(linger=0)

@@ -140,8 +140,8 @@ def test_mixed_encodings_in_one_batch() -> None:
 
 @pytest.mark.parametrize(
     "payload",
-    [b"", b"\xc1", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0, [["Nope", 1]]])],
-    ids=["empty", "invalid-byte", "map-batch", "unknown-event"],
+    [b"", b"\xc1", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode([1.0, [[7, 1]]])],
+    ids=["empty", "invalid-byte", "map-batch", "untagged-event"],
 )
 def test_garbage_payload_is_a_wire_error(payload: bytes) -> None:
     """Bytes that are not a batch raise WireError (a ValueError) naming the payload size."""
@@ -320,3 +320,28 @@ def test_stores_no_positional_layout_holds_are_encoded_as_maps() -> None:
     kinds = [type(e).__name__ for e in msgspec.msgpack.decode(raw)[1]]
     assert kinds == ["dict", "dict", "list"]
     assert wire.decode_batch(raw) == batch
+
+
+def test_an_unknown_event_type_is_left_out_and_named_not_the_batch_lost() -> None:
+    """A newer engine's event type (map or array) beside known ones: the known events
+    decode, the unknown one is left out and its type named (the whole batch was a
+    WireError, which the router takes as a loss and clears the holder for)."""
+    payload = msgspec.msgpack.encode(
+        [
+            1.0,
+            [
+                {"type": "BlockRemoved", "block_hashes": [5]},
+                {"type": "KVCacheResized", "blocks": 9},
+                ["BlockPinned", [5]],
+                ["AllBlocksCleared"],
+            ],
+            0,
+        ]
+    )
+    unknown: list[str] = []
+    batch = wire.decode_batch(payload, unknown)
+    assert batch.events == [BlockRemoved(block_hashes=[5]), CLEARED]
+    assert unknown == ["KVCacheResized", "BlockPinned"]
+    broken = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": "x"}], 0])
+    with pytest.raises(WireError):  # a known type that is malformed still fails
+        wire.decode_batch(broken, unknown)

@@ -436,8 +436,9 @@ class SubscriberLoop:
     ) -> None:
         counters = st.counters
         counters.last_arrival = now
+        unknown: list[str] = []
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, unknown)
         except WireError as exc:
             counters.decode_errors += 1
             st.tracker.lost += 1
@@ -451,6 +452,9 @@ class SubscriberLoop:
                 )
             )
             return
+        if unknown:
+            counters.unknown_events += len(unknown)
+            counters.unknown_event_type = unknown[-1]
         counters.batches += 1
         blocks = 0
         for event in batch.events:

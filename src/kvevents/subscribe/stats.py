@@ -82,6 +82,10 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     curve: bool = False
     handshake_failures: int = 0
     handshake_error: str | None = None
+    unknown_events: int = 0
+    """Events of a type this subscriber does not know (a newer engine's), left out of
+    their batches; the last such type is ``unknown_event_type``."""
+    unknown_event_type: str | None = None
     error: str | None = None
     """Why a ``refused`` stream is not followed when no handshake was refused (ZMQ
     refused its address); None otherwise."""
@@ -129,12 +133,16 @@ class StreamCounters:
         "malformed",
         "samples",
         "status",
+        "unknown_event_type",
+        "unknown_events",
     )
 
     def __init__(self) -> None:
         self.batches = 0
         self.blocks = 0
         self.decode_errors = 0
+        self.unknown_events = 0
+        self.unknown_event_type: str | None = None
         self.malformed = 0
         self.handshake_failures = 0
         self.handshake_error: str | None = None

@@ -253,6 +253,8 @@ class StreamSockets:
             curve=self.curve_server_key is not None,
             handshake_failures=c.handshake_failures,
             handshake_error=c.handshake_error,
+            unknown_events=c.unknown_events,
+            unknown_event_type=c.unknown_event_type,
         )
 
     def close(self) -> None:

@@ -197,26 +197,47 @@ def encode_batch(batch: KVEventBatch, encoding: Literal["map", "array"] = "map")
     raise ValueError(f"encode_batch: encoding={encoding!r} is not one of 'map', 'array'")
 
 
-def _decode_event(raw: msgspec.Raw) -> Event:
+_KNOWN_TAGS = frozenset(cls.__name__ for cls in _EVENT_TYPES)
+
+
+def _decode_event(raw: msgspec.Raw, unknown: list[str] | None) -> Event | None:
+    """One event; None for an event type this decoder does not know (named in
+    ``unknown`` when given), which a newer engine may send beside the known ones."""
     data = bytes(raw)
     if data and (data[0] & 0xF0 == 0x90 or data[0] in (0xDC, 0xDD)):  # msgpack array
         items = _GENERIC_DECODER.decode(data)
-        if items and items[0] == "BlockStored":
+        tag = items[0] if items else None
+        if tag == "BlockStored":
             layout = _stored_layout(items[1 + _SHARED_STORED :])
             return _to_public(_STORED_DECODERS[layout].decode(data), BlockStored)
+        if isinstance(tag, str) and tag not in _KNOWN_TAGS:
+            if unknown is not None:
+                unknown.append(tag)
+            return None
         twin = _ARRAY_EVENT_DECODER.decode(data)
         return _to_public(twin, _ARRAY_TO_PUBLIC[type(twin)])
-    twin = _LENIENT_MAP_EVENT_DECODER.decode(data)
+    try:
+        twin = _LENIENT_MAP_EVENT_DECODER.decode(data)
+    except msgspec.DecodeError:
+        whole = _GENERIC_DECODER.decode(data)
+        tag = whole.get("type") if isinstance(whole, dict) else None
+        if not isinstance(tag, str) or tag in _KNOWN_TAGS:
+            raise
+        if unknown is not None:
+            unknown.append(tag)
+        return None
     return _to_public(twin, _MAP_LENIENT_TO_PUBLIC[type(twin)])
 
 
-def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
+def decode_batch(payload: bytes | memoryview, unknown: list[str] | None = None) -> KVEventBatch:
     """Decode a payload in either encoding into a :class:`KVEventBatch`.
 
     The common case (complete tagged maps) takes one msgspec call. Anything else
     (positional events, short or long arrays, omitted nil fields, a mix) falls back to
-    decoding event by event. Raises :class:`~kvevents.errors.WireError` naming what is
-    wrong when the payload is not a batch.
+    decoding event by event. An event of a type not known here (a newer engine's) is
+    left out of the batch, its type appended to ``unknown`` when given: the batch's
+    other events stand. Raises :class:`~kvevents.errors.WireError` naming what is wrong
+    when the payload is not a batch, or a known event in it is malformed.
     """
     try:
         return _BATCH_DECODER.decode(payload)
@@ -224,7 +245,7 @@ def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
         pass
     try:
         raw = _RAW_BATCH_DECODER.decode(payload)
-        events = [_decode_event(r) for r in raw.events]
+        events = [e for r in raw.events if (e := _decode_event(r, unknown)) is not None]
     except msgspec.DecodeError as exc:
         raise WireError(
             f"payload of {len(payload)} bytes is not a KV-event batch [ts, events, dp_rank]: {exc}"
