@@ -309,3 +309,18 @@ def test_loading_keeps_numpy_to_one_blas_thread_unless_told_otherwise(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected
+
+
+def test_a_huge_body_is_parsed_without_the_thread_keeping_its_buffer(
+    compiled: kernels.Kernels,
+) -> None:
+    """A 4 MiB body of ids parses whole, but the thread's kept parse buffer stays the
+    size of the largest ordinary body (it grew to two bytes per body byte, for good)."""
+    ids = [7] * 2_000_000
+    raw = b'{"input_ids": [' + b",".join(b"7" for _ in ids) + b"]}"
+    small = _fast(compiled, b'{"input_ids": [1, 2, 3]}')
+    assert small is not None
+    kept = len(compiled._local.ids)
+    parsed = _fast(compiled, raw)
+    assert parsed is not None and parsed[0] == ids
+    assert len(compiled._local.ids) == kept <= kernels._KEPT_IDS

@@ -155,16 +155,22 @@ class Kernels:
         if type(body) is not bytes:  # the one type the kernel was compiled for
             body = bytes(body)
         # The ids go into this thread's buffer, grown to the most the body can hold, and
-        # leave it as one copy of exactly those read.
+        # leave it as one copy of exactly those read. A body too large to keep a buffer
+        # for (4 MiB of ids: a 2 MiB body) gets one of its own, freed with it.
         room = len(body) // 2 + 1
         into: array[int] | None = getattr(self._local, "ids", None)
         if into is None or len(into) < room:
-            into = self._local.ids = array("I", bytes(4 * max(room, 4096)))
+            into = array("I", bytes(4 * max(room, 4096)))
+            if room <= _KEPT_IDS:
+                self._local.ids = into
         count, end = self._parse(body, self._key if lead is None else lead, into)
         if end < 0:
             return None
         return into[:count], end
 
+
+_KEPT_IDS = 1 << 20
+"""The most token ids a thread's parse buffer keeps between requests."""
 
 _kernels: Kernels | None = None
 _NOT_LOADED = "off: not loaded in this process"
