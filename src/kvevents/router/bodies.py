@@ -88,7 +88,7 @@ async def read_rsgi_body(scope: Any, proto: Any, limit: int) -> bytes:
     length = scope.headers.get("content-length")
     try:
         if length is not None:
-            if not length.isdigit():
+            if not (length.isascii() and length.isdigit()):  # "²" is a digit to str
                 raise BadRequest(f"Content-Length {length[:40]!r} is not a number of bytes")
             if int(length) > limit:
                 await drain(proto.__aiter__())  # read and dropped, as uvicorn does: granian
