@@ -135,25 +135,39 @@ def test_a_gap_the_replay_cannot_fill_is_told_once() -> None:
     assert t.gaps == 1 and delivered(out) == [5]
 
 
-def test_a_restart_while_a_gap_replay_is_out_is_a_reset_at_once() -> None:
-    """The publisher starts again (live seq 8 -> 0) while a gap replay is out: Reset at
-    once, the old publisher's buffered batch dropped, the old replay's answer replaced
-    by a join from 0; every batch of the new publisher is then delivered (its first ones
-    were dropped as already delivered, and an old batch was handed out as its seq 8)."""
+def _six_delivered_then_a_gap_replay() -> StreamTracker:
+    """A tracker that delivered seqs 0..5 and then, seq 8 arriving, asked for 6 and 7."""
     t = StreamTracker("w", 0, has_replay=True)
     t.start()
     t.on_replay_end()
     for s in range(6):
         assert t.accept_in_order(s, p(s))
     assert RequestReplay(6) in t.on_live(8, p(8))
+    return t
+
+
+def _live(t: StreamTracker, seqs: range, gen: int) -> list:
+    """What live messages ``seqs`` of publisher ``gen`` make ``t`` do (the fast path's
+    acceptance as a Deliver)."""
+    out: list = []
+    for s in seqs:
+        if t.accept_in_order(s, p(s, gen=gen)):
+            out.append(Deliver(s, p(s, gen=gen), False))
+        else:
+            out += t.on_live(s, p(s, gen=gen))
+    return out
+
+
+def test_a_restart_while_a_gap_replay_is_out_is_a_reset_at_once() -> None:
+    """The publisher starts again (live seq 8 -> 0) while a gap replay is out: Reset at
+    once, the old publisher's buffered batch dropped, the old replay's answer replaced
+    by a join from 0; every batch of the new publisher is then delivered (its first ones
+    were dropped as already delivered, and an old batch was handed out as its seq 8)."""
+    t = _six_delivered_then_a_gap_replay()
     out = t.on_live(0, p(0, gen=1))
     assert isinstance(out[0], Reset) and out[0].new_seq == 0 and out[1] == RequestReplay(0)
     out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_end()
-    for s in range(1, 10):
-        if t.accept_in_order(s, p(s, gen=1)):
-            out.append(Deliver(s, p(s, gen=1), False))
-        else:
-            out += t.on_live(s, p(s, gen=1))
+    out += _live(t, range(1, 10), gen=1)
     assert [a.payload for a in out if isinstance(a, Deliver)] == [p(s, gen=1) for s in range(10)]
     assert not any(isinstance(a, (Loss, Reset)) for a in out)
 
@@ -163,12 +177,7 @@ def test_a_restart_across_a_reconnect_drops_what_the_old_publisher_sent() -> Non
     and a new publisher, which has published seqs 0 and 1, answers the verification:
     Reset, and the old seq 8 is dropped (it was handed out as the new publisher's 8,
     and the new one's own 2..8 were then skipped as delivered)."""
-    t = StreamTracker("w", 0, has_replay=True)
-    t.start()
-    t.on_replay_end()
-    for s in range(6):
-        assert t.accept_in_order(s, p(s))
-    assert RequestReplay(6) in t.on_live(8, p(8))
+    t = _six_delivered_then_a_gap_replay()
     t.on_disconnected()
     assert t.on_connected() == [RequestReplay(5)]  # verify from the anchor
     out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_reply(1, p(1, gen=1))
@@ -176,11 +185,7 @@ def test_a_restart_across_a_reconnect_drops_what_the_old_publisher_sent() -> Non
     assert isinstance(out[0], Reset) and out[-1] == RequestReplay(0)
     out = t.on_replay_reply(0, p(0, gen=1)) + t.on_replay_reply(1, p(1, gen=1))
     out += t.on_replay_end()
-    for s in range(2, 9):
-        if t.accept_in_order(s, p(s, gen=1)):
-            out.append(Deliver(s, p(s, gen=1), False))
-        else:
-            out += t.on_live(s, p(s, gen=1))
+    out += _live(t, range(2, 9), gen=1)
     assert [a.payload for a in out if isinstance(a, Deliver)] == [p(s, gen=1) for s in range(9)]
     assert not t.replaying and t.pending == []
 
