@@ -150,6 +150,16 @@ def test_wrong_field_type_is_named() -> None:
         streams_from_server_info(info(endpoint_port_base="5557"), engine_url="http://h:1")
 
 
+@pytest.mark.parametrize(
+    "doc", [info(block_size=0), info(block_size=-16), {**info(block_size=None), "page_size": 0}]
+)
+def test_a_block_size_below_one_is_refused(doc: dict[str, Any]) -> None:
+    """A block of 0 or fewer tokens is refused naming the field (it was taken as the
+    router's block size, and every request of every engine then failed)."""
+    with pytest.raises(DiscoveryError, match="positive number of tokens per block"):
+        streams_from_server_info(doc, engine_url="http://h:1")
+
+
 def test_wildcard_without_engine_url_is_refused() -> None:
     """A wildcard host with no engine URL to take the host from is a clear DiscoveryError."""
     with pytest.raises(DiscoveryError, match="engine's URL is needed"):
@@ -257,6 +267,14 @@ def test_vllm_kv_event_sources_give_each_ranks_own_endpoints() -> None:
         ({}, "lists no publishers"),
         (
             {"zero": {"publisher": "zmq", "endpoint": "tcp://*:5557"}},
+            "must be a data-parallel rank",
+        ),
+        ({"²": {"publisher": "zmq", "endpoint": "tcp://*:5557"}}, "must be a data-parallel rank"),
+        (
+            {
+                "0": {"publisher": "zmq", "endpoint": "tcp://*:5557"},
+                "00": {"publisher": "zmq", "endpoint": "tcp://*:5600"},
+            },
             "must be a data-parallel rank",
         ),
         ({"0": {"publisher": "null"}}, "publishing looks off"),

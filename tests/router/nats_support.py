@@ -32,9 +32,10 @@ def _free_port() -> int:
 class NatsServer:
     """``nats-server -a 127.0.0.1 -p PORT``; :meth:`kill` and :meth:`start` again keep the port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
         self.port = port or _free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.extra = extra  # more nats-server arguments (--user U --pass P)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -43,7 +44,7 @@ class NatsServer:
         deadline = time.monotonic() + timeout
         while True:
             self.proc = subprocess.Popen(
-                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self.extra],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -176,3 +176,25 @@ def test_a_batch_of_notes_in_one_message_counts_note_by_note(
         wait_until(lambda: notes(router)["peer_inflight"] == 0, 20, "both finishes")
     finally:
         router.stop()
+
+
+def test_nats_credentials_in_the_sync_url_are_used_and_never_shown(engine: Engine) -> None:
+    """``--sync nats://user:pass@host``: the router connects with them, and neither
+    ``/workers`` nor its log (NATS lost and back) shows the password."""
+    server = NatsServer(extra=("--user", "router", "--pass", "s3cretPW"))
+    router = None
+    try:
+        url = server.url.replace("nats://", "nats://router:s3cretPW@")
+        router = RouterProc([engine.url], "--sync", url)
+        wait_until(lambda: connected(router), 20, "NATS with the credentials")
+        assert sync_state(router)["sync"]["url"] == url.replace("router:s3cretPW", "***")
+        server.kill()
+        wait_until(lambda: not connected(router), 20, "NATS lost")
+        server.start()
+        wait_until(lambda: connected(router), 20, "NATS back")
+        assert "s3cretPW" not in router.http.get("/workers").text
+    finally:
+        if router is not None:
+            router.stop()
+        server.kill()
+    assert "NATS nats://***@127.0.0.1" in router.stderr and "s3cretPW" not in router.stderr

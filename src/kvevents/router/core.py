@@ -258,6 +258,8 @@ class Router:
         """
         holder = Holder(*holder)
         where = origin or f"{source} of {holder.worker}"
+        if not (isinstance(block_size, int) and block_size >= 1):
+            raise ValueError(f"{where}: block size {block_size!r} is not a positive int")
         ok = self.block_sizes.declare(holder, block_size, source, where)
         if self.index.block_size is None:
             self.index.block_size = self.block_sizes.size

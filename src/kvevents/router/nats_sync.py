@@ -33,6 +33,7 @@ import collections
 import contextlib
 import hashlib
 import logging
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,7 +45,7 @@ from nats.aio.msg import Msg
 
 from kvevents.router.peers import cancel_and_wait
 
-__all__ = ["NatsNoteTransport", "default_subject", "split_notes"]
+__all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
 
 MAX_BATCH = 1000
 """Notes per NATS message at most (about 70 bytes each, far below NATS's 1 MB limit)."""
@@ -70,6 +71,15 @@ def default_subject(engines: Iterable[str]) -> str:
     return f"kvevents.notes.{digest[:12]}"
 
 
+def shown_url(text: str) -> str:
+    """``text`` with the user and password of every URL in it masked (``--sync
+    nats://user:pass@host`` is how nats-py takes credentials)."""
+    return _USERINFO.sub("//***@", text)
+
+
+_USERINFO = re.compile(r"//[^/@,\s]*@")
+
+
 class NatsNoteTransport:
     """Notes over one NATS subject; see the module docstring.
 
@@ -88,13 +98,17 @@ class NatsNoteTransport:
         batch_window: float = 0.005,
     ) -> None:
         if not url.startswith(("nats://", "tls://")):
-            raise ValueError(f"--sync {url!r}: give a NATS URL, e.g. nats://127.0.0.1:4222")
+            raise ValueError(
+                f"--sync {shown_url(url)!r}: give a NATS URL, e.g. nats://127.0.0.1:4222"
+            )
         if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
             raise ValueError(
                 f"--sync-subject {subject!r}: a NATS subject is dot-separated tokens with "
                 "no spaces or wildcards, e.g. kvevents.notes.fleet1"
             )
-        self.url = url
+        self._connect_url = url
+        self.url = shown_url(url)
+        """The URL as shown (``/workers``, logs): credentials in it masked."""
         self.subject = subject
         self.ignore_prefix = ignore_prefix
         self.reconnect_wait = reconnect_wait
@@ -153,7 +167,7 @@ class NatsNoteTransport:
                 deliver(raw)
 
         async def on_error(exc: Exception) -> None:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
             log.debug("NATS %s: %s", self.url, self.last_error)
 
         async def on_disconnected() -> None:
@@ -173,7 +187,7 @@ class NatsNoteTransport:
         # replica started before NATS joins once it is up; pending_size=0: no buffering
         # while disconnected (a publish then fails, and the note is counted as dropped).
         self._nc = nc = await nats.connect(
-            self.url,
+            self._connect_url,
             name="kvevents-router",
             allow_reconnect=True,
             max_reconnect_attempts=-1,
@@ -202,4 +216,4 @@ class NatsNoteTransport:
                     self.batches += 1
                 except (nats.errors.Error, OSError) as exc:
                     self.dropped += len(batch)
-                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    self.last_error = shown_url(f"{type(exc).__name__}: {exc}")

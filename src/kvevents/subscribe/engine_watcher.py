@@ -135,7 +135,17 @@ class EngineWatcher:
         while not self._closing.is_set():
             self.attempts += 1
             try:
-                specs = discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
+                try:
+                    specs = discover(
+                        self.url, worker=self.worker, timeout=self._timeout, client=client
+                    )
+                except DiscoveryError:
+                    raise
+                except Exception as exc:  # a document no check foresaw: retried, not fatal
+                    raise DiscoveryError(
+                        f"engine {self.url}: its discovery document could not be read "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from exc
             except DiscoveryError as exc:
                 self.last_error = str(exc)
                 self.state = DiscoveryState.INVALID if exc.reached else DiscoveryState.UNREACHABLE

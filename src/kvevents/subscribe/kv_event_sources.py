@@ -56,10 +56,14 @@ def streams_from_kv_event_sources(
         raise DiscoveryError(f"{where} lists no publishers; {HOW_TO_ENABLE}")
     name = worker or (normalize_engine_url(engine_url) if engine_url else "engine")
     specs: list[StreamSpec] = []
+    ranks: set[int] = set()
     for key, config in sources.items():
         at = f"{where}[{key!r}]"
-        if not isinstance(key, str) or not key.isdigit():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key):
             raise DiscoveryError(f"{at}: the key must be a data-parallel rank (0, 1, ...)")
+        if int(key) in ranks:
+            raise DiscoveryError(f"{at}: rank {int(key)} is listed twice")
+        ranks.add(int(key))
         if not isinstance(config, Mapping):
             raise DiscoveryError(f"{at} is {config!r}, expected a publisher config object")
         if config.get("publisher") != "zmq":

@@ -128,8 +128,14 @@ def streams_from_server_info(
     name = worker or (normalize_engine_url(engine_url) if engine_url else "engine")
     topic = block.topic or ""
     block_size = block.block_size
-    if block_size is None and isinstance(info.get("page_size"), int):
-        block_size = info["page_size"]
+    page_size = info.get("page_size")
+    if block_size is None and isinstance(page_size, int) and not isinstance(page_size, bool):
+        block_size = page_size
+    if block_size is not None and block_size < 1:
+        raise DiscoveryError(
+            f"{where}: kv_events.block_size (or page_size) is {block_size!r}, expected a "
+            "positive number of tokens per block; the engine's block is malformed"
+        )
     dp_size = block.dp_size
     if dp_size is None:
         dp_size = info.get("dp_size", 1)
