@@ -15,7 +15,9 @@ from typing import ClassVar
 
 import httpx
 import pytest
+import zmq
 
+from kvevents import BlockStored, KVEventBatch, Subscriber, ZmqEventPublisher
 from kvevents.router import service as service_module
 from kvevents.router.core import Router
 from kvevents.router.engines import (
@@ -414,3 +416,97 @@ def test_a_vllm_given_by_url_alone_gets_every_discovered_ranks_metrics_load() ->
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _ShrinkingVllm(BaseHTTPRequestHandler):
+    """A vLLM known by URL whose /kv_event_sources lists ``sources`` (set by the test:
+    the engine restarting with fewer ranks); /health and an empty /metrics."""
+
+    protocol_version = "HTTP/1.1"
+    sources: ClassVar[dict[str, object]] = {}
+
+    def do_GET(self) -> None:
+        body = {
+            "/kv_event_sources": json.dumps(type(self).sources).encode(),
+            "/health": b"",
+            "/metrics": b"# no gauges\n",
+        }.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_ranks_an_engine_no_longer_has_are_no_longer_routed_to() -> None:
+    """A vLLM known by URL restarts with 2 ranks instead of 4, on new ports: the
+    subscriber stops following ranks 2 and 3 (a Removed signal) and the router drops
+    them, their cached blocks with them (they stayed routable and won the requests whose
+    prefix they had held, for a rank the engine no longer has)."""
+    ctx = zmq.Context()
+    publishers: list[ZmqEventPublisher] = []
+
+    def start(ranks: int) -> None:
+        publishers[:] = [
+            ZmqEventPublisher(0, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True, context=ctx)
+            for _ in range(ranks)
+        ]
+        _ShrinkingVllm.sources = {
+            str(r): {"publisher": "zmq", "endpoint": p.endpoint, "topic": ""}
+            | {"replay_endpoint": p.replay_endpoint}
+            for r, p in enumerate(publishers)
+        }
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ShrinkingVllm)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    prompt = list(range(100, 132))
+    stored = BlockStored(
+        block_hashes=[7, 8],
+        parent_block_hash=None,
+        token_ids=prompt,
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+    )
+
+    async def main() -> None:
+        router = Router(block_size=16)
+        subscriber = Subscriber(rediscover_interval=0.2, tail_probe=None)
+        spec = EngineSpec.create(url, kind="vllm")
+        spec.follow(subscriber)
+        service = service_module.RouterService(router, [spec], subscriber=subscriber)
+        await service.start()
+        try:
+            await _until("4 ranks", lambda: len(router.holders()) == 4)
+            gone = Holder(url, 3)
+
+            def held() -> bool:
+                publishers[3].publish(KVEventBatch(ts=time.time(), events=[stored]))
+                return router.index.holder_size(gone) > 0
+
+            await _until("rank 3 holding the prompt", held)
+            assert router.route(prompt).holder == gone
+            for publisher in publishers:
+                publisher.shutdown(timeout=1.0)
+            start(2)  # the engine again, with 2 ranks
+            await _until("ranks 2 and 3 dropped", lambda: len(router.holders()) == 2)
+            assert sorted(h.dp_rank for h in subscriber.stats()) == [0, 1]
+            assert router.route(prompt).holder.dp_rank in (0, 1)
+            assert router.signals[("removed", gone)] == 1
+        finally:
+            await service.stop()
+            subscriber.close()
+
+    start(4)
+    try:
+        asyncio.run(main())
+    finally:
+        for publisher in publishers:
+            publisher.shutdown(timeout=1.0)
+        server.shutdown()
+        server.server_close()
+        ctx.term()

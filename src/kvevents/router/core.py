@@ -84,7 +84,7 @@ from kvevents.router.scoring import (
     choose,
 )
 from kvevents.subscribe.block_sizes import BlockSizes
-from kvevents.subscribe.items import Delivery, Gap, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.items import Delivery, Gap, Loss, Removed, Reset, Signal, Unreachable
 from kvevents.types import Holder
 
 log = logging.getLogger("kvevents.router")
@@ -194,6 +194,8 @@ class Router:
         which also tell the ranking :meth:`route` keeps for ``top`` that it is out of date."""
         self.signals: Counter[tuple[str, Holder | None]] = Counter()
         self.batches_applied = 0
+        self.holders_removed = 0
+        """Holders taken out (their engine no longer has the rank)."""
         self.apply_failures = 0
         """Batches whose applying raised (a bug): each one's holder was cleared."""
         self.routes: Counter[Holder] = Counter()
@@ -202,7 +204,7 @@ class Router:
         self.models = ModelCatalog()
         """Which engine serves which model (see the module docstring)."""
         self._model_routes: dict[str, tuple[list[Holder], str | None]] = {}
-        self._model_routes_key = (-1, -1)
+        self._model_routes_key = (-1, -1, -1)
         self._loads_version = 0
         """Counts changes of ``loads`` made through this class's methods (the rankings' key)."""
         self._rankings: dict[int, Ranking] = {}
@@ -234,6 +236,13 @@ class Router:
             block_size = None  # keep the router's size for this holder's events
         self.index.add_holder(holder, block_size=block_size)
         self.loads.slot(holder)
+        self._loads_version += 1
+
+    def remove_holder(self, holder: Holder) -> None:
+        """``holder`` is gone (its engine no longer has the rank): not routable, and what
+        the index held for it dropped. Its first batch, should it come back, adds it again."""
+        self.index.remove_holder(holder)
+        self.holders_removed += 1
         self._loads_version += 1
 
     def restore_index(self, index: PrefixIndex) -> None:
@@ -307,6 +316,8 @@ class Router:
                 self.index.applied_seqs[holder] = item.last_seq
             else:
                 self.index.applied_seqs.pop(holder, None)
+        elif isinstance(item, Removed) and holder is not None:
+            self.remove_holder(holder)
         elif isinstance(item, (Gap, Unreachable)):
             pass  # informational: the missed batches follow, or discovery retries
 
@@ -388,7 +399,8 @@ class Router:
         """
         if model is None or not self.models.known:
             return self.holders(), None
-        key = (self.models.version, len(self.loads))  # loads gain an entry per new holder
+        # loads gain an entry per new holder; removals take one from the index
+        key = (self.models.version, len(self.loads), self.holders_removed)
         if key != self._model_routes_key:
             self._model_routes.clear()
             self._model_routes_key = key

@@ -292,7 +292,9 @@ async def _poll_load(
     # all zero when it fails: a load read earlier must not linger as phantom work.
     # The ranks: those configured and those discovered (a vLLM given by URL alone says
     # how many it runs only through /kv_event_sources: its spec knows of rank 0).
-    ranks = sorted({*range(spec.ranks), *(h.dp_rank for h in router.loads.holders_of(spec.worker))})
+    ranks = sorted(
+        {*range(spec.ranks), *(h.dp_rank for h in router.holders() if h.worker == spec.worker)}
+    )
     loads = {r: {"dp_rank": r, "running": 0, "waiting": 0} for r in ranks}
     try:
         metrics = await upstream.get(spec.url, "/metrics", timeout=5.0, on_head=answered)

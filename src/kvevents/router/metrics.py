@@ -75,6 +75,7 @@ _STREAM_COUNTERS = (
     ("resets", "stream_resets", "stream restarts (engine restarted)"),
     ("replayed", "stream_replayed", "batches recovered by replay"),
     ("malformed", "stream_malformed", "malformed frames skipped"),
+    ("unknown_events", "stream_unknown_events", "events of a type not known here, left out"),
 )
 
 StreamStatsSource = Callable[[], Mapping[Holder, StreamStats]]

@@ -29,7 +29,7 @@ from kvevents.http_auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, discover
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
-from kvevents.types import StrEnum
+from kvevents.types import Holder, StrEnum
 
 __all__ = ["DiscoveryState", "EngineStatus", "EngineWatcher"]
 
@@ -85,6 +85,7 @@ class EngineWatcher:
         add_spec: Callable[[StreamSpec], None],
         report: Callable[[Signal], None],
         replace_spec: Callable[[StreamSpec], None] | None = None,
+        remove_holder: Callable[[Holder, str], None] | None = None,
         recheck: float | None = None,
         credentials: ClientCredentials | None = None,
     ) -> None:
@@ -102,6 +103,7 @@ class EngineWatcher:
         self._add_spec = add_spec
         self._report = report
         self._replace_spec = replace_spec
+        self._remove_holder = remove_holder
         self._recheck = recheck
         self._followed: dict[int, StreamSpec] = {}  # by dp_rank
         self.rediscoveries = 0  # ranks found on new endpoints by a recheck
@@ -135,17 +137,7 @@ class EngineWatcher:
         while not self._closing.is_set():
             self.attempts += 1
             try:
-                try:
-                    specs = discover(
-                        self.url, worker=self.worker, timeout=self._timeout, client=client
-                    )
-                except DiscoveryError:
-                    raise
-                except Exception as exc:  # a document no check foresaw: retried, not fatal
-                    raise DiscoveryError(
-                        f"engine {self.url}: its discovery document could not be read "
-                        f"({type(exc).__name__}: {exc})"
-                    ) from exc
+                specs = self._discover(client)
             except DiscoveryError as exc:
                 self.last_error = str(exc)
                 self.state = DiscoveryState.INVALID if exc.reached else DiscoveryState.UNREACHABLE
@@ -172,13 +164,26 @@ class EngineWatcher:
             return
         while not self._closing.wait(self._recheck):
             try:
-                specs = discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
+                specs = self._discover(client)
             except DiscoveryError:
                 continue  # restarting, or gone for now: the streams say so themselves
             self._follow(specs)
 
+    def _discover(self, client: httpx.Client) -> list[StreamSpec]:
+        """The engine's streams; DiscoveryError for any document that cannot be used."""
+        try:
+            return discover(self.url, worker=self.worker, timeout=self._timeout, client=client)
+        except DiscoveryError:
+            raise
+        except Exception as exc:  # a document no check foresaw: retried, not fatal
+            raise DiscoveryError(
+                f"engine {self.url}: its discovery document could not be read "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
     def _follow(self, specs: list[StreamSpec]) -> None:
-        """Add ranks not followed yet; replace those whose stream moved."""
+        """Add ranks not followed yet; replace those whose stream moved; stop following
+        those the engine no longer lists (it restarted with fewer)."""
         unrecoverable = [
             s.dp_rank
             for s in specs
@@ -208,3 +213,14 @@ class EngineWatcher:
                 self.last_error = str(exc)
                 continue
             self._followed[spec.dp_rank] = spec
+        listed = {spec.dp_rank for spec in specs}
+        gone = sorted(rank for rank in self._followed if rank not in listed)
+        if gone and self._remove_holder is not None:
+            reason = (
+                f"engine {self.url} no longer lists rank(s) {', '.join(map(str, gone))} "
+                f"(it now has {len(listed)}): it restarted with fewer"
+            )
+            for rank in gone:
+                spec = self._followed.pop(rank)
+                self._remove_holder(Holder(spec.worker, spec.dp_rank), reason)
+                self.streams -= 1

@@ -33,7 +33,17 @@ import msgspec
 from kvevents.types import Holder
 from kvevents.wire.events import KVEventBatch
 
-__all__ = ["Delivery", "Gap", "Item", "Loss", "Malformed", "Reset", "Signal", "Unreachable"]
+__all__ = [
+    "Delivery",
+    "Gap",
+    "Item",
+    "Loss",
+    "Malformed",
+    "Removed",
+    "Reset",
+    "Signal",
+    "Unreachable",
+]
 
 
 class Delivery(NamedTuple):
@@ -45,7 +55,8 @@ class Delivery(NamedTuple):
 
 
 class Signal(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of every signal; ``kind`` names it ("gap", "loss", "reset", "unreachable").
+    """Base of every signal; ``kind`` names it ("gap", "loss", "reset", "unreachable",
+    "malformed", "removed").
 
     ``dp_rank`` is None only for an :class:`Unreachable` engine whose ranks are not
     known yet.
@@ -104,6 +115,14 @@ class Unreachable(Signal, frozen=True, kw_only=True):
 
     kind: ClassVar[str] = "unreachable"
     address: str
+    reason: str
+
+
+class Removed(Signal, frozen=True, kw_only=True):
+    """The engine no longer has this rank (it restarted with fewer): its stream is no
+    longer followed, and whatever it held is gone. ``reason`` says how it was found."""
+
+    kind: ClassVar[str] = "removed"
     reason: str
 
 

@@ -45,6 +45,7 @@ from kvevents.subscribe.items import (
     Item,
     Loss,
     Malformed,
+    Removed,
     Reset,
     Signal,
     Unreachable,
@@ -70,6 +71,7 @@ class Command(enum.Enum):
 
     ADD = "add"  # follow a new stream: (StreamSpec, seq to resume after or None)
     REPLACE = "replace"  # follow this spec instead of the holder's current stream: a StreamSpec
+    REMOVE = "remove"  # stop following a holder's stream: (Holder, reason)
     SIGNAL = "signal"  # pass a Signal on to the consumer, in order with the deliveries
     STOP = "stop"  # close every socket and end the thread: no argument
 
@@ -235,6 +237,8 @@ class SubscriberLoop:
                 self._add_stream(spec, now, out, after)
             elif command is Command.REPLACE:
                 self._replace_stream(arg, now, out)
+            elif command is Command.REMOVE:
+                self._remove_stream(arg[0], arg[1], out)
             elif command is Command.SIGNAL:
                 out.append(arg)
             elif command is Command.STOP:
@@ -288,16 +292,28 @@ class SubscriberLoop:
         st.activity = now
         self._apply(st, st.tracker.start(after), now, out)
 
-    def _replace_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
-        """The engine now publishes this rank elsewhere: drop the old stream, say ``Reset``
-        (whatever it held is gone with the old engine), follow the new one from seq 0."""
-        holder = Holder(spec.worker, spec.dp_rank)
+    def _drop_stream(self, holder: Holder) -> StreamSockets | None:
+        """Stop following ``holder``'s stream (closing its sockets); the stream, if any."""
+        self.refused.pop(holder, None)
         old = self.streams.pop(holder, None)
         if old is not None:
             for sock in (old.sub, old.monitor):
                 self._unregister(sock)
             self._monitor_sockets.discard(old.monitor)
             old.close()  # its replay socket unregisters itself
+        return old
+
+    def _remove_stream(self, holder: Holder, reason: str, out: list[Item]) -> None:
+        """The engine no longer has this rank: stop following it, say ``Removed``."""
+        self._drop_stream(holder)
+        out.append(Removed(worker=holder.worker, dp_rank=holder.dp_rank, reason=reason))
+
+    def _replace_stream(self, spec: StreamSpec, now: float, out: list[Item]) -> None:
+        """The engine now publishes this rank elsewhere: drop the old stream, say ``Reset``
+        (whatever it held is gone with the old engine), follow the new one from seq 0."""
+        holder = Holder(spec.worker, spec.dp_rank)
+        old = self._drop_stream(holder)
+        if old is not None:
             out.append(
                 Reset(
                     worker=spec.worker,

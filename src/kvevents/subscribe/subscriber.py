@@ -263,6 +263,7 @@ class Subscriber:
                 add_spec=add_spec,
                 report=lambda signal: self._loop.submit(Command.SIGNAL, signal),
                 replace_spec=replace_spec,
+                remove_holder=self._remove_spec,
                 recheck=self.rediscover_interval,
                 credentials=self.http_credentials,
             )
@@ -287,6 +288,12 @@ class Subscriber:
             self._specs[holder] = spec
             after = self._resume.pop(holder, None)
         self._loop.submit(Command.ADD, (spec, after))
+
+    def _remove_spec(self, holder: Holder, reason: str) -> None:
+        """Stop following ``holder``'s stream (its engine no longer has the rank)."""
+        with self._lock:
+            self._specs.pop(holder, None)
+        self._loop.submit(Command.REMOVE, (holder, reason))
 
     def _replace_spec(self, spec: StreamSpec) -> None:
         """Follow ``spec`` instead of the holder's current stream (the engine moved)."""
