@@ -4,10 +4,13 @@ engine's replay buffer still holds everything, has wrapped, or does not exist.""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import random
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -15,6 +18,8 @@ import msgspec
 import pytest
 from router_support import Engine, RouterProc, wait_until
 
+from kvevents import BlockStored, KVEventBatch
+from kvevents.cli.router import add_arguments, build_service
 from kvevents.index.prefix_index import PrefixIndex
 from kvevents.router.warm_start import load_from_peers
 from kvevents.types import Holder
@@ -145,3 +150,94 @@ def test_a_peer_with_an_older_snapshot_version_is_refused_by_name() -> None:
     assert len(warm.errors) == 1 and warm.errors[0].startswith(url)
     assert "snapshot version 3 is not supported" in warm.errors[0]
     assert "older kvevents" in warm.errors[0] and "without --peer" in warm.errors[0]
+
+
+@contextlib.contextmanager
+def _peer_serving(snapshot: bytes) -> Iterator[str]:
+    """A peer router's /dump (only that) on a real HTTP server; yields its URL."""
+
+    class Peer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/dump" else 404)
+            self.send_header("Content-Length", str(len(snapshot)))
+            self.end_headers()
+            self.wfile.write(snapshot)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_peers_ranks_the_engine_does_not_have_are_dropped() -> None:
+    """The peer's snapshot has ranks 2 and 3 of an engine that now runs 2 (its view was
+    older, or it was told another --dp-size): once the router has read the engine's
+    /server_info, those ranks and their blocks are gone from its index (they were
+    adopted, routable, and won the requests whose prefix they held)."""
+    engine = Engine(["--dp-size", str(DP), "--page-size", str(PAGE)], CONFIGS["replay"])
+    try:
+        prompt = list(range(500, 516))
+        peer_index = PrefixIndex(block_size=PAGE)
+        for rank in range(4):
+            peer_index.add_holder(Holder(engine.url, rank))
+        stale = Holder(engine.url, 3)
+        peer_index.apply(stale, KVEventBatch(ts=1.0, events=[_stored(prompt)]))
+        peer_index.applied_seqs[stale] = 41
+        with _peer_serving(peer_index.to_bytes()) as peer:
+            router = RouterProc([engine.url], "--peer", peer)
+            try:
+                assert router.http.get("/workers").json()["warm_start"]["peer"] == peer
+                wait_until(
+                    lambda: sorted(h["dp_rank"] for h in holders(router)) == [0, 1],
+                    20,
+                    "ranks 2 and 3 dropped",
+                )
+                matches = router.post("/query", {"input_ids": prompt}).json()["matches"]
+                assert all(m["dp_rank"] < DP and m["matched_tokens"] == 0 for m in matches)
+            finally:
+                router.stop()
+    finally:
+        engine.stop()
+
+
+def _stored(tokens: list[int]) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(range(1, len(tokens) // PAGE + 1)),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=PAGE,
+        lora_id=None,
+        medium=None,
+    )
+
+
+def test_a_peers_ranks_past_an_engine_described_here_are_not_adopted() -> None:
+    """An engine described on the command line with --dp-size 2: the peer's ranks 2 and
+    3 of it are dropped as its snapshot is restored."""
+    engine = "http://127.0.0.1:9"  # never contacted: described, and nothing is started
+    peer_index = PrefixIndex(block_size=PAGE)
+    for rank in range(4):
+        peer_index.add_holder(Holder(engine, rank))
+    prompt = list(range(500, 516))
+    peer_index.apply(Holder(engine, 3), KVEventBatch(ts=1.0, events=[_stored(prompt)]))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with _peer_serving(peer_index.to_bytes()) as peer:
+        described = ["--kv-endpoint", "tcp://127.0.0.1:5557", "--dp-size", "2"]
+        args = parser.parse_args(
+            ["--engine", engine, *described, "--block-size", str(PAGE), "--peer", peer]
+        )
+        service = build_service(args, warn=False)
+    try:
+        assert service.router.holders() == [Holder(engine, 0), Holder(engine, 1)]
+        assert service.router.index.num_blocks == 0
+    finally:
+        assert service.subscriber is not None
+        service.subscriber.close()

@@ -91,6 +91,7 @@ from kvevents.router.warm_start import load_from_peers
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
+    Holder,
     NonNegativeFloat,
     Port,
     PositiveFiniteFloat,
@@ -306,14 +307,28 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         ) as client:
             index, warm = load_from_peers(args.peer, client=client)
         if index is not None:
+            # A peer may follow engines, or ranks, this router does not: ranks of engines
+            # described here must be among theirs; a discovered engine's ranks that it
+            # does not list are dropped once discovery has read it (Removed).
             followed = {spec.worker for spec in specs}
-            for holder in index.holders():  # a peer may follow engines this router does not
-                if holder.worker not in followed:
+            described = {
+                Holder(s.worker, s.dp_rank)
+                for spec in specs
+                if spec.described
+                for s in spec.streams()
+            }
+            fixed = {spec.worker for spec in specs if spec.described}
+            for holder in index.holders():
+                if holder.worker not in followed or (
+                    holder.worker in fixed and holder not in described
+                ):
                     index.remove_holder(holder)
             router.restore_index(index)
-    subscriber = Subscriber(
-        resume=router.index.applied_seqs, http_credentials=secure.engines, **curve_options(args)
-    )
+    # every holder restored from a peer, -1 (from the start) for one it had no batch of:
+    # the subscriber drops those its engine turns out not to have
+    applied = router.index.applied_seqs
+    resume = {holder: applied.get(holder, -1) for holder in router.index.holders()}
+    subscriber = Subscriber(resume=resume, http_credentials=secure.engines, **curve_options(args))
     try:
         for spec in specs:
             spec.follow(subscriber)

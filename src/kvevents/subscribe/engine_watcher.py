@@ -86,6 +86,7 @@ class EngineWatcher:
         report: Callable[[Signal], None],
         replace_spec: Callable[[StreamSpec], None] | None = None,
         remove_holder: Callable[[Holder, str], None] | None = None,
+        resumed_ranks: Callable[[str], list[int]] | None = None,
         recheck: float | None = None,
         credentials: ClientCredentials | None = None,
     ) -> None:
@@ -104,6 +105,7 @@ class EngineWatcher:
         self._report = report
         self._replace_spec = replace_spec
         self._remove_holder = remove_holder
+        self._resumed_ranks = resumed_ranks
         self._recheck = recheck
         self._followed: dict[int, StreamSpec] = {}  # by dp_rank
         self.rediscoveries = 0  # ranks found on new endpoints by a recheck
@@ -213,9 +215,11 @@ class EngineWatcher:
                 self.last_error = str(exc)
                 continue
             self._followed[spec.dp_rank] = spec
+        if self._remove_holder is None:
+            return
         listed = {spec.dp_rank for spec in specs}
         gone = sorted(rank for rank in self._followed if rank not in listed)
-        if gone and self._remove_holder is not None:
+        if gone:
             reason = (
                 f"engine {self.url} no longer lists rank(s) {', '.join(map(str, gone))} "
                 f"(it now has {len(listed)}): it restarted with fewer"
@@ -224,3 +228,11 @@ class EngineWatcher:
                 spec = self._followed.pop(rank)
                 self._remove_holder(Holder(spec.worker, spec.dp_rank), reason)
                 self.streams -= 1
+        # ranks the consumer holds state for (a peer's snapshot) that the engine lacks
+        stale = [] if self._resumed_ranks is None else self._resumed_ranks(self.worker)
+        for rank in sorted(r for r in stale if r not in listed):
+            self._remove_holder(
+                Holder(self.worker, rank),
+                f"engine {self.url} does not list rank {rank}, which the state this "
+                f"consumer resumed from (a peer's snapshot) has",
+            )

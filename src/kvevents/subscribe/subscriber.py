@@ -119,7 +119,9 @@ class Subscriber:
       stream's effect (an index restored from a peer's snapshot, ``applied_seqs``): that
       holder's stream, when it is added, continues from there instead of from its start
       (see :meth:`kvevents.subscribe.stream.StreamTracker.start`). Used once per holder;
-      a stream replaced later (the engine moved) starts over.
+      a stream replaced later (the engine moved) starts over; -1 holds state but no
+      batch (from the start). A resumed holder of a discovered engine that its discovery
+      does not list is dropped with a ``Removed`` signal.
     * ``http_credentials``: the API key discovery requests carry and the CA bundle
       ``https://`` engines are verified against (:class:`~kvevents.http_auth.ClientCredentials`;
       default: no key, the default trust store).
@@ -264,6 +266,7 @@ class Subscriber:
                 report=lambda signal: self._loop.submit(Command.SIGNAL, signal),
                 replace_spec=replace_spec,
                 remove_holder=self._remove_spec,
+                resumed_ranks=self._resumed_ranks,
                 recheck=self.rediscover_interval,
                 credentials=self.http_credentials,
             )
@@ -293,7 +296,14 @@ class Subscriber:
         """Stop following ``holder``'s stream (its engine no longer has the rank)."""
         with self._lock:
             self._specs.pop(holder, None)
+            self._resume.pop(holder, None)
         self._loop.submit(Command.REMOVE, (holder, reason))
+
+    def _resumed_ranks(self, worker: str) -> list[int]:
+        """Ranks of ``worker`` the consumer holds state for (``resume``) and that are not
+        followed: once discovery has added the engine's ranks, ones it does not have."""
+        with self._lock:
+            return [h.dp_rank for h in self._resume if h.worker == worker]
 
     def _replace_spec(self, spec: StreamSpec) -> None:
         """Follow ``spec`` instead of the holder's current stream (the engine moved)."""
