@@ -599,3 +599,33 @@ def test_connecting_to_port_zero_is_refused_with_the_fix() -> None:
     """A non-wildcard host with port 0 (which connects by default) is refused, naming the fix."""
     with pytest.raises(EndpointError, match=r"port 0 means 'the OS picks'.*tcp://\*:0"):
         ZmqEventPublisher(0, endpoint="tcp://127.0.0.1:0")
+
+
+def test_a_batch_the_encoder_refuses_burns_its_seq_and_the_stream_goes_on(
+    make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
+) -> None:
+    """A batch msgpack cannot encode (nested past its depth limit, which raised an error
+    the sender did not catch and ended its thread: the stream stopped for good) is
+    skipped with its seq, so consumers see a gap; the batches after it go out."""
+    pub = make_publisher(0, "tcp://127.0.0.1:0")
+    sub = subscribe(pub.endpoint)
+    next_seq = sync_subscriber(pub, sub)
+    deep: list[Any] = []
+    for _ in range(1200):
+        deep = [deep]
+    refused = BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1, 2],
+        block_size=2,
+        lora_id=None,
+        medium=None,
+        extra_keys=[deep],
+    )
+    pub.publish(KVEventBatch(ts=1.0, events=[refused]))
+    pub.publish(batch(1))
+    pub.publish(batch(2))
+    assert pub.flush(5.0)
+    # the refused batch's seq (next_seq) is a gap before the two that follow it
+    assert [recv_live(sub).seq for _ in range(2)] == [next_seq + 1, next_seq + 2]
+    assert pub.stats.encode_errors == 1

@@ -13,6 +13,7 @@ for every batch from ``start_seq`` on (wire format in :mod:`kvevents.wire`). Two
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -34,12 +35,16 @@ class ReplayEntry(NamedTuple):
 
 
 class ReplayBuffer:
-    """The last ``capacity`` published batches, by sequence number.
+    """The last ``capacity`` batches published, for replay; one writer, any readers.
 
-    Layout: three parallel lists of ``capacity`` slots, one per field (sequence number,
-    its 8-byte frame, payload); sequence ``s`` lives in slot ``s % capacity``. Parallel
-    lists rather than one tuple per batch, because ints and bytes are not tracked by the
-    cyclic garbage collector and tuples are: a tuple per batch would count towards the
+    A ring of three parallel lists (each stored batch's sequence number, its 8-byte
+    frame, payload); the ``n``-th batch stored lives in slot ``n % capacity``. Slots go
+    by batches stored, not by sequence numbers: a batch dropped or not encodable burns a
+    sequence number but takes no slot, so the buffer always holds the last ``capacity``
+    batches it was given, as upstream's deque does (slots by sequence number held fewer
+    after every drop, and answered less than the buffer had). Parallel lists rather
+    than one tuple per batch, because ints and bytes are not tracked by the cyclic
+    garbage collector and tuples are: a tuple per batch would count towards the
     collector's thresholds and so, at a few hundred thousand batches a second, set off
     collections of the host engine's whole heap from inside the publisher's hot path.
     Storing a batch allocates nothing the collector tracks.
@@ -47,27 +52,23 @@ class ReplayBuffer:
     Invariants:
 
     * sequence numbers are stored in increasing order by a single writer (the publisher,
-      under its send lock); ``next_seq`` is one past the highest stored;
-    * the buffer answers for the window ``[next_seq - capacity, next_seq)``; a slot holds
-      the newest entry written to it, or sequence -1. A sequence number that was never
-      stored (a batch dropped before it was published) leaves its slot with an older
-      entry, which readers recognise by its sequence number and ignore, as they ignore
-      anything below the window;
+      under its send lock), so they increase along the ring from its oldest slot;
+      ``next_seq`` is one past the highest stored;
     * readers in other threads never see a mix of two entries. The writer marks the slot
       -1, stores frame and payload, then the new sequence number; a reader reads the
       sequence number, frame and payload, then the sequence number again, and keeps the
       entry only if both readings are the one it wants. A write in between changes the
       second reading, because no sequence number is written twice (a seqlock, with the
-      GIL making each list store atomic).
+      GIL making each list store atomic). An entry overwritten while a reader looks for
+      it has left the buffer, as any older one has.
 
-    Complexity: ``put`` and ``get`` are O(1) (a few list stores or loads); ``since(start)``
-    is O(1) per entry it yields (it visits at most ``capacity`` slots).
-
-    A deque scanned for ``start`` (upstream's choice) is O(n) per request; a dict needs
-    an eviction per insert; a ring indexed by ``seq % capacity`` needs neither.
+    Complexity: ``put`` is O(1); ``get`` and finding where ``since(start)`` begins are
+    O(log capacity) (a bisection: the stored sequence numbers increase along the ring),
+    then ``since`` is O(1) per entry it yields. A deque scanned for ``start``
+    (upstream's choice) is O(n) per request.
     """
 
-    __slots__ = ("_capacity", "_frames", "_next", "_payloads", "_seqs")
+    __slots__ = ("_capacity", "_count", "_frames", "_next", "_payloads", "_seqs")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -77,6 +78,7 @@ class ReplayBuffer:
         self._frames: list[bytes] = [b""] * capacity
         self._payloads: list[bytes] = [b""] * capacity
         self._next = 0
+        self._count = 0  # batches stored so far: the next one goes to slot count % capacity
 
     @property
     def capacity(self) -> int:
@@ -89,19 +91,23 @@ class ReplayBuffer:
 
     def put(self, seq: int, seq_frame: bytes, payload: bytes) -> None:
         """Store a batch; ``seq`` must be above every stored one."""
-        slot = seq % self._capacity
+        slot = self._count % self._capacity
         seqs = self._seqs
         seqs[slot] = -1  # readers of this slot from here on see no entry, or the new one
         self._frames[slot] = seq_frame
         self._payloads[slot] = payload
         seqs[slot] = seq
         self._next = seq + 1
+        self._count += 1
 
     def get(self, seq: int) -> ReplayEntry | None:
-        """The entry of ``seq``, or None when it was dropped or is older than the last ``capacity``."""
-        if seq < 0 or seq < self._next - self._capacity:
-            return None  # older than the window, even if its slot was never reused
-        return self._read(seq)
+        """The entry of ``seq``, or None when it was never stored or has left the buffer."""
+        count = self._count
+        i = self._first_at_or_after(seq, count)
+        if i >= count:
+            return None
+        entry = self._read(i % self._capacity)
+        return entry if entry is not None and entry.seq == seq else None
 
     def since(self, start: int) -> Iterator[ReplayEntry]:
         """Every stored entry with ``seq >= start`` and below ``next_seq`` at the call, in order.
@@ -110,17 +116,29 @@ class ReplayBuffer:
         the missing range as a gap. Entries are read lazily: one the writer overwrites
         before it is reached has left the buffer and is skipped, like any older one.
         """
-        end = self._next
-        read = self._read
-        for seq in range(max(start, end - self._capacity, 0), end):
-            entry = read(seq)
-            if entry is not None:
+        count, end = self._count, self._next
+        capacity, read = self._capacity, self._read
+        last = start - 1
+        for i in range(self._first_at_or_after(start, count), count):
+            entry = read(i % capacity)
+            if entry is not None and last < entry.seq < end:  # else: overwritten since
+                last = entry.seq
                 yield entry
 
-    def _read(self, seq: int) -> ReplayEntry | None:
-        slot = seq % self._capacity
+    def _first_at_or_after(self, seq: int, count: int) -> int:
+        """The write number of the oldest kept entry with a sequence number >= ``seq``
+        (``count`` when none)."""
+        seqs, capacity = self._seqs, self._capacity
+        # an entry overwritten meanwhile reads as a newer seq (or -1 while written):
+        # bisection then starts a little early or late, and the reads that follow check
+        return bisect.bisect_left(
+            range(max(0, count - capacity), count), seq, key=lambda i: seqs[i % capacity]
+        ) + max(0, count - capacity)
+
+    def _read(self, slot: int) -> ReplayEntry | None:
         seqs = self._seqs
-        if seqs[slot] != seq:
+        seq = seqs[slot]
+        if seq < 0:
             return None
         entry = ReplayEntry(seq, self._frames[slot], self._payloads[slot])
         return entry if seqs[slot] == seq else None  # overwritten while it was read

@@ -53,6 +53,7 @@ together (``benchmarks/publisher.py``) and read best together.
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -61,11 +62,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import msgspec
 import zmq
 
 from kvevents.publish.replay_server import ReplayBuffer
 from kvevents.wire.events import KVEventBatch
+
+log = logging.getLogger("kvevents.publish")
 
 __all__ = ["SendQueue"]
 
@@ -233,6 +235,15 @@ class SendQueue:
     # --- the sender thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception:  # a bug must not end the stream silently: log, go on
+                log.exception("KV-event sender: unexpected error; sending goes on")
+                time.sleep(0.1)  # not a spin, should it happen again at once
+
+    def _serve(self) -> None:
         queue, wake = self._queue, self._wake
         while True:
             if queue and not self._abandon:
@@ -301,8 +312,10 @@ class SendQueue:
                     continue
                 try:
                     payload = encode(item)
-                except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-                    self.encode_errors += 1
+                except Exception as exc:  # any batch the encoder refuses, not only bad types
+                    # its seq is burned, as a drop's is: consumers see the loss as a gap
+                    seq += 1
+                    self._encode_failed(exc)
                     continue
                 seq_frame = _SEQ_PACK(seq)
                 if store is not None:
@@ -320,6 +333,16 @@ class SendQueue:
             self._next_seq = seq
             self.published += sent
             self.send_errors += failed
+
+    def _encode_failed(self, exc: Exception) -> None:
+        self.encode_errors += 1
+        if self.encode_errors == 1 or self.encode_errors % 1000 == 0:
+            log.error(
+                "KV-event batch not encodable, skipped as a sequence gap (%d so far): %s: %s",
+                self.encode_errors,
+                type(exc).__name__,
+                exc,
+            )
 
     def _take_marker(self, marker: _Marker) -> None:
         """A drop run burns its sequence numbers; a flush marker wakes its waiter."""
