@@ -205,3 +205,28 @@ def test_sigterm_with_a_request_in_flight_exits_within_the_shutdown_timeout() ->
         thread.join(timeout=30)
     assert not thread.is_alive()
     assert "answer" not in result or result["answer"].status_code >= 500
+
+
+def test_extra_keys_that_cannot_be_keyed_are_400(engine: Engine) -> None:
+    """An int past 64 bits in /generate's extra_keys is a 400 naming the field (the rank's
+    control message failed to encode: a 500, and the connection dropped)."""
+    for value in (2**64, -(2**63) - 1):
+        body = {"input_ids": [1, 2, 3, 4], "extra_keys": [[value]]}
+        answer = engine.http.post("/generate", json=body)
+        assert answer.status_code == 400 and "extra_keys" in error_text(answer), answer.text
+    assert engine.http.post("/generate", json={"input_ids": [1, 2]}).status_code == 200
+
+
+def test_the_default_number_of_new_tokens_never_passes_the_limit() -> None:
+    """With --max-new-tokens-limit 8 (below the default 16), a request that asks for no
+    number gets 8 tokens, on /generate (it got 16) and /v1/completions (a 400 naming
+    max_tokens, which the client never sent)."""
+    small = Engine(["--page-size", "4", "--max-new-tokens-limit", "8"], None)
+    try:
+        generated = small.http.post("/generate", json={"input_ids": [1, 2]})
+        assert generated.status_code == 200 and generated.json()["completion_tokens"] == 8
+        completed = small.http.post("/v1/completions", json={"prompt": [1, 2]})
+        assert completed.status_code == 200, completed.text
+        assert completed.json()["usage"]["completion_tokens"] == 8
+    finally:
+        small.stop()

@@ -179,6 +179,9 @@ def test_adapter_requests_keep_their_own_prefix_cache(engine: Engine) -> None:
     assert generated.json()["cached_tokens"] == 8
     refused = engine.http.post("/generate", json={"input_ids": other, "lora_path": "nope"})
     assert refused.status_code == 400 and "sql, chat" in refused.json()["error"]
+    # a served model's name is no adapter (it ran the base model, answering 200)
+    named = engine.http.post("/generate", json={"input_ids": other, "lora_path": "tiny"})
+    assert named.status_code == 400 and "no adapter of this engine" in named.json()["error"]
 
 
 def test_a_batch_of_prompts_answers_one_choice_per_prompt(engine: Engine) -> None:

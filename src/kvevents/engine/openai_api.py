@@ -251,7 +251,8 @@ def add_openai_routes(
             if chat and body.get("max_completion_tokens") is not None:
                 key = "max_completion_tokens"
             max_tokens = body.get(key)
-            max_new = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+            # the default never passes the limit (a client that gave none asked nothing)
+            max_new = min(DEFAULT_MAX_TOKENS, max_new_tokens) if max_tokens is None else max_tokens
             max_new = _int(max_new, key, 0, max_new_tokens)
             _conform(body, ChatRequest if chat else CompletionRequest)
             salt = body.get("cache_salt")

@@ -48,7 +48,7 @@ from kvevents.api import install
 from kvevents.config import KVEventsConfig
 from kvevents.engine.api_schema import OPERATIONS, GenerateRequest
 from kvevents.engine.bodies import BodyError, diagnose, read_body
-from kvevents.engine.models import ServedModels, UnknownModel, lora_keys
+from kvevents.engine.models import ServedModels, lora_keys
 from kvevents.engine.openai_api import add_openai_routes
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
@@ -160,18 +160,26 @@ def _parse_generate(
     if req.cache_salt is not None:
         keys["cache_salt"] = req.cache_salt
     if req.extra_keys:
+        try:
+            msgspec.msgpack.encode(req.extra_keys)  # as the rank gets them
+        except (OverflowError, TypeError) as exc:
+            raise BadRequest(
+                f"extra_keys cannot be keyed: {exc}; give ints in -2**63..2**64-1"
+            ) from None
         keys["extra_keys"] = req.extra_keys
     if req.lora_path is not None:
-        try:
-            lora = models.resolve(req.lora_path)
-        except UnknownModel:
+        # an adapter by name: a served model's name, or any name on an engine started
+        # without adapters, is none (it ran the base model)
+        lora = next((m for m in models.loras if m.name == req.lora_path), None)
+        if lora is None:
             raise BadRequest(
                 f"lora_path={req.lora_path!r} is no adapter of this engine; its adapters: "
                 f"{', '.join(m.name for m in models.loras) or 'none (kvevents engine --lora-modules)'}"
-            ) from None
-        if lora is not None:
-            keys |= lora_keys(lora)
-    return tokens, rank, DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new, keys
+            )
+        keys |= lora_keys(lora)
+    if max_new is None:
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, limit)  # the default never passes the limit
+    return tokens, rank, max_new, keys
 
 
 def create_app(
