@@ -629,3 +629,31 @@ def test_a_batch_the_encoder_refuses_burns_its_seq_and_the_stream_goes_on(
     # the refused batch's seq (next_seq) is a gap before the two that follow it
     assert [recv_live(sub).seq for _ in range(2)] == [next_seq + 1, next_seq + 2]
     assert pub.stats.encode_errors == 1
+
+
+def test_a_batch_published_while_a_shutdown_runs_is_sent_refused_or_counted_unsent(
+    make_publisher: Callable[..., ZmqEventPublisher],
+) -> None:
+    """publish() passes its check, then loses the CPU while another thread shuts the
+    publisher down (the delayed queueing stands in for that): the batch it then queues
+    is counted unsent, and publish() says so (it was neither sent nor counted)."""
+    pub = make_publisher(0, "tcp://127.0.0.1:0")
+    queue_it = pub._put
+    pub._put = lambda events: (time.sleep(0.3), queue_it(events))  # type: ignore[method-assign]
+    outcome: list[str] = []
+
+    def engine_thread() -> None:
+        try:
+            pub.publish(batch(1))
+            outcome.append("accepted")
+        except PublisherStateError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    time.sleep(0.05)
+    pub.shutdown(timeout=1.0)
+    thread.join(10.0)
+    stats = pub.stats
+    assert (stats.published, stats.unsent, stats.queued) == (0, 1, 0)
+    assert outcome and "counts as unsent" in outcome[0]

@@ -225,6 +225,10 @@ class ZmqEventPublisher(EventPublisher):
     @property
     def stats(self) -> PublisherStats:
         replay, sending = self._replay, self._send_queue
+        # Once closed, whatever is still queued is unsent for good: the batches the close
+        # left, and one a publish() racing the shutdown queued after it (counted nowhere).
+        left = sending.queued()
+        closed = self._state is PublisherState.CLOSED
         return PublisherStats(
             published=sending.published,
             dropped=sending.dropped,
@@ -235,8 +239,8 @@ class ZmqEventPublisher(EventPublisher):
             replay_truncated=replay.truncated if replay else 0,
             malformed_requests=replay.malformed if replay else 0,
             handoffs=sending.handoffs,
-            queued=sending.queued(),
-            unsent=self._unsent,
+            queued=0 if closed else left,
+            unsent=left if closed else self._unsent,
             curve_handshakes=self._curve.handshakes if self._curve else 0,
             curve_refused=self._curve.refused if self._curve else 0,
         )
@@ -250,6 +254,11 @@ class ZmqEventPublisher(EventPublisher):
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._rank
         self._put(events)
+        if self._state is PublisherState.CLOSED:  # a shutdown ran meanwhile: never sent
+            raise PublisherStateError(
+                f"publisher rank {self._rank} closed while this batch was published; it "
+                "counts as unsent"
+            )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every batch accepted before this call is sent; False if ``timeout`` passed first."""
