@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
+import cbor2
 import pytest
 from engine_support import Engine, stream_events
 
@@ -18,7 +20,7 @@ from kvevents.engine.models import (
     parse_served_model_names,
 )
 from kvevents.errors import ConfigError
-from kvevents.wire.hashing import get_hash_scheme
+from kvevents.wire.hashing import VLLMSha256CborHash, get_hash_scheme
 
 PAGE = 4
 
@@ -75,6 +77,17 @@ def test_an_adapter_and_a_salt_together_name_pages_as_vllm_does() -> None:
     (store,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
     assert (store.lora_name, store.lora_id) == ("sql", 1)
     assert store.extra_keys == [["sql", "s"], ["sql"]]
+    # and the hashes are vLLM's: each block's extra keys inside its cbor tuple (they were
+    # hashed apart, after it)
+    scheme = get_hash_scheme("vllm")
+    assert isinstance(scheme, VLLMSha256CborHash)
+
+    def block(parent: bytes, tokens: list[int], keys: tuple[str, ...]) -> bytes:
+        return hashlib.sha256(cbor2.dumps((parent, tuple(tokens), keys), canonical=True)).digest()
+
+    first = block(scheme.none_hash, tokens[:4], ("sql", "s"))
+    second = block(first, tokens[4:], ("sql",))
+    assert store.block_hashes == [scheme.event_hash(first), scheme.event_hash(second)]
 
 
 @pytest.mark.parametrize("scheme", ["sglang", "vllm"])

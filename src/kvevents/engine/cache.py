@@ -251,9 +251,15 @@ class PrefixCache:
         digests: list[bytes] = []
         parent: bytes | None = root
         for i in range(n):
-            d = scheme.page_digests(tokens[i * page : (i + 1) * page], page, parent)[0]
-            if per_page[i]:
-                d = hashlib.sha256(d + msgspec.msgpack.encode(per_page[i])).digest()
+            block = tokens[i * page : (i + 1) * page]
+            if isinstance(scheme, VLLMSha256CborHash):
+                # vLLM hashes a block's extra keys inside its tuple: (adapter, *images, salt)
+                keys = (*(scheme.extra_keys or ()), *(per_page[i] or ()))
+                d = scheme.block_digest(block, parent, keys or None)
+            else:
+                d = scheme.page_digests(block, page, parent)[0]
+                if per_page[i]:
+                    d = hashlib.sha256(d + msgspec.msgpack.encode(per_page[i])).digest()
             digests.append(d)
             parent = d
         return digests, per_page

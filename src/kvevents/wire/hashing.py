@@ -245,6 +245,16 @@ class VLLMSha256CborHash:
             digests.append(parent)
         return digests
 
+    def block_digest(
+        self, block: Sequence[int], parent: bytes | None, extra_keys: tuple[Any, ...] | None
+    ) -> bytes:
+        """One block's digest with ``extra_keys`` of its own (a multimodal block, the
+        first block's cache salt) in place of the scheme's."""
+        parent_digest = parent if parent is not None else self.none_hash
+        return hashlib.sha256(
+            self._dumps((parent_digest, tuple(block), extra_keys), canonical=True)
+        ).digest()
+
     def event_hash(self, digest: bytes) -> int:
         """The low 64 bits of the digest, unsigned, as vLLM sends it in int-hash mode."""
         return int.from_bytes(digest[-8:], "big")
