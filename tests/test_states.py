@@ -61,5 +61,5 @@ def test_engine_kinds_and_policies_are_literals() -> None:
 
 
 def test_loop_commands_are_a_closed_set() -> None:
-    """The subscriber loop takes exactly four commands."""
-    assert [c.value for c in Command] == ["add", "replace", "signal", "stop"]
+    """The subscriber loop takes exactly five commands."""
+    assert [c.value for c in Command] == ["add", "replace", "remove", "signal", "stop"]
