@@ -634,12 +634,19 @@ def test_a_batch_the_encoder_refuses_burns_its_seq_and_the_stream_goes_on(
 def test_a_batch_published_while_a_shutdown_runs_is_sent_refused_or_counted_unsent(
     make_publisher: Callable[..., ZmqEventPublisher],
 ) -> None:
-    """publish() passes its check, then loses the CPU while another thread shuts the
-    publisher down (the delayed queueing stands in for that): the batch it then queues
-    is counted unsent, and publish() says so (it was neither sent nor counted)."""
+    """publish() passes its check, then loses the CPU until another thread's shutdown()
+    has returned (events stand in for the scheduler): the batch it then queues is
+    counted unsent, and publish() says so (it was neither sent nor counted)."""
     pub = make_publisher(0, "tcp://127.0.0.1:0")
     queue_it = pub._put
-    pub._put = lambda events: (time.sleep(0.3), queue_it(events))  # type: ignore[method-assign]
+    checked, shut = threading.Event(), threading.Event()
+
+    def late_put(events: KVEventBatch) -> None:
+        checked.set()
+        assert shut.wait(10.0)
+        queue_it(events)
+
+    pub._put = late_put  # type: ignore[method-assign]
     outcome: list[str] = []
 
     def engine_thread() -> None:
@@ -651,8 +658,9 @@ def test_a_batch_published_while_a_shutdown_runs_is_sent_refused_or_counted_unse
 
     thread = threading.Thread(target=engine_thread)
     thread.start()
-    time.sleep(0.05)
+    assert checked.wait(10.0)
     pub.shutdown(timeout=1.0)
+    shut.set()
     thread.join(10.0)
     stats = pub.stats
     assert (stats.published, stats.unsent, stats.queued) == (0, 1, 0)

@@ -555,3 +555,13 @@ def test_resumed_stream_sees_a_restart_below_the_snapshot_seq() -> None:
     t.start(after=50)
     out = t.on_live(0, p(0, gen=1))
     assert isinstance(out[0], Reset) and delivered(out) == [0]
+
+
+def test_a_gap_after_a_join_replay_that_found_nothing_is_signalled() -> None:
+    """The join replay from 0 finds nothing and the first live seq is 3: seqs 0..2 are a
+    Gap, signalled and counted (the "told once" rule took the empty join for a told gap)."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    out = t.on_live(3, p(3))
+    assert [type(a) for a in out] == [Gap, RequestReplay] and t.gaps == 1

@@ -301,7 +301,7 @@ def test_positional_stores_are_read_in_their_engines_field_order() -> None:
     (plain,) = wire.decode_batch(_positional_stored(None, None, 0)).events
     assert (plain.group_idx, plain.lora_name, plain.cache_salt) == (0, None, None)
     (lone,) = wire.decode_batch(_positional_stored("sql")).events
-    assert (lone.lora_name, lone.cache_salt) == ("sql", None)  # ambiguous: vLLM's reading
+    assert (lone.lora_name, lone.cache_salt) == (None, "sql")  # ambiguous: read as it was
     (sglang,) = wire.decode_batch(_positional_stored("salt", "session", "sql")).events
     assert (sglang.cache_salt, sglang.session_id, sglang.lora_name) == ("salt", "session", "sql")
     (named,) = wire.decode_batch(_positional_stored(None, None, "sql")).events
@@ -309,8 +309,8 @@ def test_positional_stores_are_read_in_their_engines_field_order() -> None:
 
 
 def test_stores_no_positional_layout_holds_are_encoded_as_maps() -> None:
-    """A store with fields of both engines, or SGLang's cache_salt alone (which would read
-    as vLLM's lora_name), goes as a tagged map in an "array" batch, and comes back equal."""
+    """A store with fields of both engines, or vLLM's lora_name alone (which would read as
+    SGLang's cache_salt), goes as a tagged map in an "array" batch, and comes back equal."""
     base = dict(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2)
     both = BlockStored(**base, lora_id=None, medium=None, cache_salt="s", group_idx=0)
     salted = BlockStored(**base, lora_id=None, medium=None, cache_salt="s")
@@ -318,7 +318,7 @@ def test_stores_no_positional_layout_holds_are_encoded_as_maps() -> None:
     batch = KVEventBatch(ts=1.0, events=[both, salted, named], data_parallel_rank=0)
     raw = wire.encode_batch(batch, encoding="array")
     kinds = [type(e).__name__ for e in msgspec.msgpack.decode(raw)[1]]
-    assert kinds == ["dict", "dict", "list"]
+    assert kinds == ["dict", "list", "dict"]
     assert wire.decode_batch(raw) == batch
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from kvevents import BlockStored, Delivery, Gap, Holder, KVEventBatch, Loss, Reset, Router
 from kvevents.router.metrics import make_registry, render
+from kvevents.router.models import models_from_names
+from kvevents.subscribe.items import Removed
 
 H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)
 
@@ -198,3 +200,21 @@ def test_holder_summary_gives_each_holder_its_own_signals() -> None:
     router.signals[("unreachable", None)] += 1  # a signal of no one holder
     summary = {(s["worker"], s["dp_rank"]): s["signals"] for s in router.holder_summary()}
     assert summary == {tuple(H0): {"gap": 2, "reset": 1}, tuple(H1): {}}
+
+
+def test_a_removed_holder_that_comes_back_is_a_candidate_for_its_model_again() -> None:
+    """A rank Removed (its engine restarted with fewer) drops out of the model's
+    candidates; back (its first batch, or registered again) it is one again (the cached
+    candidates kept it out until the models changed)."""
+    router = make_router()
+    router.models.set(H1.worker, models_from_names(["m"]))
+    assert router.candidates("m")[0] == [H0, H1]
+    router.handle(Removed(worker=H1.worker, dp_rank=1, reason="the engine has fewer ranks"))
+    assert router.candidates("m")[0] == [H0] and router.holders() == [H0]
+    router.handle(Delivery(H1, 0, stored([7], [5, 6])))  # rank 1 is back
+    assert router.candidates("m")[0] == [H0, H1]
+    assert router.route([5, 6, 1, 2], model="m", top=1).holder == H1
+    router.handle(Removed(worker=H1.worker, dp_rank=1, reason="again"))
+    assert router.candidates("m")[0] == [H0]
+    router.add_holder(H1, block_size=2)
+    assert router.candidates("m")[0] == [H0, H1]

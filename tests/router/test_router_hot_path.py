@@ -92,6 +92,7 @@ def test_route_answers_the_top_scores_unless_asked_for_all(
         (b'{"input_ids": [-1]}', 400, "input_ids"),
         (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
         (b'{"text": "abc\\ud800"}', 400, "surrogate pair"),  # msgspec said "truncated"
+        (b'{"text": "a\\\\ud800", "top": "x"}', 400, "Expected `int`"),  # text, not an escape
         (b"[1, 2]", 400, "object"),
         (b'{"text": "' + b"a" * 300_000 + b'"}', 413, "--max-body-bytes"),
         (b'{"input_ids": [1, 2, 3, 4], "extra_keys": "x"}', 400, "extra_keys"),

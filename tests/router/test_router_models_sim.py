@@ -162,7 +162,8 @@ def test_generate_keys_its_request_as_the_engine_runs_it(
     the base model's plain text: 6 blocks claimed, 0 found.)"""
     _, _, router = plane
     images: list[object] = [[["img", 0]], None, None, None, None, None]
-    for n, extra in enumerate(({"lora_path": "sql"}, {"model": "sql"}, {"extra_keys": images})):
+    cases = ({"lora_path": "sql"}, {"lora": "sql"}, {"model": "sql"}, {"extra_keys": images})
+    for n, extra in enumerate(cases):
         prompt = list(range(3000 + 100 * n, 3024 + 100 * n))  # 6 blocks
         base = {"input_ids": prompt, "model": "alpha", "max_new_tokens": 1}
         assert router.post("/generate", base).status_code == 200  # cached as plain text

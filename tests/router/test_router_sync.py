@@ -14,7 +14,7 @@ import pytest
 from nats_support import NatsServer
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents.router.nats_sync import default_subject
+from kvevents.router.nats_sync import default_subject, shown_url
 from kvevents.router.peers import LoadNote
 
 DP = 2
@@ -198,3 +198,13 @@ def test_nats_credentials_in_the_sync_url_are_used_and_never_shown(engine: Engin
             router.stop()
         server.kill()
     assert "NATS nats://***@127.0.0.1" in router.stderr and "s3cretPW" not in router.stderr
+
+
+def test_shown_urls_mask_every_password_however_it_is_spelled() -> None:
+    """Masking runs to the last @ of each URL's authority, as URL parsers split it."""
+    assert shown_url("nats://user:p@ss@host:4222") == "nats://***@host:4222"
+    assert shown_url("nats://u:pa,ss@h") == "nats://***@h"
+    assert shown_url("nats://a:b@h1:4222,nats://c:d@h2:4222") == (
+        "nats://***@h1:4222,nats://***@h2:4222"
+    )
+    assert shown_url("nats://h:4222") == "nats://h:4222"

@@ -44,7 +44,7 @@ class PublisherStats:
     send_errors: int = 0
     """Sends that raised; the batch stays replayable."""
     encode_errors: int = 0
-    """Batches that could not be encoded (skipped without taking a sequence number)."""
+    """Batches that could not be encoded: skipped, each one a sequence gap (logged)."""
     replay_requests: int = 0
     replayed: int = 0
     """Batches sent in replay answers."""
@@ -57,7 +57,8 @@ class PublisherStats:
     queued: int = 0
     """Batches waiting (at snapshot time)."""
     unsent: int = 0
-    """Accepted batches still queued when shutdown's deadline passed."""
+    """Accepted batches never sent: still queued when shutdown's deadline passed, or
+    queued by a publish() that raced the shutdown (which then raised)."""
     curve_handshakes: int = 0
     """CURVE handshakes completed by subscribers (live and replay; 0 without CURVE)."""
     curve_refused: int = 0

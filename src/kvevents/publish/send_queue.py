@@ -164,6 +164,11 @@ class SendQueue:
             return
         self._hand_off()
 
+    @property
+    def sending(self) -> bool:
+        """Whether the sender thread still runs (a batch queued now may still go out)."""
+        return self._thread.is_alive()
+
     def queued(self) -> int:
         """Batches waiting now (markers not counted)."""
         return sum(1 for item in list(self._queue) if type(item) is not _Marker)

@@ -254,7 +254,8 @@ class ZmqEventPublisher(EventPublisher):
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._rank
         self._put(events)
-        if self._state is PublisherState.CLOSED:  # a shutdown ran meanwhile: never sent
+        if self._state is not PublisherState.RUNNING and not self._send_queue.sending:
+            # a shutdown ran meanwhile and its sender is gone: this batch is never sent
             raise PublisherStateError(
                 f"publisher rank {self._rank} closed while this batch was published; it "
                 "counts as unsent"

@@ -204,7 +204,7 @@ class Router:
         self.models = ModelCatalog()
         """Which engine serves which model (see the module docstring)."""
         self._model_routes: dict[str, tuple[list[Holder], str | None]] = {}
-        self._model_routes_key = (-1, -1, -1)
+        self._model_routes_key = (-1, -1, -1, -1)
         self._loads_version = 0
         """Counts changes of ``loads`` made through this class's methods (the rankings' key)."""
         self._rankings: dict[int, Ranking] = {}
@@ -399,8 +399,9 @@ class Router:
         """
         if model is None or not self.models.known:
             return self.holders(), None
-        # loads gain an entry per new holder; removals take one from the index
-        key = (self.models.version, len(self.loads), self.holders_removed)
+        # loads gain an entry per new holder; removals take one from the index, and a
+        # removed holder that comes back puts it back
+        key = (self.models.version, len(self.loads), self.holders_removed, len(self.holders()))
         if key != self._model_routes_key:
             self._model_routes.clear()
             self._model_routes_key = key

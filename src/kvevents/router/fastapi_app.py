@@ -72,9 +72,11 @@ def create_fastapi_app(
             raise BadRequest(f"request body: {exc}") from None
         if not isinstance(payload, dict):
             raise BadRequest("request body must be a JSON object")
-        if body.adapter is None and body.model is not None and router.models.adapter(body.model):
-            # keyed under the adapter its model names, so it must run under it: an
-            # engine's /generate (SGLang's, ours) takes the adapter as lora_path only
+        # keyed under its adapter, so it must run under it: an engine's /generate
+        # (SGLang's, ours) takes the adapter as lora_path only
+        if body.adapter is not None:
+            payload["lora_path"] = body.adapter
+        elif body.model is not None and router.models.adapter(body.model):
             payload["lora_path"] = body.model
         # keyed as /route keys it: the adapter, the salt and the per-block extra keys
         decision = keyed(router.route, tokens, body, policy=service.policy, top=1)

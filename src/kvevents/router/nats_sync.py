@@ -77,7 +77,7 @@ def shown_url(text: str) -> str:
     return _USERINFO.sub("//***@", text)
 
 
-_USERINFO = re.compile(r"//[^/@,\s]*@")
+_USERINFO = re.compile(r"//[^/\s]*@")  # to the last @ before the path, as urlparse splits
 
 
 class NatsNoteTransport:

@@ -70,7 +70,8 @@ class BadRequest(RequestError):
 
 _DECODER = msgspec.json.Decoder(TokensBody)
 _LONE_HIGH_SURROGATE = re.compile(
-    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    # a \u escape of a high surrogate (its backslash not itself escaped) with no low one
+    rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
 )
 _WHITESPACE = b" \t\r\n"
 

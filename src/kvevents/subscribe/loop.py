@@ -283,7 +283,7 @@ class SubscriberLoop:
                 empty, status=StreamStatus.REFUSED, error=reason
             )
             return
-        self.refused.pop(st.holder, None)
+        self._drop_stream(st.holder)  # a holder given twice: the later spec wins, no leak
         self.streams[st.holder] = st
         self._monitor_sockets.add(st.monitor)
         self._register(st.monitor, lambda now, out: self._on_monitor(st, now, out))

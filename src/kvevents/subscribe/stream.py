@@ -383,7 +383,8 @@ class StreamTracker:
             self._deliver(seq, payload, out)
         elif seq > self.last + 1:
             if replay_allowed:
-                if self._fruitless_start != self.last + 1:  # not the retry of one told
+                retry = self.purpose is Purpose.GAP and self._fruitless_start == self.last + 1
+                if not retry:  # the retry of a gap replay that gave nothing was told
                     self.gaps += 1
                     out.append(
                         Gap(

@@ -7,9 +7,9 @@ accepts both, even mixed within one batch:
 * **map** (SGLang and vLLM since 2026): ``{"type": "BlockStored", field: value, ...}``.
   Optional trailing fields whose value is nil are omitted, exactly as SGLang does, so
   our bytes equal SGLang's for the same batch.
-* **array** (older engines): ``["BlockStored", f1, f2, ...]`` in declaration order.
-  Trailing fields may be missing (defaults apply) or extra (ignored); a positional array
-  longer than six fields is read in declaration order.
+* **array** (older engines): ``["BlockStored", f1, f2, ...]`` in declaration order up to
+  ``medium``; after it, each engine's own order (:func:`_stored_layout` tells them
+  apart). Trailing fields may be missing (defaults apply) or extra (ignored).
 
 Encoders and decoders are built once, at import. Everything here is a pure function of
 bytes; sockets live in the publisher and subscriber.
@@ -87,15 +87,15 @@ def _stored_layout(tail: list[Any]) -> tuple[str, ...]:
     vLLM's when there are more than three, or the second is a list (``extra_keys``) or
     the third an int (``group_idx``); SGLang's when the second or third is a string
     (``session_id``, ``lora_name``). A lone string (with nils) is ambiguous: it is read
-    as vLLM's ``lora_name``, though SGLang's ``cache_salt`` alone looks the same (our
-    own encoder never writes that: such an event goes as a map).
+    as SGLang's ``cache_salt``, as it always was here, though vLLM's ``lora_name`` alone
+    looks the same (our own encoder never writes that: such an event goes as a map).
     """
     n = len(tail)
     if n > 3 or (n > 1 and isinstance(tail[1], list)) or (n > 2 and type(tail[2]) is int):
         return _VLLM_TAIL
     if (n > 1 and isinstance(tail[1], str)) or (n > 2 and isinstance(tail[2], str)):
         return _SGLANG_TAIL
-    return _VLLM_TAIL
+    return _SGLANG_TAIL if n and isinstance(tail[0], str) else _VLLM_TAIL
 
 
 def _positional_stored(event: BlockStored) -> list[Any] | BlockStored:
@@ -113,7 +113,7 @@ def _positional_stored(event: BlockStored) -> list[Any] | BlockStored:
     while tail and tail[-1] is None:
         tail.pop()
     if _stored_layout(tail) is not layout:
-        return event  # SGLang's cache_salt alone would read as vLLM's lora_name
+        return event  # vLLM's lora_name alone would read as SGLang's cache_salt
     shared = [getattr(event, name) for name in event.__struct_fields__[:_SHARED_STORED]]
     return ["BlockStored", *shared, *tail]
 
