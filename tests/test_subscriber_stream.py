@@ -565,3 +565,21 @@ def test_a_gap_after_a_join_replay_that_found_nothing_is_signalled() -> None:
     t.on_replay_end()
     out = t.on_live(3, p(3))
     assert [type(a) for a in out] == [Gap, RequestReplay] and t.gaps == 1
+
+
+def test_a_verification_retried_once_keeps_two_retries_for_its_answer() -> None:
+    """A verification that timed out once and then answered (the same publisher) is, as
+    any replay that made progress, asked again twice when its answer stalls."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(4):
+        assert t.accept_in_order(s, p(s))
+    t.on_disconnected()
+    assert t.on_connected() == [RequestReplay(3)]
+    assert t.on_replay_timeout() == [RequestReplay(3)]
+    assert t.on_replay_reply(3, p(3)) == []  # the same publisher
+    assert delivered(t.on_replay_reply(4, p(4))) == [4]
+    assert t.on_replay_timeout() == [RequestReplay(5)]
+    assert delivered(t.on_replay_reply(5, p(5))) == [5]  # that one made progress too
+    assert t.on_replay_timeout() == [RequestReplay(6)]  # the second retry (it was refused)

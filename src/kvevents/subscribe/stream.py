@@ -245,6 +245,7 @@ class StreamTracker:
             if seq < self.anchor_seq:
                 return out  # older than asked for: keep looking
             self._verified = True  # (a buffer that no longer holds the anchor cannot tell)
+            self._timeout_retries = 0  # its retry was spent on reaching the publisher
             if seq == self.anchor_seq and payload != self.anchor_payload:
                 self._reset(None, "replay shows another batch at a seq already delivered", out)
                 return out
