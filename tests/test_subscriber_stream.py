@@ -190,10 +190,9 @@ def test_a_restart_across_a_reconnect_drops_what_the_old_publisher_sent() -> Non
     assert not t.replaying and t.pending == []
 
 
-def test_a_verification_that_times_out_is_asked_once_more() -> None:
-    """After a reconnect, the verifying replay timing out (the restarted engine's replay
-    endpoint not up yet) is asked again once before live seqs are judged alone: the
-    second answer still tells a restart apart."""
+def _four_delivered_then_reconnected() -> StreamTracker:
+    """A tracker that delivered seqs 0..3, lost its connection and got it back: it asks
+    to verify the publisher from its anchor, seq 3."""
     t = StreamTracker("w", 0, has_replay=True)
     t.start()
     t.on_replay_end()
@@ -201,6 +200,14 @@ def test_a_verification_that_times_out_is_asked_once_more() -> None:
         assert t.accept_in_order(s, p(s))
     t.on_disconnected()
     assert t.on_connected() == [RequestReplay(3)]
+    return t
+
+
+def test_a_verification_that_times_out_is_asked_once_more() -> None:
+    """After a reconnect, the verifying replay timing out (the restarted engine's replay
+    endpoint not up yet) is asked again once before live seqs are judged alone: the
+    second answer still tells a restart apart."""
+    t = _four_delivered_then_reconnected()
     assert t.on_live(6, p(6, gen=1)) == []
     assert t.on_replay_timeout() == [RequestReplay(3)]
     out = t.on_replay_reply(3, p(3, gen=1))
@@ -570,13 +577,7 @@ def test_a_gap_after_a_join_replay_that_found_nothing_is_signalled() -> None:
 def test_a_verification_retried_once_keeps_two_retries_for_its_answer() -> None:
     """A verification that timed out once and then answered (the same publisher) is, as
     any replay that made progress, asked again twice when its answer stalls."""
-    t = StreamTracker("w", 0, has_replay=True)
-    t.start()
-    t.on_replay_end()
-    for s in range(4):
-        assert t.accept_in_order(s, p(s))
-    t.on_disconnected()
-    assert t.on_connected() == [RequestReplay(3)]
+    t = _four_delivered_then_reconnected()
     assert t.on_replay_timeout() == [RequestReplay(3)]
     assert t.on_replay_reply(3, p(3)) == []  # the same publisher
     assert delivered(t.on_replay_reply(4, p(4))) == [4]

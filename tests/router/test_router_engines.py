@@ -363,20 +363,23 @@ def test_start_waits_for_a_hanging_engine_only_as_long_as_its_bound(
 
 
 class _VllmByUrl(BaseHTTPRequestHandler):
-    """A vLLM with two DP ranks that says so only in /kv_event_sources; /metrics: METRICS."""
+    """A vLLM that says how many DP ranks it runs only in /kv_event_sources (``sources``,
+    two by default; a test may change them: the engine restarting); /health, and
+    ``metrics`` as its /metrics."""
 
     protocol_version = "HTTP/1.1"
+    sources: ClassVar[dict[str, object]] = {
+        str(r): {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
+        | {"endpoint": f"tcp://*:{5557 + r}"}
+        for r in (0, 1)
+    }
+    metrics: ClassVar[str] = METRICS
 
     def do_GET(self) -> None:
-        sources = {
-            str(r): {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
-            | {"endpoint": f"tcp://*:{5557 + r}"}
-            for r in (0, 1)
-        }
         body = {
-            "/kv_event_sources": json.dumps(sources).encode(),
+            "/kv_event_sources": json.dumps(type(self).sources).encode(),
             "/health": b"",
-            "/metrics": METRICS.encode(),
+            "/metrics": type(self).metrics.encode(),
         }.get(self.path)
         self.send_response(404 if body is None else 200)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -418,26 +421,11 @@ def test_a_vllm_given_by_url_alone_gets_every_discovered_ranks_metrics_load() ->
         server.server_close()
 
 
-class _ShrinkingVllm(BaseHTTPRequestHandler):
-    """A vLLM known by URL whose /kv_event_sources lists ``sources`` (set by the test:
-    the engine restarting with fewer ranks); /health and an empty /metrics."""
+class _ShrinkingVllm(_VllmByUrl):
+    """:class:`_VllmByUrl` whose ranks the test sets; no gauges in its /metrics."""
 
-    protocol_version = "HTTP/1.1"
     sources: ClassVar[dict[str, object]] = {}
-
-    def do_GET(self) -> None:
-        body = {
-            "/kv_event_sources": json.dumps(type(self).sources).encode(),
-            "/health": b"",
-            "/metrics": b"# no gauges\n",
-        }.get(self.path)
-        self.send_response(404 if body is None else 200)
-        self.send_header("Content-Length", str(len(body or b"")))
-        self.end_headers()
-        self.wfile.write(body or b"")
-
-    def log_message(self, *args: object) -> None:
-        pass
+    metrics: ClassVar[str] = "# no gauges\n"
 
 
 def test_ranks_an_engine_no_longer_has_are_no_longer_routed_to() -> None:
