@@ -317,7 +317,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
                 if spec.described
                 for s in spec.streams()
             }
-            fixed = {spec.worker for spec in specs if spec.described}
+            fixed = {holder.worker for holder in described}
             for holder in index.holders():
                 if holder.worker not in followed or (
                     holder.worker in fixed and holder not in described

@@ -40,15 +40,16 @@ _EVENT_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBl
 # gets a default so that short arrays from older publishers decode.
 
 
+def _lenient_field(f: msgspec.structs.FieldInfo) -> tuple[Any, ...]:
+    """``f`` as a ``defstruct`` field with a default, so that short events decode."""
+    if f.name in _LIST_FIELDS:
+        return (f.name, f.type, msgspec.field(default_factory=list))
+    return (f.name, f.type, _LENIENT_DEFAULTS.get(f.name) if f.required else f.default)
+
+
 def _array_twin(cls: type[KVCacheEvent]) -> type[msgspec.Struct]:
     """A positional, tagged decoding twin of ``cls`` in which every field has a default."""
-    fields: list[tuple[Any, ...]] = []
-    for f in msgspec.structs.fields(cls):
-        if f.name in _LIST_FIELDS:
-            fields.append((f.name, f.type, msgspec.field(default_factory=list)))
-        else:
-            default = _LENIENT_DEFAULTS.get(f.name) if f.required else f.default
-            fields.append((f.name, f.type, default))
+    fields = [_lenient_field(f) for f in msgspec.structs.fields(cls)]
     return msgspec.defstruct(cls.__name__, fields, tag=cls.__name__, array_like=True, gc=False)
 
 
@@ -122,13 +123,7 @@ def _stored_twin(tail: tuple[str, ...]) -> type[msgspec.Struct]:
     """A positional decoding twin of BlockStored with the shared fields and ``tail``."""
     by_name = {f.name: f for f in msgspec.structs.fields(BlockStored)}
     names = [*BlockStored.__struct_fields__[:_SHARED_STORED], *tail]
-    fields: list[tuple[Any, ...]] = []
-    for name in names:
-        f = by_name[name]
-        if name in _LIST_FIELDS:
-            fields.append((name, f.type, msgspec.field(default_factory=list)))
-        else:
-            fields.append((name, f.type, _LENIENT_DEFAULTS.get(name) if f.required else f.default))
+    fields = [_lenient_field(by_name[name]) for name in names]
     return msgspec.defstruct("BlockStored", fields, tag="BlockStored", array_like=True, gc=False)
 
 
@@ -143,12 +138,7 @@ _ARRAY_TO_PUBLIC = {twin: cls for cls, twin in _ARRAY_DECODE.items()}
 _MAP_LENIENT = {
     cls: msgspec.defstruct(
         cls.__name__,
-        [
-            (f.name, f.type, msgspec.field(default_factory=list))
-            if f.name in _LIST_FIELDS
-            else (f.name, f.type, _LENIENT_DEFAULTS.get(f.name) if f.required else f.default)
-            for f in msgspec.structs.fields(cls)
-        ],
+        [_lenient_field(f) for f in msgspec.structs.fields(cls)],
         tag=cls.__name__,
         tag_field="type",
         gc=False,
