@@ -85,6 +85,27 @@ def test_sglang_salt_and_adapter_fields_key_the_same_roots() -> None:
     assert blocks(index, lora="a", cache_salt="s") == 3 and blocks(index) == 0
 
 
+def test_an_empty_salt_is_no_salt_on_both_sides() -> None:
+    # vLLM adds the salt to the first block's keys only when it is non-empty, so a store
+    # it made for a request with "" carries no salt: a request with "" must match it
+    index = indexed(store(None))
+    assert blocks(index, cache_salt="") == 3
+    assert blocks(index, cache_salt="", extra_keys=[["salty"]]) == 0  # no contradiction
+    assert namespace_key("a", "") == namespace_key("a") and namespace_key(None, "") == namespace_key()
+    sglang = BlockStored(
+        block_hashes=[101, 102, 103],
+        parent_block_hash=None,
+        token_ids=TOKENS,
+        block_size=BS,
+        lora_id=None,
+        medium=None,
+        cache_salt="",
+    )
+    assert blocks(indexed(sglang)) == 3
+    salted_in_keys = store([["salty"], None, None], cache_salt="")
+    assert blocks(indexed(salted_in_keys), cache_salt="salty") == 3
+
+
 def test_image_keys_keep_text_only_requests_off_the_image_blocks() -> None:
     image = [None, [["img-hash", 1]], [["img-hash", -3]]]
     index = indexed(store(image))

@@ -64,6 +64,16 @@ def test_resolve_maps_names_to_the_base_model_or_an_adapter() -> None:
         models.resolve("nope")
 
 
+def test_an_empty_salt_names_pages_as_no_salt_as_vllm_does() -> None:
+    """vLLM adds a salt to the first block's keys only when it is non-empty."""
+    cache = PrefixCache(PAGE, 64, get_hash_scheme("vllm"))
+    tokens = list(range(8))
+    assert cache.admit(tokens, cache_salt="").cached_tokens == 0
+    assert cache.match(tokens) == 8
+    (store,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
+    assert store.extra_keys is None
+
+
 def test_an_adapter_and_a_salt_together_name_pages_as_vllm_does() -> None:
     """Under an adapter and a salt, pages match neither the adapter alone nor the salt alone,
     and the store's extra_keys are vLLM's: the adapter's name on every block, the salt

@@ -239,6 +239,7 @@ class PrefixCache:
         the adapter's name is not among them: it picks the namespace, :meth:`_namespace`)."""
         page = self.page_size
         scheme, root = self._namespace(lora_name)
+        salt = salt or None  # vLLM adds a salt to the first block only when it is non-empty
         if salt is None and not extra_keys:
             return scheme.page_digests(tokens, page, root), None
         n = len(tokens) // page

@@ -91,8 +91,11 @@ _xxh3 = xxhash.xxh3_64_intdigest
 def namespace_key(lora: str | int | None = None, cache_salt: str | None = None) -> int:
     """Root key of chains stored under a LoRA adapter and/or a cache salt.
 
-    ``ROOT_KEY`` when both are None, so plain prompts need no namespace.
+    ``ROOT_KEY`` when both are None, so plain prompts need no namespace. An empty salt
+    is no salt, as vLLM hashes it (it adds the salt only when it is non-empty).
     """
+    if not cache_salt:
+        cache_salt = None
     if lora is None and cache_salt is None:
         return ROOT_KEY
     return int(_xxh3(f"kvevents-ns\x00{lora!r}\x00{cache_salt!r}".encode()))
@@ -408,7 +411,7 @@ class PrefixIndex(GroupedMaskTable):
         parent = ev.parent_block_hash
         if parent is None:
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-            return namespace_key(lora, ev.cache_salt if ev.cache_salt is not None else salt), True
+            return namespace_key(lora, ev.cache_salt or salt), True
         pk = self._hashes.get(parent)
         if pk is None:
             return _orphan_key(parent), False
@@ -593,6 +596,7 @@ class PrefixIndex(GroupedMaskTable):
                 "PrefixIndex: block_size is not known yet; pass block_size= or register "
                 "a holder with its advertised block size before matching tokens"
             )
+        cache_salt = cache_salt or None  # an empty salt is no salt (namespace_key)
         if not extra_keys:
             return content_key_array(token_ids, self.block_size, namespace_key(lora, cache_salt))
         salt, per_block = split_extra_keys(extra_keys, lora=lora, first_block=True)
