@@ -144,6 +144,13 @@ def test_missing_block_says_publishing_is_off_and_how_to_enable(doc: dict[str, A
     assert "publishing looks off" in text and "--kv-events-config" in text and "http://h:1" in text
 
 
+def test_a_publisher_other_than_zmq_is_refused_not_followed_over_zmq() -> None:
+    """A block whose publisher is, say, kafka has no ZeroMQ stream at its endpoint."""
+    with pytest.raises(DiscoveryError, match="publisher is 'kafka'.*only 'zmq'"):
+        streams_from_server_info(info(publisher="kafka"), engine_url="http://h:1")
+    assert len(streams_from_server_info(info(publisher="zmq"), engine_url="http://h:1")) == 4
+
+
 def test_wrong_field_type_is_named() -> None:
     """A field of the wrong type is a DiscoveryError naming the field."""
     with pytest.raises(DiscoveryError, match="endpoint_port_base"):

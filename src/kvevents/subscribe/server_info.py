@@ -118,6 +118,12 @@ def streams_from_server_info(
             f"{where} advertises no kv_events block: KV-event publishing looks off on that "
             f"engine (or its endpoint is not routable tcp); {HOW_TO_ENABLE}"
         )
+    publisher = raw.get("publisher")
+    if publisher is not None and publisher != "zmq":
+        raise DiscoveryError(
+            f"{where}: kv_events.publisher is {publisher!r}: kvevents follows only 'zmq' "
+            "publishers; start the engine with a zmq KV-event publisher"
+        )
     block = _decode_block(raw, where)
     curve_key = None
     if isinstance(block.curve_public_key, str):
