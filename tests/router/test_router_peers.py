@@ -243,6 +243,27 @@ def test_a_restarted_peer_takes_its_earlier_runs_in_flight_requests_with_it() ->
         sender_id("a#b", "run")
 
 
+def test_a_dead_runs_late_note_heard_after_its_replacement_changes_nothing() -> None:
+    """Runs that end in their start time (as --workers' ``PID-TIME_NS``) are ordered by it:
+    the dead run's first note, arriving after its replacement spoke, neither counts nor
+    marks the live run gone; a later run still supersedes it."""
+    router = Router(block_size=16)
+    router.add_holder(H)
+    wire = FakeTransport()
+    notes = LoadNotes(router, sender_id("g/0", "9-5"), [wire], ttl=30.0)
+    dead, live, later = (sender_id("g/1", f"{pid}-{t}") for pid, t in ((7, 100), (8, 200), (9, 300)))
+    notes.apply(_note("begin", ticket=1, sender=live))
+    sent = len(wire.sent)
+    notes.apply(_note("begin", ticket=1, sender=dead))
+    notes.apply(_note("begin", ticket=2, sender=dead))
+    assert (router.loads[H].inflight_requests, notes.superseded) == (1, 2)
+    assert len(wire.sent) == sent  # nothing re-sent to a dead run
+    notes.apply(_note("begin", ticket=2, sender=live))  # the live run still counts
+    assert router.loads[H].inflight_requests == 2
+    notes.apply(_note("begin", ticket=1, sender=later))
+    assert (router.loads[H].inflight_requests, notes.superseded) == (1, 4)
+
+
 def test_a_newcomer_hears_again_of_the_requests_in_flight_here() -> None:
     """When a sender is heard for the first time, this router sends ``begin`` again for
     each of its requests still in flight (not for those finished), so a peer that started

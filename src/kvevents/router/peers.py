@@ -30,7 +30,9 @@ this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after i
 A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
 (:func:`sender_id`; a ``--workers`` process's seat is its group and index). The first
 note of a new run drops the in-flight requests of the run before it in that seat (it
-died: they will never finish, and would count until their ``ttl``), and the first note
+died: they will never finish, and would count until their ``ttl``; runs that end in their
+start time are ordered by it, so a dead run's late note heard after its replacement's
+changes nothing), and the first note
 of any sender never heard before makes this process send ``begin`` again for each
 request it has in flight: the newcomer did not hear the first ones, and the others take
 the copies as the duplicates they are.
@@ -98,7 +100,12 @@ class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 def sender_id(seat: str, run: str) -> str:
     """A sender id naming a seat (a stable place, e.g. a worker index) and this run of it:
-    a later run in the same seat supersedes the earlier one (see the module docstring)."""
+    a later run in the same seat supersedes the earlier one (see the module docstring).
+
+    A run ending in ``-<start time in ns>`` (``--workers`` use ``PID-TIME_NS``) is ordered
+    by that time: a note from a run that started before the one heard in its seat is a
+    dead run's late note, whichever came first. Other runs are ordered as they are heard.
+    """
     if "#" in seat:
         raise ValueError(f"note sender seat {seat!r}: must not contain '#'")
     return f"{seat}#{run}"
@@ -107,6 +114,12 @@ def sender_id(seat: str, run: str) -> str:
 def _seat(sender: str) -> str | None:
     seat, sep, _ = sender.rpartition("#")
     return seat if sep else None
+
+
+def _started(sender: str) -> int | None:
+    """The start time a sender's run ends with (:func:`sender_id`), or None."""
+    _, sep, tail = sender.rpartition("#")[2].rpartition("-")
+    return int(tail) if sep and tail.isascii() and tail.isdigit() else None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -303,10 +316,9 @@ class LoadNotes:
     def apply(self, note: LoadNote) -> None:
         """Apply one peer note to the router's loads, once (own notes are ignored)."""
         if note.sender not in self._senders:
-            if note.sender in self._gone:  # a dead run's note, late
-                self.superseded += 1
+            if note.sender in self._gone or not self._new_sender(note.sender):
+                self.superseded += 1  # a dead run's note, late
                 return
-            self._new_sender(note.sender)
         elif note.sender == self.sender:
             return
         self.received += 1
@@ -338,13 +350,19 @@ class LoadNotes:
         if now >= self._next_sweep:
             self.expire()
 
-    def _new_sender(self, sender: str) -> None:
+    def _new_sender(self, sender: str) -> bool:
         """A sender heard for the first time: drop what an earlier run of its seat left
-        in flight, and tell it of this router's own requests in flight."""
-        self._senders.add(sender)
+        in flight, and tell it of this router's own requests in flight. False (and the
+        sender is remembered as gone) when it is itself an earlier run of its seat than
+        the one heard there: a dead run whose notes come late."""
         seat = _seat(sender)
         if seat is not None:
             earlier = self._seats.get(seat)
+            if earlier is not None:
+                then, now = _started(earlier), _started(sender)
+                if then is not None and now is not None and now < then:
+                    self._gone.add(sender)
+                    return False
             self._seats[seat] = sender
             if earlier is not None:
                 for key in [key for key in self._remote if key[0] == earlier]:
@@ -353,9 +371,11 @@ class LoadNotes:
                     self.superseded += 1
                 self._senders.discard(earlier)
                 self._gone.add(earlier)
+        self._senders.add(sender)
         for ticket, n_blocks in list(self._own.values()):
             self._send("begin", ticket.holder, n_blocks, ticket)
             self.resent += 1
+        return True
 
     def _forget_at(self, key: tuple[str, int], until: float) -> None:
         self._done[key] = until
