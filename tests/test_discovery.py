@@ -146,7 +146,7 @@ def test_missing_block_says_publishing_is_off_and_how_to_enable(doc: dict[str, A
 
 def test_a_publisher_other_than_zmq_is_refused_not_followed_over_zmq() -> None:
     """A block whose publisher is, say, kafka has no ZeroMQ stream at its endpoint."""
-    with pytest.raises(DiscoveryError, match="publisher is 'kafka'.*only 'zmq'"):
+    with pytest.raises(DiscoveryError, match=r"publisher is 'kafka'.*only 'zmq'"):
         streams_from_server_info(info(publisher="kafka"), engine_url="http://h:1")
     assert len(streams_from_server_info(info(publisher="zmq"), engine_url="http://h:1")) == 4
 

@@ -91,7 +91,9 @@ def test_an_empty_salt_is_no_salt_on_both_sides() -> None:
     index = indexed(store(None))
     assert blocks(index, cache_salt="") == 3
     assert blocks(index, cache_salt="", extra_keys=[["salty"]]) == 0  # no contradiction
-    assert namespace_key("a", "") == namespace_key("a") and namespace_key(None, "") == namespace_key()
+    assert (
+        namespace_key("a", "") == namespace_key("a") and namespace_key(None, "") == namespace_key()
+    )
     sglang = BlockStored(
         block_hashes=[101, 102, 103],
         parent_block_hash=None,

@@ -251,7 +251,9 @@ def test_a_dead_runs_late_note_heard_after_its_replacement_changes_nothing() -> 
     router.add_holder(H)
     wire = FakeTransport()
     notes = LoadNotes(router, sender_id("g/0", "9-5"), [wire], ttl=30.0)
-    dead, live, later = (sender_id("g/1", f"{pid}-{t}") for pid, t in ((7, 100), (8, 200), (9, 300)))
+    dead, live, later = (
+        sender_id("g/1", f"{pid}-{t}") for pid, t in ((7, 100), (8, 200), (9, 300))
+    )
     notes.apply(_note("begin", ticket=1, sender=live))
     sent = len(wire.sent)
     notes.apply(_note("begin", ticket=1, sender=dead))
