@@ -70,18 +70,21 @@ def test_vllm_adapter_name_in_every_block_keys_under_the_adapter_namespace() -> 
     assert blocks(salted, lora="sql-lora", cache_salt="s") == 3
 
 
-def test_sglang_salt_and_adapter_fields_key_the_same_roots() -> None:
-    sglang = BlockStored(
+def sglang_store(**fields: object) -> BlockStored:
+    """A store in SGLang's shape: salt and adapter as fields of the event."""
+    return BlockStored(
         block_hashes=[101, 102, 103],
         parent_block_hash=None,
         token_ids=TOKENS,
         block_size=BS,
         lora_id=None,
         medium=None,
-        cache_salt="s",
-        lora_name="a",
+        **fields,  # type: ignore[arg-type]
     )
-    index = indexed(sglang)
+
+
+def test_sglang_salt_and_adapter_fields_key_the_same_roots() -> None:
+    index = indexed(sglang_store(cache_salt="s", lora_name="a"))
     assert blocks(index, lora="a", cache_salt="s") == 3 and blocks(index) == 0
 
 
@@ -94,16 +97,7 @@ def test_an_empty_salt_is_no_salt_on_both_sides() -> None:
     assert (
         namespace_key("a", "") == namespace_key("a") and namespace_key(None, "") == namespace_key()
     )
-    sglang = BlockStored(
-        block_hashes=[101, 102, 103],
-        parent_block_hash=None,
-        token_ids=TOKENS,
-        block_size=BS,
-        lora_id=None,
-        medium=None,
-        cache_salt="",
-    )
-    assert blocks(indexed(sglang)) == 3
+    assert blocks(indexed(sglang_store(cache_salt=""))) == 3
     salted_in_keys = store([["salty"], None, None], cache_salt="")
     assert blocks(indexed(salted_in_keys), cache_salt="salty") == 3
 
