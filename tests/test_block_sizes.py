@@ -102,3 +102,54 @@ def test_router_skips_mismatching_events_and_reports_them() -> None:
     }
     decision = router.route(list(range(8)))
     assert (decision.dp_rank, decision.matched_tokens) == (0, 8)
+
+
+def test_the_router_follows_its_engines_to_a_new_block_size(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A size the engines gave (not --block-size) changes once every holder says the new
+    one: until then the new size's events are skipped; then the index starts over at it,
+    and what a batch stored at the old size before the change is skipped."""
+    router = Router()
+    router.add_holder(A, block_size=4, source="server_info")
+    router.add_holder(B, block_size=4, source="server_info")
+    router.handle(Delivery(A, 0, batch(stored(list(range(8)), 4))))
+    router.handle(Delivery(B, 0, batch(stored(list(range(8)), 4, 10))))
+    router.add_holder(B, block_size=8, source="server_info")  # B restarted at 8; A not yet
+    router.handle(Delivery(B, 1, batch(stored(list(range(16)), 8, 20))))
+    assert (router.index.block_size, router.index.holder_size(B)) == (4, 2)
+    assert router.block_sizes.mismatch_events(B) == 1
+    with caplog.at_level(logging.WARNING, logger="kvevents.subscribe.block_sizes"):
+        router.handle(
+            Delivery(A, 1, batch(stored(list(range(4)), 4, 30), stored(list(range(16)), 8, 40)))
+        )
+    assert router.index.block_size == 8 and router.block_sizes.changes == 1
+    assert (router.index.holder_size(A), router.index.holder_size(B)) == (2, 0)
+    assert any("block size changed from 4 to 8" in r.getMessage() for r in caplog.records)
+    decision = router.route(list(range(16)))
+    assert (decision.dp_rank, decision.matched_tokens, decision.n_blocks) == (0, 16, 2)
+    router.handle(Delivery(B, 2, batch(stored(list(range(24)), 8, 50))))
+    assert router.index.holder_size(B) == 3 and router.block_sizes.mismatch_events(B) == 1
+
+
+def test_a_removed_holder_does_not_hold_back_a_new_block_size() -> None:
+    """An engine restarted with fewer ranks drops the others; the ones left decide."""
+    router = Router()
+    for h in (A, B):
+        router.add_holder(h, block_size=4, source="server_info")
+    router.remove_holder(B)
+    router.add_holder(A, block_size=8, source="server_info")
+    assert router.index.block_size == 8 and router.block_sizes.mismatches == {}
+
+
+def test_an_operators_block_size_is_never_changed_by_the_engines() -> None:
+    """--block-size (or an engine's configured size) is the operator's word: engines that
+    all say another size are mismatches, as before."""
+    router = Router(block_size=4)
+    router.add_holder(A, block_size=8, source="server_info")
+    router.handle(Delivery(A, 0, batch(stored(list(range(8)), 8))))
+    assert router.index.block_size == 4 and router.index.holder_size(A) == 0
+    configured = Router()
+    configured.add_holder(A, block_size=4, source="configured")
+    configured.add_holder(A, block_size=8, source="server_info")
+    assert configured.index.block_size == 4 and configured.block_sizes.changes == 0

@@ -13,7 +13,9 @@ Block sizes: the router keys every request with one block size (``block_size``, 
 the first one declared for a holder, else the first one seen in events). Declared
 sizes (configuration, ``/server_info``) and every stored chain are checked against it
 by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a mismatch is logged and counted, and
-mismatching ``BlockStored`` events are skipped (they could never match a request).
+mismatching ``BlockStored`` events are skipped (they could never match a request). A
+size that came from the engines follows them: once every holder says a new one, it is
+the router's and the index starts over.
 
 Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.scoring`) or ``round-robin``
 (the next available holder in turn, for comparisons; scores are still computed, so the
@@ -185,6 +187,8 @@ class Router:
         self._predicted_keys: dict[int, tuple[list[int], float]] = {}
         """Per in-flight ticket id: the keys its request predicted and their deadline."""
         self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
+        self.block_sizes.followed = lambda: self.index.holders()
+        self.block_sizes.on_change = self._block_size_changed
         self._next_turn = 0
         self.weights = weights or ScoringWeights()
         self.loads = LoadBoard()
@@ -242,7 +246,18 @@ class Router:
         """``holder`` is gone (its engine no longer has the rank): not routable, and what
         the index held for it dropped. Its first batch, should it come back, adds it again."""
         self.index.remove_holder(holder)
+        self.block_sizes.forget(holder)
         self.holders_removed += 1
+        self._loads_version += 1
+
+    def _block_size_changed(self, size: int) -> None:
+        """Every engine now keys its blocks at ``size`` (:class:`BlockSizes`): what the
+        index keyed at the old size can match no request keyed at the new one."""
+        index = self.index
+        for holder in index.holders():
+            index.clear_holder(holder)
+            index.add_holder(holder, block_size=size)
+        index.block_size = size
         self._loads_version += 1
 
     def restore_index(self, index: PrefixIndex) -> None:
@@ -316,6 +331,7 @@ class Router:
                 self.index.applied_seqs[holder] = item.last_seq
             else:
                 self.index.applied_seqs.pop(holder, None)
+                self.block_sizes.forget(holder)  # restarted: it may come back at another size
         elif isinstance(item, Removed) and holder is not None:
             self.remove_holder(holder)
         elif isinstance(item, (Gap, Unreachable)):

@@ -423,6 +423,7 @@ async def watch_engine(
             state.slow_polls, state.slow = 0, None
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"
+            state.registered = False  # back, it may have restarted (another block size)
         except Exception as exc:  # a bug must not end the poller: it would freeze availability
             log.exception("polling engine %s failed unexpectedly", state.spec.url)
             router.set_worker_available(state.spec.worker, False)

@@ -20,6 +20,14 @@ events: the router skips them, because blocks keyed at another size are reachabl
 no request and would only fill the index. Offload copies (no tokens) carry no size and
 always pass.
 
+A fleet that changes its block size (engines restarted with another page size) is
+followed when the expected size came from the engines themselves (``/server_info`` or
+events), not from an operator's ``--block-size`` or engine configuration: once every
+holder :attr:`followed` names has last said the same new size (declared or in its
+events), that size becomes the expected one, ``on_change`` is called (the router drops
+what it keyed at the old size) and a warning says so. Until then the new size's events
+are skipped as mismatches.
+
 Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
 event mismatches. Not thread-safe: one consumer thread.
 """
@@ -27,6 +35,7 @@ event mismatches. Not thread-safe: one consumer thread.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -65,8 +74,19 @@ class BlockSizes:
         self.shared = shared
         self._shared: tuple[int, str] | None = None if size is None else (size, source)
         self._per_holder: dict[Holder, tuple[int, str]] = {}
+        self._engine_said = size is None
+        """Whether the shared size came from the engines (then a fleet-wide change is
+        followed) rather than from an operator."""
         self.observed: dict[Holder, int] = {}
+        self.latest: dict[Holder, int] = {}
+        """Per holder, the size it last declared or stored a chain with."""
         self.mismatches: dict[tuple[Holder, str, int], BlockSizeMismatch] = {}
+        self.followed: Callable[[], Iterable[Holder]] | None = None
+        """The holders a shared size must agree with before it changes (None: never changes)."""
+        self.on_change: Callable[[int], None] | None = None
+        """Called with the new shared size once the holders changed to it."""
+        self.changes = 0
+        """Times the shared size followed the holders to a new one."""
 
     # --- the expected size ------------------------------------------------------------
 
@@ -96,14 +116,45 @@ class BlockSizes:
         words ("configured for engine X").
         """
         holder = Holder(*holder)
+        self.latest[holder] = size
         expected = self.expected(holder)
         if expected is None:
             self._set_expected(holder, size, origin)
+            self._engine_said = source == "server_info"
             return True
-        if size == expected[0]:
+        if size == expected[0] or self._follow(size, origin):
             return True
         self._record(holder, source, size, expected, 1)
         return False
+
+    def forget(self, holder: Holder) -> None:
+        """``holder`` is gone or restarted: the size it said last no longer holds back a
+        fleet-wide change."""
+        self.latest.pop(Holder(*holder), None)
+
+    def _follow(self, size: int, origin: str) -> bool:
+        """Make ``size`` the shared one if every followed holder last said it (see the
+        module docstring); whether it did."""
+        followed = self.followed
+        if not (self.shared and self._engine_said and followed is not None):
+            return False
+        latest = self.latest
+        if any(latest.get(h, size) != size for h in followed()):
+            return False
+        old = self._shared
+        self._shared = (size, f"{origin}, every engine changed to it")
+        self.changes += 1
+        log.warning(
+            "block size changed from %s to %d: every engine followed now says %d (last: "
+            "%s); what was keyed at the old size is dropped",
+            None if old is None else old[0],
+            size,
+            size,
+            origin,
+        )
+        if self.on_change is not None:
+            self.on_change(size)
+        return True
 
     def check(self, holder: Holder, batch: KVEventBatch) -> KVEventBatch:
         """``batch`` without its BlockStored events of an unexpected block size.
@@ -112,17 +163,26 @@ class BlockSizes:
         """
         expected = self.expected(holder)
         bad: list[int] = []
+        tried: set[int] = set()
         for i, event in enumerate(batch.events):
             if type(event) is not BlockStored or not event.token_ids:
                 continue
             size = event.block_size
             if size <= 0:
                 continue  # malformed: the index counts it
-            self.observed[holder] = size
+            self.observed[holder] = self.latest[holder] = size
             if expected is None:
                 expected = (size, f"first events of {holder.worker} rank {holder.dp_rank}")
                 self._set_expected(holder, *expected)
             elif size != expected[0]:
+                first = size not in tried  # one look at the fleet per size and batch
+                tried.add(size)
+                if first and self._follow(size, f"events of {holder.worker} rank {holder.dp_rank}"):
+                    expected = self.expected(holder)
+                    assert expected is not None
+                    # what this batch stored before the change was at the old size
+                    bad = [j for j in range(i) if _stored_size(batch.events[j]) not in (None, size)]
+                    continue
                 bad.append(i)
                 self._record(holder, "events", size, expected, 1)
         if not bad:
@@ -188,3 +248,10 @@ class BlockSizes:
         return sum(
             m.count for (h, src, _), m in self.mismatches.items() if h == holder and src == "events"
         )
+
+
+def _stored_size(event: object) -> int | None:
+    """The block size a stored chain is keyed at (None: not a chain with tokens)."""
+    if type(event) is not BlockStored or not event.token_ids or event.block_size <= 0:
+        return None
+    return event.block_size
