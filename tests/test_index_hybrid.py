@@ -330,3 +330,47 @@ def test_one_side_group_removal_may_name_a_duplicated_block_twice() -> None:
     index.apply(H, batch(removed(PROMPT, [5, 5, 4, 4], group=0)))
     assert index.group_entries() == {"sliding_window:0:64": 0} and len(index) == 0
     assert index.stats.unknown_hash == 0
+
+
+def test_mla_and_sink_attention_are_full_attention_and_sliding_mla_a_window() -> None:
+    """vLLM names an MLA model's group (DeepSeek, Kimi) ``mla_attention`` and a sink
+    model's ``sink_full_attention``: both reuse the whole prefix, as full attention (they
+    were side groups of an unsupported kind: such an engine's stream was never indexed)."""
+    for kind in ("mla_attention", "sink_full_attention"):
+        index = PrefixIndex(block_size=BS)
+        only = msgspec.structs.replace(
+            fa_store(PROMPT, 0, 6, None), group_idx=0, kv_cache_spec_kind=kind
+        )
+        index.apply(H, batch(only))
+        assert (gpu(index, PROMPT), index.stats.unsupported_group) == (6, 0), kind
+    index = PrefixIndex(block_size=BS)
+    sw_mla = msgspec.structs.replace(
+        sw_store(PROMPT, 4, 6, None), kv_cache_spec_kind="sliding_window_mla"
+    )
+    main = msgspec.structs.replace(fa_store(PROMPT, 0, 6, None), kv_cache_spec_kind="mla_attention")
+    index.apply(H, batch(sw_mla, main))
+    assert gpu(index, PROMPT) == 6 and index.group_entries() == {"sliding_window:0:64": 2}
+    index.apply(H, batch(removed(PROMPT, [5], group=0)))  # the window's last block gone
+    assert gpu(index, PROMPT) < 6
+
+
+def test_a_side_groups_offload_copy_without_a_kind_goes_to_that_groups_table() -> None:
+    """vLLM's offloading connector copies a sliding-window group's blocks to CPU with
+    ``group_idx`` alone (no kind, no tokens): the copy joins the group's table (it was
+    read as a new full-attention group that took the window's place: the GPU match fell
+    to 0 and the window's later removals went astray)."""
+    index = stored_200()
+    copy = BlockStored(
+        block_hashes=[fake_hash(PROMPT, 5)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        group_idx=0,
+    )
+    index.apply(H, batch(copy))
+    assert gpu(index, PROMPT) == 6
+    assert index.group_entries() == {"sliding_window:0:64": 3}  # two GPU blocks, one CPU copy
+    index.apply(H, batch(removed(PROMPT, [4, 5], group=0)))
+    assert index.group_entries() == {"sliding_window:0:64": 1} and index.stats.unknown_hash == 0

@@ -46,7 +46,13 @@ the current candidate, full attention first, and repeats until no group shortens
 tier set (GPU; GPU or CPU; any tier). It is what the index reports for a holder with
 side groups; holders without any keep the plain full-attention match.
 
-Not modelled: groups of other kinds (Mamba state, chunked local attention) are counted
+Kinds are read by their reuse rule (:data:`REUSE_RULES`): MLA and sink full attention
+are full attention, sliding-window MLA is a sliding window. A side group's offload copy
+without a kind (vLLM's offloading connector sends only ``group_idx``) goes to the table
+the holder already has for that ``group_idx``.
+
+Not modelled: a model whose every group is a sliding window (no main group: its
+matches are 0); groups of other kinds (Mamba state, chunked local attention) are counted
 as ``unsupported_group`` and not indexed, so a model with them is matched on its
 full-attention group alone; vLLM's alignment of a hit to the least common multiple of
 different group block sizes (every group of the captured models has the same size).
@@ -67,6 +73,7 @@ from kvevents.types import Hash
 
 __all__ = [
     "FULL_ATTENTION",
+    "REUSE_RULES",
     "SLIDING_WINDOW",
     "GroupKey",
     "GroupTable",
@@ -77,6 +84,18 @@ __all__ = [
 
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
+
+REUSE_RULES: dict[str | None, str] = {
+    None: FULL_ATTENTION,  # a model without group fields
+    FULL_ATTENTION: FULL_ATTENTION,
+    "mla_attention": FULL_ATTENTION,  # DeepSeek-style latent attention: vLLM's full manager
+    "sink_full_attention": FULL_ATTENTION,  # full attention with sink tokens, the same rule
+    SLIDING_WINDOW: SLIDING_WINDOW,
+    "sliding_window_mla": SLIDING_WINDOW,
+}
+"""vLLM's ``kv_cache_spec_kind`` of a group -> the reuse rule the index applies to it
+(the kinds vLLM serves with its full-attention or sliding-window manager); other kinds
+are not modelled."""
 
 GroupKey = tuple[str, int | None, int | None]
 """``(kind, group_idx, sliding_window)`` of a side group."""

@@ -52,7 +52,13 @@ import msgspec
 import xxhash
 
 from kvevents.index.extra_keys import keys_with_extras, split_extra_keys
-from kvevents.index.groups import FULL_ATTENTION, SLIDING_WINDOW, GroupedMaskTable, GroupTable
+from kvevents.index.groups import (
+    FULL_ATTENTION,
+    REUSE_RULES,
+    SLIDING_WINDOW,
+    GroupedMaskTable,
+    GroupTable,
+)
 from kvevents.index.mask_table import MaskTable
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S, Predictions
 from kvevents.index.snapshot import (
@@ -263,7 +269,7 @@ class PrefixIndex(GroupedMaskTable):
                 # batch are applied: their stores resolve keys through its hashes.
                 g = event.group_idx  # type: ignore[union-attr]
                 spec = event.kv_cache_spec_kind  # type: ignore[union-attr]
-                if (spec is not None and spec != FULL_ATTENTION) or (
+                if (spec is not None and REUSE_RULES.get(spec) != FULL_ATTENTION) or (
                     g is not None and main.setdefault(slot, g) != g
                 ):
                     later.append(event)  # type: ignore[arg-type]
@@ -459,9 +465,15 @@ class PrefixIndex(GroupedMaskTable):
         on the sequence's first block), else from the tokens.
         """
         stats = self.stats
-        kind = ev.kv_cache_spec_kind or FULL_ATTENTION
-        window = ev.kv_cache_spec_sliding_window
-        if kind not in (FULL_ATTENTION, SLIDING_WINDOW):
+        spec = ev.kv_cache_spec_kind
+        sides = self._slot_sides.get(slot) if spec is None else None
+        known = sides.get(ev.group_idx) if sides else None
+        kind: str | None
+        if known is not None:  # an offload copy naming only its group (vLLM's connector)
+            kind, window = known.kind, known.key[2]
+        else:
+            kind, window = REUSE_RULES.get(spec), ev.kv_cache_spec_sliding_window
+        if kind is None:
             stats.unsupported_group += 1
             stats.count_event("BlockStored", "unsupported_group")
             return
