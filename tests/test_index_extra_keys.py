@@ -8,11 +8,12 @@ adapter's name, an image adds ``[identifier, offset]`` to each block it overlaps
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvevents import Holder, PrefixIndex, namespace_key
 from kvevents.index.extra_keys import keys_with_extras, split_extra_keys
-from kvevents.wire.events import BlockStored, KVEventBatch
+from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.hashing import content_keys
 
 BS = 4
@@ -132,3 +133,21 @@ def test_split_and_fold_helpers() -> None:
     assert keys_with_extras(TOKENS, BS, 0, [None, None, None]) == content_keys(TOKENS, BS)
     assert keys_with_extras(TOKENS, BS, 0, [None, ["x"]])[0] == content_keys(TOKENS, BS)[0]
     assert keys_with_extras(TOKENS, BS, 0, [None, ["x"]])[1:] != content_keys(TOKENS, BS)[1:]
+
+
+def test_an_offload_copy_with_tokens_but_no_extra_keys_is_keyed_as_the_blocks_it_copies() -> None:
+    """vLLM's offloading connector reports a CPU copy with its tokens but without the
+    chain's extra keys: the copy is of the salted blocks the holder has (it was filed under
+    the plain namespace, matched unsalted requests, and took the engine hashes along, so
+    the GPU copies' eviction no longer resolved)."""
+    index = indexed(store([["salty"], None, None]))
+    copy = msgspec.structs.replace(store(None), medium="CPU")
+    index.apply(H, KVEventBatch(ts=0.0, events=[copy], data_parallel_rank=0))
+    assert blocks(index) == 0 and index.holder_match(index.match(TOKENS), H).cpu == 0
+    evicted = BlockRemoved(block_hashes=[101, 102, 103], medium="GPU")
+    index.apply(H, KVEventBatch(ts=0.0, events=[evicted], data_parallel_rank=0))
+    salted = index.holder_match(index.match(TOKENS, cache_salt="salty"), H)
+    assert (salted.gpu, salted.cpu, index.stats.unknown_hash) == (0, 3, 0)
+    # a store into another tier of blocks the holder does not have is keyed from its tokens
+    other = indexed(msgspec.structs.replace(store(None), medium="CPU"))
+    assert other.holder_match(other.match(TOKENS), H).cpu == 3

@@ -320,6 +320,12 @@ class PrefixIndex(GroupedMaskTable):
             outcome = "unknown_medium"
         hashes = ev.block_hashes
         tokens = ev.token_ids
+        if tokens and tier is not Tier.GPU:
+            copied = self._copied_keys(slot, hashes)
+            if copied is not None:
+                self._store(slot, copied, tier, None)
+                stats.count_event("BlockStored", outcome)
+                return
         if not tokens:
             # A copy into another tier of blocks already known by engine hash.
             keys = []
@@ -375,6 +381,23 @@ class PrefixIndex(GroupedMaskTable):
         else:
             self._store(slot, keys, tier, hashes)
         stats.count_event("BlockStored", outcome)
+
+    def _copied_keys(self, slot: int, hashes: Sequence[Hash]) -> list[int] | None:
+        """The keys of a store into another tier whose every hash names a block the
+        holder already has (a copy, keyed as the blocks it copies), else None.
+
+        vLLM's offloading connector reports its CPU copies with their tokens but without
+        their extra keys (salt, adapter, images): keyed from the tokens they would land
+        in the plain namespace and take the engine hashes with them.
+        """
+        got = self._hashes.get
+        keys = []
+        for h in hashes:
+            k = got(h)
+            if k is None or not self._held_any(k, slot):
+                return None
+            keys.append(k)
+        return keys
 
     def _removal_tier(self, ev: BlockRemoved) -> tuple[Tier | None, str]:
         """The tier a removal names (None: every tier) and its outcome so far."""
