@@ -299,3 +299,38 @@ def test_a_newcomer_hears_again_of_the_requests_in_flight_here() -> None:
             await notes.close()
 
     asyncio.run(main())
+
+
+def test_notes_with_out_of_range_numbers_are_counted_malformed_and_change_nothing() -> None:
+    """Negative blocks or ranks and non-finite in-flight blocks decode (the types are
+    right) but are refused: applied, a begin/finish pair of them would not cancel out
+    (the board clamps at 0: a begin of -40 blocks left +40 for ever, one of inf blocks
+    wiped this router's own) and a negative routed note would draw traffic."""
+    router = Router(block_size=16)
+    router.add_holder(H)
+    router.begin(router.route(list(range(64))))
+    before = router.loads[H]
+    wire = FakeTransport()
+    notes = LoadNotes(router, "me", [wire], ttl=30.0)
+    bad = [
+        {"inflight_blocks": -40.0},
+        {"inflight_blocks": float("inf")},
+        {"inflight_blocks": float("nan")},
+        {"n_blocks": -1},
+        {"dp_rank": -1},
+    ]
+    for ticket, change in enumerate(bad, 1):
+        for kind in ("begin", "finish"):
+            note = msgspec.structs.replace(_note(kind, ticket=ticket), **change)
+            notes._on_raw(msgspec.msgpack.encode(note), wire)
+    routed = msgspec.structs.replace(_note("routed", ticket=-1), n_blocks=-(10**6))
+    notes._on_raw(msgspec.msgpack.encode(routed), wire)
+    after = router.loads[H]
+    assert (notes.malformed, notes.received, notes.remote_inflight) == (11, 0, 0)
+    assert (after.inflight_requests, after.inflight_blocks) == (
+        before.inflight_requests,
+        before.inflight_blocks,
+    )
+    assert after.recent_blocks == before.recent_blocks
+    notes.apply(_note("begin", ticket=1))  # a note in range from the same sender counts
+    assert (notes.received, router.loads[H].inflight_requests) == (1, 2)

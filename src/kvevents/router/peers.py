@@ -25,7 +25,8 @@ without a ``finish``; so a peer that dies takes its in-flight load with it after
 most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
 duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
 this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
-``finish`` change nothing; what is remembered for that is forgotten after ``ttl``.
+``finish`` change nothing; what is remembered for that is forgotten after ``ttl``. A note
+with a negative count or rank, or non-finite blocks, is counted ``malformed`` and ignored.
 
 A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
 (:func:`sender_id`; a ``--workers`` process's seat is its group and index). The first
@@ -46,6 +47,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -124,6 +126,16 @@ def _started(sender: str) -> int | None:
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(LoadNote)
+
+
+def _in_range(note: LoadNote) -> bool:
+    """Whether a decoded note's numbers are ones a router sends (the decoder checks only
+    their types). A negative or non-finite count would not cancel out: the in-flight
+    board clamps at 0, so a begin of -40 blocks and its finish leave +40 for ever, one
+    of inf blocks wipes the holder's own in-flight blocks (inf - inf), and a negative
+    ``n_blocks`` makes a holder's recent work negative, so it draws traffic."""
+    blocks = note.inflight_blocks
+    return note.n_blocks >= 0 and note.dp_rank >= 0 and 0.0 <= blocks < math.inf
 
 
 class NoteTransport(Protocol):
@@ -228,6 +240,7 @@ class LoadNotes:
         self.received = 0
         self.duplicates = 0
         self.malformed = 0
+        """Notes that do not decode, or whose numbers are out of range, ignored."""
         self.expired = 0
         self.foreign = 0
         """Notes about holders this router does not follow (another group's engines on a
@@ -315,6 +328,9 @@ class LoadNotes:
 
     def apply(self, note: LoadNote) -> None:
         """Apply one peer note to the router's loads, once (own notes are ignored)."""
+        if not _in_range(note):
+            self.malformed += 1
+            return
         if note.sender not in self._senders:
             if note.sender in self._gone or not self._new_sender(note.sender):
                 self.superseded += 1  # a dead run's note, late
