@@ -374,3 +374,19 @@ def test_a_side_groups_offload_copy_without_a_kind_goes_to_that_groups_table() -
     assert index.group_entries() == {"sliding_window:0:64": 3}  # two GPU blocks, one CPU copy
     index.apply(H, batch(removed(PROMPT, [4, 5], group=0)))
     assert index.group_entries() == {"sliding_window:0:64": 1} and index.stats.unknown_hash == 0
+
+
+def test_predictions_add_to_a_hybrid_holder_only_past_its_main_group() -> None:
+    """A hybrid holder's confirmed match is shortened by its sliding-window group; an
+    unrelated prediction on another holder reported that shortfall as predicted blocks."""
+    index = PrefixIndex(block_size=BS, prediction_ttl_s=30.0)
+    index.add_holder(H2)
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))
+    index.apply(H, batch(removed(PROMPT, [5], group=0)))  # the window's last block gone
+    keys = index.keys_for(LONGER)
+    confirmed = index.match_keys(keys)
+    assert index.holder_match(confirmed, H).gpu < 6
+    index.predict(H2, index.keys_for(list(range(900, 900 + 2 * BS))))
+    assert index.predicted(keys, confirmed) == {}
+    index.predict(H, keys)  # the longer request sent to H: its 7th block is predicted
+    assert index.predicted(keys, confirmed) == {H: 1}

@@ -715,13 +715,27 @@ class PrefixIndex(GroupedMaskTable):
         segs, _ = self._segments(masks, len(keys))
         out: dict[Holder, int] = {}
         holders = self._holders
+        hybrid = self._hybrid
         for mask, length in segs:
             for slot in iter_bits(mask):
                 holder = holders[slot]
-                extra = length - confirmed._cumulative(2, slot)
+                if hybrid >> slot & 1:
+                    # its confirmed length is shortened by its side groups, which hold no
+                    # predictions: only what predictions add past its main group counts
+                    extra = length - self._held_run(keys, slot, length)
+                else:
+                    extra = length - confirmed._cumulative(2, slot)
                 if holder is not None and extra > 0:
                     out[holder] = extra
         return out
+
+    def _held_run(self, keys: Sequence[int], slot: int, limit: int) -> int:
+        """How many leading ``keys`` (at most ``limit``) ``slot`` holds in some tier."""
+        held = self._held_any
+        for i in range(limit):
+            if not held(keys[i], slot):
+                return i
+        return limit
 
     def holder_match(self, result: PrefixMatch, holder: Holder) -> HolderMatch:
         """One holder's lengths from a match result (zeros for an unknown holder)."""
