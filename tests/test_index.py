@@ -21,6 +21,7 @@ from kvevents import (
 from kvevents.index.snapshot import SNAPSHOT_VERSION
 from kvevents.index.types import normalize_medium
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply
+from kvevents.wire.hashing import sglang_block_hashes
 from wire_samples import load_wire_samples
 
 A = Holder("engine-a", 0)
@@ -360,3 +361,33 @@ def test_medium_names_and_credit_validation() -> None:
     with pytest.raises(ValueError, match="block_size"):
         PrefixIndex().match([1, 2, 3])
     assert namespace_key() == 0 and namespace_key("lora-a") != namespace_key(None, "salt")
+
+
+@pytest.mark.parametrize("namespace", [{"cache_salt": "tenant-a"}, {"lora_name": "sql"}])
+def test_sglang_hashes_shared_by_two_namespaces_resolve_per_holder(
+    namespace: dict[str, str],
+) -> None:
+    """SGLang hashes tokens alone: the same tokens under a salt (or adapter) on A and
+    plain on B share engine hashes. A's child chain, its removals and a snapshot of the
+    index must still find A's own blocks (B's store took the shared hash map's entry: A's
+    child hung from B's namespace, and A's evictions left its blocks in the index)."""
+    tokens = [1, 2, 3, 4]
+    hashes = sglang_block_hashes(tokens, 2)
+    child = sglang_block_hashes([*tokens, 5, 6], 2)[-1:]
+    index = PrefixIndex(block_size=2)
+    salted = msgspec.structs.replace(stored(hashes, tokens), **namespace)  # type: ignore[arg-type]
+    index.apply(A, batch(salted))
+    index.apply(B, batch(stored(hashes, tokens)))
+    index.apply(A, batch(stored(child, [5, 6], parent=hashes[-1])))
+    lora, salt = namespace.get("lora_name"), namespace.get("cache_salt")
+    assert index.holder_match(index.match([*tokens, 5, 6], lora=lora, cache_salt=salt), A).gpu == 3
+    assert index.holder_match(index.match([*tokens, 5, 6]), A).gpu == 0
+    assert index.stats.unknown_parent == 0
+    assert index.holder_hashes(A) == {*hashes, *child} and index.holder_hashes(B) == set(hashes)
+    copy = PrefixIndex.from_bytes(index.to_bytes())
+    for idx in (index, copy):
+        idx.apply(A, batch(BlockRemoved(block_hashes=[*hashes, *child], medium="GPU")))
+        assert (idx.holder_size(A), idx.stats.unknown_hash) == (0, 0)
+        assert idx.holder_match(idx.match(tokens), B).gpu == 2
+        idx.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
+        assert len(idx) == 0 and not idx._slot_keys and not idx._hashes

@@ -245,13 +245,15 @@ class GroupedMaskTable(MaskTable):
         table = self._slot_sides.get(slot, {}).get(group_idx)
         if table is None:
             return len(hashes)
-        known = self._hashes
-        keys = list(map(known.get, hashes))
+        keys = self._keys_of(slot, hashes)
         held = table._remove_many(slot, keys, tier)
         for h, k in compress(zip(hashes, keys, strict=True), held):
-            if k not in self._blocks and not self._side_holds(k):  # type: ignore[arg-type]
-                known.pop(h, None)  # one event may name a hash twice (a duplicated block)
+            if not self._key_held(k):  # type: ignore[arg-type]
+                self._unmap_hash(slot, h, k)  # type: ignore[arg-type]
         return held.count(False)
+
+    def _key_held(self, key: int) -> bool:
+        return key in self._blocks or (bool(self._groups) and self._side_holds(key))
 
     def _clear_sides(self, slot: int) -> None:
         for table in self._slot_tables.get(slot, ()):
@@ -299,6 +301,11 @@ class GroupedMaskTable(MaskTable):
             sides = [t._blocks for t in self._groups.values()]
             self._hashes = {
                 h: k for h, k in self._hashes.items() if k in blocks or any(k in s for s in sides)
+            }
+            self._slot_keys = {
+                sh: k
+                for sh, k in self._slot_keys.items()
+                if k in blocks or any(k in s for s in sides)
             }
 
     # --- matching ---------------------------------------------------------------------

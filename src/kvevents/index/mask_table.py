@@ -35,6 +35,11 @@ Structure and invariants
 * ``_hashes: dict[engine_hash, content_key]``: engine hashes as sent (signed, unsigned
   or bytes). Entries whose block died are dropped when seen, and all at once when the
   map outgrows twice the number of live blocks (amortised O(1)).
+* ``_slot_keys[(slot, engine_hash)] = content_key``: where a holder's block under a hash
+  is not the one ``_hashes`` names. SGLang hashes tokens alone, so the same tokens under
+  two salts or adapters (two content keys) share a hash; the first keeps the shared
+  entry, the other holders' keys go here, and every lookup for a holder reads here first
+  (:meth:`MaskTable._key_of`). Empty unless an engine's hashes collide like that.
 * ``_hybrid``: the slots that also have blocks in side KV-cache groups (hybrid-attention
   models, :mod:`kvevents.index.groups`); a match shortens only their lengths, after the
   loop, so with no such slot the loops below are exactly the full-attention ones.
@@ -60,7 +65,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, compress, repeat
-from operator import and_, not_
+from operator import and_, ne, not_
 from typing import TYPE_CHECKING
 
 from kvevents import kernels
@@ -100,6 +105,7 @@ class MaskTable:
         self._predicted = self.predictions.masks
         self._blocks: dict[int, int] = {}
         self._hashes: dict[Hash, int] = {}
+        self._slot_keys: dict[tuple[int, Hash], int] = {}
         self._refs: dict[tuple[int, int, int], int] = {}
         self._holders: list[Holder | None] = []
         self._slot_block_size: list[int | None] = []
@@ -169,7 +175,7 @@ class MaskTable:
             if len(changed) > _CHANGED_LIMIT:
                 self._unlist_changes()  # a rebuild costs less than syncing this many
         if hashes is not None:
-            self._hashes.update(zip(hashes, keys, strict=True))
+            self._map_hashes(slot, hashes, keys)
             if settle and len(self._hashes) > 2 * len(blocks) + 4096:
                 self._maybe_gc_hashes()
         if self._predicted:
@@ -235,6 +241,53 @@ class MaskTable:
         self._offloaded -= offloaded
         return held
 
+    # --- engine hashes ------------------------------------------------------------------
+
+    def _map_hashes(self, slot: int, hashes: Sequence[Hash], keys: Sequence[int]) -> None:
+        """Remember that ``slot``'s blocks ``keys`` go by the engine's ``hashes``."""
+        known = self._hashes
+        if self._slot_keys or any(map(ne, map(known.get, hashes, keys), keys)):
+            self._map_hashes_apart(slot, hashes, keys)
+        else:  # the usual case, in C: no hash names another key
+            known.update(zip(hashes, keys, strict=True))
+
+    def _map_hashes_apart(self, slot: int, hashes: Sequence[Hash], keys: Sequence[int]) -> None:
+        known, own = self._hashes, self._slot_keys
+        for h, k in zip(hashes, keys, strict=True):
+            shared = known.get(h)
+            if shared is None or shared == k or not self._key_held(shared):
+                known[h] = k
+                own.pop((slot, h), None)
+            else:  # another block (another namespace) holds the shared entry
+                own[(slot, h)] = k
+
+    def _key_of(self, slot: int, h: Hash) -> int | None:
+        """The content key of ``slot``'s block under engine hash ``h`` (None: unknown)."""
+        own = self._slot_keys
+        if own:
+            k = own.get((slot, h))
+            if k is not None:
+                return k
+        return self._hashes.get(h)
+
+    def _keys_of(self, slot: int, hashes: Iterable[Hash]) -> list[int | None]:
+        """:meth:`_key_of` of each hash."""
+        if not self._slot_keys:
+            return list(map(self._hashes.get, hashes))
+        return [self._key_of(slot, h) for h in hashes]
+
+    def _unmap_hash(self, slot: int, h: Hash, k: int) -> None:
+        """``slot`` removed its block ``k`` under ``h`` and nobody holds ``k`` any more."""
+        own = self._slot_keys
+        if own and own.get((slot, h)) == k:
+            del own[(slot, h)]
+        elif self._hashes.get(h) == k:
+            del self._hashes[h]
+
+    def _key_held(self, key: int) -> bool:
+        """Whether any holder has ``key`` (side groups too, in the index)."""
+        return key in self._blocks
+
     def _held_any(self, key: int, slot: int) -> bool:
         v = self._blocks.get(key, 0)
         w = self._width
@@ -277,6 +330,9 @@ class MaskTable:
         if self._refs:
             for rk in [rk for rk in self._refs if rk[1] == slot]:
                 del self._refs[rk]
+        if self._slot_keys:
+            for sk in [sk for sk in self._slot_keys if sk[0] == slot]:
+                del self._slot_keys[sk]
         if predictions and self._predicted:
             self.predictions.clear_slot(slot)
         dropped = self._held[slot]
@@ -471,6 +527,7 @@ class MaskTable:
         if len(self._hashes) > 2 * len(self._blocks) + 4096 or not self._blocks:
             blocks = self._blocks
             self._hashes = {h: k for h, k in self._hashes.items() if k in blocks}
+            self._slot_keys = {sh: k for sh, k in self._slot_keys.items() if k in blocks}
 
     def _set_width(self, width: int) -> None:
         """Re-pack every value for a new slot width (more than ``width`` holders). O(blocks)."""

@@ -329,8 +329,7 @@ class PrefixIndex(GroupedMaskTable):
         if not tokens:
             # A copy into another tier of blocks already known by engine hash.
             keys = []
-            for h in hashes:
-                k = self._hashes.get(h)
+            for k in self._keys_of(slot, hashes):
                 if k is None:
                     stats.unknown_hash += 1
                     outcome = "unknown_hash"
@@ -360,7 +359,7 @@ class PrefixIndex(GroupedMaskTable):
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
             parent_key = namespace_key(lora, ev.cache_salt)
         else:
-            pk = self._hashes.get(parent)
+            pk = self._key_of(slot, parent)
             if pk is None or not self._held_any(pk, slot):
                 stats.unknown_parent += 1
                 outcome = "unknown_parent"
@@ -390,10 +389,8 @@ class PrefixIndex(GroupedMaskTable):
         their extra keys (salt, adapter, images): keyed from the tokens they would land
         in the plain namespace and take the engine hashes with them.
         """
-        got = self._hashes.get
         keys = []
-        for h in hashes:
-            k = got(h)
+        for k in self._keys_of(slot, hashes):
             if k is None or not self._held_any(k, slot):
                 return None
             keys.append(k)
@@ -412,14 +409,13 @@ class PrefixIndex(GroupedMaskTable):
     def _apply_removed(self, slot: int, ev: BlockRemoved, step: int) -> Iterator[None]:
         stats = self.stats
         tier, outcome = self._removal_tier(ev)
-        hashes = self._hashes
         removed = ev.block_hashes
         piece = step if 0 < step < len(removed) else max(1, len(removed))
         for start in range(0, len(removed), piece):
             if start:
                 yield
             some = removed[start : start + piece]
-            keys = list(map(hashes.get, some))
+            keys = self._keys_of(slot, some)
             held = self._remove_many(slot, keys, tier)
             missed = held.count(False)
             if missed:
@@ -428,7 +424,8 @@ class PrefixIndex(GroupedMaskTable):
             blocks = self._blocks
             for h, k in compress(zip(some, keys, strict=True), held):
                 if k not in blocks and not (self._groups and self._side_holds(k)):  # type: ignore[arg-type]
-                    hashes.pop(h, None)  # one event may name a hash twice (a duplicated block)
+                    # (one event may name a hash twice: a duplicated block)
+                    self._unmap_hash(slot, h, k)  # type: ignore[arg-type]
         stats.count_event("BlockRemoved", outcome)
 
     # --- events with extra keys, and side KV-cache groups (kvevents.index.groups) --------
@@ -441,7 +438,7 @@ class PrefixIndex(GroupedMaskTable):
         if parent is None:
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
             return namespace_key(lora, ev.cache_salt or salt), True
-        pk = self._hashes.get(parent)
+        pk = self._key_of(slot, parent)
         if pk is None:
             return _orphan_key(parent), False
         return pk, not check_held or self._held_any(pk, slot)
@@ -512,8 +509,7 @@ class PrefixIndex(GroupedMaskTable):
         table: GroupTable
         if not ev.token_ids:
             keys = []
-            for h in hashes:
-                k = self._hashes.get(h)
+            for k in self._keys_of(slot, hashes):
                 if k is None:
                     stats.unknown_hash += 1
                     outcome = "unknown_hash"
@@ -534,8 +530,7 @@ class PrefixIndex(GroupedMaskTable):
         elif size != advertised:
             stats.block_size_mismatch += 1
             outcome = "block_size_mismatch"
-        got = self._hashes.get
-        keys = [got(h) for h in hashes]  # type: ignore[misc]
+        keys = self._keys_of(slot, hashes)  # type: ignore[assignment]
         if None in keys:
             try:
                 keys, parent_ok = self._extra_chain(slot, ev, m - n, kind == FULL_ATTENTION)
@@ -546,7 +541,7 @@ class PrefixIndex(GroupedMaskTable):
             if not parent_ok:
                 stats.unknown_parent += 1
                 outcome = "unknown_parent"
-            self._hashes.update(zip(hashes, keys, strict=True))
+            self._map_hashes(slot, hashes, keys)
         table = self._side_table(slot, (kind, ev.group_idx, window))
         table._store(slot, keys, tier, None)
         stats.count_event("BlockStored", outcome)
@@ -786,7 +781,10 @@ class PrefixIndex(GroupedMaskTable):
             return set()
         mask = self._tier_mask(slot, tier)
         get = self._blocks.get
-        return {h for h, k in self._hashes.items() if get(k, 0) & mask}
+        own = self._slot_keys
+        found = {h for h, k in self._hashes.items() if get(k, 0) & mask and (slot, h) not in own}
+        found.update(h for (s, h), k in own.items() if s == slot and get(k, 0) & mask)
+        return found
 
     # --- snapshot -------------------------------------------------------------------
 
@@ -824,6 +822,7 @@ class PrefixIndex(GroupedMaskTable):
             groups=[],
             main_groups=list(self._main_group.items()),
             slot_groups=[],
+            slot_keys=[(s, h, k) for (s, h), k in self._slot_keys.items()],
         )
         sides: list[tuple[GroupSnapshot, dict[int, int]]] = []
         if self._groups:
@@ -911,6 +910,7 @@ class PrefixIndex(GroupedMaskTable):
         index._holder_list = None
         cls._load_columns(index, snap.blocks)
         index._hashes = dict(zip(snap.hashes, snap.hash_keys, strict=True))
+        index._slot_keys = {(s, h): k for s, h, k in snap.slot_keys}
         index._refs = {(k, s, t): n for k, s, t, n in snap.refs}
         index.stats = snap.stats
         index.applied_seqs = {Holder(w, r): seq for w, r, seq in snap.seqs}

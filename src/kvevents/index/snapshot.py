@@ -138,6 +138,10 @@ class IndexSnapshot(msgspec.Struct, array_like=True, gc=False):
     """``(slot, group_idx)``: each slot's main group."""
     slot_groups: list[tuple[int, int]]
     """``(slot, index into groups)``: each slot's side groups."""
+    slot_keys: list[tuple[int, Hash, int]] = []
+    """``(slot, engine hash, content key)``: a holder's keys under hashes another
+    namespace's block holds in ``hashes`` (SGLang's token-only hashes); none in
+    snapshots written before it was added."""
 
 
 class _Version(msgspec.Struct, array_like=True):
