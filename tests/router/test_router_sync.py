@@ -4,6 +4,9 @@ notes arrive and count, NATS going away and coming back, duplicated and late not
 from __future__ import annotations
 
 import asyncio
+import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +18,7 @@ import pytest
 from nats_support import NatsProxy, NatsServer
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+from kvevents.errors import ConfigError
 from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
 from kvevents.router.peers import LoadNote
 
@@ -242,3 +246,66 @@ def test_a_silent_partition_from_nats_is_noticed_within_seconds(server: NatsServ
             await proxy.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("nats://127.0.0.1:42x2", "cannot read a port from 1 to 65535"),
+        ("nats://127.0.0.1:99999", "cannot read a port from 1 to 65535"),
+        ("nats://127.0.0.1:0", "cannot read a port from 1 to 65535"),
+        ("nats://[::1", "cannot read a port from 1 to 65535"),
+        ("nats://", "names no host"),
+        ("nats://user:pw@:4222", "names no host"),
+        ("http://127.0.0.1:4222", "give a NATS URL"),
+    ],
+)
+def test_a_sync_url_nats_cannot_use_is_refused_at_start(url: str, problem: str) -> None:
+    """nats-py checks host and port only as it connects, and raises before its retry
+    loop: such a URL was accepted, and the replica ran without sync for ever, saying
+    only "not connected". It is refused up front, naming the option (not the password)."""
+    with pytest.raises(ConfigError, match=problem) as refused:
+        NatsNoteTransport(url, "t.x")
+    assert str(refused.value).startswith("--sync '") and "e.g. nats://" in str(refused.value)
+    assert "pw" not in str(refused.value)
+
+
+def test_kvevents_router_refuses_a_sync_url_without_a_port_number() -> None:
+    """The command exits 2 with the message, before following any engine."""
+    command = ["router", "--engine", "http://127.0.0.1:9", "--sync", "nats://127.0.0.1:42x2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli.main", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "kvevents router: error: --sync 'nats://127.0.0.1:42x2': cannot read a port" in (
+        done.stderr
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_a_failure_nats_py_raises_is_shown_and_retried_and_close_does_not_raise(
+    server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What nats-py raises instead of retrying by itself (here: a URL it cannot parse,
+    put past the start-up check) is logged and shown in ``last_error``, and connecting
+    is tried again; before, the task died silently (``last_error`` None for ever) and
+    ``close()`` raised its exception, so the router's shutdown failed."""
+
+    async def main() -> None:
+        transport = NatsNoteTransport(server.url, "t.retry", reconnect_wait=0.1)
+        transport._connect_url = "nats://127.0.0.1:42x2"  # what nats-py refuses
+        transport.start(lambda raw: None)
+        try:
+            await until(lambda: transport.last_error is not None, 10, "the failure shown")
+            assert not transport.connected and "invalid" in str(transport.last_error)
+            transport._connect_url = server.url  # the cause goes away: it connects
+            await until(lambda: transport.connected, 10, "the retry to connect")
+        finally:
+            await transport.close()
+
+    with caplog.at_level(logging.ERROR, logger="kvevents.router"):
+        asyncio.run(main())
+    assert any("trying again" in r.getMessage() for r in caplog.records)

@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +45,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from kvevents.errors import ConfigError
 from kvevents.router.peers import cancel_and_wait
 
 __all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
@@ -90,6 +92,28 @@ def shown_url(text: str) -> str:
 _USERINFO = re.compile(r"//[^/\s]*@")  # to the last @ before the path, as urlparse splits
 
 
+def _check_url(url: str) -> None:
+    """ConfigError unless ``url`` is one NATS URL with a host and a valid port (or none:
+    4222). nats-py checks them only as it connects, and raises there, before its retry
+    loop: a replica started with a typo would go on without sync, saying only that it
+    is not connected."""
+    shown = shown_url(url)
+    example = "give a NATS URL, e.g. nats://127.0.0.1:4222"
+    if not url.startswith(("nats://", "tls://")):
+        raise ConfigError(f"--sync {shown!r}: {example}")
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        port = parsed.port
+    except ValueError:  # a port that is not a number or out of range, a broken [IPv6]
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(
+            f"--sync {shown!r}: cannot read a port from 1 to 65535 in the URL; {example}"
+        )
+    if not parsed.hostname:
+        raise ConfigError(f"--sync {shown!r}: the URL names no host; {example}")
+
+
 class NatsNoteTransport:
     """Notes over one NATS subject; see the module docstring.
 
@@ -107,10 +131,7 @@ class NatsNoteTransport:
         max_queue: int = 10_000,
         batch_window: float = 0.005,
     ) -> None:
-        if not url.startswith(("nats://", "tls://")):
-            raise ValueError(
-                f"--sync {shown_url(url)!r}: give a NATS URL, e.g. nats://127.0.0.1:4222"
-            )
+        _check_url(url)
         if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
             raise ValueError(
                 f"--sync-subject {subject!r}: a NATS subject is dot-separated tokens with "
@@ -148,13 +169,11 @@ class NatsNoteTransport:
         self._task = asyncio.get_running_loop().create_task(self._run(deliver))
 
     async def close(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
-        nc, self._nc = self._nc, None
+        task, self._task = self._task, None
+        with contextlib.suppress(Exception):  # _run logged and recorded every failure
+            await cancel_and_wait(task)
         self.connected = False
-        if nc is not None and not nc.is_closed:
-            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(nc.close(), timeout=2.0)
+        await self._drop_connection()
 
     def status(self) -> dict[str, Any]:
         """For ``/workers`` (``process.sync``) and ``/metrics``."""
@@ -172,6 +191,35 @@ class NatsNoteTransport:
     # --- the task ---------------------------------------------------------------------
 
     async def _run(self, deliver: Callable[[bytes], None]) -> None:
+        """Connect and publish for ever. nats-py retries a lost connection by itself; a
+        failure it raises instead (from connecting or subscribing: a TLS or an auth
+        setting it refuses) is logged and shown in :meth:`status`, and everything starts
+        again after a wait that doubles up to a minute, so it is neither silent nor a
+        tight loop."""
+        wait = self.reconnect_wait
+        while True:
+            try:
+                await self._session(deliver)
+            except Exception as exc:  # any failure: say so, and try again
+                self.connected = False
+                self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
+                log.error(
+                    "NATS %s: %s; routing without the other replicas' load, trying again in %.1f s",
+                    self.url,
+                    self.last_error,
+                    wait,
+                )
+                await self._drop_connection()
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 60.0)
+
+    async def _drop_connection(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(nc.close(), timeout=2.0)
+
+    async def _session(self, deliver: Callable[[bytes], None]) -> None:
         async def on_message(msg: Msg) -> None:
             for raw in split_notes(msg.data):
                 deliver(raw)
