@@ -272,7 +272,10 @@ def test_snapshot_carries_applied_seqs_and_refuses_old_versions() -> None:
     copy = PrefixIndex.from_bytes(index.to_bytes())
     assert copy.applied_seqs == {A: 41}
     snap = msgspec.msgpack.decode(index.to_bytes())
-    assert snap[0] == SNAPSHOT_VERSION == 4
+    assert snap[0] == SNAPSHOT_VERSION == 5
+    # version 4 (no per-holder keys of shared hashes) is read as having none
+    v4 = PrefixIndex.from_bytes(msgspec.msgpack.encode([4, *snap[1:-1]]))
+    assert v4.applied_seqs == {A: 41} and v4._slot_keys == {}
     # version 3's layout: a list of (key, mask) pairs, hashes as (hash, key) pairs
     v3 = [3, *snap[1:7], [[k, b"\x01"] for k in snap[7][0]], [[1, 9]], *snap[10:]]
     for version, raw in ((3, v3), (2, [2, *v3[1:-3]]), (1, [1, *v3[1:-4]])):

@@ -7,7 +7,7 @@ holder the seq of the last batch applied (``PrefixIndex.applied_seqs``, so that 
 restored from a peer's snapshot follows each stream from there: ``kvevents router
 --peer``), and the KV-cache groups of hybrid holders (:mod:`kvevents.index.groups`).
 
-Layout (version 4): a positional msgpack array whose large parts are *columns*, flat
+Layout (version 5): a positional msgpack array whose large parts are *columns*, flat
 arrays of ints that msgpack encodes and decodes in C, so that a restart from a few
 hundred thousand blocks costs a few C-level passes, not a Python loop per block:
 
@@ -19,7 +19,8 @@ hundred thousand blocks costs a few C-level passes, not a Python loop per block:
   distinct mask (``Counter`` of the mask numbers) instead of per block.
 * engine hashes: the hashes and their content keys, as two parallel columns.
 
-Only version 4 is read. Versions 1 to 3 (a list of ``(key, mask)`` pairs per block) are
+Version 5 adds the per-holder keys of engine hashes two namespaces share (SGLang's
+token-only hashes); version 4, without them, is read as having none. Versions 1 to 3 (a list of ``(key, mask)`` pairs per block) are
 refused with an error naming the version and the fix: restart the peer with this
 kvevents, or start without ``--peer`` (the index is then rebuilt from the streams).
 This module knows only the layout; the index builds and reads it, so the index imports
@@ -46,9 +47,9 @@ __all__ = [
     "encode_snapshot",
 ]
 
-SNAPSHOT_VERSION = 4
+SNAPSHOT_VERSION = 5
 
-READABLE_VERSIONS = (4,)
+READABLE_VERSIONS = (4, 5)
 """Snapshot versions :func:`decode_snapshot` reads."""
 
 
