@@ -121,7 +121,14 @@ def test_sliding_window_store_alone_keys_its_last_blocks_from_the_tokens() -> No
     keys = index.keys_for(PROMPT)
     assert set(index._groups[("sliding_window", 0, 64)]._blocks) == {keys[4], keys[5]}
     assert index.stats.malformed == 0
-    # no full-attention copy at all: nothing reusable
+    # no full-attention group (yet): a model whose every layer is a sliding window, which
+    # its window alone decides (the two blocks a 64-token window needs end the prompt)
+    assert gpu(index, PROMPT) == 6
+    assert gpu(index, LONGER) == 6
+    index.apply(H, batch(removed(PROMPT, [5], group=0)))
+    assert gpu(index, PROMPT) == 0  # block 4 alone: not the two the window needs
+    # once the holder has a full-attention group, the hybrid rule applies
+    index.apply(H, batch(fa_store(PROMPT, 0, 3, None)))
     assert gpu(index, PROMPT) == 0
 
 

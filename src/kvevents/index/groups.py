@@ -51,8 +51,11 @@ are full attention, sliding-window MLA is a sliding window. A side group's offlo
 without a kind (vLLM's offloading connector sends only ``group_idx``) goes to the table
 the holder already has for that ``group_idx``.
 
-Not modelled: a model whose every group is a sliding window (no main group: its
-matches are 0); groups of other kinds (Mamba state, chunked local attention) are counted
+A holder whose every group is a sliding window (no full-attention group, so no main
+group) is matched by its window alone over the whole request, as vLLM's sliding-window
+manager does for such a model.
+
+Not modelled: groups of other kinds (Mamba state, chunked local attention) are counted
 as ``unsupported_group`` and not indexed, so a model with them is matched on its
 full-attention group alone; vLLM's alignment of a hit to the least common multiple of
 different group block sizes (every group of the captured models has the same size).
@@ -332,4 +335,15 @@ class GroupedMaskTable(MaskTable):
                     if n:
                         new.append((1 << slot, n))
             out.append(new)
+        main = self._main_group
+        for slot in iter_bits(hybrid):
+            if slot in main:
+                continue
+            # no full-attention group (every layer a sliding window): its window alone
+            # decides, over the whole request
+            size = sizes[slot] or default
+            for tier in range(3):
+                n = reuse_length(tables.get(slot, ()), keys, slot, tier + 1, len(keys), size)
+                if n:
+                    out[tier].append((1 << slot, n))
         return PrefixMatch(self._holders, (out[0], out[1], out[2]), len(keys), self.block_size)

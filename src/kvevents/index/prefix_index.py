@@ -277,7 +277,11 @@ class PrefixIndex(GroupedMaskTable):
                     yield from self._apply_stored(slot, event, step)  # type: ignore[arg-type]
             elif kind is BlockRemoved:
                 g = event.group_idx  # type: ignore[union-attr]
-                if g is not None and main.get(slot, g) != g:
+                if g is not None and (
+                    main.get(slot, g) != g
+                    # no main group yet: a group it has a side table for (sliding only)
+                    or (slot not in main and g in self._slot_sides.get(slot, ()))
+                ):
                     later.append(event)  # type: ignore[arg-type]
                 else:
                     yield from self._apply_removed(slot, event, step)  # type: ignore[arg-type]
