@@ -9,6 +9,8 @@ import contextlib
 import random
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -153,11 +155,14 @@ def test_a_peer_with_an_older_snapshot_version_is_refused_by_name() -> None:
 
 
 @contextlib.contextmanager
-def _peer_serving(snapshot: bytes) -> Iterator[str]:
-    """A peer router's /dump (only that) on a real HTTP server; yields its URL."""
+def _peer_serving(snapshot: bytes, asked: list[str] | None = None) -> Iterator[str]:
+    """A peer router's /dump (only that) on a real HTTP server; yields its URL.
+    ``asked``: each request's path is appended to it."""
 
     class Peer(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if asked is not None:
+                asked.append(self.path)
             self.send_response(200 if self.path == "/dump" else 404)
             self.send_header("Content-Length", str(len(snapshot)))
             self.end_headers()
@@ -241,3 +246,46 @@ def test_a_peers_ranks_past_an_engine_described_here_are_not_adopted() -> None:
     finally:
         assert service.subscriber is not None
         service.subscriber.close()
+
+
+def test_a_peer_url_with_credentials_is_never_asked_nor_shown() -> None:
+    """``http://user:password@host`` as a peer: skipped, with the reason and the URL
+    masked in ``errors`` (and so in /workers and the log), and the next peer is used;
+    before, the password was shown in ``warm_start`` and logged."""
+    index = PrefixIndex(block_size=PAGE)
+    index.add_holder(Holder("http://e", 0))
+    asked: list[str] = []
+    with _peer_serving(index.to_bytes(), asked) as peer, _peer_serving(index.to_bytes()) as good:
+        secret = peer.replace("http://", "http://ops:hunter2@")
+        loaded, warm = load_from_peers([secret, good], timeout=10.0)
+    assert loaded is not None and warm.peer == good and asked == []
+    assert warm.errors == [
+        f"--peer {peer.replace('http://', 'http://***@')}: credentials in a peer's URL are "
+        "refused (it would be shown in /workers and the log); the peer is asked with this "
+        "router's --api-key (or --api-key-file, KVEVENTS_API_KEY): write http://HOST:PORT"
+    ]
+    assert "hunter2" not in msgspec.json.encode(warm).decode()
+
+
+@pytest.mark.parametrize(
+    ("peer", "message"),
+    [
+        ("http://ops:hunter2@127.0.0.1:1", "--peer http://***@127.0.0.1:1: credentials in"),
+        ("http://ops:hunter2@127.0.0.1:8x", "--peer http://***@127.0.0.1:8x: not a URL"),
+    ],
+)
+def test_kvevents_router_refuses_a_peer_url_with_credentials_or_unreadable(
+    peer: str, message: str
+) -> None:
+    """Refused at start (exit 2), as an engine URL with credentials is, without showing
+    the password; an unreadable URL ended in a traceback (httpx.InvalidURL)."""
+    command = ["router", "--engine", "http://127.0.0.1:9", "--peer", peer]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli.main", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"kvevents router: error: {message}" in done.stderr
+    assert "hunter2" not in done.stderr and "Traceback" not in done.stderr

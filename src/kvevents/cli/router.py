@@ -87,7 +87,7 @@ from kvevents.router.peers import LoadNotes, SyncTransport
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
-from kvevents.router.warm_start import load_from_peers
+from kvevents.router.warm_start import load_from_peers, peer_url_problem
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
@@ -386,6 +386,10 @@ def _check(
     if not specs:
         raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
     _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
+    for url in args.peer:  # and --peer URLs with credentials, which it would show
+        problem = peer_url_problem(url)
+        if problem is not None:
+            raise ConfigError(problem)
     router_security(args)  # and unreadable key files, certificates or CA bundles
     curve_options(args)  # and bad CURVE keys
     tokenizer = _tokenizer(args)

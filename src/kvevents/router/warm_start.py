@@ -19,7 +19,10 @@ ints (:mod:`kvevents.index.snapshot`), about 0.2 s at 270,000 blocks; ``kvevents
 warm_start`` measures every step.
 
 Peers are tried in the order given, each with a bounded timeout; the first snapshot
-that loads wins. None reachable: the router starts empty, as without ``--peer``.
+that loads wins. None reachable: the router starts empty, as without ``--peer``. A peer
+URL with credentials in it (``http://user:password@host``) is refused, as an engine's
+is (:func:`peer_url_problem`): a peer is asked with the router's own ``--api-key``, and
+the URL is shown in ``/workers`` and the log.
 
 The limit: batches published between the peer's snapshot and this router's
 subscription reaching the publisher come back only through replay; without a replay
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -39,7 +43,7 @@ import msgspec
 
 from kvevents.index.prefix_index import PrefixIndex
 
-__all__ = ["WarmStart", "dump_bytes", "load_from_peers"]
+__all__ = ["WarmStart", "dump_bytes", "load_from_peers", "peer_url_problem"]
 
 log = logging.getLogger("kvevents.router")
 
@@ -63,6 +67,28 @@ class WarmStart(msgspec.Struct, frozen=True, kw_only=True):
     """Why each peer tried before (or instead of) the one adopted failed."""
 
 
+_USERINFO = re.compile(r"//[^/\s]*@")  # as nats_sync.shown_url masks: to the last @
+
+
+def peer_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a ``--peer`` (it has credentials in it, or is not a URL), in
+    a message that shows it without them; None: it can. Credentials are refused as in an
+    engine's URL: a peer is asked with this router's ``--api-key`` (replicas share one),
+    and the URL is shown in ``/workers`` and logged."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"--peer {_USERINFO.sub('//***@', url)}: not a URL ({exc}); write http://HOST:PORT"
+    if parsed.userinfo:
+        shown = f"{parsed.scheme}://***@{parsed.netloc.decode('ascii', 'replace')}"
+        return (
+            f"--peer {shown}: credentials in a peer's URL are refused (it would be shown in "
+            "/workers and the log); the peer is asked with this router's --api-key (or "
+            "--api-key-file, KVEVENTS_API_KEY): write http://HOST:PORT"
+        )
+    return None
+
+
 def load_from_peers(
     peers: Sequence[str], *, timeout: float = 5.0, client: httpx.Client | None = None
 ) -> tuple[PrefixIndex | None, WarmStart]:
@@ -73,6 +99,10 @@ def load_from_peers(
     http = client or httpx.Client(timeout=httpx.Timeout(timeout))
     try:
         for url in peers:
+            problem = peer_url_problem(url)
+            if problem is not None:  # never asked, never shown with its credentials
+                errors.append(problem)
+                continue
             base = url.rstrip("/")
             try:
                 asked = time.monotonic()
