@@ -23,6 +23,7 @@ from router_support import Engine, RouterProc, wait_until
 from kvevents import BlockStored, KVEventBatch
 from kvevents.cli.router import add_arguments, build_service
 from kvevents.index.prefix_index import PrefixIndex
+from kvevents.router.core import Router
 from kvevents.router.warm_start import load_from_peers
 from kvevents.types import Holder
 
@@ -289,3 +290,63 @@ def test_kvevents_router_refuses_a_peer_url_with_credentials_or_unreadable(
     assert done.returncode == 2, done.stderr
     assert f"kvevents router: error: {message}" in done.stderr
     assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
+
+
+def _snapshot(worker: str, page: int, prompt: list[int]) -> PrefixIndex:
+    """A peer's index at block size ``page``: ``prompt`` stored on rank 1 of ``worker``."""
+    index = PrefixIndex(block_size=page)
+    for rank in range(DP):
+        index.add_holder(Holder(worker, rank))
+    stored = BlockStored(
+        block_hashes=list(range(1, len(prompt) // page + 1)),
+        parent_block_hash=None,
+        token_ids=prompt,
+        block_size=page,
+        lora_id=None,
+        medium=None,
+    )
+    index.apply(Holder(worker, 1), KVEventBatch(ts=1.0, events=[stored]))
+    index.applied_seqs[Holder(worker, 1)] = 41
+    return index
+
+
+def _described_router(peers: list[str], *before: str, after: tuple[str, ...] = ()) -> Any:
+    """``build_service`` of a router following one engine described here (never contacted);
+    ``before``/``after``: options before its ``--engine`` (global) and after (the engine's)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = ["--engine", "http://127.0.0.1:9", "--kv-endpoint", "tcp://127.0.0.1:5557"]
+    argv = [*before, *engine, "--dp-size", str(DP), *after]
+    for peer in peers:
+        argv += ["--peer", peer]
+    return build_service(parser.parse_args(argv), warn=False)
+
+
+@pytest.mark.parametrize("where", ["global", "the engine's"])
+def test_a_snapshot_at_another_block_size_is_refused_and_the_next_peer_tried(where: str) -> None:
+    """With --block-size 8 (the router's, or its engine's), a peer's snapshot at 4 is
+    skipped with the reason and the next peer's, at 8, adopted; before, the first was
+    adopted with its keys (cut at 4) kept under 8: nothing matched, nothing said why."""
+    engine, prompt = "http://127.0.0.1:9", list(range(500, 516))
+    at4, at8 = _snapshot(engine, 4, prompt), _snapshot(engine, 8, prompt)
+    size = ("--block-size", "8")
+    with _peer_serving(at4.to_bytes()) as wrong, _peer_serving(at8.to_bytes()) as right:
+        if where == "global":
+            service = _described_router([wrong, right], *size)
+        else:
+            service = _described_router([wrong, right], after=size)
+    try:
+        warm = service.warm_start
+        assert warm.peer == right and warm.blocks == 2, warm
+        assert warm.errors == [
+            f"{wrong}: its snapshot is at block size 4, this router keys requests at 8: its "
+            "blocks would match nothing (give the replicas one block size)"
+        ]
+        router = service.router
+        assert router.index.block_size == 8
+        assert router.query(prompt)[Holder(engine, 1)].gpu == 2
+    finally:
+        service.subscriber.close()
+    at8_router = Router(block_size=8)
+    with pytest.raises(ValueError, match="snapshot at block size 4 cannot be restored"):
+        at8_router.restore_index(_snapshot(engine, 4, prompt))

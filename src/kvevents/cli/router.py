@@ -305,7 +305,9 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         with httpx.Client(
             timeout=httpx.Timeout(5.0), headers=peers.headers(), verify=peers.verify()
         ) as client:
-            index, warm = load_from_peers(args.peer, client=client)
+            index, warm = load_from_peers(
+                args.peer, client=client, block_size=_known_block_size(router, specs)
+            )
         if index is not None:
             # A peer may follow engines, or ranks, this router does not: ranks of engines
             # described here must be among theirs; a discovered engine's ranks that it
@@ -348,6 +350,15 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
     return service
+
+
+def _known_block_size(router: Router, specs: list[EngineSpec]) -> int | None:
+    """The block size the router keys requests at before any event: ``--block-size``,
+    else the first engine's configured one (RouterService declares them in order, and
+    the first sets it); None: it comes from the engines."""
+    if router.index.block_size is not None:
+        return router.index.block_size
+    return next((spec.block_size for spec in specs if spec.block_size is not None), None)
 
 
 def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:

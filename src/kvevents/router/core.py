@@ -263,11 +263,20 @@ class Router:
     def restore_index(self, index: PrefixIndex) -> None:
         """Go on from ``index`` (a peer's snapshot, ``--peer``) instead of the empty one:
         its holders, blocks and applied seqs; this router's memory bound, credits and
-        block size (when it has one) stay. Call before any event is handled."""
+        block size (when it has one) stay. Call before any event is handled.
+
+        ValueError for a snapshot at another block size than this router's: its keys were
+        cut at its own, so under this router's they would match nothing."""
+        size = self.index.block_size
+        if size is not None and index.block_size not in (None, size):
+            raise ValueError(
+                f"a snapshot at block size {index.block_size} cannot be restored into a "
+                f"router at block size {size}"
+            )
         index.max_entries = self.index.max_entries
         index.credits = self.index.credits
-        if self.index.block_size is not None:
-            index.block_size = self.index.block_size
+        if size is not None:
+            index.block_size = size
         self.index = index
         for holder in index.holders():
             self.loads.slot(holder)

@@ -19,7 +19,7 @@ ints (:mod:`kvevents.index.snapshot`), about 0.2 s at 270,000 blocks; ``kvevents
 warm_start`` measures every step.
 
 Peers are tried in the order given, each with a bounded timeout; the first snapshot
-that loads wins. None reachable: the router starts empty, as without ``--peer``. A peer
+that loads, at this router's block size (``--block-size``, when given), wins. None reachable: the router starts empty, as without ``--peer``. A peer
 URL with credentials in it (``http://user:password@host``) is refused, as an engine's
 is (:func:`peer_url_problem`): a peer is asked with the router's own ``--api-key``, and
 the URL is shown in ``/workers`` and the log.
@@ -90,9 +90,17 @@ def peer_url_problem(url: str) -> str | None:
 
 
 def load_from_peers(
-    peers: Sequence[str], *, timeout: float = 5.0, client: httpx.Client | None = None
+    peers: Sequence[str],
+    *,
+    timeout: float = 5.0,
+    client: httpx.Client | None = None,
+    block_size: int | None = None,
 ) -> tuple[PrefixIndex | None, WarmStart]:
-    """The first peer's index that loads, and what happened; ``(None, ...)`` when none did."""
+    """The first peer's index that loads, and what happened; ``(None, ...)`` when none did.
+
+    ``block_size``: this router's, when it has one (``--block-size``); a snapshot at
+    another is skipped (:func:`_unusable`), and the next peer tried.
+    """
     started = time.monotonic()
     errors: list[str] = []
     own = client is None
@@ -115,6 +123,10 @@ def load_from_peers(
             except ValueError as exc:
                 errors.append(f"{base}: {exc}")
             else:
+                why = _unusable(index, block_size)
+                if why is not None:
+                    errors.append(f"{base}: {why}")
+                    continue
                 loaded = time.monotonic()  # one reading: the total includes both parts
                 info = WarmStart(
                     peer=base,
@@ -145,6 +157,18 @@ def load_from_peers(
     if peers:
         log.warning("no peer answered with an index snapshot: starting with an empty index")
     return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)
+
+
+def _unusable(index: PrefixIndex, block_size: int | None) -> str | None:
+    """Why a peer's decoded snapshot cannot be adopted; None: it can. Its content keys
+    were cut at its block size: kept under another, they would match nothing, and
+    nothing would say why."""
+    if block_size is not None and index.block_size not in (None, block_size):
+        return (
+            f"its snapshot is at block size {index.block_size}, this router keys requests at "
+            f"{block_size}: its blocks would match nothing (give the replicas one block size)"
+        )
+    return None
 
 
 async def dump_bytes(index: PrefixIndex, applying: asyncio.Lock | None = None) -> bytes:
