@@ -350,3 +350,35 @@ def test_a_snapshot_at_another_block_size_is_refused_and_the_next_peer_tried(whe
     at8_router = Router(block_size=8)
     with pytest.raises(ValueError, match="snapshot at block size 4 cannot be restored"):
         at8_router.restore_index(_snapshot(engine, 4, prompt))
+
+
+def test_a_peer_with_none_of_our_ranks_is_skipped_and_counts_are_of_what_is_kept() -> None:
+    """The first peer follows only another engine: skipped with the reason, and the next
+    peer asked. The next one follows ours and another: what /workers reports (blocks,
+    streams) is what was kept. Before, the first snapshot that decoded was adopted, its
+    holders dropped only afterwards: the router started empty, the good peer was never
+    asked, and warm_start reported the foreign snapshot's blocks and streams."""
+    ours, other, prompt = "http://127.0.0.1:9", "http://10.9.9.9:30000", list(range(500, 516))
+    both = _snapshot(ours, PAGE, prompt)
+    elsewhere = _snapshot(other, PAGE, list(range(700, 732)))
+    for holder in elsewhere.holders():  # the good peer follows the other engine too
+        both.add_holder(holder)
+        both.applied_seqs[holder] = 7
+    both.apply(Holder(other, 0), KVEventBatch(ts=1.0, events=[_stored(list(range(900, 932)))]))
+    with (
+        _peer_serving(elsewhere.to_bytes()) as foreign,
+        _peer_serving(both.to_bytes()) as good,
+    ):
+        service = _described_router([foreign, good], "--block-size", str(PAGE))
+    try:
+        warm, index = service.warm_start, service.router.index
+        assert warm.peer == good, warm
+        assert warm.errors == [
+            f"{foreign}: its snapshot holds none of the ranks this router follows (only of "
+            f"{other}): nothing of it is usable"
+        ]
+        assert index.holders() == [Holder(ours, 0), Holder(ours, 1)]
+        assert (warm.blocks, warm.streams) == (index.num_blocks, 1) == (4, 1)
+        assert service.router.query(prompt)[Holder(ours, 1)].gpu == 4
+    finally:
+        service.subscriber.close()

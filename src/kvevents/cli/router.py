@@ -67,6 +67,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -306,25 +307,12 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
             timeout=httpx.Timeout(5.0), headers=peers.headers(), verify=peers.verify()
         ) as client:
             index, warm = load_from_peers(
-                args.peer, client=client, block_size=_known_block_size(router, specs)
+                args.peer,
+                client=client,
+                block_size=_known_block_size(router, specs),
+                follows=_follows(specs),
             )
         if index is not None:
-            # A peer may follow engines, or ranks, this router does not: ranks of engines
-            # described here must be among theirs; a discovered engine's ranks that it
-            # does not list are dropped once discovery has read it (Removed).
-            followed = {spec.worker for spec in specs}
-            described = {
-                Holder(s.worker, s.dp_rank)
-                for spec in specs
-                if spec.described
-                for s in spec.streams()
-            }
-            fixed = {holder.worker for holder in described}
-            for holder in index.holders():
-                if holder.worker not in followed or (
-                    holder.worker in fixed and holder not in described
-                ):
-                    index.remove_holder(holder)
             router.restore_index(index)
     # every holder restored from a peer, -1 (from the start) for one it had no batch of:
     # the subscriber drops those its engine turns out not to have
@@ -350,6 +338,21 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
     return service
+
+
+def _follows(specs: list[EngineSpec]) -> Callable[[Holder], bool]:
+    """Whether this router follows a holder of a peer's snapshot. A peer may follow
+    engines, or ranks, this router does not: ranks of engines described here must be
+    among theirs; a discovered engine's ranks that it does not list are dropped once
+    discovery has read it (Removed)."""
+    followed = {spec.worker for spec in specs}
+    described = {
+        Holder(s.worker, s.dp_rank) for spec in specs if spec.described for s in spec.streams()
+    }
+    fixed = {holder.worker for holder in described}
+    return lambda holder: (
+        holder.worker in followed and (holder.worker not in fixed or holder in described)
+    )
 
 
 def _known_block_size(router: Router, specs: list[EngineSpec]) -> int | None:

@@ -19,7 +19,8 @@ ints (:mod:`kvevents.index.snapshot`), about 0.2 s at 270,000 blocks; ``kvevents
 warm_start`` measures every step.
 
 Peers are tried in the order given, each with a bounded timeout; the first snapshot
-that loads, at this router's block size (``--block-size``, when given), wins. None reachable: the router starts empty, as without ``--peer``. A peer
+that loads, at this router's block size (``--block-size``, when given), and holds a rank
+this router follows wins (the ranks it does not follow dropped). None reachable: the router starts empty, as without ``--peer``. A peer
 URL with credentials in it (``http://user:password@host``) is refused, as an engine's
 is (:func:`peer_url_problem`): a peer is asked with the router's own ``--api-key``, and
 the URL is shown in ``/workers`` and the log.
@@ -36,12 +37,13 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 import msgspec
 
 from kvevents.index.prefix_index import PrefixIndex
+from kvevents.types import Holder
 
 __all__ = ["WarmStart", "dump_bytes", "load_from_peers", "peer_url_problem"]
 
@@ -95,11 +97,14 @@ def load_from_peers(
     timeout: float = 5.0,
     client: httpx.Client | None = None,
     block_size: int | None = None,
+    follows: Callable[[Holder], bool] | None = None,
 ) -> tuple[PrefixIndex | None, WarmStart]:
     """The first peer's index that loads, and what happened; ``(None, ...)`` when none did.
 
     ``block_size``: this router's, when it has one (``--block-size``); a snapshot at
-    another is skipped (:func:`_unusable`), and the next peer tried.
+    another is skipped, and the next peer tried. ``follows``: whether this router follows
+    a holder; the others are dropped from each snapshot, and one left with none is
+    skipped too (:func:`_fit`). What is reported (blocks, streams) is what is left.
     """
     started = time.monotonic()
     errors: list[str] = []
@@ -123,7 +128,7 @@ def load_from_peers(
             except ValueError as exc:
                 errors.append(f"{base}: {exc}")
             else:
-                why = _unusable(index, block_size)
+                why = _fit(index, block_size, follows)
                 if why is not None:
                     errors.append(f"{base}: {why}")
                     continue
@@ -159,14 +164,30 @@ def load_from_peers(
     return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)
 
 
-def _unusable(index: PrefixIndex, block_size: int | None) -> str | None:
-    """Why a peer's decoded snapshot cannot be adopted; None: it can. Its content keys
-    were cut at its block size: kept under another, they would match nothing, and
-    nothing would say why."""
+def _fit(
+    index: PrefixIndex, block_size: int | None, follows: Callable[[Holder], bool] | None
+) -> str | None:
+    """Fit a peer's decoded snapshot to this router: drop the holders it does not follow
+    (another group's engines, ranks past those described here). Returns why the snapshot
+    cannot be adopted (None: it can): at another block size its content keys, cut at
+    its own, would match nothing; with no holder left, adopting it would only stop the
+    next peer, which may have them, from being asked."""
     if block_size is not None and index.block_size not in (None, block_size):
         return (
             f"its snapshot is at block size {index.block_size}, this router keys requests at "
             f"{block_size}: its blocks would match nothing (give the replicas one block size)"
+        )
+    if follows is None:
+        return None
+    held = index.holders()
+    for holder in held:
+        if not follows(holder):
+            index.remove_holder(holder)
+    if held and not index.holders():
+        engines = sorted({holder.worker for holder in held})
+        return (
+            f"its snapshot holds none of the ranks this router follows (only of "
+            f"{', '.join(engines)}): nothing of it is usable"
         )
     return None
 
