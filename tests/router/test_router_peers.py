@@ -334,3 +334,57 @@ def test_notes_with_out_of_range_numbers_are_counted_malformed_and_change_nothin
     assert after.recent_blocks == before.recent_blocks
     notes.apply(_note("begin", ticket=1))  # a note in range from the same sender counts
     assert (notes.received, router.loads[H].inflight_requests) == (1, 2)
+
+
+class LinkTransport(FakeTransport):
+    """A FakeTransport that can lose its connection, as NATS can (``on_link``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_link: Callable[[bool], None] | None = None
+
+
+def test_a_lost_link_drops_what_was_heard_over_it_and_hello_asks_again() -> None:
+    """The link going down drops the in-flight requests of the peers heard over it (not
+    those heard over the other transport); back, this router says hello and sends its
+    own begins again, on that link only. A known peer's hello drops that peer's requests
+    (their finishes may have been lost) and has this router send its begins to it."""
+
+    async def main() -> None:
+        router = Router(block_size=16)
+        router.add_holder(H)
+        ipc, link = FakeTransport(), LinkTransport()
+        notes = LoadNotes(router, "me", [ipc, link], ttl=30.0)
+        notes.start()
+        try:
+            assert link.on_link is not None and link.deliver is not None
+            assert ipc.deliver is not None
+            own = router.begin(router.route(list(range(64))))
+            link.deliver(msgspec.msgpack.encode(_note("begin", ticket=1, sender="far")))
+            link.deliver(msgspec.msgpack.encode(_note("begin", ticket=2, sender="far")))
+            ipc.deliver(msgspec.msgpack.encode(_note("begin", ticket=1, sender="near")))
+            assert router.loads[H].inflight_requests == 4
+            sent, resent = (len(ipc.sent), len(link.sent)), notes.resent
+            link.on_link(False)
+            assert (router.loads[H].inflight_requests, notes.reset) == (2, 2)
+            assert notes._remote.keys() == {("near", 1)}
+            link.on_link(True)
+            assert len(ipc.sent) == sent[0]
+            back = [msgspec.msgpack.decode(raw, type=LoadNote) for raw in link.sent[sent[1] :]]
+            assert [(n.kind, n.ticket) for n in back] == [("hello", 0), ("begin", own.id)]
+            assert notes.resent == resent + 1
+            link.deliver(msgspec.msgpack.encode(_note("begin", ticket=3, sender="far")))
+            link.deliver(link.sent[-2])  # our own hello: ignored
+            hello = msgspec.structs.replace(back[0], sender="far")
+            link.deliver(msgspec.msgpack.encode(hello))
+            assert (router.loads[H].inflight_requests, notes.reset) == (2, 3)
+            assert notes._remote.keys() == {("near", 1)}
+            again = msgspec.msgpack.decode(link.sent[-1], type=LoadNote)
+            assert (again.kind, again.ticket, notes.resent) == ("begin", own.id, resent + 2)
+            assert len(ipc.sent) == sent[0]
+            link.deliver(msgspec.msgpack.encode(_note("begin", ticket=3, sender="far")))
+            assert router.loads[H].inflight_requests == 3  # sent again: it counts anew
+        finally:
+            await notes.close()
+
+    asyncio.run(main())

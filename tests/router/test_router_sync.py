@@ -18,9 +18,10 @@ import pytest
 from nats_support import NatsProxy, NatsServer
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+from kvevents import Holder, Router
 from kvevents.errors import ConfigError
 from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
-from kvevents.router.peers import LoadNote
+from kvevents.router.peers import LoadNote, LoadNotes
 
 DP = 2
 
@@ -309,3 +310,57 @@ def test_a_failure_nats_py_raises_is_shown_and_retried_and_close_does_not_raise(
     with caplog.at_level(logging.ERROR, logger="kvevents.router"):
         asyncio.run(main())
     assert any("trying again" in r.getMessage() for r in caplog.records)
+
+
+def test_after_a_nats_outage_both_sides_count_what_is_in_flight_now(server: NatsServer) -> None:
+    """B's link to NATS is cut while A finishes the requests B had heard begin, and B
+    begins one and finishes another that A does not hear of. B drops what it learned
+    over NATS as the link goes; back, it says hello and both send again what they have
+    in flight, so each counts the other's requests in flight now. Before, B kept A's
+    finished requests in flight up to the 300 s ttl, and A kept B's finished one."""
+    holder = Holder("http://engine", 0)
+
+    def router() -> Router:
+        made = Router(block_size=16)
+        made.add_holder(holder)
+        return made
+
+    async def main() -> None:
+        proxy = NatsProxy(server.port)
+        await proxy.start()
+        ra, rb = router(), router()
+        a = LoadNotes(ra, "A", [NatsNoteTransport(server.url, "t.outage", reconnect_wait=0.2)])
+        link = NatsNoteTransport(proxy.url, "t.outage", reconnect_wait=0.2)
+        b = LoadNotes(rb, "B", [link])
+        a.start()
+        b.start()
+        try:
+            await until(lambda: a.transports[0].connected and link.connected, 10, "both on NATS")
+            a_tickets = [ra.begin(ra.route(list(range(64)))) for _ in range(3)]
+            b_tickets = [rb.begin(rb.route(list(range(64)))) for _ in range(2)]
+            await until(lambda: b.remote_inflight == 3, 10, "A's requests on B")
+            await until(lambda: a.remote_inflight == 2, 10, "B's requests on A")
+            await proxy.cut()
+            await until(lambda: not link.connected, 10, "B to see its link gone")
+            assert (b.remote_inflight, rb.loads[holder].inflight_requests) == (0, 2)
+            assert b.reset == 3
+            for ticket in a_tickets[:2]:
+                ra.finish(ticket)  # B does not hear of these
+            rb.finish(b_tickets[0])  # nor A of this, nor of the next begin
+            late = rb.begin(rb.route(list(range(64))))
+            await proxy.heal()
+            await until(lambda: link.connected, 10, "B back on NATS")
+            await until(lambda: b.remote_inflight == 1, 10, "A's one request left, on B")
+            await until(
+                lambda: set(a._remote) == {("B", b_tickets[1].id), ("B", late.id)},
+                10,
+                "B's two requests in flight now, on A",
+            )
+            assert rb.loads[holder].inflight_requests == 2 + 1
+            assert ra.loads[holder].inflight_requests == 1 + 2
+        finally:
+            await a.close()
+            await b.close()
+            await proxy.close()
+
+    asyncio.run(main())

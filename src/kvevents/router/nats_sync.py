@@ -150,6 +150,9 @@ class NatsNoteTransport:
         self.reconnects = 0
         self.dropped = 0
         self.last_error: str | None = None
+        self.on_link: Callable[[bool], None] | None = None
+        """Called with False when the connection is lost, True when it is back
+        (:class:`~kvevents.router.peers.LoadNotes` sets it)."""
         self._queue: collections.deque[bytes] = collections.deque(maxlen=max_queue)
         self._wake = asyncio.Event()
         self._nc: Client | None = None
@@ -201,7 +204,9 @@ class NatsNoteTransport:
             try:
                 await self._session(deliver)
             except Exception as exc:  # any failure: say so, and try again
-                self.connected = False
+                if self.connected:
+                    self.connected = False
+                    self._link(False)
                 self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
                 log.error(
                     "NATS %s: %s; routing without the other replicas' load, trying again in %.1f s",
@@ -212,6 +217,10 @@ class NatsNoteTransport:
                 await self._drop_connection()
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 60.0)
+
+    def _link(self, up: bool) -> None:
+        if self.on_link is not None:
+            self.on_link(up)
 
     async def _drop_connection(self) -> None:
         nc, self._nc = self._nc, None
@@ -234,12 +243,14 @@ class NatsNoteTransport:
                 log.warning(
                     "NATS %s unreachable: routing without the other replicas' load", self.url
                 )
-            self.connected = False
+                self.connected = False
+                self._link(False)
 
         async def on_reconnected() -> None:
             self.reconnects += 1
             self.connected = True
             log.warning("NATS %s reachable again: sharing load notes", self.url)
+            self._link(True)
 
         # max_reconnect_attempts=-1 retries the first connection too, for ever, so a
         # replica started before NATS joins once it is up; pending_size=0: no buffering

@@ -37,6 +37,16 @@ changes nothing), and the first note
 of any sender never heard before makes this process send ``begin`` again for each
 request it has in flight: the newcomer did not hear the first ones, and the others take
 the copies as the duplicates they are.
+
+A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
+``on_link``) says so: while it is down, the notes of the requests heard over it (their
+finishes too) are lost, so this router drops the peers' in-flight requests it learned
+over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is back,
+this router sends a ``hello`` over it and then ``begin`` again for each request it has
+in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
+(``reset``: their finishes may have been lost) and sends its own ``begin`` again, so both
+sides count what is in flight now. (A router of an earlier version counts a ``hello`` as
+malformed.)
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 import zmq
@@ -66,6 +76,7 @@ __all__ = [
     "NoteTransport",
     "PeerNotes",
     "SyncTransport",
+    "WireKind",
     "ZmqNoteTransport",
     "cancel_and_wait",
     "sender_id",
@@ -87,11 +98,16 @@ DEFAULT_NOTE_TTL = 300.0
 """Seconds a peer's in-flight request counts without its ``finish`` (a lost note ages out)."""
 
 
+WireKind = Literal["routed", "begin", "finish", "hello"]
+"""A note's kind: a :data:`~kvevents.router.core.NoteKind`, or ``hello`` (a sender back on
+a link it lost: see the module docstring; its holder and numbers are zero)."""
+
+
 class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One note on the wire (msgpack array): who sent it, what happened, to which holder."""
 
     sender: str
-    kind: NoteKind
+    kind: WireKind
     worker: str
     dp_rank: int
     ticket: int
@@ -160,6 +176,10 @@ class NoteTransport(Protocol):
 
 class SyncTransport(NoteTransport, Protocol):
     """A transport that reports its connection (NATS), for ``/workers`` and ``/metrics``."""
+
+    on_link: Callable[[bool], None] | None
+    """Set by :class:`LoadNotes`: called with False when the connection is lost, True when
+    it is back (not at the first connection)."""
 
     def status(self) -> dict[str, Any]:
         """At least ``connected`` (bool) and ``dropped`` (notes not sent)."""
@@ -249,7 +269,12 @@ class LoadNotes:
         """Peers' in-flight requests dropped, and notes ignored, because a later run of
         their sender's seat spoke (the sender was restarted)."""
         self.resent = 0
-        """``begin`` notes sent again for a sender heard for the first time."""
+        """``begin`` notes sent again for a sender heard for the first time, or back on a
+        link (its ``hello``, or this router's own link back)."""
+        self.reset = 0
+        """Peers' in-flight requests dropped because the link they were heard on went down,
+        or their sender said ``hello`` (it sends again those still in flight)."""
+        self._heard_on: dict[str, NoteTransport] = {}  # sender -> the transport it came by
         self._senders: set[str] = {sender}
         self._seats: dict[str, str] = {}  # seat -> the latest sender heard in it
         self._gone: set[str] = set()  # senders a later run of their seat superseded
@@ -276,6 +301,18 @@ class LoadNotes:
         self._send(kind, holder, n_blocks, ticket)
 
     def _send(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
+        raw = self._encode(kind, holder, n_blocks, ticket)
+        went = False
+        for transport in self.transports:
+            if transport.send(raw):
+                went = True
+            else:
+                self.dropped += 1  # per transport that refused it
+        self.sent += went
+
+    def _encode(
+        self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None
+    ) -> bytes:
         note = LoadNote(
             self.sender,
             kind,
@@ -286,20 +323,15 @@ class LoadNotes:
             0.0 if ticket is None else ticket.blocks,
             self.ttl,
         )
-        raw = _ENCODER.encode(note)
-        went = False
-        for transport in self.transports:
-            if transport.send(raw):
-                went = True
-            else:
-                self.dropped += 1  # per transport that refused it
-        self.sent += went
+        return _ENCODER.encode(note)
 
     # --- receiving --------------------------------------------------------------------
 
     def start(self) -> None:
         for transport in self.transports:
             transport.start(functools.partial(self._on_raw, transport=transport))
+            if hasattr(transport, "on_link"):  # a SyncTransport: it can lose its connection
+                transport.on_link = functools.partial(self._on_link, transport=transport)
         self._task = asyncio.get_running_loop().create_task(self._sweep())
 
     async def close(self) -> None:
@@ -324,10 +356,11 @@ class LoadNotes:
         prefix = transport.ignore_prefix
         if prefix is not None and note.sender.startswith(prefix):
             return
-        self.apply(note)
+        self.apply(note, transport)
 
-    def apply(self, note: LoadNote) -> None:
-        """Apply one peer note to the router's loads, once (own notes are ignored)."""
+    def apply(self, note: LoadNote, via: NoteTransport | None = None) -> None:
+        """Apply one peer note to the router's loads, once (own notes are ignored).
+        ``via``: the transport it came by (what a lost link drops; ``hello`` answered on)."""
         if not _in_range(note):
             self.malformed += 1
             return
@@ -336,6 +369,13 @@ class LoadNotes:
                 self.superseded += 1  # a dead run's note, late
                 return
         elif note.sender == self.sender:
+            return
+        elif note.kind == "hello":  # a known sender back on a link it lost
+            self._drop_from(lambda sender: sender == note.sender)
+            self._resend_own(via)
+        if via is not None:
+            self._heard_on[note.sender] = via
+        if note.kind == "hello":
             return
         self.received += 1
         follows = self.follows
@@ -388,10 +428,43 @@ class LoadNotes:
                 self._senders.discard(earlier)
                 self._gone.add(earlier)
         self._senders.add(sender)
-        for ticket, n_blocks in list(self._own.values()):
-            self._send("begin", ticket.holder, n_blocks, ticket)
-            self.resent += 1
+        self._resend_own(None)
         return True
+
+    def _on_link(self, up: bool, transport: NoteTransport) -> None:
+        """``transport`` lost its connection (False) or has it back (True): see the module
+        docstring, "A lost link"."""
+        if not up:
+            dropped = self._drop_from(lambda sender: self._heard_on.get(sender) is transport)
+            if dropped:
+                log.info(
+                    "load notes: link lost, %d peer requests in flight heard over it dropped",
+                    dropped,
+                )
+            return
+        hello = LoadNote(self.sender, "hello", "", 0, 0, 0, 0.0, self.ttl)
+        if transport.send(_ENCODER.encode(hello)):
+            self._resend_own(transport)
+
+    def _drop_from(self, senders: Callable[[str], bool]) -> int:
+        """Drop the peers' in-flight requests of the ``senders`` that match, not remembered
+        as done (a ``begin`` sent again counts anew); how many."""
+        keys = [key for key in self._remote if senders(key[0])]
+        for key in keys:
+            holder, blocks, _ = self._remote.pop(key)
+            self.router.remote_inflight(holder, -1, -blocks)
+        self.reset += len(keys)
+        return len(keys)
+
+    def _resend_own(self, via: NoteTransport | None) -> None:
+        """``begin`` again for each request this router has in flight: on ``via`` only (a
+        peer back on it), or on every transport (None)."""
+        for ticket, n_blocks in list(self._own.values()):
+            if via is None:
+                self._send("begin", ticket.holder, n_blocks, ticket)
+            elif not via.send(self._encode("begin", ticket.holder, n_blocks, ticket)):
+                self.dropped += 1
+            self.resent += 1
 
     def _forget_at(self, key: tuple[str, int], until: float) -> None:
         self._done[key] = until
@@ -433,6 +506,7 @@ class LoadNotes:
             "foreign": self.foreign,
             "superseded": self.superseded,
             "resent": self.resent,
+            "reset": self.reset,
             "peer_inflight": self.remote_inflight,
         }
 
