@@ -364,3 +364,36 @@ def test_after_a_nats_outage_both_sides_count_what_is_in_flight_now(server: Nats
             await proxy.close()
 
     asyncio.run(main())
+
+
+def test_a_replica_that_joins_hears_of_the_requests_in_flight_before_it_routes(
+    server: NatsServer,
+) -> None:
+    """B connects after A began requests: its first connection says hello, so A sends its
+    begins again and B counts them before it routes anything (it learned of them only
+    once its own first note reached A)."""
+    holder = Holder("http://engine", 0)
+
+    def router() -> Router:
+        made = Router(block_size=16)
+        made.add_holder(holder)
+        return made
+
+    async def main() -> None:
+        ra, rb = router(), router()
+        a = LoadNotes(ra, "A", [NatsNoteTransport(server.url, "t.join", reconnect_wait=0.2)])
+        b = LoadNotes(rb, "B", [NatsNoteTransport(server.url, "t.join", reconnect_wait=0.2)])
+        a.start()
+        try:
+            await until(lambda: a.transports[0].connected, 10, "A on NATS")
+            for _ in range(3):
+                ra.begin(ra.route(list(range(64))))
+            await until(lambda: a.transports[0].batches >= 1, 10, "A's begins published")
+            b.start()
+            await until(lambda: b.remote_inflight == 3, 10, "A's requests on B")
+            assert rb.loads[holder].inflight_requests == 3 and b.sent == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())

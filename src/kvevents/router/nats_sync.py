@@ -273,6 +273,7 @@ class NatsNoteTransport:
         await nc.subscribe(self.subject, cb=on_message)
         self.connected = True
         log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
+        self._link(True)  # the first connection too: peers then tell it what is in flight
         queue = self._queue
         while True:
             await self._wake.wait()

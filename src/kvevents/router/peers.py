@@ -41,8 +41,9 @@ the copies as the duplicates they are.
 A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
 ``on_link``) says so: while it is down, the notes of the requests heard over it (their
 finishes too) are lost, so this router drops the peers' in-flight requests it learned
-over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is back,
-this router sends a ``hello`` over it and then ``begin`` again for each request it has
+over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is up (the
+first connection too, so a replica that just started hears of the requests already in
+flight before it routes any), this router sends a ``hello`` over it and then ``begin`` again for each request it has
 in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
 (``reset``: their finishes may have been lost) and sends its own ``begin`` again, so both
 sides count what is in flight now. (A router of an earlier version counts a ``hello`` as
