@@ -110,6 +110,7 @@ def test_notes_from_another_router_reach_every_worker_process(
         for text in metrics.values():
             assert "kvevents_router_sync_connected 1.0" in text
             assert 'kvevents_router_peer_notes_total{direction="received"} 4.0' in text
+            assert 'kvevents_router_peer_notes_total{direction="reset"} 0.0' in text
 
         # the group's own notes: each process hears the other's once (over ipc; the
         # NATS copy of a sibling's note is dropped), and the other router hears all

@@ -325,6 +325,7 @@ class ProcessCollector(Collector):
                 "foreign",
                 "superseded",
                 "resent",
+                "reset",
             ):
                 sent.add_metric([direction], notes[direction])
             yield sent
