@@ -6,7 +6,16 @@ import logging
 
 import pytest
 
-from kvevents import BlockRemoved, BlockStored, Delivery, Holder, KVEventBatch, Router
+from kvevents import (
+    BlockRemoved,
+    BlockStored,
+    Delivery,
+    Holder,
+    KVEventBatch,
+    PrefixIndex,
+    Reset,
+    Router,
+)
 from kvevents.subscribe.block_sizes import BlockSizes
 
 A = Holder("http://a:1", 0)
@@ -107,29 +116,46 @@ def test_router_skips_mismatching_events_and_reports_them() -> None:
 def test_the_router_follows_its_engines_to_a_new_block_size(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A size the engines gave (not --block-size) changes once every holder says the new
-    one: until then the new size's events are skipped; then the index starts over at it,
-    and what a batch stored at the old size before the change is skipped."""
+    """A size the engines gave (not --block-size) changes once /server_info declares a new
+    one and every holder agrees: until then the new size's events are skipped; then the
+    index starts over at it. Events alone never change it: one stream may carry chains
+    of two sizes (vLLM with KV-cache groups of different block sizes)."""
     router = Router()
     router.add_holder(A, block_size=4, source="server_info")
     router.add_holder(B, block_size=4, source="server_info")
     router.handle(Delivery(A, 0, batch(stored(list(range(8)), 4))))
     router.handle(Delivery(B, 0, batch(stored(list(range(8)), 4, 10))))
+    router.handle(Delivery(A, 1, batch(stored(list(range(16)), 8, 20))))  # a second size
+    assert (router.index.block_size, router.block_sizes.changes) == (4, 0)
     router.add_holder(B, block_size=8, source="server_info")  # B restarted at 8; A not yet
-    router.handle(Delivery(B, 1, batch(stored(list(range(16)), 8, 20))))
+    router.handle(Delivery(B, 1, batch(stored(list(range(16)), 8, 30))))
     assert (router.index.block_size, router.index.holder_size(B)) == (4, 2)
     assert router.block_sizes.mismatch_events(B) == 1
     with caplog.at_level(logging.WARNING, logger="kvevents.subscribe.block_sizes"):
-        router.handle(
-            Delivery(A, 1, batch(stored(list(range(4)), 4, 30), stored(list(range(16)), 8, 40)))
-        )
+        router.add_holder(A, block_size=8, source="server_info")
     assert router.index.block_size == 8 and router.block_sizes.changes == 1
-    assert (router.index.holder_size(A), router.index.holder_size(B)) == (2, 0)
+    assert (router.index.holder_size(A), router.index.holder_size(B)) == (0, 0)
     assert any("block size changed from 4 to 8" in r.getMessage() for r in caplog.records)
+    router.handle(Delivery(A, 2, batch(stored(list(range(16)), 8, 40))))
     decision = router.route(list(range(16)))
     assert (decision.dp_rank, decision.matched_tokens, decision.n_blocks) == (0, 16, 2)
     router.handle(Delivery(B, 2, batch(stored(list(range(24)), 8, 50))))
     assert router.index.holder_size(B) == 3 and router.block_sizes.mismatch_events(B) == 1
+
+
+def test_a_holder_known_by_its_events_holds_back_a_new_size_until_it_restarts() -> None:
+    """A holder that declares nothing (a vLLM known by URL) agrees with a new size only if
+    every chain it stored since its last reset had it."""
+    router = Router()
+    router.add_holder(A, block_size=4, source="server_info")
+    router.handle(Delivery(B, 0, batch(stored(list(range(8)), 4, 10))))
+    router.add_holder(A, block_size=8, source="server_info")
+    assert router.index.block_size == 4
+    router.handle(
+        Reset(worker=B.worker, dp_rank=B.dp_rank, last_seq=0, new_seq=0, reason="restarted")
+    )
+    router.add_holder(A, block_size=8, source="server_info")
+    assert router.index.block_size == 8 and router.block_sizes.changes == 1
 
 
 def test_a_removed_holder_does_not_hold_back_a_new_block_size() -> None:
@@ -153,3 +179,17 @@ def test_an_operators_block_size_is_never_changed_by_the_engines() -> None:
     configured.add_holder(A, block_size=4, source="configured")
     configured.add_holder(A, block_size=8, source="server_info")
     assert configured.index.block_size == 4 and configured.block_sizes.changes == 0
+
+
+def test_a_warm_start_from_a_peer_at_the_old_size_follows_the_engines_to_the_new_one() -> None:
+    """No --block-size: a peer's snapshot at 4 while the engines now say 8 (a rolling
+    change). The router follows the engines: it keyed requests at the snapshot's 4 while
+    storing their chains at 8, and nothing matched, with nothing said."""
+    peer = PrefixIndex(block_size=4)
+    peer.apply(A, batch(stored(list(range(8)), 4)))
+    router = Router()
+    router.restore_index(PrefixIndex.from_bytes(peer.to_bytes()))
+    router.add_holder(A, block_size=8, source="server_info")
+    assert router.index.block_size == 8 and router.block_sizes.changes == 1
+    router.handle(Delivery(A, 5, batch(stored(list(range(100, 116)), 8, 7))))
+    assert router.route(list(range(100, 116))).matched_tokens == 16

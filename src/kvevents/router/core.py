@@ -277,6 +277,10 @@ class Router:
         index.credits = self.index.credits
         if size is not None:
             index.block_size = size
+        elif index.block_size is not None:
+            # the engines' size as the peer knew it: should they say another now (a
+            # rolling change of page size), the router follows them (BlockSizes)
+            self.block_sizes.assume(index.block_size, "a peer's snapshot")
         self.index = index
         for holder in index.holders():
             self.loads.slot(holder)

@@ -21,12 +21,16 @@ no request and would only fill the index. Offload copies (no tokens) carry no si
 always pass.
 
 A fleet that changes its block size (engines restarted with another page size) is
-followed when the expected size came from the engines themselves (``/server_info`` or
-events), not from an operator's ``--block-size`` or engine configuration: once every
-holder :attr:`followed` names has last said the same new size (declared or in its
-events), that size becomes the expected one, ``on_change`` is called (the router drops
-what it keyed at the old size) and a warning says so. Until then the new size's events
-are skipped as mismatches.
+followed when the expected size came from the engines themselves (``/server_info``,
+events or a peer's snapshot), not from an operator's ``--block-size`` or engine
+configuration. A new size is taken when a ``/server_info`` declares it and every holder
+:attr:`followed` names agrees: its own last declaration says it, or, never declared, every
+chain it stored since its last reset (:meth:`forget`) had it. That size becomes the
+expected one, ``on_change`` is called (the router drops what it keyed at the old size)
+and a warning says so. Until then the new size's events are skipped as mismatches.
+Events alone never change the size: one vLLM stream may carry chains of two sizes (a
+model whose KV-cache groups differ in block size), which must not flip it to and fro;
+so an engine that declares no size (a vLLM known by URL) is not followed to a new one.
 
 Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
 event mismatches. Not thread-safe: one consumer thread.
@@ -78,8 +82,10 @@ class BlockSizes:
         """Whether the shared size came from the engines (then a fleet-wide change is
         followed) rather than from an operator."""
         self.observed: dict[Holder, int] = {}
-        self.latest: dict[Holder, int] = {}
-        """Per holder, the size it last declared or stored a chain with."""
+        self.declared: dict[Holder, int] = {}
+        """Per holder, the size it was last declared with (since its last reset)."""
+        self._seen: dict[Holder, set[int]] = {}
+        """Per holder, the sizes of the chains it stored since its last reset."""
         self.mismatches: dict[tuple[Holder, str, int], BlockSizeMismatch] = {}
         self.followed: Callable[[], Iterable[Holder]] | None = None
         """The holders a shared size must agree with before it changes (None: never changes)."""
@@ -116,7 +122,7 @@ class BlockSizes:
         words ("configured for engine X").
         """
         holder = Holder(*holder)
-        self.latest[holder] = size
+        self.declared[holder] = size
         expected = self.expected(holder)
         if expected is None:
             self._set_expected(holder, size, origin)
@@ -128,19 +134,33 @@ class BlockSizes:
         return False
 
     def forget(self, holder: Holder) -> None:
-        """``holder`` is gone or restarted: the size it said last no longer holds back a
+        """``holder`` is gone or restarted: what it said before no longer holds back a
         fleet-wide change."""
-        self.latest.pop(Holder(*holder), None)
+        holder = Holder(*holder)
+        self.declared.pop(holder, None)
+        self._seen.pop(holder, None)
+
+    def assume(self, size: int, source: str) -> None:
+        """Take ``size`` as the shared size if none is known yet, as the engines' (a
+        peer's snapshot: the engines may since have changed, and are then followed)."""
+        if self._shared is None:
+            self._shared = (size, source)
 
     def _follow(self, size: int, origin: str) -> bool:
-        """Make ``size`` the shared one if every followed holder last said it (see the
-        module docstring); whether it did."""
+        """Make ``size`` the shared one if every followed holder says it (see the module
+        docstring); whether it did."""
         followed = self.followed
         if not (self.shared and self._engine_said and followed is not None):
             return False
-        latest = self.latest
-        if any(latest.get(h, size) != size for h in followed()):
-            return False
+        declared, seen = self.declared, self._seen
+        for h in followed():
+            said = declared.get(h)
+            if said is None:
+                sizes = seen.get(h)
+                if sizes and (len(sizes) > 1 or size not in sizes):
+                    return False
+            elif said != size:
+                return False
         old = self._shared
         self._shared = (size, f"{origin}, every engine changed to it")
         self.changes += 1
@@ -163,26 +183,21 @@ class BlockSizes:
         """
         expected = self.expected(holder)
         bad: list[int] = []
-        tried: set[int] = set()
+        seen = self._seen.get(holder)
         for i, event in enumerate(batch.events):
             if type(event) is not BlockStored or not event.token_ids:
                 continue
             size = event.block_size
             if size <= 0:
                 continue  # malformed: the index counts it
-            self.observed[holder] = self.latest[holder] = size
+            self.observed[holder] = size
+            if seen is None:
+                seen = self._seen[holder] = set()
+            seen.add(size)
             if expected is None:
                 expected = (size, f"first events of {holder.worker} rank {holder.dp_rank}")
                 self._set_expected(holder, *expected)
             elif size != expected[0]:
-                first = size not in tried  # one look at the fleet per size and batch
-                tried.add(size)
-                if first and self._follow(size, f"events of {holder.worker} rank {holder.dp_rank}"):
-                    expected = self.expected(holder)
-                    assert expected is not None
-                    # what this batch stored before the change was at the old size
-                    bad = [j for j in range(i) if _stored_size(batch.events[j]) not in (None, size)]
-                    continue
                 bad.append(i)
                 self._record(holder, "events", size, expected, 1)
         if not bad:
@@ -249,9 +264,3 @@ class BlockSizes:
             m.count for (h, src, _), m in self.mismatches.items() if h == holder and src == "events"
         )
 
-
-def _stored_size(event: object) -> int | None:
-    """The block size a stored chain is keyed at (None: not a chain with tokens)."""
-    if type(event) is not BlockStored or not event.token_ids or event.block_size <= 0:
-        return None
-    return event.block_size
