@@ -394,3 +394,35 @@ def test_sglang_hashes_shared_by_two_namespaces_resolve_per_holder(
         assert idx.holder_match(idx.match(tokens), B).gpu == 2
         idx.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
         assert len(idx) == 0 and not idx._slot_keys and not idx._hashes
+
+
+def test_sglang_host_store_of_tokens_held_under_a_salt_is_keyed_from_its_own_fields() -> None:
+    """SGLang's hashes cover tokens alone: a plain host-tier store of tokens the holder
+    has salted on GPU shares their hashes but is another block (it was taken for a copy
+    of the salted ones); vLLM's copies (they name a group_idx) are keyed as the blocks."""
+    tokens = [1, 2, 3, 4]
+    hashes = sglang_block_hashes(tokens, 2)
+    index = PrefixIndex(block_size=2)
+    salted = msgspec.structs.replace(stored(hashes, tokens, medium="GPU"), cache_salt="tenant-a")
+    index.apply(A, batch(salted, stored(hashes, tokens, medium="CPU_PINNED")))
+    assert index.holder_match(index.match(tokens), A) == HolderMatch(0, 2, 0)
+    assert index.holder_match(index.match(tokens, cache_salt="tenant-a"), A) == HolderMatch(2, 0, 0)
+
+
+def test_a_holders_own_key_goes_with_its_last_copy_though_another_rank_holds_it() -> None:
+    """B holds a prompt salted and plain, C plain: B's evictions of both must find both
+    (B's own key of the shared hash outlived its block while C held it, so B's salted
+    eviction resolved to the plain key and tenant-a's blocks stayed matched on B)."""
+    tokens = [1, 2, 3, 4]
+    hashes = sglang_block_hashes(tokens, 2)
+    c = Holder("engine-a", 2)
+    index = PrefixIndex(block_size=2)
+    salted = msgspec.structs.replace(stored(hashes, tokens), cache_salt="tenant-a")
+    index.apply(B, batch(salted))
+    index.apply(c, batch(stored(hashes, tokens)))
+    index.apply(B, batch(stored(hashes, tokens)))
+    assert index.holder_size(B) == 4
+    index.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
+    index.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
+    assert (index.holder_size(B), index.stats.unknown_hash) == (0, 0)
+    assert index.holder_match(index.match(tokens), c).gpu == 2

@@ -397,3 +397,28 @@ def test_predictions_add_to_a_hybrid_holder_only_past_its_main_group() -> None:
     assert index.predicted(keys, confirmed) == {}
     index.predict(H, keys)  # the longer request sent to H: its 7th block is predicted
     assert index.predicted(keys, confirmed) == {H: 1}
+
+
+def test_a_sliding_only_holders_offload_copy_and_predictions_stay_with_its_window() -> None:
+    """A holder with only a sliding-window group: the offloading connector's CPU copy
+    (group_idx alone) stays in that group (it made the group the main one: the GPU match
+    fell to 0 and later removals missed), and predictions add only past its window."""
+    index = PrefixIndex(block_size=BS, prediction_ttl_s=30.0)
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None)))
+    copy = BlockStored(
+        block_hashes=[fake_hash(PROMPT, 5)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        group_idx=0,
+    )
+    index.apply(H, batch(copy))
+    assert gpu(index, PROMPT) == 6 and index._main_group == {}
+    keys = index.keys_for(LONGER)
+    confirmed = index.match_keys(keys)
+    index.predict(H, keys)
+    assert index.predicted(keys, confirmed) == {H: 1}
+    index.apply(H, batch(removed(PROMPT, [4, 5], group=0)))
+    assert index.group_entries() == {"sliding_window:0:64": 1} and index.stats.unknown_hash == 0

@@ -251,12 +251,16 @@ class GroupedMaskTable(MaskTable):
         keys = self._keys_of(slot, hashes)
         held = table._remove_many(slot, keys, tier)
         for h, k in compress(zip(hashes, keys, strict=True), held):
-            if not self._key_held(k):  # type: ignore[arg-type]
-                self._unmap_hash(slot, h, k)  # type: ignore[arg-type]
+            self._unmap_hash(slot, h, k)  # type: ignore[arg-type]
         return held.count(False)
 
     def _key_held(self, key: int) -> bool:
         return key in self._blocks or (bool(self._groups) and self._side_holds(key))
+
+    def _slot_holds(self, key: int, slot: int) -> bool:
+        return self._held_any(key, slot) or any(
+            t._held_any(key, slot) for t in self._slot_tables.get(slot, ())
+        )
 
     def _clear_sides(self, slot: int) -> None:
         for table in self._slot_tables.get(slot, ()):

@@ -277,12 +277,18 @@ class MaskTable:
         return [self._key_of(slot, h) for h in hashes]
 
     def _unmap_hash(self, slot: int, h: Hash, k: int) -> None:
-        """``slot`` removed its block ``k`` under ``h`` and nobody holds ``k`` any more."""
+        """``slot`` removed a copy of its block ``k`` under ``h``: forget its own key once
+        it holds ``k`` nowhere, the shared entry once nobody does (one event may name a
+        hash twice: a duplicated block)."""
         own = self._slot_keys
-        if own and own.get((slot, h)) == k:
+        if own and own.get((slot, h)) == k and not self._slot_holds(k, slot):
             del own[(slot, h)]
-        elif self._hashes.get(h) == k:
+        if not self._key_held(k) and self._hashes.get(h) == k:
             del self._hashes[h]
+
+    def _slot_holds(self, key: int, slot: int) -> bool:
+        """Whether ``slot`` has ``key`` in some tier (of some group, in the index)."""
+        return self._held_any(key, slot)
 
     def _key_held(self, key: int) -> bool:
         """Whether any holder has ``key`` (side groups too, in the index)."""

@@ -270,7 +270,13 @@ class PrefixIndex(GroupedMaskTable):
                 g = event.group_idx  # type: ignore[union-attr]
                 spec = event.kv_cache_spec_kind  # type: ignore[union-attr]
                 if (spec is not None and REUSE_RULES.get(spec) != FULL_ATTENTION) or (
-                    g is not None and main.setdefault(slot, g) != g
+                    g is not None
+                    and (
+                        # a copy naming only a group the holder has a side table for
+                        # (sliding only: no main group yet) stays in that group
+                        (spec is None and slot not in main and g in self._slot_sides.get(slot, ()))
+                        or main.setdefault(slot, g) != g
+                    )
                 ):
                     later.append(event)  # type: ignore[arg-type]
                 else:
@@ -324,7 +330,7 @@ class PrefixIndex(GroupedMaskTable):
             outcome = "unknown_medium"
         hashes = ev.block_hashes
         tokens = ev.token_ids
-        if tokens and tier is not Tier.GPU:
+        if tokens and tier is not Tier.GPU and ev.group_idx is not None:
             copied = self._copied_keys(slot, hashes)
             if copied is not None:
                 self._store(slot, copied, tier, None)
@@ -391,7 +397,10 @@ class PrefixIndex(GroupedMaskTable):
 
         vLLM's offloading connector reports its CPU copies with their tokens but without
         their extra keys (salt, adapter, images): keyed from the tokens they would land
-        in the plain namespace and take the engine hashes with them.
+        in the plain namespace and take the engine hashes with them. Only for vLLM's
+        events (they name a ``group_idx``): its hashes cover the extra keys, so a known
+        hash names the very block; SGLang's cover tokens alone, and its events carry
+        their namespace, so the same tokens plain are another block under the same hash.
         """
         keys = []
         for k in self._keys_of(slot, hashes):
@@ -425,11 +434,13 @@ class PrefixIndex(GroupedMaskTable):
             if missed:
                 stats.unknown_hash += missed
                 outcome = "unknown_hash"
-            blocks = self._blocks
+            blocks, own = self._blocks, self._slot_keys
             for h, k in compress(zip(some, keys, strict=True), held):
-                if k not in blocks and not (self._groups and self._side_holds(k)):  # type: ignore[arg-type]
-                    # (one event may name a hash twice: a duplicated block)
+                if own:
                     self._unmap_hash(slot, h, k)  # type: ignore[arg-type]
+                elif k not in blocks and not (self._groups and self._side_holds(k)):  # type: ignore[arg-type]
+                    # its key came from the shared map (one event may name a hash twice)
+                    self._hashes.pop(h, None)
         stats.count_event("BlockRemoved", outcome)
 
     # --- events with extra keys, and side KV-cache groups (kvevents.index.groups) --------
@@ -718,7 +729,7 @@ class PrefixIndex(GroupedMaskTable):
         for mask, length in segs:
             for slot in iter_bits(mask):
                 holder = holders[slot]
-                if hybrid >> slot & 1:
+                if hybrid >> slot & 1 and slot in self._main_group:
                     # its confirmed length is shortened by its side groups, which hold no
                     # predictions: only what predictions add past its main group counts
                     extra = length - self._held_run(keys, slot, length)
