@@ -381,6 +381,8 @@ def test_a_lost_link_drops_what_was_heard_over_it_and_hello_asks_again() -> None
             assert notes._remote.keys() == {("near", 1)}
             again = msgspec.msgpack.decode(link.sent[-1], type=LoadNote)
             assert (again.kind, again.ticket, notes.resent) == ("begin", own.id, resent + 2)
+            # in flight again, not routed again: the peer's recent work counts it once
+            assert (again.n_blocks, again.inflight_blocks) == (0, own.blocks)
             assert len(ipc.sent) == sent[0]
             link.deliver(msgspec.msgpack.encode(_note("begin", ticket=3, sender="far")))
             assert router.loads[H].inflight_requests == 3  # sent again: it counts anew

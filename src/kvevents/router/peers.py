@@ -459,11 +459,12 @@ class LoadNotes:
 
     def _resend_own(self, via: NoteTransport | None) -> None:
         """``begin`` again for each request this router has in flight: on ``via`` only (a
-        peer back on it), or on every transport (None)."""
-        for ticket, n_blocks in list(self._own.values()):
+        peer back on it), or on every transport (None). With no blocks routed: they count
+        in flight again, not as a second routing in the holder's recent work."""
+        for ticket, _ in list(self._own.values()):
             if via is None:
-                self._send("begin", ticket.holder, n_blocks, ticket)
-            elif not via.send(self._encode("begin", ticket.holder, n_blocks, ticket)):
+                self._send("begin", ticket.holder, 0, ticket)
+            elif not via.send(self._encode("begin", ticket.holder, 0, ticket)):
                 self.dropped += 1
             self.resent += 1
 

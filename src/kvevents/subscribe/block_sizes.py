@@ -263,4 +263,3 @@ class BlockSizes:
         return sum(
             m.count for (h, src, _), m in self.mismatches.items() if h == holder and src == "events"
         )
-
