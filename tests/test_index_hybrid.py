@@ -422,3 +422,24 @@ def test_a_sliding_only_holders_offload_copy_and_predictions_stay_with_its_windo
     assert index.predicted(keys, confirmed) == {H: 1}
     index.apply(H, batch(removed(PROMPT, [4, 5], group=0)))
     assert index.group_entries() == {"sliding_window:0:64": 1} and index.stats.unknown_hash == 0
+
+
+def test_a_kindless_copy_heard_first_does_not_make_its_group_the_main_one() -> None:
+    """A router that joins late may first hear a side group's offload copy, which names
+    its group_idx and no kind: it must not take that group for the holder's main group
+    (the full-attention group's stores then went to a side table, for good)."""
+    index = PrefixIndex(block_size=BS)
+    copy = BlockStored(
+        block_hashes=[fake_hash(PROMPT, 5)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        group_idx=0,
+    )
+    index.apply(H, batch(copy))
+    assert index._main_group == {}
+    index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))
+    assert index._main_group == {0: 1} and gpu(index, PROMPT) == 6
+    assert len(index) == 6 and index.group_entries() == {"sliding_window:0:64": 2}

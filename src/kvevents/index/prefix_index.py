@@ -269,15 +269,18 @@ class PrefixIndex(GroupedMaskTable):
                 # batch are applied: their stores resolve keys through its hashes.
                 g = event.group_idx  # type: ignore[union-attr]
                 spec = event.kv_cache_spec_kind  # type: ignore[union-attr]
-                if (spec is not None and REUSE_RULES.get(spec) != FULL_ATTENTION) or (
-                    g is not None
-                    and (
-                        # a copy naming only a group the holder has a side table for
-                        # (sliding only: no main group yet) stays in that group
-                        (spec is None and slot not in main and g in self._slot_sides.get(slot, ()))
-                        or main.setdefault(slot, g) != g
+                if spec is not None:
+                    side = REUSE_RULES.get(spec) != FULL_ATTENTION or (
+                        g is not None and main.setdefault(slot, g) != g
                     )
-                ):
+                elif g is None or slot in main:
+                    side = g is not None and main[slot] != g
+                else:
+                    # a store without a kind (vLLM's offloading connector copies a side
+                    # group's blocks so) never makes its group the main one: it goes to
+                    # the side table of its group if the holder has one
+                    side = g in self._slot_sides.get(slot, ())
+                if side:
                     later.append(event)  # type: ignore[arg-type]
                 else:
                     yield from self._apply_stored(slot, event, step)  # type: ignore[arg-type]
