@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from subscriber_support import free_tcp_port
 

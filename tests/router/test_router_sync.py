@@ -4,7 +4,9 @@ notes arrive and count, NATS going away and coming back, duplicated and late not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import msgspec
 import nats
 import pytest
@@ -22,6 +25,7 @@ from kvevents import Holder, Router
 from kvevents.errors import ConfigError
 from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
 from kvevents.router.peers import LoadNote, LoadNotes
+from subscriber_support import free_tcp_port
 
 DP = 2
 
@@ -397,3 +401,34 @@ def test_a_replica_that_joins_hears_of_the_requests_in_flight_before_it_routes(
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_replica_restarted_on_its_port_takes_its_earlier_runs_place_at_once(
+    engine: Engine, server: NatsServer
+) -> None:
+    """A replica killed with a request in flight and started again on the same machine and
+    port: its hello makes the peer drop what the dead run left in flight (it counted it
+    until the 300 s time-to-live, a restarted replica being a stranger)."""
+    port = str(free_tcp_port())
+    peer = RouterProc([engine.url], "--sync", server.url)
+    routers = [peer, RouterProc([engine.url], "--port", port, "--sync", server.url)]
+    first = routers[1]
+
+    def long_request() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # its router is killed under it
+            first.post("/generate", {"input_ids": [5] * 16, "max_new_tokens": 300})
+
+    try:
+        for r in routers:
+            wait_until(lambda r=r: r.connected() == DP and connected(r), 20, "streams and NATS")
+        threading.Thread(target=long_request, daemon=True).start()
+        wait_until(lambda: notes(peer)["peer_inflight"] == 1, 20, "the request on the peer")
+        routers.remove(first)
+        first.stop(signal.SIGKILL, expect=None)
+        assert notes(peer)["peer_inflight"] == 1
+        routers.append(RouterProc([engine.url], "--port", port, "--sync", server.url))
+        wait_until(lambda: notes(peer)["peer_inflight"] == 0, 20, "the dead run's request gone")
+        assert notes(peer)["superseded"] == 1
+    finally:
+        for r in routers:
+            r.stop(expect=None)

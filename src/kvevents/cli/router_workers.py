@@ -87,9 +87,11 @@ def _worker_main(
     service.process_index = index
     service.process_count = workers
 
-    # One id per group (its private folder is unique on this machine): with --sync, the
-    # group's own notes arrive over ipc, so the NATS copies of them are ignored.
-    group = f"{socket.gethostname()}-{os.path.basename(folder)}"
+    # The group's seat, this machine and port: the same when the router restarts, so a
+    # restarted worker (or group) supersedes what its previous run left in flight at its
+    # peers. With --sync, the group's own notes arrive over ipc, so the NATS copies of
+    # them are ignored.
+    group = f"{socket.gethostname()}:{port}"
     if service.sync is not None:
         service.sync.ignore_prefix = f"{group}/"
 
