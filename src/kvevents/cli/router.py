@@ -84,7 +84,7 @@ from kvevents.index.types import TierCredits
 from kvevents.router.app import create_app
 from kvevents.router.core import POLICIES, Router
 from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
-from kvevents.router.peers import LoadNotes, SyncTransport, sender_id
+from kvevents.router.peers import LoadNotes, SyncTransport, machine_seat, sender_id
 from kvevents.router.scoring import ScoringWeights
 from kvevents.router.service import RouterService
 from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
@@ -477,11 +477,7 @@ async def serve(
         run = f"{os.getpid()}-{time.time_ns()}"
         # seated at this machine and port when the port is fixed: a restarted replica's
         # first note (its hello) makes its peers drop what its previous run left in flight
-        sender = (
-            sender_id(f"{socket.gethostname()}:{port}", run)
-            if port
-            else f"{socket.gethostname()}-{run}"
-        )
+        sender = sender_id(machine_seat(port), run) if port else f"{socket.gethostname()}-{run}"
         notes = service.peers = LoadNotes(
             service.router, sender, [service.sync], follows=service.workers.__contains__
         )

@@ -34,7 +34,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from kvevents.cli.security import RouterSecurity
 from kvevents.errors import EndpointError, KVEventsError
 from kvevents.http_serving import bind_http, run_event_loop, serve_app
 from kvevents.router.app import create_app
-from kvevents.router.peers import PeerNotes, sender_id
+from kvevents.router.peers import PeerNotes, machine_seat, sender_id
 from kvevents.router.service import RouterService
 
 __all__ = ["serve_workers"]
@@ -87,11 +86,11 @@ def _worker_main(
     service.process_index = index
     service.process_count = workers
 
-    # The group's seat, this machine and port: the same when the router restarts, so a
+    # The group's seat, this machine and port (machine_seat): the same when the router restarts, so a
     # restarted worker (or group) supersedes what its previous run left in flight at its
     # peers. With --sync, the group's own notes arrive over ipc, so the NATS copies of
     # them are ignored.
-    group = f"{socket.gethostname()}:{port}"
+    group = machine_seat(port)
     if service.sync is not None:
         service.sync.ignore_prefix = f"{group}/"
 

@@ -59,6 +59,7 @@ import heapq
 import itertools
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -115,6 +116,18 @@ class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
     n_blocks: int
     inflight_blocks: float
     ttl: float
+
+
+def machine_seat(port: int) -> str:
+    """The seat of a router serving ``port`` on this machine: host name, port and the
+    kernel's boot id, the same when the router restarts, apart for two machines that
+    share a host name (two VMs both called ``localhost`` on the same port)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:  # not Linux: the host name and port alone
+        boot = ""
+    return f"{socket.gethostname()}:{port}@{boot}"
 
 
 def sender_id(seat: str, run: str) -> str:
