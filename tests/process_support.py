@@ -20,6 +20,16 @@ import httpx
 __all__ = ["KVEventsProcess", "await_ready_line"]
 
 
+def run_kvevents(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -m kvevents.cli.main ARGS`` to its end (a command that must refuse to start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvevents.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def await_ready_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
     """The rest of the first stdout line starting with ``prefix``, or None (exit or timeout)."""
     assert proc.stdout is not None

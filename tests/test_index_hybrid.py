@@ -66,6 +66,19 @@ def fa_store(
     )
 
 
+def sliding_copy_to_cpu(block: int) -> BlockStored:
+    """vLLM's offloading connector's copy of a sliding-window block: group_idx alone."""
+    return BlockStored(
+        block_hashes=[fake_hash(PROMPT, block)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        group_idx=0,
+    )
+
+
 def removed(tokens: list[int], blocks: list[int], group: int) -> BlockRemoved:
     return BlockRemoved(
         block_hashes=[fake_hash(tokens, i) for i in blocks], medium="GPU", group_idx=group
@@ -367,15 +380,7 @@ def test_a_side_groups_offload_copy_without_a_kind_goes_to_that_groups_table() -
     read as a new full-attention group that took the window's place: the GPU match fell
     to 0 and the window's later removals went astray)."""
     index = stored_200()
-    copy = BlockStored(
-        block_hashes=[fake_hash(PROMPT, 5)],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=0,
-        lora_id=None,
-        medium="CPU",
-        group_idx=0,
-    )
+    copy = sliding_copy_to_cpu(5)
     index.apply(H, batch(copy))
     assert gpu(index, PROMPT) == 6
     assert index.group_entries() == {"sliding_window:0:64": 3}  # two GPU blocks, one CPU copy
@@ -405,15 +410,7 @@ def test_a_sliding_only_holders_offload_copy_and_predictions_stay_with_its_windo
     fell to 0 and later removals missed), and predictions add only past its window."""
     index = PrefixIndex(block_size=BS, prediction_ttl_s=30.0)
     index.apply(H, batch(sw_store(PROMPT, 4, 6, None)))
-    copy = BlockStored(
-        block_hashes=[fake_hash(PROMPT, 5)],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=0,
-        lora_id=None,
-        medium="CPU",
-        group_idx=0,
-    )
+    copy = sliding_copy_to_cpu(5)
     index.apply(H, batch(copy))
     assert gpu(index, PROMPT) == 6 and index._main_group == {}
     keys = index.keys_for(LONGER)
@@ -429,15 +426,7 @@ def test_a_kindless_copy_heard_first_does_not_make_its_group_the_main_one() -> N
     its group_idx and no kind: it must not take that group for the holder's main group
     (the full-attention group's stores then went to a side table, for good)."""
     index = PrefixIndex(block_size=BS)
-    copy = BlockStored(
-        block_hashes=[fake_hash(PROMPT, 5)],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=0,
-        lora_id=None,
-        medium="CPU",
-        group_idx=0,
-    )
+    copy = sliding_copy_to_cpu(5)
     index.apply(H, batch(copy))
     assert index._main_group == {}
     index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from kvevents import Holder, Router
 from kvevents.errors import ConfigError
 from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
 from kvevents.router.peers import LoadNote, LoadNotes
+from process_support import run_kvevents
 from subscriber_support import free_tcp_port
 
 DP = 2
@@ -59,6 +59,12 @@ def notes(router: RouterProc) -> dict[str, int]:
 
 def connected(router: RouterProc) -> bool:
     return bool(sync_state(router)["sync"]["connected"])
+
+
+def _router_with(holder: Holder) -> Router:
+    made = Router(block_size=16)
+    made.add_holder(holder)
+    return made
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -277,12 +283,8 @@ def test_a_sync_url_nats_cannot_use_is_refused_at_start(url: str, problem: str) 
 
 def test_kvevents_router_refuses_a_sync_url_without_a_port_number() -> None:
     """The command exits 2 with the message, before following any engine."""
-    command = ["router", "--engine", "http://127.0.0.1:9", "--sync", "nats://127.0.0.1:42x2"]
-    done = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli.main", *command],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_kvevents(
+        "router", "--engine", "http://127.0.0.1:9", "--sync", "nats://127.0.0.1:42x2"
     )
     assert done.returncode == 2, done.stderr
     assert "kvevents router: error: --sync 'nats://127.0.0.1:42x2': cannot read a port" in (
@@ -323,11 +325,7 @@ def test_after_a_nats_outage_both_sides_count_what_is_in_flight_now(server: Nats
     in flight, so each counts the other's requests in flight now. Before, B kept A's
     finished requests in flight up to the 300 s ttl, and A kept B's finished one."""
     holder = Holder("http://engine", 0)
-
-    def router() -> Router:
-        made = Router(block_size=16)
-        made.add_holder(holder)
-        return made
+    router = functools.partial(_router_with, holder)
 
     async def main() -> None:
         proxy = NatsProxy(server.port)
@@ -377,11 +375,7 @@ def test_a_replica_that_joins_hears_of_the_requests_in_flight_before_it_routes(
     begins again and B counts them before it routes anything (it learned of them only
     once its own first note reached A)."""
     holder = Holder("http://engine", 0)
-
-    def router() -> Router:
-        made = Router(block_size=16)
-        made.add_holder(holder)
-        return made
+    router = functools.partial(_router_with, holder)
 
     async def main() -> None:
         ra, rb = router(), router()

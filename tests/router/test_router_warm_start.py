@@ -9,8 +9,6 @@ import contextlib
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +24,7 @@ from kvevents.index.prefix_index import PrefixIndex
 from kvevents.router.core import Router
 from kvevents.router.warm_start import load_from_peers
 from kvevents.types import Holder
+from process_support import run_kvevents
 
 DP = 2
 PAGE = 4
@@ -280,13 +279,7 @@ def test_kvevents_router_refuses_a_peer_url_with_credentials_or_unreadable(
 ) -> None:
     """Refused at start (exit 2), as an engine URL with credentials is, without showing
     the password; an unreadable URL ended in a traceback (httpx.InvalidURL)."""
-    command = ["router", "--engine", "http://127.0.0.1:9", "--peer", peer]
-    done = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli.main", *command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_kvevents("router", "--engine", "http://127.0.0.1:9", "--peer", peer)
     assert done.returncode == 2, done.stderr
     assert f"kvevents router: error: {message}" in done.stderr
     assert "hunter2" not in done.stderr and "Traceback" not in done.stderr
