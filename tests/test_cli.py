@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import subprocess
-import sys
 
 import pytest
 
 from kvevents.cli.main import _COMMANDS
+from process_support import run_kvevents
 
-
-def kvevents(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvevents.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+kvevents = run_kvevents
 
 
 def test_version_prints_the_installed_version() -> None:
