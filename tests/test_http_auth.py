@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from kvevents.http_auth import (
     resolve_secret,
     unauthorized_answer,
 )
+from process_support import run_kvevents
 
 ENV = "KVEVENTS_TEST_API_KEY"
 
@@ -155,12 +154,7 @@ def test_engine_publishers_bind_the_given_host_in_place_of_a_wildcard() -> None:
 )
 def test_bad_key_and_tls_options_exit_2_naming_the_option(argv: list[str], message: str) -> None:
     """Each command refuses a bad key, key file, TLS pair or publisher host before it starts, exit 2."""
-    result = subprocess.run(
-        [sys.executable, "-m", "kvevents.cli.main", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_kvevents(*argv)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "ready" not in result.stdout

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from kvevents.endpoints import free_port_range
+from process_support import run_kvevents
 from subscriber_support import EngineProcess
 
 PUBLISHER = r"""
@@ -35,13 +36,7 @@ pub.shutdown()
 """
 
 
-def kvevents(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvevents.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+kvevents = run_kvevents
 
 
 @pytest.fixture
