@@ -41,10 +41,10 @@ the copies as the duplicates they are.
 A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
 ``on_link``) says so: while it is down, the notes of the requests heard over it (their
 finishes too) are lost, so this router drops the peers' in-flight requests it learned
-over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is up (the
-first connection too, so a replica that just started hears of the requests already in
-flight before it routes any), this router sends a ``hello`` over it and then ``begin`` again for each request it has
-in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
+over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is up
+(the first connection too, so a replica that just started hears of the requests already
+in flight before it routes any), this router sends a ``hello`` over it and then ``begin``
+again for each request it has in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
 (``reset``: their finishes may have been lost) and sends its own ``begin`` again, so both
 sides count what is in flight now. (A router of an earlier version counts a ``hello`` as
 malformed.)
@@ -193,7 +193,7 @@ class SyncTransport(NoteTransport, Protocol):
 
     on_link: Callable[[bool], None] | None
     """Set by :class:`LoadNotes`: called with False when the connection is lost, True when
-    it is back (not at the first connection)."""
+    it is up (the first connection too)."""
 
     def status(self) -> dict[str, Any]:
         """At least ``connected`` (bool) and ``dropped`` (notes not sent)."""
@@ -385,7 +385,7 @@ class LoadNotes:
         elif note.sender == self.sender:
             return
         elif note.kind == "hello":  # a known sender back on a link it lost
-            self._drop_from(lambda sender: sender == note.sender)
+            self.reset += self._drop_from(lambda sender: sender == note.sender)
             self._resend_own(via)
         if via is not None:
             self._heard_on[note.sender] = via
@@ -435,10 +435,7 @@ class LoadNotes:
                     return False
             self._seats[seat] = sender
             if earlier is not None:
-                for key in [key for key in self._remote if key[0] == earlier]:
-                    holder, blocks, _ = self._remote.pop(key)
-                    self.router.remote_inflight(holder, -1, -blocks)
-                    self.superseded += 1
+                self.superseded += self._drop_from(lambda s: s == earlier)
                 self._senders.discard(earlier)
                 self._gone.add(earlier)
         self._senders.add(sender)
@@ -450,6 +447,7 @@ class LoadNotes:
         docstring, "A lost link"."""
         if not up:
             dropped = self._drop_from(lambda sender: self._heard_on.get(sender) is transport)
+            self.reset += dropped
             if dropped:
                 log.info(
                     "load notes: link lost, %d peer requests in flight heard over it dropped",
@@ -462,12 +460,11 @@ class LoadNotes:
 
     def _drop_from(self, senders: Callable[[str], bool]) -> int:
         """Drop the peers' in-flight requests of the ``senders`` that match, not remembered
-        as done (a ``begin`` sent again counts anew); how many."""
+        as done (a ``begin`` sent again counts anew); how many (the caller counts them)."""
         keys = [key for key in self._remote if senders(key[0])]
         for key in keys:
             holder, blocks, _ = self._remote.pop(key)
             self.router.remote_inflight(holder, -1, -blocks)
-        self.reset += len(keys)
         return len(keys)
 
     def _resend_own(self, via: NoteTransport | None) -> None:
