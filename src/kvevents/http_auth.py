@@ -28,6 +28,7 @@ import functools
 import hmac
 import json
 import os
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
@@ -41,10 +42,20 @@ __all__ = [
     "ApiKeyGate",
     "ClientCredentials",
     "ServerTLS",
+    "masked_url",
     "resolve_secret",
     "send_unauthorized",
     "unauthorized_answer",
 ]
+
+_USERINFO = re.compile(r"//[^/\s]*@")  # to the last @ before the path, as urlparse splits
+
+
+def masked_url(text: str) -> str:
+    """``text`` with the user and password of every URL in it masked
+    (``http://***@host``), for messages, logs and status pages."""
+    return _USERINFO.sub("//***@", text)
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

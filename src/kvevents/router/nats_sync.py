@@ -34,7 +34,6 @@ import collections
 import contextlib
 import hashlib
 import logging
-import re
 import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,6 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from kvevents.errors import ConfigError
+from kvevents.http_auth import masked_url
 from kvevents.router.peers import cancel_and_wait
 
 __all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
@@ -83,13 +83,9 @@ def default_subject(engines: Iterable[str]) -> str:
     return f"kvevents.notes.{digest[:12]}"
 
 
-def shown_url(text: str) -> str:
-    """``text`` with the user and password of every URL in it masked (``--sync
-    nats://user:pass@host`` is how nats-py takes credentials)."""
-    return _USERINFO.sub("//***@", text)
-
-
-_USERINFO = re.compile(r"//[^/\s]*@")  # to the last @ before the path, as urlparse splits
+shown_url = masked_url
+"""``text`` with the credentials of every URL in it masked (``--sync
+nats://user:pass@host`` is how nats-py takes them)."""
 
 
 def _check_url(url: str) -> None:

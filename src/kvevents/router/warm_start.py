@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 
 import httpx
 import msgspec
 
+from kvevents.http_auth import masked_url
 from kvevents.index.prefix_index import PrefixIndex
 from kvevents.types import Holder
 
@@ -69,9 +69,6 @@ class WarmStart(msgspec.Struct, frozen=True, kw_only=True):
     """Why each peer tried before (or instead of) the one adopted failed."""
 
 
-_USERINFO = re.compile(r"//[^/\s]*@")  # as nats_sync.shown_url masks: to the last @
-
-
 def peer_url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a ``--peer`` (it has credentials in it, or is not a URL), in
     a message that shows it without them; None: it can. Credentials are refused as in an
@@ -80,11 +77,10 @@ def peer_url_problem(url: str) -> str | None:
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
-        return f"--peer {_USERINFO.sub('//***@', url)}: not a URL ({exc}); write http://HOST:PORT"
+        return f"--peer {masked_url(url)}: not a URL ({exc}); write http://HOST:PORT"
     if parsed.userinfo:
-        shown = f"{parsed.scheme}://***@{parsed.netloc.decode('ascii', 'replace')}"
         return (
-            f"--peer {shown}: credentials in a peer's URL are refused (it would be shown in "
+            f"--peer {masked_url(url)}: credentials in a peer's URL are refused (it would be shown in "
             "/workers and the log); the peer is asked with this router's --api-key (or "
             "--api-key-file, KVEVENTS_API_KEY): write http://HOST:PORT"
         )

@@ -51,6 +51,7 @@ import msgspec
 from kvevents.curve_keys import parse_public_key
 from kvevents.endpoints import Endpoint, PortPlan
 from kvevents.errors import ConfigError, EndpointError
+from kvevents.http_auth import masked_url
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
 
@@ -322,8 +323,7 @@ def _refuse_credentials(url: str) -> None:
     except httpx.InvalidURL:
         return  # refused with its own message later
     if parsed.userinfo:
-        shown = f"{parsed.scheme}://***@{parsed.netloc.decode('ascii', 'replace')}"
         raise ConfigError(
-            f"engine {shown}: credentials in the URL are not sent; give the engine's key "
+            f"engine {masked_url(url)}: credentials in the URL are not sent; give the engine's key "
             "with --engine-api-key (or KVEVENTS_ENGINE_API_KEY) and write http://HOST:PORT"
         )
