@@ -14,8 +14,9 @@ the first one declared for a holder, else the first one seen in events). Declare
 sizes (configuration, ``/server_info``) and every stored chain are checked against it
 by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a mismatch is logged and counted, and
 mismatching ``BlockStored`` events are skipped (they could never match a request). A
-size that came from the engines follows them: once every holder says a new one, it is
-the router's and the index starts over.
+size that came from the engines follows them: once a ``/server_info`` declares a new one
+and every holder agrees, it is the router's and the index starts over (events alone
+never change it).
 
 Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.scoring`) or ``round-robin``
 (the next available holder in turn, for comparisons; scores are still computed, so the
