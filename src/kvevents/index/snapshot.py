@@ -20,9 +20,10 @@ hundred thousand blocks costs a few C-level passes, not a Python loop per block:
 * engine hashes: the hashes and their content keys, as two parallel columns.
 
 Version 5 adds the per-holder keys of engine hashes two namespaces share (SGLang's
-token-only hashes); version 4, without them, is read as having none. Versions 1 to 3 (a list of ``(key, mask)`` pairs per block) are
-refused with an error naming the version and the fix: restart the peer with this
-kvevents, or start without ``--peer`` (the index is then rebuilt from the streams).
+token-only hashes); version 4, without them, is read as having none. Versions 1 to 3
+(a list of ``(key, mask)`` pairs per block) are refused with an error naming the
+version and the fix: restart the peer with this kvevents, or start without ``--peer``
+(the index is then rebuilt from the streams).
 This module knows only the layout; the index builds and reads it, so the index imports
 this module and never the reverse.
 """
