@@ -22,7 +22,13 @@ from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
 from kvevents.errors import ConfigError
-from kvevents.router.nats_sync import NatsNoteTransport, default_subject, shown_url
+from kvevents.router.nats_sync import (
+    RESYNC_INTERVAL,
+    NatsNoteTransport,
+    default_subject,
+    shown_url,
+    split_notes,
+)
 from kvevents.router.peers import LoadNote, LoadNotes
 from process_support import run_kvevents
 from subscriber_support import free_tcp_port
@@ -126,7 +132,10 @@ def test_three_replicas_share_in_flight_load_and_survive_nats_restarts(
         before = notes(c)["received"]
         generate(b, [9] * 12)
         wait_until(lambda: notes(c)["received"] == before + 2, 20, "notes after the restart")
-        assert "kvevents_router_sync_connected 1.0" in c.http.get("/metrics").text
+        metrics = c.http.get("/metrics").text
+        assert "kvevents_router_sync_connected 1.0" in metrics
+        assert "kvevents_router_sync_missed_notes_total 0.0" in metrics
+        assert sync_state(c)["sync"]["missed"] == sync_state(c)["sync"]["resyncs"] == 0
     finally:
         for r in routers:
             r.stop()
@@ -426,3 +435,72 @@ def test_a_replica_restarted_on_its_port_takes_its_earlier_runs_place_at_once(
     finally:
         for r in routers:
             r.stop(expect=None)
+
+
+def test_notes_nats_drops_on_the_way_in_are_counted_and_followed_by_a_resync(
+    server: NatsServer,
+) -> None:
+    """B reads NATS too slowly for a burst (its subscription holds 5 notes unread), so
+    NATS drops the rest, among them peer A's ``finish`` of a request B counts in flight.
+    Before, B kept that request in flight for its ttl (300 s) and said nothing. Now it
+    counts the notes missed and, once the burst is over, drops the load it heard over
+    NATS and says hello; A sends its one request still in flight again, and B counts
+    exactly that one."""
+    holder = Holder("http://engine", 0)
+    subject = "t.slow"
+    ready, flood, flooded, done = (threading.Event() for _ in range(4))
+
+    def note(kind: str, ticket: int, sender: str = "A") -> bytes:
+        return msgspec.msgpack.encode(
+            LoadNote(sender, kind, holder.worker, holder.dp_rank, ticket, 4, 4.0, 300.0)  # type: ignore[arg-type]
+        )
+
+    async def peer_a() -> None:
+        """Peer A, by hand: two requests begin, a burst of other notes, one finishes."""
+        nc = await nats.connect(server.url)
+
+        async def on_message(msg: Any) -> None:
+            for raw in split_notes(msg.data):
+                if msgspec.msgpack.decode(raw, type=LoadNote).kind == "hello":
+                    await nc.publish(subject, note("begin", 2))  # what A has in flight
+
+        await nc.subscribe(subject, cb=on_message)
+        for ticket in (1, 2):
+            await nc.publish(subject, note("begin", ticket))
+        await nc.flush()
+        ready.set()
+        await asyncio.to_thread(flood.wait, 10)
+        for ticket in range(100, 150):  # another peer's notes of nothing in flight
+            await nc.publish(subject, note("finish", ticket, sender="C"))
+        await nc.publish(subject, note("finish", 1))
+        await nc.flush()
+        flooded.set()
+        await asyncio.to_thread(done.wait, 30)
+        await nc.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(peer_a()), daemon=True)
+
+    async def main() -> None:
+        link = NatsNoteTransport(server.url, subject, reconnect_wait=0.2, pending_limit=5)
+        b = LoadNotes(_router_with(holder), "B", [link])
+        b.start()
+        try:
+            await until(lambda: link.connected, 10, "B on NATS")
+            thread.start()
+            await until(lambda: b.remote_inflight == 2, 10, "A's two requests on B")
+            flood.set()
+            # B's event loop busy while the burst arrives: NATS queues it for B unread
+            assert flooded.wait(10), "peer A did not publish its burst"
+            time.sleep(0.3)
+            await until(lambda: link.resyncs == 1, 10, "B to resync")
+            await until(lambda: b.remote_inflight == 1, 10, "A's request still in flight, on B")
+            assert link.missed > 0 and link.status()["missed"] == link.missed
+            assert ("A", 2) in b._remote and ("A", 1) not in b._remote
+            await asyncio.sleep(RESYNC_INTERVAL + 0.2)
+            assert link.resyncs == 1  # one burst, one resync
+        finally:
+            done.set()
+            await b.close()
+
+    asyncio.run(main())
+    thread.join(timeout=30)

@@ -348,6 +348,13 @@ class ProcessCollector(Collector):
             )
             disconnects.add_metric([], sync["disconnects"])
             yield disconnects
+            missed = CounterMetricFamily(
+                _P + "sync_missed_notes",
+                "peers' load notes NATS dropped before this replica read them (a slow "
+                "consumer); each burst is followed by a resync",
+            )
+            missed.add_metric([], sync["missed"])
+            yield missed
 
 
 def make_registry(

@@ -24,6 +24,16 @@ nats-py reconnects by itself, every ``reconnect_wait`` seconds, and the subscrip
 comes back with the connection. A connection that goes silent without closing (a network
 partition) is noticed by its unanswered pings, within seconds (:data:`PING_INTERVAL`).
 
+Notes can also be lost on the way in: when this replica reads its subscription more
+slowly than peers publish (a burst while its event loop is busy), nats-py drops what no
+longer fits its pending queue (a *slow consumer*). A lost ``end`` would leave a peer's
+finished request in flight here until its ttl, a lost ``begin`` would hide one. Each
+such drop is counted (``missed`` in :meth:`~NatsNoteTransport.status`, the
+``kvevents_router_sync_missed_notes`` metric), and once the burst is over the replica
+starts again from what is true now, as after a lost link: it drops the peers' load it
+heard over NATS and says hello, so every peer sends its requests in flight again
+(at most once a second, :data:`RESYNC_INTERVAL`).
+
 Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
 """
 
@@ -58,6 +68,13 @@ PING_INTERVAL = 2.0
 network partition: no FIN, no RST) is noticed only by pings that go unanswered; with
 nats-py's default of 120 s a replica said ``connected`` for minutes while its notes went
 nowhere. A ping is a few bytes each way."""
+
+RESYNC_DELAY = 0.05
+"""Seconds from a note NATS dropped on the way in to the resync that replaces it: the
+rest of a burst is dropped (and counted) before it, not after."""
+RESYNC_INTERVAL = 1.0
+"""Seconds at least between two resyncs (each one has every peer send its requests in
+flight again)."""
 MAX_OUTSTANDING_PINGS = 2
 """Pings unanswered before the connection is taken for dead and nats-py reconnects: a
 silent one is noticed after 4 to 6 seconds, a busy server is not mistaken for a dead one."""
@@ -126,6 +143,7 @@ class NatsNoteTransport:
         reconnect_wait: float = 0.5,
         max_queue: int = 10_000,
         batch_window: float = 0.005,
+        pending_limit: int | None = None,
     ) -> None:
         _check_url(url)
         if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
@@ -145,7 +163,17 @@ class NatsNoteTransport:
         self.disconnects = 0
         self.reconnects = 0
         self.dropped = 0
+        self.missed = 0
+        """Peers' notes NATS dropped before this replica read them (a slow consumer)."""
+        self.resyncs = 0
+        """Times this replica started again from its peers' requests in flight now,
+        after notes were missed."""
+        self.pending_limit = pending_limit
+        """Notes the subscription holds unread before NATS drops more (None: nats-py's
+        default, half a million)."""
         self.last_error: str | None = None
+        self._resync_at: asyncio.TimerHandle | None = None
+        self._last_resync = float("-inf")
         self.on_link: Callable[[bool], None] | None = None
         """Called with False when the connection is lost, True when it is back
         (:class:`~kvevents.router.peers.LoadNotes` sets it)."""
@@ -169,6 +197,9 @@ class NatsNoteTransport:
 
     async def close(self) -> None:
         task, self._task = self._task, None
+        if self._resync_at is not None:
+            self._resync_at.cancel()
+            self._resync_at = None
         with contextlib.suppress(Exception):  # _run logged and recorded every failure
             await cancel_and_wait(task)
         self.connected = False
@@ -183,6 +214,8 @@ class NatsNoteTransport:
             "disconnects": self.disconnects,
             "reconnects": self.reconnects,
             "dropped": self.dropped,
+            "missed": self.missed,
+            "resyncs": self.resyncs,
             "batches": self.batches,
             "last_error": self.last_error,
         }
@@ -218,6 +251,30 @@ class NatsNoteTransport:
         if self.on_link is not None:
             self.on_link(up)
 
+    def _missed_one(self) -> None:
+        """NATS dropped a note on its way in: count it, and resync once the burst is over."""
+        self.missed += 1
+        if self._resync_at is None:
+            loop = asyncio.get_running_loop()
+            wait = max(RESYNC_DELAY, self._last_resync + RESYNC_INTERVAL - loop.time())
+            self._resync_at = loop.call_later(wait, self._resync)
+
+    def _resync(self) -> None:
+        """Start again from the peers' requests in flight now (see the module docstring)."""
+        self._resync_at = None
+        if not self.connected:
+            return  # the connection coming back says hello itself
+        self._last_resync = asyncio.get_running_loop().time()
+        self.resyncs += 1
+        log.warning(
+            "NATS %s: %d peer load notes missed so far (this replica read them too slowly); "
+            "asking the peers for their requests in flight again",
+            self.url,
+            self.missed,
+        )
+        self._link(False)
+        self._link(True)
+
     async def _drop_connection(self) -> None:
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
@@ -230,6 +287,8 @@ class NatsNoteTransport:
                 deliver(raw)
 
         async def on_error(exc: Exception) -> None:
+            if isinstance(exc, nats.errors.SlowConsumerError):
+                self._missed_one()
             self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
             log.debug("NATS %s: %s", self.url, self.last_error)
 
@@ -266,7 +325,8 @@ class NatsNoteTransport:
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
         )
-        await nc.subscribe(self.subject, cb=on_message)
+        limit = {} if self.pending_limit is None else {"pending_msgs_limit": self.pending_limit}
+        await nc.subscribe(self.subject, cb=on_message, **limit)
         self.connected = True
         log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
         self._link(True)  # the first connection too: peers then tell it what is in flight
