@@ -53,6 +53,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 from kvevents.errors import ConfigError
 from kvevents.http_auth import masked_url
@@ -325,8 +326,8 @@ class NatsNoteTransport:
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
         )
-        limit = {} if self.pending_limit is None else {"pending_msgs_limit": self.pending_limit}
-        await nc.subscribe(self.subject, cb=on_message, **limit)
+        limit = DEFAULT_SUB_PENDING_MSGS_LIMIT if self.pending_limit is None else self.pending_limit
+        await nc.subscribe(self.subject, cb=on_message, pending_msgs_limit=limit)
         self.connected = True
         log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
         self._link(True)  # the first connection too: peers then tell it what is in flight
