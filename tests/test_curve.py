@@ -345,8 +345,12 @@ def test_a_stream_is_not_connected_before_its_handshake(
         listener.close()
 
 
-def test_plain_publishers_and_subscribers_are_unchanged(zmq_context: zmq.Context) -> None:
-    """With no CURVE option anywhere (as SGLang and vLLM publish), streams flow in the clear."""
+def test_plain_publishers_and_subscribers_are_unchanged(
+    zmq_context: zmq.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no CURVE option anywhere (as SGLang and vLLM publish), streams flow in the
+    clear; a subscriber that has a key pair says so, once per stream, naming the fix."""
+    caplog.set_level(logging.WARNING, logger="kvevents.subscribe")
     pub = ZmqEventPublisher(
         0, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", bind=True, context=zmq_context
     )
@@ -359,6 +363,12 @@ def test_plain_publishers_and_subscribers_are_unchanged(zmq_context: zmq.Context
             items = collect(sub, until=lambda got: len(deliveries(got)) == 1)
             assert deliveries(items)[0].seq == 0
             assert not sub.stats()[Holder("w", 0)].curve
+        warned = [r.getMessage() for r in caplog.records if "in the clear" in r.getMessage()]
+        assert len(warned) == 1 and "--curve-server-key" in warned[0], warned
+        caplog.clear()
+        with Subscriber(streams=[_spec(pub, None)]) as sub:  # no key pair: nothing to say
+            collect(sub, until=lambda got: len(deliveries(got)) == 1)
+        assert not [r for r in caplog.records if "in the clear" in r.getMessage()]
     finally:
         pub.shutdown(timeout=1.0)
 

@@ -27,6 +27,7 @@ later (:attr:`StreamSockets.retry_at`), unless libzmq's own retry has succeeded 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import zmq
@@ -45,6 +46,8 @@ from kvevents.subscribe.replay_client import ReplayClient
 from kvevents.subscribe.stats import StreamCounters, StreamStats, StreamStatus
 from kvevents.subscribe.stream import StreamTracker, TrackerAction
 from kvevents.types import Holder
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StreamSockets"]
 
@@ -77,6 +80,15 @@ class StreamSockets:
         self.spec = spec
         self.curve_key_pair = curve_key_pair
         self.curve_server_key = spec.curve_server_key or curve_server_key
+        if curve_key_pair is not None and self.curve_server_key is None:
+            log.warning(
+                "stream %s of %s (dp %d) has no CURVE server key: it connects in the clear, "
+                "unauthenticated, though this subscriber has a key pair; give the engine's "
+                "public key (--curve-server-key, or the engine advertises it) to require CURVE",
+                spec.endpoint,
+                spec.worker,
+                spec.dp_rank,
+            )
         self.retry_at: float | None = None  # reconnect then, after a refused handshake
         self._refused = False  # the last handshake failed
         self._handshaking = False  # connected, the handshake not ended yet
