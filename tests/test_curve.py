@@ -108,6 +108,22 @@ def test_keygen_refuses_to_overwrite_unless_forced(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(secret_path).st_mode) == 0o600
 
 
+@pytest.mark.parametrize("blocked", ["k.key", "k.key_secret"])
+def test_keygen_that_fails_midway_leaves_the_old_pair_whole(tmp_path: Path, blocked: str) -> None:
+    """A replacement whose writing fails (here: its temporary file cannot be made) keeps
+    the old public and secret files as they were, and leaves no temporary behind. Before,
+    the public file was replaced first, so a failure writing the secret one left a new
+    public key beside the old secret."""
+    public_path, secret_path, first = write_key_pair(tmp_path, "k")
+    old_public = public_path.read_bytes()
+    (tmp_path / f".{blocked}.{os.getpid()}.tmp").mkdir()  # where the new file is written
+    with pytest.raises(OSError):
+        write_key_pair(tmp_path, "k", force=True)
+    assert public_path.read_bytes() == old_public
+    assert CurveKeyPair.load(secret_path, "test") == first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["k.key", "k.key_secret"]
+
+
 def test_a_public_key_file_is_not_a_secret_key_file(tmp_path: Path) -> None:
     """Loading NAME.key as a key pair says to give NAME.key_secret."""
     public_path, _, _ = write_key_pair(tmp_path, "k")

@@ -195,22 +195,41 @@ def write_key_pair(
             "keys are then refused), or choose another --name"
         )
     pair = CurveKeyPair.generate()
-    _write(public_path, _key_file_text("Public", [("public-key", pair.public)]), 0o644)
-    _write(
-        secret_path,
-        _key_file_text("**Secret**", [("public-key", pair.public), ("secret-key", pair.secret)]),
-        0o600,
-    )
+    # Both files are written in full before either replaces its old one: a write that
+    # fails (a full disk) leaves the old pair as it was, not a new public key whose
+    # secret was never written.
+    written: list[Path] = []
+    try:
+        written.append(_written_beside(secret_path, _secret_text(pair), 0o600))
+        written.append(
+            _written_beside(
+                public_path, _key_file_text("Public", [("public-key", pair.public)]), 0o644
+            )
+        )
+    except BaseException:
+        for temporary in written:
+            temporary.unlink(missing_ok=True)
+        raise
+    os.replace(written[0], secret_path)
+    os.replace(written[1], public_path)
     return public_path, secret_path, pair
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def _secret_text(pair: CurveKeyPair) -> str:
+    return _key_file_text("**Secret**", [("public-key", pair.public), ("secret-key", pair.secret)])
+
+
+def _written_beside(path: Path, text: str, mode: int) -> Path:
+    """``text`` written whole (and synced) to a new file beside ``path``, to be renamed to it."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed (or, for 0600, not) the mode
         os.write(fd, text.encode())
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
-    os.replace(temporary, path)
+        temporary.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return temporary
