@@ -375,3 +375,22 @@ def test_a_peer_with_none_of_our_ranks_is_skipped_and_counts_are_of_what_is_kept
         assert service.router.query(prompt)[Holder(ours, 1)].gpu == 4
     finally:
         service.subscriber.close()
+
+
+def test_a_snapshot_past_this_routers_memory_bound_is_pruned_as_it_is_restored() -> None:
+    """A peer with a larger --max-entries hands over more than this router may hold: it
+    keeps its own bound at once, the least recently used blocks going first, as a store
+    past it would. Before, the bound was only applied at the next store."""
+    holder = Holder("http://engine", 0)
+    peer = PrefixIndex(block_size=4, max_entries=10_000)
+    prompts = [[p * 1000 + t for t in range(40)] for p in range(20)]  # 10 blocks each
+    for prompt in prompts:
+        peer.store_keys(holder, peer.keys_for(prompt))
+    assert len(peer) == 200
+    router = Router(block_size=4, max_entries=100)
+    router.restore_index(PrefixIndex.from_bytes(peer.to_bytes()))
+    assert 0 < len(router.index) <= 100 and router.index.max_entries == 100
+    assert router.index.stats.pruned_entries == 200 - len(router.index)
+    # the newest prompt stayed, the oldest went
+    assert router.route(prompts[-1]).matched_tokens == 40
+    assert router.route(prompts[0]).matched_tokens == 0

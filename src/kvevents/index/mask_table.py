@@ -482,6 +482,15 @@ class MaskTable:
 
     # --- maintenance -----------------------------------------------------------------
 
+    def set_max_entries(self, max_entries: int) -> None:
+        """Change the memory bound; an index over the new one is pruned now, as a store
+        past it would be (least recently used blocks first)."""
+        if max_entries <= 0:
+            raise ValueError(f"max_entries={max_entries} must be a positive int")
+        self.max_entries = max_entries
+        if self._entries + self.predictions.count > max_entries:
+            self._prune()
+
     def _flush_touches(self) -> None:
         """Apply deferred recency updates of matches (leaf first, so parents end newest)."""
         blocks = self._blocks

@@ -263,8 +263,9 @@ class Router:
 
     def restore_index(self, index: PrefixIndex) -> None:
         """Go on from ``index`` (a peer's snapshot, ``--peer``) instead of the empty one:
-        its holders, blocks and applied seqs; this router's memory bound, credits and
-        block size (when it has one) stay. Call before any event is handled.
+        its holders, blocks and applied seqs; this router's memory bound (a snapshot past
+        it is pruned at once), credits and block size (when it has one) stay. Call before
+        any event is handled.
 
         ValueError for a snapshot at another block size than this router's: its keys were
         cut at its own, so under this router's they would match nothing."""
@@ -274,7 +275,7 @@ class Router:
                 f"a snapshot at block size {index.block_size} cannot be restored into a "
                 f"router at block size {size}"
             )
-        index.max_entries = self.index.max_entries
+        index.set_max_entries(self.index.max_entries)  # pruned now if the snapshot is over it
         index.credits = self.index.credits
         if size is not None:
             index.block_size = size
