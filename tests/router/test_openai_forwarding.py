@@ -111,15 +111,17 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
     response = router.http.post(
         "/v1/completions",
         content=raw,
-        headers={
-            "content-type": "application/json",
-            "authorization": "Bearer sk-test",
-            "X-data-parallel-rank": "0",  # the client's own is replaced
-            "connection": "keep-alive, x-hop",  # x-hop is for this connection only
-            "x-hop": "1",
-            "proxy-connection": "keep-alive",
-            "x-end-to-end": "kept",
-        },
+        headers=[
+            ("content-type", "application/json"),
+            ("authorization", "Bearer sk-test"),
+            ("X-data-parallel-rank", "0"),  # the client's own is replaced
+            ("connection", "keep-alive, x-hop"),  # x-hop is for this connection only
+            ("x-hop", "1"),
+            ("proxy-connection", "keep-alive"),
+            ("x-end-to-end", "kept"),
+            ("x-forwarded-for", "10.0.0.1"),  # sent twice: both go on, as one line
+            ("x-forwarded-for", "10.0.0.2"),
+        ],
     )
     assert response.status_code == 200, response.text
     assert response.headers["x-kvevents-worker"] == a.url
@@ -133,6 +135,7 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
     assert "authorization" not in headers  # the client's key is for the router, never the engine's
     assert "x-hop" not in headers and "proxy-connection" not in headers
     assert headers["x-end-to-end"] == "kept"
+    assert headers["x-forwarded-for"] == "10.0.0.1, 10.0.0.2"
     assert body == raw
 
 

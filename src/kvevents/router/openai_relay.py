@@ -619,12 +619,20 @@ def _engine_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
 
 def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     """The client's headers that go on to the engine: not those of :data:`_DROP_HEADERS`,
-    nor those its ``Connection`` header names (hop-by-hop, for this connection only)."""
+    nor those its ``Connection`` header names (hop-by-hop, for this connection only). A
+    header the client sent more than once goes on once, its values joined by ``", "``
+    (what HTTP defines the repeated lines to mean); before, only the last one went."""
     drop = _DROP_RAW_HEADERS
     for name, value in raw_headers:
         if name == b"connection" and value.lower() not in _CONNECTION_ONLY:
             drop = drop | {token.strip().lower() for token in value.split(b",")}
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k not in drop}
+    kept: dict[str, str] = {}
+    for k, v in raw_headers:
+        if k not in drop:
+            name, value = k.decode("latin-1"), v.decode("latin-1")
+            earlier = kept.get(name)
+            kept[name] = value if earlier is None else f"{earlier}, {value}"
+    return kept
 
 
 _CONNECTION_ONLY = frozenset({b"keep-alive", b"close"})
