@@ -627,11 +627,11 @@ def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
         if name == b"connection" and value.lower() not in _CONNECTION_ONLY:
             drop = drop | {token.strip().lower() for token in value.split(b",")}
     kept: dict[str, str] = {}
-    for k, v in raw_headers:
-        if k not in drop:
-            name, value = k.decode("latin-1"), v.decode("latin-1")
-            earlier = kept.get(name)
-            kept[name] = value if earlier is None else f"{earlier}, {value}"
+    for raw_name, raw_value in raw_headers:
+        if raw_name not in drop:
+            key, text = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            earlier = kept.get(key)
+            kept[key] = text if earlier is None else f"{earlier}, {text}"
     return kept
 
 
