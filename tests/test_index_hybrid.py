@@ -432,3 +432,18 @@ def test_a_kindless_copy_heard_first_does_not_make_its_group_the_main_one() -> N
     index.apply(H, batch(sw_store(PROMPT, 4, 6, None), fa_store(PROMPT, 0, 6, None)))
     assert index._main_group == {0: 1} and gpu(index, PROMPT) == 6
     assert len(index) == 6 and index.group_entries() == {"sliding_window:0:64": 2}
+
+
+def test_a_new_memory_bound_reaches_the_side_groups_and_prunes_them_now() -> None:
+    """A router restoring a peer's snapshot puts its own --max-entries on it: every side
+    group's table too, each pruned to it at once (they kept the peer's bound before)."""
+    index = PrefixIndex(block_size=BS, max_entries=100_000)
+    for n in range(6):  # six prompts, each 2 sliding-window blocks and 6 full-attention ones
+        tokens = [n * 1000 + t for t in range(200)]
+        index.apply(H, batch(sw_store(tokens, 4, 6, None), fa_store(tokens, 0, 6, None)))
+    assert index.group_entries() == {"sliding_window:0:64": 12} and len(index) == 36
+    restored = PrefixIndex.from_bytes(index.to_bytes())
+    restored.set_max_entries(10)
+    assert len(restored) <= 10
+    assert 0 < restored.group_entries()["sliding_window:0:64"] <= 10
+    assert all(t.max_entries == 10 for t in restored._groups.values())

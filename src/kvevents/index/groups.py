@@ -220,6 +220,12 @@ class GroupedMaskTable(MaskTable):
         self._slot_tables: dict[int, list[GroupTable]] = {}
         """The same tables, full attention first (the order :func:`reuse_length` checks)."""
 
+    def set_max_entries(self, max_entries: int) -> None:
+        """:meth:`MaskTable.set_max_entries` for the main table and every side table."""
+        super().set_max_entries(max_entries)
+        for table in self._groups.values():
+            table.set_max_entries(max_entries)
+
     # --- side tables ------------------------------------------------------------------
 
     def _side_table(self, slot: int, key: GroupKey) -> GroupTable:
