@@ -134,7 +134,7 @@ def test_three_replicas_share_in_flight_load_and_survive_nats_restarts(
         wait_until(lambda: notes(c)["received"] == before + 2, 20, "notes after the restart")
         metrics = c.http.get("/metrics").text
         assert "kvevents_router_sync_connected 1.0" in metrics
-        assert "kvevents_router_sync_missed_notes_total 0.0" in metrics
+        assert "kvevents_router_sync_missed_messages_total 0.0" in metrics
         assert sync_state(c)["sync"]["missed"] == sync_state(c)["sync"]["resyncs"] == 0
     finally:
         for r in routers:

@@ -349,9 +349,9 @@ class ProcessCollector(Collector):
             disconnects.add_metric([], sync["disconnects"])
             yield disconnects
             missed = CounterMetricFamily(
-                _P + "sync_missed_notes",
-                "peers' load notes NATS dropped before this replica read them (a slow "
-                "consumer); each burst is followed by a resync",
+                _P + "sync_missed_messages",
+                "messages of peers' load notes NATS dropped before this replica read them "
+                "(a slow consumer); each burst is followed by a resync",
             )
             missed.add_metric([], sync["missed"])
             yield missed

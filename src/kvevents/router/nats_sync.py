@@ -25,14 +25,16 @@ comes back with the connection. A connection that goes silent without closing (a
 partition) is noticed by its unanswered pings, within seconds (:data:`PING_INTERVAL`).
 
 Notes can also be lost on the way in: when this replica reads its subscription more
-slowly than peers publish (a burst while its event loop is busy), nats-py drops what no
-longer fits its pending queue (a *slow consumer*). A lost ``end`` would leave a peer's
-finished request in flight here until its ttl, a lost ``begin`` would hide one. Each
-such drop is counted (``missed`` in :meth:`~NatsNoteTransport.status`, the
-``kvevents_router_sync_missed_notes`` metric), and once the burst is over the replica
-starts again from what is true now, as after a lost link: it drops the peers' load it
-heard over NATS and says hello, so every peer sends its requests in flight again
-(at most once a second, :data:`RESYNC_INTERVAL`).
+slowly than peers publish (a burst while its event loop is busy), nats-py drops the
+messages that no longer fit its pending queue (a *slow consumer*), each one note or a
+batch of them. A lost ``finish`` would leave a peer's finished request in flight here
+until its ttl, a lost ``begin`` would hide one. Each dropped message is counted
+(``missed`` in :meth:`~NatsNoteTransport.status`, the
+``kvevents_router_sync_missed_messages`` metric), and once the drops stop
+(:data:`RESYNC_DELAY` without one, or :data:`RESYNC_INTERVAL` after the first) the
+replica starts again from what is true now, as after a lost link: it drops the peers'
+load it heard over NATS and says hello, so every peer sends its requests in flight
+again (at most once a :data:`RESYNC_INTERVAL`).
 
 Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
 """
@@ -71,11 +73,11 @@ nats-py's default of 120 s a replica said ``connected`` for minutes while its no
 nowhere. A ping is a few bytes each way."""
 
 RESYNC_DELAY = 0.05
-"""Seconds from a note NATS dropped on the way in to the resync that replaces it: the
-rest of a burst is dropped (and counted) before it, not after."""
+"""Seconds without a message dropped on the way in before the resync that makes up for
+the ones that were: the rest of a burst is dropped before it, not after."""
 RESYNC_INTERVAL = 1.0
 """Seconds at least between two resyncs (each one has every peer send its requests in
-flight again)."""
+flight again), and at most from a drop to its resync while drops go on."""
 MAX_OUTSTANDING_PINGS = 2
 """Pings unanswered before the connection is taken for dead and nats-py reconnects: a
 silent one is noticed after 4 to 6 seconds, a busy server is not mistaken for a dead one."""
@@ -165,7 +167,8 @@ class NatsNoteTransport:
         self.reconnects = 0
         self.dropped = 0
         self.missed = 0
-        """Peers' notes NATS dropped before this replica read them (a slow consumer)."""
+        """Peers' messages (one note, or a batch) NATS dropped before this replica read
+        them (a slow consumer)."""
         self.resyncs = 0
         """Times this replica started again from its peers' requests in flight now,
         after notes were missed."""
@@ -174,6 +177,7 @@ class NatsNoteTransport:
         default, half a million)."""
         self.last_error: str | None = None
         self._resync_at: asyncio.TimerHandle | None = None
+        self._resync_due = 0.0  # when a resync must happen, drops or not (loop time)
         self._last_resync = float("-inf")
         self.on_link: Callable[[bool], None] | None = None
         """Called with False when the connection is lost, True when it is back
@@ -198,13 +202,13 @@ class NatsNoteTransport:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if self._resync_at is not None:
-            self._resync_at.cancel()
-            self._resync_at = None
         with contextlib.suppress(Exception):  # _run logged and recorded every failure
             await cancel_and_wait(task)
         self.connected = False
         await self._drop_connection()
+        if self._resync_at is not None:  # after the connection: it may have set one
+            self._resync_at.cancel()
+            self._resync_at = None
 
     def status(self) -> dict[str, Any]:
         """For ``/workers`` (``process.sync``) and ``/metrics``."""
@@ -253,23 +257,29 @@ class NatsNoteTransport:
             self.on_link(up)
 
     def _missed_one(self) -> None:
-        """NATS dropped a note on its way in: count it, and resync once the burst is over."""
+        """NATS dropped a message on its way in: count it, and resync once the drops stop
+        (see the module docstring)."""
         self.missed += 1
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if self._resync_at is None:
-            loop = asyncio.get_running_loop()
-            wait = max(RESYNC_DELAY, self._last_resync + RESYNC_INTERVAL - loop.time())
-            self._resync_at = loop.call_later(wait, self._resync)
+            self._resync_due = now + RESYNC_INTERVAL
+        else:
+            self._resync_at.cancel()
+        at = max(min(now + RESYNC_DELAY, self._resync_due), self._last_resync + RESYNC_INTERVAL)
+        self._resync_at = loop.call_at(at, self._resync)
 
     def _resync(self) -> None:
         """Start again from the peers' requests in flight now (see the module docstring)."""
         self._resync_at = None
-        if not self.connected:
-            return  # the connection coming back says hello itself
+        if not self.connected or self._task is None:
+            return  # the connection coming back says hello itself; or closing
         self._last_resync = asyncio.get_running_loop().time()
         self.resyncs += 1
+        self.last_error = "nats: slow consumer, messages dropped"
         log.warning(
-            "NATS %s: %d peer load notes missed so far (this replica read them too slowly); "
-            "asking the peers for their requests in flight again",
+            "NATS %s: %d messages of peer load notes missed so far (this replica read them "
+            "too slowly); asking the peers for their requests in flight again",
             self.url,
             self.missed,
         )
@@ -289,7 +299,8 @@ class NatsNoteTransport:
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
-                self._missed_one()
+                self._missed_one()  # one per message dropped: kept cheap
+                return
             self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
             log.debug("NATS %s: %s", self.url, self.last_error)
 
