@@ -121,6 +121,8 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
             ("x-end-to-end", "kept"),
             ("x-forwarded-for", "10.0.0.1"),  # sent twice: both go on, as one line
             ("x-forwarded-for", "10.0.0.2"),
+            ("cookie", "a=1"),  # as HTTP/2 clients split them: one Cookie line again
+            ("cookie", "b=2"),
         ],
     )
     assert response.status_code == 200, response.text
@@ -136,6 +138,7 @@ def test_vllm_engine_gets_the_rank_header_and_the_body_unchanged(
     assert "x-hop" not in headers and "proxy-connection" not in headers
     assert headers["x-end-to-end"] == "kept"
     assert headers["x-forwarded-for"] == "10.0.0.1, 10.0.0.2"
+    assert headers["cookie"] == "a=1; b=2"
     assert body == raw
 
 

@@ -621,7 +621,8 @@ def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
     """The client's headers that go on to the engine: not those of :data:`_DROP_HEADERS`,
     nor those its ``Connection`` header names (hop-by-hop, for this connection only). A
     header the client sent more than once goes on once, its values joined by ``", "``
-    (what HTTP defines the repeated lines to mean); before, only the last one went."""
+    (what HTTP defines the repeated lines to mean; ``"; "`` for ``Cookie``); before,
+    only the last one went."""
     drop = _DROP_RAW_HEADERS
     for name, value in raw_headers:
         if name == b"connection" and value.lower() not in _CONNECTION_ONLY:
@@ -631,7 +632,10 @@ def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
         if raw_name not in drop:
             key, text = raw_name.decode("latin-1"), raw_value.decode("latin-1")
             earlier = kept.get(key)
-            kept[key] = text if earlier is None else f"{earlier}, {text}"
+            if earlier is None:
+                kept[key] = text
+            else:  # cookies are joined as one Cookie header joins them (RFC 6265)
+                kept[key] = f"{earlier}{'; ' if raw_name == b'cookie' else ', '}{text}"
     return kept
 
 
