@@ -4,6 +4,7 @@ the real Subscriber (live and replay), with wrong, missing and unknown keys refu
 from __future__ import annotations
 
 import argparse
+import errno
 import http.server
 import json
 import logging
@@ -33,6 +34,7 @@ from kvevents import (
     Subscriber,
     Unreachable,
     ZmqEventPublisher,
+    curve_keys,
 )
 from kvevents.cli.engine_args import (
     add_engine_arguments,
@@ -108,16 +110,27 @@ def test_keygen_refuses_to_overwrite_unless_forced(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(secret_path).st_mode) == 0o600
 
 
-@pytest.mark.parametrize("blocked", ["k.key", "k.key_secret"])
-def test_keygen_that_fails_midway_leaves_the_old_pair_whole(tmp_path: Path, blocked: str) -> None:
-    """A replacement whose writing fails (here: its temporary file cannot be made) keeps
-    the old public and secret files as they were, and leaves no temporary behind. Before,
-    the public file was replaced first, so a failure writing the secret one left a new
-    public key beside the old secret."""
+@pytest.mark.parametrize("failing", ["k.key", "k.key_secret"])
+def test_keygen_that_fails_midway_leaves_the_old_pair_whole(
+    tmp_path: Path, failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replacement whose writing fails (here: the disk is full as one of the two new
+    files is written) keeps the old public and secret files as they were, and leaves no
+    temporary behind. Before, the public file was replaced first, so a failure writing
+    the secret one left a new public key beside the old secret."""
     public_path, secret_path, first = write_key_pair(tmp_path, "k")
     old_public = public_path.read_bytes()
-    (tmp_path / f".{blocked}.{os.getpid()}.tmp").mkdir()  # where the new file is written
-    with pytest.raises(OSError):
+    real = curve_keys._written_beside
+
+    def full_disk(path: Path, text: str, mode: int) -> Path:
+        written = real(path, text, mode)
+        if path.name == failing:
+            written.unlink()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return written
+
+    monkeypatch.setattr(curve_keys, "_written_beside", full_disk)
+    with pytest.raises(OSError, match="No space left"):
         write_key_pair(tmp_path, "k", force=True)
     assert public_path.read_bytes() == old_public
     assert CurveKeyPair.load(secret_path, "test") == first

@@ -23,6 +23,7 @@ make a good one (``kvevents keygen``).
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,12 +207,11 @@ def write_key_pair(
                 public_path, _key_file_text("Public", [("public-key", pair.public)]), 0o644
             )
         )
-    except BaseException:
-        for temporary in written:
+        os.replace(written[0], secret_path)
+        os.replace(written[1], public_path)
+    finally:
+        for temporary in written:  # none are left once both are in place
             temporary.unlink(missing_ok=True)
-        raise
-    os.replace(written[0], secret_path)
-    os.replace(written[1], public_path)
     return public_path, secret_path, pair
 
 
@@ -220,16 +220,18 @@ def _secret_text(pair: CurveKeyPair) -> str:
 
 
 def _written_beside(path: Path, text: str, mode: int) -> Path:
-    """``text`` written whole (and synced) to a new file beside ``path``, to be renamed to it."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    """``text`` written whole (and synced) to a new file beside ``path``, to be renamed to
+    it; a name of its own (``mkstemp``), so a file a killed run left cannot be in the way."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = Path(name)
     try:
-        os.fchmod(fd, mode)  # the umask may have narrowed (or, for 0600, not) the mode
-        os.write(fd, text.encode())
-        os.fsync(fd)
+        try:
+            os.fchmod(fd, mode)  # mkstemp made it 0600; the public file is 0644
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
-        os.close(fd)
         temporary.unlink(missing_ok=True)
         raise
-    os.close(fd)
     return temporary

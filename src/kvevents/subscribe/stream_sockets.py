@@ -80,15 +80,6 @@ class StreamSockets:
         self.spec = spec
         self.curve_key_pair = curve_key_pair
         self.curve_server_key = spec.curve_server_key or curve_server_key
-        if curve_key_pair is not None and self.curve_server_key is None:
-            log.warning(
-                "stream %s of %s (dp %d) has no CURVE server key: it connects in the clear, "
-                "unauthenticated, though this subscriber has a key pair; give the engine's "
-                "public key (--curve-server-key, or the engine advertises it) to require CURVE",
-                spec.endpoint,
-                spec.worker,
-                spec.dp_rank,
-            )
         self.retry_at: float | None = None  # reconnect then, after a refused handshake
         self._refused = False  # the last handshake failed
         self._handshaking = False  # connected, the handshake not ended yet
@@ -136,6 +127,15 @@ class StreamSockets:
         except BaseException:
             self.close()
             raise
+        if curve_key_pair is not None and self.curve_server_key is None:
+            log.warning(
+                "stream %s of %s (dp %d) has no CURVE server key: it connects in the clear, "
+                "unauthenticated, though this subscriber has a key pair; give the engine's "
+                "public key (--curve-server-key, or the engine advertises it) to require CURVE",
+                spec.endpoint,
+                spec.worker,
+                spec.dp_rank,
+            )
 
     def read_monitor(self, now: float) -> tuple[list[TrackerAction], list[Signal]]:
         """Every waiting monitor event, as tracker actions and signals to pass on."""
