@@ -22,7 +22,8 @@
   while None, the default).
 * ``GET /metrics``: vLLM's scheduler gauges, ``vllm:num_requests_running`` and
   ``vllm:num_requests_waiting`` per ``engine`` (rank), from :attr:`FakeEngine.running`
-  and :attr:`FakeEngine.waiting` (zero unless a test sets them); a test may set
+  and :attr:`FakeEngine.waiting` (zero unless a test sets them), and
+  ``vllm:cache_config_info`` per rank of :attr:`FakeEngine.block_sizes`; a test may set
   :attr:`FakeEngine.metrics_status` to make it fail.
 
 :class:`RankPublishers` publishes, like a data-parallel engine, one real
@@ -61,6 +62,8 @@ class FakeEngine:
         self.running = {0: 0, 1: 0}
         self.waiting = {0: 0, 1: 0}
         self.metrics_status = 200
+        self.block_sizes: dict[int, int] = {}
+        """Per rank, the block size ``vllm:cache_config_info`` states (none while empty)."""
         self.kv_sources: dict[str, Any] | None = None
         self.models: dict[str, Any] | None = None
         self._release = threading.Event()
@@ -145,6 +148,15 @@ class FakeEngine:
                 lines += [
                     f'{name}{{engine="{rank}",model_name="tiny"}} {float(n)}'
                     for rank, n in values.items()
+                ]
+            if self.block_sizes:  # some of vLLM 0.32's labels, as it writes them
+                name = "vllm:cache_config_info"
+                lines += [f"# HELP {name} Information of the LLMEngine CacheConfig"]
+                lines += [f"# TYPE {name} gauge"]
+                lines += [
+                    f'{name}{{block_size="{size}",effective_attention_block_size="{size}",'
+                    f'engine="{rank}",hash_block_size="None",mamba_block_size="None"}} 1.0'
+                    for rank, size in self.block_sizes.items()
                 ]
             return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

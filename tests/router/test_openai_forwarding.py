@@ -326,6 +326,45 @@ def test_a_vllm_is_found_from_its_url_alone_through_kv_event_sources(plane: dict
         a.kv_sources = None
 
 
+def test_a_vllm_known_by_url_that_changes_its_block_size_is_followed(ctx: zmq.Context) -> None:
+    """No --block-size: the router keys at 16, the size the vLLM's events and its
+    /metrics (vllm:cache_config_info) state; then every rank states 32 and chains its
+    blocks at 32 (the vLLM came back with another block size): the router keys at 32 and
+    a prompt stored at 32 matches. Before, a vLLM known by URL declared no size, so every
+    event at 32 was skipped as a mismatch until the router restarted."""
+    engine, pubs = FakeEngine(), _publishers(ctx)
+    live, replay = (int(e.rsplit(":", 1)[1]) for e in (pubs.live, pubs.replay))
+    engine.kv_sources = {
+        str(r): {"publisher": "zmq", "endpoint": f"tcp://*:{live + r}",
+                 "replay_endpoint": f"tcp://*:{replay + r}", "topic": "kv"}
+        for r in range(2)
+    }  # fmt: skip
+    engine.block_sizes = {0: 16, 1: 16}
+    proc = RouterProc([], "--engine", engine.url, "--engine-kind", "vllm", "--load-interval", "0.2")
+
+    def state() -> tuple[int, int]:
+        answer = proc.post("/query", {"input_ids": list(range(2000, 2064))}).json()
+        if "error" in answer:  # no block size known yet
+            return 0, 0
+        held = {m["dp_rank"]: m["matched_tokens"] for m in answer["matches"]}
+        return answer["block_size"], held.get(1, 0)
+
+    try:
+        wait_until(lambda: proc.connected() == 2, 20, "the router to follow both ranks")
+        pubs.store(1, list(range(2000, 2064)), 16)
+        wait_until(lambda: state() == (16, 64), 20, "the prompt at 16 tokens a block")
+        engine.block_sizes = {0: 32, 1: 32}
+        wait_until(lambda: state()[0] == 32, 20, "the router at 32 tokens a block")
+        pubs.store(1, list(range(2000, 2064)), 32)
+        wait_until(lambda: state() == (32, 64), 20, "the prompt at 32 tokens a block")
+        holders = proc.http.get("/workers").json()["holders"]
+        assert all(h["block_size"]["expected"] == 32 for h in holders)
+    finally:
+        proc.stop()
+        pubs.close()
+        engine.close()
+
+
 def test_tokenize_endpoint_tokenizes_text_prompts(plane: dict) -> None:
     """With --tokenize-endpoint, a text prompt is tokenized by the engine's /tokenize and routed by those ids."""
     a = plane["a"]

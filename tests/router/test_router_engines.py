@@ -25,7 +25,9 @@ from kvevents.router.engines import (
     EngineState,
     _poll_load,
     _register,
+    cache_config_block_size,
     vllm_rank_loads,
+    vllm_scrape,
     watch_engine,
 )
 from kvevents.router.upstream import Upstream
@@ -57,6 +59,45 @@ def test_each_rank_gets_its_running_and_waiting_requests() -> None:
         {"dp_rank": 0, "running": 2, "waiting": 5},
         {"dp_rank": 1, "running": 1, "waiting": 0},
     ]
+
+
+# vLLM 0.32's line for rank 0 (a Llama, CPU), as its /metrics wrote it
+CACHE_CONFIG = (
+    "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",'
+    'effective_attention_block_size="32",enable_prefix_caching="True",engine="0",'
+    'hash_block_size="None",mamba_block_size="None",num_gpu_blocks="40",'
+    'sliding_window="None",user_specified_block_size="True"} 1.0\n'
+)
+
+
+def test_each_rank_states_its_block_size_in_cache_config_info() -> None:
+    """vLLM's cache_config_info gives each rank's block size, read in the same parse as its load."""
+    loads, sizes = vllm_scrape(METRICS + CACHE_CONFIG + CACHE_CONFIG.replace('"0"', '"1"'))
+    assert loads == vllm_rank_loads(METRICS) and sizes == {0: 32, 1: 32}
+    assert vllm_scrape(METRICS)[1] == {}
+
+
+@pytest.mark.parametrize(
+    ("labels", "size"),
+    [
+        ({"block_size": "16"}, 16),
+        ({"block_size": "16", "hash_block_size": "None", "mamba_block_size": "None"}, 16),
+        ({"block_size": "16", "hash_block_size": "16"}, 16),
+        # a Mamba hybrid: hashing or attention at another size than the cache's pages
+        ({"block_size": "528", "hash_block_size": "16"}, None),
+        ({"block_size": "528", "effective_attention_block_size": "16"}, None),
+        ({"block_size": "16", "mamba_block_size": "2048"}, None),
+        ({"block_size": "None"}, None),
+        ({"block_size": "0"}, None),
+        ({}, None),
+    ],
+)
+def test_only_a_plainly_stated_block_size_is_taken(
+    labels: dict[str, str], size: int | None
+) -> None:
+    assert cache_config_block_size(labels) == size
 
 
 def test_metrics_without_the_gauges_give_no_ranks_and_garbage_is_refused() -> None:

@@ -19,7 +19,10 @@ One :func:`watch_engine` task per engine, until the service stops:
    cannot see. Metrics are best effort: a vLLM whose ``/metrics`` fails or lacks the
    gauges is still available, with only this router's requests as its load, and
    :attr:`EngineState.load_source` says which applies. The router's own in-flight
-   requests count as load for every kind.
+   requests count as load for every kind. The same scrape's ``vllm:cache_config_info``
+   states each rank's block size (:func:`cache_config_block_size`); it is declared to
+   the router as ``/server_info``'s is, so a vLLM known by URL that comes back at
+   another block size is followed to it.
 
 3. The engine's models (:mod:`kvevents.router.models`): from the description's
    ``model``, else its ``GET /v1/models``, else its ``/server_info``; read at
@@ -59,7 +62,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -89,7 +92,9 @@ __all__ = [
     "SLOW_POLLS_TOLERATED",
     "EngineState",
     "LoadSource",
+    "cache_config_block_size",
     "vllm_rank_loads",
+    "vllm_scrape",
     "watch_engine",
 ]
 
@@ -123,6 +128,9 @@ class EngineState:
     """Where the ranks' load last came from: ``/load``, ``/metrics``, or ``router``
     (this router's in-flight requests only); ``metrics_error`` says why not metrics."""
     metrics_error: str | None = None
+    stated_block_sizes: dict[int, int] = field(default_factory=dict)
+    """Per rank, the block size a vLLM's ``/metrics`` last stated (declared to the router
+    when it changes; forgotten when the engine registers again)."""
     models: EngineModels | None = None
     """The models the engine serves, when known (see the module docstring)."""
     models_error: str | None = None
@@ -144,12 +152,26 @@ def vllm_rank_loads(text: str) -> list[dict[str, int]]:
     Samples of one rank (several models) are summed; a value that is not a finite
     non-negative number is skipped.
     """
+    return vllm_scrape(text)[0]
+
+
+def vllm_scrape(text: str) -> tuple[list[dict[str, int]], dict[int, int]]:
+    """:func:`vllm_rank_loads`, and per rank the block size its ``vllm:cache_config_info``
+    states (:func:`cache_config_block_size`; ranks that state none are left out), from
+    one parse of the text."""
     ranks: dict[int, dict[str, int]] = {}
+    sizes: dict[int, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field = _VLLM_GAUGES.get(sample.name)
             engine = sample.labels.get("engine")
-            if field is None or engine is None or not engine.isdigit():
+            if engine is None or not engine.isdigit():
+                continue
+            if field is None:
+                if sample.name == "vllm:cache_config_info":
+                    size = cache_config_block_size(sample.labels)
+                    if size is not None:
+                        sizes[int(engine)] = size
                 continue
             value = sample.value
             if not math.isfinite(value) or value < 0:
@@ -158,7 +180,23 @@ def vllm_rank_loads(text: str) -> list[dict[str, int]]:
                 int(engine), {"dp_rank": int(engine), "running": 0, "waiting": 0}
             )
             entry[field] += int(value)
-    return [ranks[r] for r in sorted(ranks)]
+    return [ranks[r] for r in sorted(ranks)], sizes
+
+
+def cache_config_block_size(labels: Mapping[str, str]) -> int | None:
+    """The block size a vLLM's ``vllm:cache_config_info`` labels state, when they state
+    one plainly: ``block_size``, with ``hash_block_size``, ``effective_attention_block_size``
+    and ``mamba_block_size`` unset or equal to it. None otherwise: a model whose prefix
+    hashing or attention uses another size (a Mamba hybrid) chains its events at a size
+    these labels do not name for certain, and a wrong declaration would have the router
+    skip every event."""
+    size = labels.get("block_size", "")
+    if not size.isdigit() or int(size) < 1:
+        return None
+    for other in ("hash_block_size", "effective_attention_block_size", "mamba_block_size"):
+        if labels.get(other, "None") not in ("None", size):
+            return None
+    return int(size)
 
 
 def _advertised_block_size(info: Any) -> int | None:
@@ -197,6 +235,7 @@ async def _register(
 ) -> None:
     spec = state.spec
     configured = f"--block-size of engine {spec.worker}"
+    state.stated_block_sizes.clear()  # a restarted engine states its size anew
     if spec.described:
         holders = [Holder(s.worker, s.dp_rank) for s in spec.streams()]
         for h in holders:
@@ -300,11 +339,12 @@ async def _poll_load(
         metrics = await upstream.get(spec.url, "/metrics", timeout=5.0, on_head=answered)
         if metrics.status != 200:
             raise DiscoveryError(f"answered HTTP {metrics.status}")
-        scraped = vllm_rank_loads(metrics.body.decode("utf-8", "replace"))
+        scraped, sizes = vllm_scrape(metrics.body.decode("utf-8", "replace"))
     except Exception as exc:  # foreign text, best effort: any failure is only a metrics_error
         state.metrics_error = f"GET {spec.url}/metrics: {type(exc).__name__}: {exc}"
         scraped = []
     else:
+        _declare_stated_sizes(router, state, sizes, ranks)
         labels = [r["dp_rank"] for r in scraped]
         scraped = [r for r in scraped if r["dp_rank"] in loads]
         if not scraped:
@@ -320,6 +360,23 @@ async def _poll_load(
         state.load_source, state.metrics_error = "/metrics", None
     else:
         state.load_source = "router"
+
+
+def _declare_stated_sizes(
+    router: Router, state: EngineState, sizes: dict[int, int], ranks: list[int]
+) -> None:
+    """Declare the block size each known rank's ``vllm:cache_config_info`` states, when it
+    is new (so a size the router does not expect is counted once, not on every poll): as
+    a ``/server_info`` declaration is, it is checked against the router's size, and a
+    router whose size came from the engines follows every rank to a new one
+    (:mod:`kvevents.subscribe.block_sizes`)."""
+    origin = f"vllm:cache_config_info of {state.spec.url}"
+    for rank in ranks:
+        size = sizes.get(rank)
+        if size is not None and state.stated_block_sizes.get(rank) != size:
+            state.stated_block_sizes[rank] = size
+            holder = Holder(state.spec.worker, rank)
+            router.declare_block_size(holder, size, source="metrics", origin=origin)
 
 
 async def read_models(spec: EngineSpec, client: httpx.AsyncClient) -> EngineModels | None:

@@ -9,8 +9,8 @@ would otherwise go unnoticed (every lookup a silent miss). :class:`BlockSizes` h
   "configured for engine X", "/server_info of X", "first events of X"). ``shared=True``
   (the router: one size keys every request) keeps one expected size for all holders;
   ``shared=False`` (``kvevents watch``) one per holder. The first size known wins.
-* *declarations*: sizes a configuration or ``/server_info`` states for a holder
-  (:meth:`declare`);
+* *declarations*: sizes a configuration, ``/server_info`` or (a vLLM's) ``/metrics``
+  states for a holder (:meth:`declare`);
 * *observations*: ``BlockStored.block_size`` of every stored chain (:meth:`check`).
 
 Each disagreement is logged as an error naming the holder, both sizes and both sources,
@@ -23,14 +23,16 @@ always pass.
 A fleet that changes its block size (engines restarted with another page size) is
 followed when the expected size came from the engines themselves (``/server_info``,
 events or a peer's snapshot), not from an operator's ``--block-size`` or engine
-configuration. A new size is taken when a ``/server_info`` declares it and every holder
+configuration. A new size is taken when the engines declare it (``/server_info``, or
+``vllm:cache_config_info`` in a vLLM's ``/metrics``) and every holder
 :attr:`followed` names agrees: its own last declaration says it, or, never declared, every
 chain it stored since its last reset (:meth:`forget`) had it. That size becomes the
 expected one, ``on_change`` is called (the router drops what it keyed at the old size)
 and a warning says so. Until then the new size's events are skipped as mismatches.
 Events alone never change the size: one vLLM stream may carry chains of two sizes (a
 model whose KV-cache groups differ in block size), which must not flip it to and fro;
-so an engine that declares no size (a vLLM known by URL) is not followed to a new one.
+so an engine that declares no size (a vLLM whose ``/metrics`` states none plainly, as a
+Mamba hybrid's) is not followed to a new one.
 
 Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
 event mismatches. Not thread-safe: one consumer thread.
@@ -46,16 +48,21 @@ import msgspec
 from kvevents.types import Holder
 from kvevents.wire.events import BlockStored, KVEventBatch
 
-__all__ = ["BlockSizeMismatch", "BlockSizes"]
+__all__ = ["ENGINE_SOURCES", "BlockSizeMismatch", "BlockSizes"]
 
 log = logging.getLogger("kvevents.subscribe.block_sizes")
+
+ENGINE_SOURCES = frozenset({"server_info", "metrics"})
+"""Declaring sources that are the engines' own word (``/server_info``; a vLLM's
+``vllm:cache_config_info`` in ``/metrics``): a size first known from them is followed
+when the engines change it."""
 
 
 class BlockSizeMismatch(msgspec.Struct, kw_only=True):
     """One kind of disagreement for one holder, and how often it was seen.
 
     ``source`` is "events" (``count`` = BlockStored events skipped), or the declaring
-    source ("configured", "server_info"; ``count`` = declarations).
+    source ("configured", "server_info", "metrics"; ``count`` = declarations).
     """
 
     worker: str
@@ -126,7 +133,7 @@ class BlockSizes:
         expected = self.expected(holder)
         if expected is None:
             self._set_expected(holder, size, origin)
-            self._engine_said = source == "server_info"
+            self._engine_said = source in ENGINE_SOURCES
             return True
         if size == expected[0] or self._follow(size, origin):
             return True
