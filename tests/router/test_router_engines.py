@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from kvevents import BlockStored, KVEventBatch, Subscriber, ZmqEventPublisher
+from kvevents.router import engines as engines_module
 from kvevents.router import service as service_module
 from kvevents.router.core import Router
 from kvevents.router.engines import (
@@ -82,15 +83,29 @@ def test_each_rank_states_its_block_size_in_cache_config_info() -> None:
 @pytest.mark.parametrize(
     ("labels", "size"),
     [
-        ({"block_size": "16"}, 16),
-        ({"block_size": "16", "hash_block_size": "None", "mamba_block_size": "None"}, 16),
-        ({"block_size": "16", "hash_block_size": "16"}, 16),
-        # a Mamba hybrid: hashing or attention at another size than the cache's pages
-        ({"block_size": "528", "hash_block_size": "16"}, None),
-        ({"block_size": "528", "effective_attention_block_size": "16"}, None),
-        ({"block_size": "16", "mamba_block_size": "2048"}, None),
-        ({"block_size": "None"}, None),
-        ({"block_size": "0"}, None),
+        ({"block_size": "16", "effective_attention_block_size": "16"}, 16),
+        (
+            {
+                "block_size": "16",
+                "effective_attention_block_size": "16",
+                "hash_block_size": "None",
+                "mamba_block_size": "None",
+                "prefix_match_unit": "None",
+            },
+            16,
+        ),
+        ({"effective_attention_block_size": "16", "hash_block_size": "16"}, 16),
+        # decode context parallelism of 2: pages of 16, blocks (and events) of 32
+        ({"block_size": "16", "effective_attention_block_size": "32"}, 32),
+        # an older vLLM states only its page size: not certainly its events' size
+        ({"block_size": "16"}, None),
+        ({"block_size": "16", "mamba_block_size": "16", "hash_block_size": "None"}, None),
+        # hashing, prefix matching or Mamba state at another size
+        ({"effective_attention_block_size": "1600", "hash_block_size": "16"}, None),
+        ({"effective_attention_block_size": "32", "prefix_match_unit": "16"}, None),
+        ({"effective_attention_block_size": "16", "mamba_block_size": "2048"}, None),
+        ({"effective_attention_block_size": "None"}, None),
+        ({"effective_attention_block_size": "0"}, None),
         ({}, None),
     ],
 )
@@ -98,6 +113,24 @@ def test_only_a_plainly_stated_block_size_is_taken(
     labels: dict[str, str], size: int | None
 ) -> None:
     assert cache_config_block_size(labels) == size
+
+
+def test_a_stated_size_is_declared_once_and_again_once_a_reset_forgot_it() -> None:
+    """Each poll's stated size is declared only when the rank's standing declaration does
+    not say it: a size other than the operator's --block-size is counted once, not once
+    a poll, events at the operator's size still count, and a rank whose declaration a
+    reset (a restarted engine) forgot is declared again."""
+    router = Router(block_size=16)  # the operator's
+    state = EngineState(EngineSpec.create("http://v:8000", kind="vllm"))
+    holder = Holder(state.spec.worker, 0)
+    router.add_holder(holder, block_size=16, source="configured")
+    for _ in range(3):
+        engines_module._declare_stated_sizes(router, state, {0: 32}, [0])
+    mismatch = router.block_sizes.mismatches[(holder, "metrics", 32)]
+    assert mismatch.count == 1 and router.index.block_size == 16
+    router.block_sizes.forget(holder)
+    engines_module._declare_stated_sizes(router, state, {0: 32}, [0])
+    assert router.block_sizes.declared[holder] == 32 and mismatch.count == 2
 
 
 def test_metrics_without_the_gauges_give_no_ranks_and_garbage_is_refused() -> None:

@@ -128,9 +128,6 @@ class EngineState:
     """Where the ranks' load last came from: ``/load``, ``/metrics``, or ``router``
     (this router's in-flight requests only); ``metrics_error`` says why not metrics."""
     metrics_error: str | None = None
-    stated_block_sizes: dict[int, int] = field(default_factory=dict)
-    """Per rank, the block size a vLLM's ``/metrics`` last stated (declared to the router
-    when it changes; forgotten when the engine registers again)."""
     models: EngineModels | None = None
     """The models the engine serves, when known (see the module docstring)."""
     models_error: str | None = None
@@ -184,16 +181,18 @@ def vllm_scrape(text: str) -> tuple[list[dict[str, int]], dict[int, int]]:
 
 
 def cache_config_block_size(labels: Mapping[str, str]) -> int | None:
-    """The block size a vLLM's ``vllm:cache_config_info`` labels state, when they state
-    one plainly: ``block_size``, with ``hash_block_size``, ``effective_attention_block_size``
-    and ``mamba_block_size`` unset or equal to it. None otherwise: a model whose prefix
-    hashing or attention uses another size (a Mamba hybrid) chains its events at a size
-    these labels do not name for certain, and a wrong declaration would have the router
-    skip every event."""
-    size = labels.get("block_size", "")
+    """The block size a vLLM's ``vllm:cache_config_info`` labels state for its KV events,
+    when they state it plainly: ``effective_attention_block_size`` (the size of its
+    full-attention managers' blocks, context parallelism included: what ``BlockStored``
+    carries), with ``hash_block_size``, ``prefix_match_unit`` and ``mamba_block_size``
+    unset or equal to it. None otherwise, and when the label is missing (an older vLLM:
+    its ``block_size`` label is the page size before context parallelism multiplies
+    it): a wrong declaration would have the router skip every event, while none leaves
+    the size to the events, as before."""
+    size = labels.get("effective_attention_block_size", "")
     if not size.isdigit() or int(size) < 1:
         return None
-    for other in ("hash_block_size", "effective_attention_block_size", "mamba_block_size"):
+    for other in ("hash_block_size", "prefix_match_unit", "mamba_block_size"):
         if labels.get(other, "None") not in ("None", size):
             return None
     return int(size)
@@ -235,7 +234,6 @@ async def _register(
 ) -> None:
     spec = state.spec
     configured = f"--block-size of engine {spec.worker}"
-    state.stated_block_sizes.clear()  # a restarted engine states its size anew
     if spec.described:
         holders = [Holder(s.worker, s.dp_rank) for s in spec.streams()]
         for h in holders:
@@ -365,17 +363,18 @@ async def _poll_load(
 def _declare_stated_sizes(
     router: Router, state: EngineState, sizes: dict[int, int], ranks: list[int]
 ) -> None:
-    """Declare the block size each known rank's ``vllm:cache_config_info`` states, when it
-    is new (so a size the router does not expect is counted once, not on every poll): as
-    a ``/server_info`` declaration is, it is checked against the router's size, and a
-    router whose size came from the engines follows every rank to a new one
-    (:mod:`kvevents.subscribe.block_sizes`)."""
+    """Declare the block size each known rank's ``vllm:cache_config_info`` states, unless
+    the rank's standing declaration already says it (so a size the router does not expect
+    is counted once, not on every poll): as a ``/server_info`` declaration is, it is
+    checked against the router's size, and a router whose size came from the engines
+    follows every rank to a new one (:mod:`kvevents.subscribe.block_sizes`)."""
     origin = f"vllm:cache_config_info of {state.spec.url}"
+    declared = router.block_sizes.declared
     for rank in ranks:
         size = sizes.get(rank)
-        if size is not None and state.stated_block_sizes.get(rank) != size:
-            state.stated_block_sizes[rank] = size
-            holder = Holder(state.spec.worker, rank)
+        holder = Holder(state.spec.worker, rank)
+        # declared again after a reset forgot it (a restarted engine), else only on change
+        if size is not None and declared.get(holder) != size:
             router.declare_block_size(holder, size, source="metrics", origin=origin)
 
 
