@@ -173,7 +173,7 @@ class NatsNoteTransport:
         """Times this replica started again from its peers' requests in flight now,
         after notes were missed."""
         self.pending_limit = pending_limit
-        """Notes the subscription holds unread before NATS drops more (None: nats-py's
+        """Messages the subscription holds unread before nats-py drops more (None: its
         default, half a million)."""
         self.last_error: str | None = None
         self._resync_at: asyncio.TimerHandle | None = None
