@@ -19,7 +19,7 @@ import httpx
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
 
-from kvevents.router.engines import vllm_rank_loads
+from kvevents.router.engines import vllm_rank_loads, vllm_scrape
 
 FEED_TIMEOUT_S = 30.0
 
@@ -164,6 +164,8 @@ def test_vllm_load_is_read_from_its_metrics(vllm: RealVLLM, router: RouterProces
     text = httpx.get(f"{vllm.url}/metrics", timeout=30.0).text
     ranks = vllm_rank_loads(text)
     assert [r["dp_rank"] for r in ranks] == list(range(vllm.dp_size))
+    # vllm:cache_config_info states every rank's block size: what its events carry
+    assert vllm_scrape(text)[1] == dict.fromkeys(range(vllm.dp_size), vllm.block_size)
     assert all(r["running"] >= 0 and r["waiting"] >= 0 for r in ranks)
     engine = next(e for e in router.workers()["engines"] if e["url"] == vllm.url)
     assert engine["load_source"] == "/metrics", engine["metrics_error"]
@@ -199,5 +201,8 @@ def test_a_router_given_only_the_vllm_url_finds_every_rank(vllm: RealVLLM) -> No
         router.wait_holds(first.dp_rank, prompt, bs, FEED_TIMEOUT_S)
         again = router.complete(prompt)
         assert again.dp_rank == first.dp_rank and again.cached_tokens == 2 * bs
+        # the size its /metrics states agrees with its events': no mismatch anywhere
+        sizes = [h["block_size"] for h in router.workers()["holders"]]
+        assert all(s["expected"] == bs and not s["mismatches"] for s in sizes), sizes
     finally:
         router.stop()
