@@ -286,8 +286,9 @@ class LoadNotes:
         """``begin`` notes sent again for a sender heard for the first time, or back on a
         link (its ``hello``, or this router's own link back)."""
         self.reset = 0
-        """Peers' in-flight requests dropped because the link they were heard on went down,
-        or their sender said ``hello`` (it sends again those still in flight)."""
+        """Peers' in-flight requests dropped because the link they were heard on went down
+        or resynced (notes it dropped on the way in), or their sender said ``hello`` (it
+        sends again those still in flight)."""
         self._heard_on: dict[str, NoteTransport] = {}  # sender -> the transport it came by
         self._senders: set[str] = {sender}
         self._seats: dict[str, str] = {}  # seat -> the latest sender heard in it
@@ -450,7 +451,8 @@ class LoadNotes:
             self.reset += dropped
             if dropped:
                 log.info(
-                    "load notes: link lost, %d peer requests in flight heard over it dropped",
+                    "load notes: link lost or resynced, %d peer requests in flight heard "
+                    "over it dropped (its peers send those still in flight again)",
                     dropped,
                 )
             return
