@@ -169,6 +169,51 @@ def test_a_router_without_kernels_answers_alike(engine: Engine, router: RouterPr
         plain.stop()
 
 
+def test_plain_routes_are_answered_natively_and_alike(engine: Engine) -> None:
+    """A body of token ids alone is answered by the native call (kvevents.kernels.native)
+    once the loads hold still, with the bytes the Python path writes for the same
+    request: the body with ``"top": 4`` (the default, but another member, so Python
+    answers it) asked of the same router right after. KVEVENTS_NATIVE=0 turns it off."""
+    fast = RouterProc([engine.url])
+    slow = RouterProc([engine.url], env={"KVEVENTS_NATIVE": "0"})
+    try:
+        for proc in (fast, slow):
+            wait_until(lambda p=proc: p.connected() == 4, 20, "all four streams connected")
+            wait_until(lambda p=proc: _kernels(p) == "compiled", 60, "the router's kernels loaded")
+        base = 2_000_000 + 1_000 * httpx.URL(fast.url).port
+        prompt = list(range(base, base + 40))
+        _stored(fast, engine, prompt, rank=3)
+        asked = [prompt, prompt[:9], [*prompt, 7, 8, 9, 10, 11], []]
+
+        def alike(ids: list[int], plain: bytes) -> bool:
+            """The native answer and then the Python one, the same (false if the loads
+            changed in between: the engine's load is polled)."""
+            with_top = json.dumps({"input_ids": ids, "top": 4}).encode()
+            answers = [
+                fast.http.post("/route", content=b, headers={"content-type": "application/json"})
+                for b in (plain, plain, with_top)  # the first after a change makes the ranking
+            ]
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+            return answers[1].content == answers[2].content
+
+        for ids in asked:
+            plain = json.dumps({"input_ids": ids}).encode()
+            wait_until(lambda i=ids, b=plain: alike(i, b), 10, f"the same answers for {ids[:3]}")
+        spaced = b' {"input_ids" : [' + b" , ".join(b"%d" % t for t in prompt) + b"] }\n"
+        wait_until(lambda: alike(prompt, spaced), 10, "the same answers for a spaced body")
+        native = fast.http.get("/workers").json()["process"]["native"]
+        assert native["status"] == "built" and native["routes"] >= len(asked) + 1, native
+        for ids in asked:
+            assert slow.post("/route", {"input_ids": ids}).status_code == 200
+        assert slow.http.get("/workers").json()["process"]["native"] == {
+            "status": "off: KVEVENTS_NATIVE=0",
+            "routes": 0,
+        }
+    finally:
+        fast.stop()
+        slow.stop()
+
+
 def test_a_chunked_body_past_the_limit_is_refused(router: RouterProc) -> None:
     """A body without Content-Length is counted as it arrives and refused past the limit."""
 

@@ -370,6 +370,24 @@ class MaskTable:
             return self._apply_groups(keys, (segs, segs, segs))
         return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
 
+    def plain_mirror(self) -> MaskMirror | None:
+        """The compiled match's one-word mirror, synced, when this index's matches are
+        plain: GPU blocks only, no side groups, no predictions (what the native
+        ``/route`` answers, :mod:`kvevents.kernels.native`); else None. A match made
+        from it is reported with :meth:`note_plain_match`."""
+        if self._offloaded or self._hybrid or self._predicted:
+            return None
+        mirror = self._synced_mirror()
+        return mirror if mirror is not None and mirror.words == 1 else None
+
+    def note_plain_match(self, keys: bytes, longest: int) -> None:
+        """What :meth:`match_keys` records of a match made elsewhere from
+        :meth:`plain_mirror`: a lookup, and the recency of the ``longest`` blocks matched
+        (``keys``: the request's keys as uint64 bytes)."""
+        self.stats.lookups += 1
+        if longest and len(self._touch_log) < _TOUCH_LOG_LIMIT:
+            self._touch_log.append((keys, longest))
+
     def sync_mirror(self) -> None:
         """Build or update the compiled match's mirror now (once the kernels are loaded),
         instead of on the next match: a router does as its kernels load."""
@@ -495,7 +513,9 @@ class MaskTable:
         """Apply deferred recency updates of matches (leaf first, so parents end newest)."""
         blocks = self._blocks
         pop = blocks.pop
-        for keys, n in self._touch_log:
+        for logged, n in self._touch_log:
+            # a native match logs its keys as bytes (note_plain_match)
+            keys = memoryview(logged).cast("Q") if type(logged) is bytes else logged
             for i in range(n - 1, -1, -1):
                 k = keys[i]
                 v = pop(k, None)

@@ -18,6 +18,10 @@ kernels do that work in one call each, without a Python object per token or per 
   load table (:mod:`kvevents.router.load_board`), one call instead of a Python step
   per holder when every request changes the loads (relayed requests).
 
+Beside them, :mod:`~kvevents.kernels.native` loads a C extension (built at install when a
+compiler is there) that answers a plain ``/route`` whole in one call, reading the
+mirror these kernels keep.
+
 All are optional and only ever an acceleration: the answers are the same without them
 (``tests/test_kernels.py`` checks every block size and random bodies against the plain
 path, ``tests/test_mask_mirror.py`` the match against the dict's). They are off until

@@ -79,6 +79,7 @@ from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.batch import combine_scores
 from kvevents.router.load_board import LoadBoard, board_top_scores
 from kvevents.router.models import ModelCatalog, UnknownModelError
+from kvevents.router.native_route import NativeRoute
 from kvevents.router.scoring import (
     HolderLoad,
     HolderScore,
@@ -216,6 +217,8 @@ class Router:
         """Per candidate list (by identity), its :class:`Ranking` at ``_rankings_version``."""
         self._rankings_version = -1
         self._one_pass_version = -1
+        self.native = NativeRoute(self)
+        """The plain ``/route`` answered in one native call (:mod:`kvevents.router.native_route`)."""
         """The loads' version at the last one-pass choice (``route(top=...)`` without a
         ranking): a second request at the same version builds the ranking."""
 

@@ -79,7 +79,7 @@ from kvevents.router.service import (
     TokensBody,
 )
 from kvevents.router.status import HEALTHY, workers_document
-from kvevents.router.token_body import decode_tokens_body
+from kvevents.router.token_body import PLAIN_BODY, decode_tokens_body
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -444,6 +444,10 @@ class HotPath:
 
     def _route_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
+        if body is PLAIN_BODY:
+            answer = router.native.answer(tokens)
+            if answer is not None:
+                return answer
         top = None if body.all_scores else body.top
         decision = keyed(router.route, tokens, body, top=top)
         if body.record:

@@ -312,6 +312,10 @@ class Ranking:
         self._rest: dict[tuple[int, int, type], list[_Ranked]] = {}
         """Per (blocks, count, type of a zero credit): :meth:`_nothing_cached`'s answer."""
 
+    def entries(self) -> list[_Entry]:
+        """The holders' figures, best first (see :data:`_Entry`); shared, do not change it."""
+        return self._entries
+
     def top(
         self,
         n_blocks: int,

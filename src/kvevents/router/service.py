@@ -29,6 +29,7 @@ import msgspec
 from kvevents import kernels
 from kvevents.errors import KVEventsError, SubscriberStateError
 from kvevents.http_auth import ClientCredentials
+from kvevents.kernels import native
 from kvevents.router.core import POLICIES, Policy, Router
 from kvevents.router.engines import MODELS_RECHECK_S, EngineState, watch_engine
 from kvevents.router.metrics import make_registry
@@ -231,6 +232,7 @@ class RouterService:
             "notes": None if peers is None else peers.summary(),
             "sync": None if self.sync is None else self.sync.status(),
             "kernels": kernels.status(),
+            "native": {"status": native.status(), "routes": self.router.native.answered},
             "settled": self.settled,
         }
 

@@ -20,13 +20,13 @@ import msgspec
 from kvevents import kernels
 from kvevents.errors import RequestError
 
-__all__ = ["DEFAULT_TOP", "BadRequest", "TokensBody", "decode_tokens_body"]
+__all__ = ["DEFAULT_TOP", "PLAIN_BODY", "BadRequest", "TokensBody", "decode_tokens_body"]
 
 DEFAULT_TOP = 4
 """Scores in a ``/route`` answer unless the body asks otherwise: the choice and 3 more."""
 
 
-class TokensBody(msgspec.Struct):
+class TokensBody(msgspec.Struct, frozen=True):
     """A request given as token ids, text or chat messages (unknown keys are ignored).
 
     ``messages`` are rendered as ``/v1/chat/completions`` renders them (the body's
@@ -62,6 +62,11 @@ class TokensBody(msgspec.Struct):
     def adapter(self) -> str | None:
         """The adapter the request runs under: ``lora``, else ``lora_path``."""
         return self.lora if self.lora is not None else self.lora_path
+
+
+PLAIN_BODY = TokensBody()
+"""The body of a request given as ``input_ids`` alone, as the compiled path decodes it
+(the same object each time: a caller may test ``body is PLAIN_BODY``)."""
 
 
 class BadRequest(RequestError):
@@ -134,7 +139,7 @@ def _decode_compiled(compiled: kernels.Kernels, raw: bytes) -> tuple[array[int],
         return None
     tokens, end = parsed
     if raw[end] == 0x7D:  # "}": the ids were the only member, if nothing follows
-        return (tokens, TokensBody()) if not raw[end + 1 :].strip(_WHITESPACE) else None
+        return (tokens, PLAIN_BODY) if not raw[end + 1 :].strip(_WHITESPACE) else None
     # After the comma must come the next member's key; the object without the ids
     # member is then valid JSON exactly when the whole body was.
     rest = raw[end + 1 :].lstrip(_WHITESPACE)

@@ -1,0 +1,508 @@
+/* The router's plain /route answer in one native call (see kvevents/kernels/native.py).
+ *
+ * route_answer() keys a request's blocks (XXH3-64 chained, as content_keys does),
+ * matches them against the index's flat mirror of GPU masks (kernels/block_table.py's
+ * table: open addressing, linear probing), scores every candidate as the router's
+ * Ranking does (a stable-loads plan prepared in Python: kvevents/router/native_route.py)
+ * and writes the answer's JSON, byte for byte what msgspec writes for the Python path.
+ * Anything it cannot answer exactly (a float msgspec would print in exponent form, no
+ * available holder) answers None, and the caller takes the Python path.
+ *
+ * XXH3 is written from the xxHash specification (its published primes and default
+ * secret), for inputs of 4 to 240 bytes: blocks of 1 to 60 four-byte tokens. The host
+ * must be little-endian (the Python side checks): tokens are hashed as their bytes.
+ *
+ * Compiled with -ffp-contract=off: every float operation rounds as Python's does.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- XXH3-64, short inputs ------------------------------------------------------ */
+
+static const uint8_t SECRET[192] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c,
+    0xf7, 0x21, 0xad, 0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb,
+    0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e,
+    0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
+    0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
+    0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97,
+    0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7,
+    0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31,
+    0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83,
+    0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26,
+    0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc,
+    0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
+    0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+#define P64_1 0x9E3779B185EBCA87ULL
+#define MIX_1 0x165667919E3779F9ULL
+#define MIX_2 0x9FB21C651E98DF25ULL
+#define MAX_BLOCK_TOKENS 60
+
+static inline uint64_t read64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t read32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
+    __uint128_t product = (__uint128_t)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+static inline uint64_t avalanche(uint64_t h) {
+    h ^= h >> 37;
+    h *= MIX_1;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed) {
+    return mul_fold(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
+}
+
+/* XXH3-64 of len bytes (4 <= len <= 240) with seed. */
+static uint64_t xxh3_short(const uint8_t *in, size_t len, uint64_t seed) {
+    if (len <= 8) {
+        seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32;
+        uint64_t bitflip = (read64(SECRET + 8) ^ read64(SECRET + 16)) - seed;
+        uint64_t word = (uint64_t)read32(in + len - 4) + ((uint64_t)read32(in) << 32);
+        uint64_t h = word ^ bitflip;
+        h ^= rotl64(h, 49) ^ rotl64(h, 24);
+        h *= MIX_2;
+        h ^= (h >> 35) + len;
+        h *= MIX_2;
+        return h ^ (h >> 28);
+    }
+    if (len <= 16) {
+        uint64_t lo = read64(in) ^ ((read64(SECRET + 24) ^ read64(SECRET + 32)) + seed);
+        uint64_t hi = read64(in + len - 8) ^ ((read64(SECRET + 40) ^ read64(SECRET + 48)) - seed);
+        return avalanche(len + __builtin_bswap64(lo) + hi + mul_fold(lo, hi));
+    }
+    uint64_t acc = len * P64_1;
+    if (len <= 128) {
+        if (len > 32) {
+            if (len > 64) {
+                if (len > 96) {
+                    acc += mix16(in + 48, SECRET + 96, seed);
+                    acc += mix16(in + len - 64, SECRET + 112, seed);
+                }
+                acc += mix16(in + 32, SECRET + 64, seed);
+                acc += mix16(in + len - 48, SECRET + 80, seed);
+            }
+            acc += mix16(in + 16, SECRET + 32, seed);
+            acc += mix16(in + len - 32, SECRET + 48, seed);
+        }
+        acc += mix16(in, SECRET, seed);
+        acc += mix16(in + len - 16, SECRET + 16, seed);
+        return avalanche(acc);
+    }
+    for (size_t i = 0; i < 8; i++) acc += mix16(in + 16 * i, SECRET + 16 * i, seed);
+    uint64_t acc_end = mix16(in + len - 16, SECRET + 136 - 17, seed);
+    acc = avalanche(acc);
+    for (size_t i = 8; i < len / 16; i++) acc_end += mix16(in + 16 * i, SECRET + 16 * (i - 8) + 3, seed);
+    return avalanche(acc + acc_end);
+}
+
+static void chain(const uint8_t *tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
+                  uint64_t parent, uint64_t *out) {
+    size_t step = 4 * (size_t)block_size;
+    uint64_t key = parent;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        key = xxh3_short(tokens + step * b, step, key);
+        out[b] = key;
+    }
+}
+
+/* ---- the mirror's table (block_table.py) ------------------------------------------ */
+
+#define TABLE_MIX 0x9E3779B97F4A7C15ULL
+#define SEGMENTS 65
+
+/* Segments of a match: the slots whose prefix ends at each length; answers the longest. */
+static Py_ssize_t match(const uint64_t *keys, Py_ssize_t n, const uint64_t *table_keys,
+                        const uint64_t *table_values, uint64_t mask, uint64_t live,
+                        uint64_t *dropped, Py_ssize_t *lengths, int *found) {
+    uint64_t held = live;
+    *found = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t key = keys[j];
+        uint64_t h = key * TABLE_MIX;
+        uint64_t i = (h ^ (h >> 32)) & mask;
+        uint64_t value = 0;
+        for (;;) {
+            uint64_t v = table_values[i];
+            if (v == 0) break;
+            if (table_keys[i] == key) {
+                value = v;
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        uint64_t still = held & value;
+        if (still != held) {
+            if (j > 0) {
+                dropped[*found] = held ^ still;
+                lengths[*found] = j;
+                (*found)++;
+            }
+            held = still;
+            if (held == 0) return j;
+        }
+    }
+    if (n > 0 && held != 0) {
+        dropped[*found] = held;
+        lengths[*found] = n;
+        (*found)++;
+        return n;
+    }
+    return 0;
+}
+
+/* ---- JSON ------------------------------------------------------------------------ */
+
+typedef struct {
+    char *p;
+    Py_ssize_t n;
+} Out;
+
+static inline void put(Out *o, const char *s, Py_ssize_t n) {
+    memcpy(o->p + o->n, s, n);
+    o->n += n;
+}
+
+#define PUT_LITERAL(o, s) put((o), (s), (Py_ssize_t)sizeof(s) - 1)
+
+static inline void put_bytes(Out *o, PyObject *b) { put(o, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b)); }
+
+static void put_int(Out *o, long long v) {
+    char digits[24];
+    int k = 0;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        digits[k++] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) o->p[o->n++] = '-';
+    while (k) o->p[o->n++] = digits[--k];
+}
+
+/* A float as msgspec writes it: Python's repr for 0 and for 1e-4 <= |x| < 1e16 (where
+ * the two agree; tests/test_native_route.py checks); 0 for any other value (the caller
+ * then answers None). At most 25 bytes. */
+static int put_float(Out *o, double x) {
+    double a = fabs(x);
+    if (x == 0.0) {
+        if (signbit(x)) PUT_LITERAL(o, "-0.0");
+        else PUT_LITERAL(o, "0.0");
+        return 1;
+    }
+    if (!(a >= 1e-4 && a < 1e16)) return 0; /* NaN fails too */
+    if (a < 9007199254740992.0 && x == (double)(long long)x) {
+        put_int(o, (long long)x);
+        PUT_LITERAL(o, ".0");
+        return 1;
+    }
+    char *s = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+    if (s == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    put(o, s, (Py_ssize_t)strlen(s));
+    PyMem_Free(s);
+    return 1;
+}
+
+/* ---- the answer ------------------------------------------------------------------ */
+
+/* A candidate's figures in the plan's numbers (native byte order, 48 bytes each). */
+typedef struct {
+    double own;
+    double pending;
+    double recent;
+    int64_t routed;
+    int64_t unavailable;
+    int64_t slot;
+} Candidate;
+
+#define FRAGMENTS 4 /* per candidate: head, score start, pending (to cost), score end */
+#define MAX_TOP 64
+
+typedef struct {
+    int64_t unavailable;
+    double cost;
+    double pending;
+    double recent;
+    int64_t routed;
+    Py_ssize_t position;
+    Py_ssize_t gpu;
+    double cached;
+    double prefill;
+} Scored;
+
+/* Python's tuple order of (unavailable, cost, pending, recent, routed, position). */
+static inline int before(const Scored *a, const Scored *b) {
+    if (a->unavailable != b->unavailable) return a->unavailable < b->unavailable;
+    if (a->cost != b->cost) return a->cost < b->cost;
+    if (a->pending != b->pending) return a->pending < b->pending;
+    if (a->recent != b->recent) return a->recent < b->recent;
+    if (a->routed != b->routed) return a->routed < b->routed;
+    return a->position < b->position;
+}
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
+    if (view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "route_answer: %s must hold %zd-byte items", what, itemsize);
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+/* route_answer(tokens, block_size, parent, table_keys, table_values, live, plan, top)
+ *   -> (answer bytes or None, keys bytes, longest)
+ * plan: (numbers, fragments, gpu, cpu, disk, head_tail) where numbers packs a Candidate
+ * per candidate, fragments holds FRAGMENTS bytes per candidate and head_tail the
+ * answer's bytes after "n_blocks": up to its "block_size" value; see native_route.py. */
+static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "route_answer takes 8 arguments");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
+    uint64_t live = PyLong_AsUnsignedLongLong(args[5]);
+    Py_ssize_t top = PyLong_AsSsize_t(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *plan = args[6];
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 6) {
+        PyErr_SetString(PyExc_TypeError, "route_answer: plan must be a 6-tuple");
+        return NULL;
+    }
+    PyObject *numbers = PyTuple_GET_ITEM(plan, 0);
+    PyObject *fragments = PyTuple_GET_ITEM(plan, 1);
+    PyObject *head_tail = PyTuple_GET_ITEM(plan, 5);
+    double gpu = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 2));
+    double cpu = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 3));
+    double disk = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 4));
+    if (PyErr_Occurred()) return NULL;
+    if (!PyBytes_CheckExact(numbers) || !PyTuple_CheckExact(fragments) || !PyBytes_CheckExact(head_tail)) {
+        PyErr_SetString(PyExc_TypeError, "route_answer: plan holds bytes, a tuple, floats, bytes");
+        return NULL;
+    }
+    Py_ssize_t count = PyBytes_GET_SIZE(numbers) / (Py_ssize_t)sizeof(Candidate);
+    if (count < 1 || PyBytes_GET_SIZE(numbers) != count * (Py_ssize_t)sizeof(Candidate) ||
+        PyTuple_GET_SIZE(fragments) != FRAGMENTS * count) {
+        PyErr_SetString(PyExc_ValueError, "route_answer: plan's numbers and fragments disagree");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < FRAGMENTS * count; i++) {
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(fragments, i))) {
+            PyErr_SetString(PyExc_TypeError, "route_answer: fragments must be bytes");
+            return NULL;
+        }
+    }
+    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
+        PyErr_Format(PyExc_ValueError, "route_answer: block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
+        return NULL;
+    }
+    if (top < 1) top = 1;
+    if (top > count) top = count;
+    if (top > MAX_TOP) {
+        PyErr_Format(PyExc_ValueError, "route_answer: top past %d", MAX_TOP);
+        return NULL;
+    }
+    const Candidate *cands = (const Candidate *)PyBytes_AS_STRING(numbers);
+
+    Py_buffer tok, tk, tv;
+    if (!get_buffer(args[0], &tok, 4, "tokens")) return NULL;
+    if (!get_buffer(args[3], &tk, 8, "table_keys")) {
+        PyBuffer_Release(&tok);
+        return NULL;
+    }
+    if (!get_buffer(args[4], &tv, 8, "table_values")) {
+        PyBuffer_Release(&tok);
+        PyBuffer_Release(&tk);
+        return NULL;
+    }
+    PyObject *result = NULL, *keys = NULL, *answer = NULL;
+    char *buffer = NULL;
+    Py_ssize_t slots = tk.len / 8;
+    if (slots < 1 || (slots & (slots - 1)) || tv.len != tk.len) {
+        PyErr_SetString(PyExc_ValueError, "route_answer: the table must be a power of two of slots, keys and values alike");
+        goto done;
+    }
+    Py_ssize_t n_blocks = (tok.len / 4) / block_size;
+    keys = PyBytes_FromStringAndSize(NULL, 8 * n_blocks);
+    if (keys == NULL) goto done;
+    uint64_t *key_words = (uint64_t *)PyBytes_AS_STRING(keys);
+    chain((const uint8_t *)tok.buf, n_blocks, block_size, parent, key_words);
+    uint64_t dropped[SEGMENTS];
+    Py_ssize_t lengths[SEGMENTS];
+    int found;
+    Py_ssize_t longest = match(key_words, n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
+                               (uint64_t)(slots - 1), live, dropped, lengths, &found);
+
+    /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order. */
+    Scored best[MAX_TOP];
+    Py_ssize_t kept = 0;
+    double blocks = (double)n_blocks;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        const Candidate *c = &cands[p];
+        Py_ssize_t g = 0;
+        uint64_t bit = (c->slot >= 0 && c->slot < 64) ? (1ULL << c->slot) : 0;
+        for (int s = 0; s < found; s++) {
+            if (dropped[s] & bit) {
+                g = lengths[s];
+                break;
+            }
+        }
+        Scored item;
+        item.unavailable = c->unavailable;
+        item.cached = (double)g * gpu + 0.0 * cpu + 0.0 * disk;
+        item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+        item.cost = item.prefill + c->own;
+        item.pending = c->pending;
+        item.recent = c->recent;
+        item.routed = c->routed;
+        item.position = p;
+        item.gpu = g;
+        if (kept == top && !before(&item, &best[kept - 1])) continue;
+        Py_ssize_t at = kept < top ? kept++ : kept - 1;
+        while (at > 0 && before(&item, &best[at - 1])) {
+            best[at] = best[at - 1];
+            at--;
+        }
+        best[at] = item;
+    }
+    if (best[0].unavailable) { /* no holder to route to: the Python path words the error */
+        answer = Py_NewRef(Py_None);
+        goto pack;
+    }
+    /* The answer's size: its fragments, and at most 25 bytes per number written. */
+    Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
+    size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+    for (Py_ssize_t k = 0; k < kept; k++) {
+        for (int f = 1; f < FRAGMENTS; f++)
+            size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
+        size += 200;
+    }
+    buffer = PyMem_Malloc(size);
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Out o = {buffer, 0};
+    put_bytes(&o, PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+    PUT_LITERAL(&o, ",\"recorded\":false,\"n_blocks\":");
+    put_int(&o, n_blocks);
+    put_bytes(&o, head_tail);
+    PUT_LITERAL(&o, ",\"holders\":");
+    put_int(&o, count);
+    PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
+    int exact = 1;
+    for (Py_ssize_t k = 0; k < kept && exact; k++) {
+        PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
+        if (k) PUT_LITERAL(&o, ",");
+        put_bytes(&o, f[1]);
+        put_int(&o, best[k].gpu);
+        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0},\"cached_blocks\":");
+        exact = put_float(&o, best[k].cached);
+        PUT_LITERAL(&o, ",\"prefill_blocks\":");
+        exact = exact && put_float(&o, best[k].prefill);
+        put_bytes(&o, f[2]);
+        exact = exact && put_float(&o, best[k].cost);
+        put_bytes(&o, f[3]);
+    }
+    PUT_LITERAL(&o, "]}");
+    answer = exact ? PyBytes_FromStringAndSize(buffer, o.n) : Py_NewRef(Py_None);
+    if (answer == NULL) goto done;
+pack:
+    result = Py_BuildValue("(NOn)", answer, keys, longest);
+    answer = NULL;
+done:
+    Py_XDECREF(answer);
+    Py_XDECREF(keys);
+    PyMem_Free(buffer);
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&tk);
+    PyBuffer_Release(&tv);
+    return result;
+}
+
+/* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */
+static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "chain_keys takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
+        PyErr_Format(PyExc_ValueError, "chain_keys: block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
+        return NULL;
+    }
+    Py_buffer tok;
+    if (!get_buffer(args[0], &tok, 4, "tokens")) return NULL;
+    Py_ssize_t n_blocks = (tok.len / 4) / block_size;
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, 8 * n_blocks);
+    if (keys != NULL)
+        chain((const uint8_t *)tok.buf, n_blocks, block_size, parent, (uint64_t *)PyBytes_AS_STRING(keys));
+    PyBuffer_Release(&tok);
+    return keys;
+}
+
+/* json_float(x) -> bytes or None: how route_answer writes a float (for tests). */
+static PyObject *json_float(PyObject *self, PyObject *arg) {
+    (void)self;
+    double x = PyFloat_AsDouble(arg);
+    if (x == -1.0 && PyErr_Occurred()) return NULL;
+    char text[64];
+    Out o = {text, 0};
+    if (!put_float(&o, x)) Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(text, o.n);
+}
+
+static PyMethodDef methods[] = {
+    {"route_answer", (PyCFunction)(void (*)(void))route_answer, METH_FASTCALL,
+     "The plain /route answer of a request, its keys and longest match (see native.py)."},
+    {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
+     "Chained XXH3-64 content keys of full blocks, as bytes of uint64."},
+    {"json_float", json_float, METH_O, "A float as route_answer writes it, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route answer in one call.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "MAX_BLOCK_TOKENS", MAX_BLOCK_TOKENS) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_TOP", MAX_TOP) < 0 ||
+        PyModule_AddIntConstant(m, "CANDIDATE_BYTES", (long)sizeof(Candidate)) < 0 ||
+        PyModule_AddIntConstant(m, "FRAGMENTS", FRAGMENTS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,20 @@
+from typing_extensions import Buffer
+
+MAX_BLOCK_TOKENS: int
+MAX_TOP: int
+CANDIDATE_BYTES: int
+FRAGMENTS: int
+
+def route_answer(
+    tokens: Buffer,
+    block_size: int,
+    parent: int,
+    table_keys: Buffer,
+    table_values: Buffer,
+    live: int,
+    plan: tuple[bytes, tuple[bytes, ...], float, float, float, bytes],
+    top: int,
+    /,
+) -> tuple[bytes | None, bytes, int]: ...
+def chain_keys(tokens: Buffer, block_size: int, parent: int, /) -> bytes: ...
+def json_float(x: float, /) -> bytes | None: ...

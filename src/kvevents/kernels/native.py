@@ -1,0 +1,60 @@
+"""The router's plain ``/route`` answer in one native call: the C extension ``_native``.
+
+A ``/route`` of 2,048 tokens costs the router about 13 us past parsing its body, spread
+over some 85 Python calls (keying, the compiled match's wrappers, the ranking, the
+answer's JSON): most of what separates it from a server that only parses. The
+extension does that whole answer in one call for the plain request (token ids, no
+other member) while the loads hold still, byte for byte what the Python path answers:
+
+* the chained XXH3-64 keys of every block (blocks of 1 to 60 tokens, as
+  :mod:`~kvevents.kernels.xxh3_chain`);
+* the match against the index's mirror of GPU masks (:mod:`~kvevents.kernels.mask_mirror`,
+  one word: up to 64 holder slots);
+* every candidate's score as :class:`~kvevents.router.scoring.Ranking` computes it,
+  from a plan of the ranking's figures (:mod:`kvevents.router.native_route` makes it);
+* the answer's JSON, numbers written as msgspec writes them; a float msgspec would
+  write in exponent form (below 1e-4 or from 1e16) answers None instead, and the
+  caller takes the Python path.
+
+It is built at install when a C compiler and Python's headers are there
+(``setup.py``: an optional extension) and is only ever an acceleration: without it,
+with ``KVEVENTS_NATIVE=0``, or for any other request, the Python path answers
+(``tests/test_native_route.py`` checks both answer alike). It reads the mirror the
+numba kernels keep, so it is used only while those are loaded too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+__all__ = ["load", "status"]
+
+_module: ModuleType | None = None
+_status = "off: not loaded in this process"
+
+
+def load() -> ModuleType | None:
+    """The extension module, or None when it is off (the reason is in :func:`status`)."""
+    global _module, _status
+    if _module is not None:
+        return _module
+    if os.environ.get("KVEVENTS_NATIVE", "1") == "0":
+        _status = "off: KVEVENTS_NATIVE=0"
+        return None
+    if sys.byteorder != "little":  # it hashes tokens as their bytes
+        _status = "off: a big-endian host"
+        return None
+    try:
+        from kvevents.kernels import _native
+    except ImportError as exc:
+        _status = f"off: not built at install (no C compiler?): {exc}"
+        return None
+    _module, _status = _native, "built"
+    return _module
+
+
+def status() -> str:
+    """``built`` or ``off: <why>`` (for /workers)."""
+    return _status

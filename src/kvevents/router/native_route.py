@@ -1,0 +1,153 @@
+"""The plain ``/route`` answered in one native call (:mod:`kvevents.kernels.native`).
+
+:class:`NativeRoute` answers a request given as token ids alone (the body
+``{"input_ids": [...]}``: top 4, nothing recorded) when every condition of the exact
+answer holds, and None otherwise, for the Python path to answer:
+
+* the extension is built and on, and the numba kernels keep the index's mirror;
+* the index's matches are plain: GPU blocks only, no side groups (hybrid models), no
+  predictions, at most 64 holder slots (:meth:`~kvevents.index.mask_table.MaskTable.plain_mirror`);
+* the block size is known and at most 60 tokens;
+* the router keeps a :class:`~kvevents.router.scoring.Ranking` of its holders (the
+  loads held still since the last request; the second request after a change makes
+  it), whose figures and the credits are plain floats (a plan of them is made once
+  per ranking: :func:`plan_of`);
+* an available holder wins, and every float of the answer is one msgspec writes
+  without an exponent.
+
+The answer is then the bytes the Python path writes, and the match is recorded in the
+index as its own would be (a lookup, the recency of the blocks matched).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from array import array
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from kvevents.index import PrefixIndex, TierCredits
+from kvevents.kernels import native
+from kvevents.router.scoring import Ranking
+from kvevents.router.token_body import DEFAULT_TOP
+from kvevents.types import Holder
+from kvevents.wire.hashing import ROOT_KEY
+
+__all__ = ["NativeRoute", "Plan", "Routing", "plan_of"]
+
+Plan = tuple[bytes, tuple[bytes, ...], float, float, float, bytes]
+"""What the native call reads of a ranking: per candidate its figures (packed) and its
+answer's fixed bytes, the credits, and the answer's bytes after ``n_blocks``' value."""
+
+_CANDIDATE = struct.Struct("=dddqqq")  # own, pending, recent, routed, unavailable, slot
+_encode = msgspec.json.encode
+
+
+class Routing(Protocol):
+    """What :class:`NativeRoute` reads of its router (:class:`~kvevents.router.core.Router`)."""
+
+    index: PrefixIndex
+
+    def _kept_ranking(self, holders: list[Holder]) -> Ranking | None: ...
+
+
+class NativeRoute:
+    """See the module docstring; one per router."""
+
+    def __init__(self, router: Routing) -> None:
+        self.router = router
+        self._module = native.load()
+        self._made_for: tuple[object, ...] = ()
+        self._plan: Plan | None = None
+        self.answered = 0
+        """Requests answered natively (for /workers)."""
+
+    @property
+    def on(self) -> bool:
+        return self._module is not None
+
+    def answer(self, tokens: Sequence[int]) -> bytes | None:
+        """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
+        the Python path must answer (see the module docstring)."""
+        module = self._module
+        if module is None or type(tokens) is not array:
+            return None
+        router = self.router
+        index = router.index
+        block_size = index.block_size
+        if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
+            return None
+        mirror = index.plain_mirror()
+        if mirror is None:
+            return None
+        ranking = router._kept_ranking(index.holders())
+        if ranking is None:
+            return None
+        made_for = (ranking, index, index.credits, block_size)
+        if made_for != self._made_for:  # by identity first: cheap while nothing changed
+            self._plan = plan_of(ranking, index, index.credits, block_size)
+            self._made_for = made_for
+        plan = self._plan
+        if plan is None:
+            return None
+        answer: bytes | None
+        answer, keys, longest = module.route_answer(
+            tokens,
+            block_size,
+            ROOT_KEY,
+            mirror._keys,
+            mirror._values,
+            index._live,
+            plan,
+            DEFAULT_TOP,
+        )
+        if answer is None:
+            return None
+        index.note_plain_match(keys, longest)
+        self.answered += 1
+        return answer
+
+
+def plan_of(
+    ranking: Ranking, index: PrefixIndex, credits: TierCredits, block_size: int
+) -> Plan | None:
+    """The native call's plan of ``ranking`` (see :data:`Plan`), or None when a figure
+    is not a plain finite float (or int, for ``routed``) the native scoring can use."""
+    if not all(
+        type(c) is float and math.isfinite(c) for c in (credits.gpu, credits.cpu, credits.disk)
+    ):
+        return None
+    numbers = bytearray()
+    fragments: list[bytes] = []
+    for unavailable, own, pending, recent, routed, _, holder, balance in sorted(
+        ranking.entries(), key=lambda entry: entry[5]
+    ):
+        slot = index.slot_of(holder)
+        figures = (own, pending, recent)
+        if slot is None or slot >= 64 or type(routed) is not int or not -(2**63) <= routed < 2**63:
+            return None
+        if not all(type(x) is float and math.isfinite(x) for x in figures):
+            return None
+        numbers += _CANDIDATE.pack(own, pending, recent, routed, int(unavailable), slot)
+        head = b'{"worker":' + _encode(holder.worker) + b',"dp_rank":' + _encode(holder.dp_rank)
+        fragments += (
+            head,
+            head + b',"matched":{"gpu":',
+            b',"pending_blocks":' + _encode(pending) + b',"cost":',
+            b',"routed":'
+            + _encode(routed)
+            + b',"available":'
+            + _encode(not unavailable)
+            + b',"recent_blocks":'
+            + _encode(recent)
+            + b',"balance_blocks":'
+            + _encode(balance)
+            + b',"predicted_blocks":0}',
+        )
+    if not numbers:
+        return None
+    head_tail = b',"block_size":' + _encode(block_size)
+    return bytes(numbers), tuple(fragments), credits.gpu, credits.cpu, credits.disk, head_tail

@@ -1,0 +1,271 @@
+"""The native /route answer (kvevents.kernels._native) is the Python path's, byte for byte.
+
+Two routers are given the same holders, blocks, loads and credits; one answers a plain
+``/route`` natively, the other in Python. Their answers must be the same bytes, and
+their indexes must record the match alike (a lookup, the recency of the blocks
+matched). Every case the native call does not take (offloaded tiers, predictions, more
+than 64 slots, blocks past 60 tokens, no ranking kept, no available holder) must answer
+None, so that the Python path answers it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import struct
+from array import array
+from collections.abc import Callable
+
+import msgspec
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from kvevents import Holder, ScoringWeights, TierCredits, kernels
+from kvevents.errors import RouterNotReadyError
+from kvevents.index import Tier
+from kvevents.kernels import native
+from kvevents.router.core import Router
+from kvevents.router.hot_path import encode_route_answer
+from kvevents.wire.hashing import content_keys_per_block
+
+module = native.load()
+pytestmark = pytest.mark.skipif(module is None, reason=f"the extension is off: {native.status()}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    assert kernels.load() is not None, kernels.status()  # the native call reads their mirror
+
+
+def test_keys_are_xxh3_chained_for_every_block_size() -> None:
+    assert module is not None
+    rng = random.Random(7)
+    for block_size in range(1, module.MAX_BLOCK_TOKENS + 1):
+        for blocks in (0, 1, 2, 9):
+            tokens = array("I", [rng.getrandbits(32) for _ in range(block_size * blocks + 3)])
+            parent = rng.choice([0, 1, 2**64 - 1, rng.getrandbits(64)])
+            got = array("Q", module.chain_keys(tokens, block_size, parent))
+            assert list(got) == content_keys_per_block(tokens, block_size, parent), block_size
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_floats_are_written_as_msgspec_writes_them_or_not_at_all(x: float) -> None:
+    assert module is not None
+    written = module.json_float(x)
+    if written is not None:
+        assert written == msgspec.json.encode(x)
+    else:  # msgspec would write an exponent (or the value is no JSON number)
+        assert not (x == 0.0 or 1e-4 <= abs(x) < 1e16)
+
+
+def test_floats_on_the_edges() -> None:
+    assert module is not None
+    for x in (0.0, -0.0, 1e-4, 0.1, 1.0, 2.5, 1e15, 9007199254740993.0, 9999999999999998.0):
+        assert module.json_float(x) == msgspec.json.encode(x)
+    for x in (9.999e-5, 1e16, 1e300, float("inf"), float("nan"), 5e-324):
+        assert module.json_float(x) is None
+
+
+_WORKERS = ["http://e0:8000", 'http://we"ird\\name', "http://ünïcode\n"]
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> dict:
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 16]))
+    count = draw(st.integers(1, 9))
+    holders = [Holder(_WORKERS[i % 3], i // 3) for i in range(count)]
+    prompts = [
+        draw(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=12 * block_size))
+        for _ in range(3)
+    ]
+    prompts.append(prompts[0] + draw(st.lists(st.integers(0, 50), max_size=4 * block_size)))
+    stored = [
+        (draw(st.integers(0, count - 1)), draw(st.integers(0, 3)), draw(st.integers(0, 12)))
+        for _ in range(draw(st.integers(0, 8)))
+    ]
+    loads = [
+        (
+            draw(st.integers(0, 2)),
+            draw(st.integers(0, count)),
+            draw(st.integers(0, 3)),
+            draw(st.integers(0, 3)),
+            draw(st.booleans()),
+        )
+        for _ in range(draw(st.integers(0, 4)))
+    ]
+    records = draw(st.lists(st.integers(0, 3), max_size=4))
+    credits = draw(st.sampled_from([TierCredits(), TierCredits(gpu=0.3), TierCredits(gpu=0.0)]))
+    weights = draw(
+        st.sampled_from(
+            [
+                ScoringWeights(),
+                ScoringWeights(load_weight=1.0, balance_weight=0.0),
+                ScoringWeights(load_weight=0.3, balance_weight=0.7),
+            ]
+        )
+    )
+    asked = draw(st.integers(0, 3))
+    cut = draw(st.integers(0, len(prompts[asked])))
+    return {
+        "block_size": block_size,
+        "holders": holders,
+        "prompts": prompts,
+        "stored": stored,
+        "loads": loads,
+        "records": records,
+        "credits": credits,
+        "weights": weights,
+        "request": prompts[asked][:cut] if draw(st.booleans()) else prompts[asked],
+    }
+
+
+def _fleet(case: dict, *, natively: bool) -> Router:
+    """A router in the state ``case`` describes (the same state for the same case)."""
+    router = Router(
+        block_size=case["block_size"],
+        credits=case["credits"],
+        weights=case["weights"],
+        prediction_ttl_s=None,
+    )
+    if not natively:
+        router.native._module = None
+    for holder in case["holders"]:
+        router.add_holder(holder)
+    index = router.index
+    for who, which, blocks in case["stored"]:
+        tokens = case["prompts"][which][: blocks * case["block_size"]]
+        keys = content_keys_per_block(tokens, case["block_size"])
+        index.store_keys(case["holders"][who], keys)
+    for worker, rank, running, waiting, available in case["loads"]:
+        body = {"ranks": [{"dp_rank": rank, "running": running, "waiting": waiting}]}
+        body["ranks"][0]["available"] = available
+        router.update_load(_WORKERS[worker], body)
+    for which in case["records"]:
+        with contextlib.suppress(RouterNotReadyError):  # no holder available
+            router.record(router.route(case["prompts"][which]))
+    return router
+
+
+def _python_answer(router: Router, tokens: array[int]) -> bytes | None:
+    """The Python path's answer; None when no holder is available (a 503)."""
+    try:
+        return encode_route_answer(router.route(tokens, top=4), recorded=False, top=4)
+    except RouterNotReadyError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets())
+def test_the_native_answer_is_the_python_answer(case: dict) -> None:
+    tokens = array("I", case["request"])
+    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    # the first request after the loads changed is answered in one pass, the second
+    # makes the ranking the native call plans from
+    for router in (fast, slow):
+        _python_answer(router, tokens)
+        _python_answer(router, tokens)
+        assert router._kept_ranking(router.holders()) is not None
+    lookups = fast.index.stats.lookups
+    got = fast.native.answer(tokens)
+    expected = _python_answer(slow, tokens)
+    event("no holder available" if expected is None else "answered")
+    if expected is None:
+        assert got is None  # no holder can take it: the Python path says so
+        return
+    assert got == expected
+    assert fast.native.answer(tokens) == got  # the kept plan answers again alike
+    assert _python_answer(slow, tokens) == got
+    # recorded as the Python match records it: a lookup each (two requests on each
+    # router since ``lookups``), the same blocks touched
+    assert fast.index.stats.lookups == slow.index.stats.lookups == lookups + 2
+    fast.index._flush_touches()
+    slow.index._flush_touches()
+    assert list(fast.index._blocks) == list(slow.index._blocks)
+
+
+def _plain_router(holders: int = 4, block_size: int = 4) -> tuple[Router, array[int]]:
+    router = Router(block_size=block_size, prediction_ttl_s=None)
+    for rank in range(holders):
+        router.add_holder(Holder("http://e", rank))
+    tokens = array("I", range(10 * block_size))
+    router.index.store_keys(Holder("http://e", 1), content_keys_per_block(tokens, block_size))
+    router.route(tokens, top=4)
+    router.route(tokens, top=4)  # the ranking is kept from here
+    return router, tokens
+
+
+def test_a_plain_fleet_is_answered_natively() -> None:
+    router, tokens = _plain_router()
+    answer = router.native.answer(tokens)
+    assert answer is not None and router.native.answered == 1
+    decoded = msgspec.json.decode(answer)
+    assert (decoded["dp_rank"], decoded["n_blocks"], decoded["holders"]) == (1, 10, 4)
+    assert decoded["scores"][0]["matched"] == {"gpu": 10, "cpu": 0, "disk": 0}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(
+            lambda r, t: r.index.store_keys(Holder("http://e", 2), [5], tier=Tier.CPU),
+            id="offloaded",
+        ),
+        pytest.param(
+            lambda r, t: r.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]}),
+            id="loads-changed",
+        ),
+        pytest.param(lambda r, t: setattr(r.index, "block_size", 61), id="block-past-60"),
+        pytest.param(lambda r, t: setattr(r.index, "credits", TierCredits(gpu=1)), id="int-credit"),
+    ],
+)
+def test_what_the_native_call_does_not_take_goes_to_python(
+    change: Callable[[Router, array[int]], object],
+) -> None:
+    router, tokens = _plain_router()
+    change(router, tokens)
+    assert router.native.answer(tokens) is None
+    assert router.native.answered == 0
+
+
+def test_predictions_go_to_python() -> None:
+    router = Router(block_size=4, prediction_ttl_s=60.0)  # predictions on
+    for rank in range(2):
+        router.add_holder(Holder("http://e", rank))
+    tokens = array("I", range(40))
+    router.record(router.route(tokens))
+    router.route(tokens, top=4)
+    router.route(tokens, top=4)
+    assert router.native.answer(tokens) is None
+
+
+def test_more_than_64_slots_go_to_python() -> None:
+    router, tokens = _plain_router(holders=65)
+    assert router.native.answer(tokens) is None
+
+
+def test_a_fleet_of_unavailable_holders_goes_to_python() -> None:
+    router, tokens = _plain_router(holders=2)
+    router.update_load(
+        "http://e", {"ranks": [{"dp_rank": r, "available": False} for r in range(2)]}
+    )
+    for _ in range(2):
+        with pytest.raises(RouterNotReadyError):
+            router.route(tokens, top=4)
+    assert router._kept_ranking(router.holders()) is not None
+    assert router.native.answer(tokens) is None
+
+
+def test_a_float_msgspec_writes_with_an_exponent_goes_to_python() -> None:
+    """A cost from 1e16 on is written 1e16 by msgspec, 1e+16 by repr: not answered natively."""
+    router, tokens = _plain_router(holders=2)
+    router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 10**17, "waiting": 0}]})
+    router.route(tokens, top=4)
+    router.route(tokens, top=4)
+    assert router.native.answer(tokens) is None
+
+
+def test_the_plan_packs_what_the_extension_reads() -> None:
+    assert module is not None
+    assert struct.calcsize("=dddqqq") == module.CANDIDATE_BYTES
