@@ -15,6 +15,7 @@ import random
 import struct
 from array import array
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -26,7 +27,8 @@ from kvevents.errors import RouterNotReadyError
 from kvevents.index import Tier
 from kvevents.kernels import native
 from kvevents.router.core import Router
-from kvevents.router.hot_path import encode_route_answer
+from kvevents.router.hot_path import HotPath, encode_route_answer
+from kvevents.router.token_body import PLAIN_BODY, TokensBody
 from kvevents.wire.hashing import content_keys_per_block
 
 module = native.load()
@@ -148,6 +150,19 @@ def _fleet(case: dict, *, natively: bool) -> Router:
     return router
 
 
+def _python_query(router: Router, tokens: array[int]) -> bytes:
+    """The Python path's /query answer: HotPath's, for a body that is not the plain one."""
+    hot = SimpleNamespace(service=SimpleNamespace(router=router))
+    return HotPath._query_answer(hot, tokens, TokensBody())  # type: ignore[arg-type]
+
+
+def _native_query(router: Router, tokens: array[int]) -> bytes | None:
+    hot = SimpleNamespace(service=SimpleNamespace(router=router))
+    answered = router.native.answered
+    answer = HotPath._query_answer(hot, tokens, PLAIN_BODY)  # type: ignore[arg-type]
+    return answer if router.native.answered > answered else None
+
+
 def _python_answer(router: Router, tokens: array[int]) -> bytes | None:
     """The Python path's answer; None when no holder is available (a 503)."""
     try:
@@ -180,6 +195,21 @@ def test_the_native_answer_is_the_python_answer(case: dict) -> None:
     # recorded as the Python match records it: a lookup each (two requests on each
     # router since ``lookups``), the same blocks touched
     assert fast.index.stats.lookups == slow.index.stats.lookups == lookups + 2
+    fast.index._flush_touches()
+    slow.index._flush_touches()
+    assert list(fast.index._blocks) == list(slow.index._blocks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets())
+def test_the_native_query_is_the_python_query(case: dict) -> None:
+    tokens = array("I", case["request"])
+    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    lookups = fast.index.stats.lookups
+    got = _native_query(fast, tokens)
+    assert got is not None  # /query needs no ranking and no available holder
+    assert got == _python_query(slow, tokens)
+    assert fast.index.stats.lookups == slow.index.stats.lookups == lookups + 1
     fast.index._flush_touches()
     slow.index._flush_touches()
     assert list(fast.index._blocks) == list(slow.index._blocks)
@@ -227,6 +257,30 @@ def test_what_the_native_call_does_not_take_goes_to_python(
     change(router, tokens)
     assert router.native.answer(tokens) is None
     assert router.native.answered == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(
+            lambda r: r.index.store_keys(Holder("http://e", 2), [5], tier=Tier.CPU),
+            id="offloaded",
+        ),
+        pytest.param(lambda r: setattr(r.index, "block_size", 61), id="block-past-60"),
+        pytest.param(lambda r: setattr(r.index, "block_size", None), id="no-block-size"),
+    ],
+)
+def test_what_the_native_query_does_not_take_goes_to_python(
+    change: Callable[[Router], object],
+) -> None:
+    router, tokens = _plain_router()
+    change(router)
+    assert router.native.query(tokens) is None
+
+
+def test_a_query_of_a_fleet_of_65_slots_goes_to_python() -> None:
+    router, tokens = _plain_router(holders=65)
+    assert router.native.query(tokens) is None
 
 
 def test_predictions_go_to_python() -> None:

@@ -169,7 +169,7 @@ def test_a_router_without_kernels_answers_alike(engine: Engine, router: RouterPr
         plain.stop()
 
 
-def test_plain_routes_are_answered_natively_and_alike(engine: Engine) -> None:
+def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine) -> None:
     """A body of token ids alone is answered by the native call (kvevents.kernels.native)
     once the loads hold still, with the bytes the Python path writes for the same
     request: the body with ``"top": 4`` (the default, but another member, so Python
@@ -202,12 +202,21 @@ def test_plain_routes_are_answered_natively_and_alike(engine: Engine) -> None:
         spaced = b' {"input_ids" : [' + b" , ".join(b"%d" % t for t in prompt) + b"] }\n"
         wait_until(lambda: alike(prompt, spaced), 10, "the same answers for a spaced body")
         native = fast.http.get("/workers").json()["process"]["native"]
-        assert native["status"] == "built" and native["routes"] >= len(asked) + 1, native
+        assert native["status"] == "built" and native["answered"] >= len(asked) + 1, native
+        # /query: the native answer, then the Python one (for a body with another member)
+        for ids in asked:
+            answered = fast.http.get("/workers").json()["process"]["native"]["answered"]
+            plain = fast.post("/query", {"input_ids": ids})
+            python = fast.post("/query", {"input_ids": ids, "top": 4})
+            assert plain.status_code == python.status_code == 200
+            assert plain.content == python.content
+            native = fast.http.get("/workers").json()["process"]["native"]
+            assert native["answered"] == answered + 1
         for ids in asked:
             assert slow.post("/route", {"input_ids": ids}).status_code == 200
         assert slow.http.get("/workers").json()["process"]["native"] == {
             "status": "off: KVEVENTS_NATIVE=0",
-            "routes": 0,
+            "answered": 0,
         }
     finally:
         fast.stop()

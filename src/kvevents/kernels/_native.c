@@ -1,4 +1,4 @@
-/* The router's plain /route answer in one native call (see kvevents/kernels/native.py).
+/* The router's plain /route and /query answers in one native call (see kvevents/kernels/native.py).
  *
  * route_answer() keys a request's blocks (XXH3-64 chained, as content_keys does),
  * matches them against the index's flat mirror of GPU masks (kernels/block_table.py's
@@ -6,7 +6,8 @@
  * Ranking does (a stable-loads plan prepared in Python: kvevents/router/native_route.py)
  * and writes the answer's JSON, byte for byte what msgspec writes for the Python path.
  * Anything it cannot answer exactly (a float msgspec would print in exponent form, no
- * available holder) answers None, and the caller takes the Python path.
+ * available holder) answers None, and the caller takes the Python path. query_answer()
+ * keys and matches alike and writes the /query answer: every candidate's match.
  *
  * XXH3 is written from the xxHash specification (its published primes and default
  * secret), for inputs of 4 to 240 bytes: blocks of 1 to 60 four-byte tokens. The host
@@ -267,9 +268,90 @@ static inline int before(const Scored *a, const Scored *b) {
 static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
     if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_TypeError, "route_answer: %s must hold %zd-byte items", what, itemsize);
+        PyErr_Format(PyExc_TypeError, "%s must hold %zd-byte items", what, itemsize);
         PyBuffer_Release(view);
         return 0;
+    }
+    return 1;
+}
+
+/* A request keyed and matched: its keys (uint64 bytes, new reference) and segments. */
+typedef struct {
+    PyObject *keys;
+    Py_ssize_t n_tokens;
+    Py_ssize_t n_blocks;
+    Py_ssize_t longest;
+    int found;
+    uint64_t dropped[SEGMENTS];
+    Py_ssize_t lengths[SEGMENTS];
+} Matched;
+
+/* Key ``tokens`` in blocks of ``block_size`` from ``parent`` and match them against the
+ * table from ``live``; 0 with an exception set on bad arguments. */
+static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key,
+                       PyObject *table_keys, PyObject *table_values, PyObject *live_mask) {
+    Py_ssize_t block_size = PyLong_AsSsize_t(size);
+    uint64_t parent = PyLong_AsUnsignedLongLong(parent_key);
+    uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
+    if (PyErr_Occurred()) return 0;
+    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
+        PyErr_Format(PyExc_ValueError, "block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
+        return 0;
+    }
+    Py_buffer tok, tk, tv;
+    if (!get_buffer(tokens, &tok, 4, "tokens")) return 0;
+    if (!get_buffer(table_keys, &tk, 8, "table_keys")) {
+        PyBuffer_Release(&tok);
+        return 0;
+    }
+    if (!get_buffer(table_values, &tv, 8, "table_values")) {
+        PyBuffer_Release(&tok);
+        PyBuffer_Release(&tk);
+        return 0;
+    }
+    int ok = 0;
+    Py_ssize_t slots = tk.len / 8;
+    if (slots < 1 || (slots & (slots - 1)) || tv.len != tk.len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "the table must be a power of two of slots, keys and values alike");
+        goto done;
+    }
+    m->n_tokens = tok.len / 4;
+    m->n_blocks = m->n_tokens / block_size;
+    m->keys = PyBytes_FromStringAndSize(NULL, 8 * m->n_blocks);
+    if (m->keys == NULL) goto done;
+    uint64_t *words = (uint64_t *)PyBytes_AS_STRING(m->keys);
+    chain((const uint8_t *)tok.buf, m->n_blocks, block_size, parent, words);
+    m->longest = match(words, m->n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
+                       (uint64_t)(slots - 1), live, m->dropped, m->lengths, &m->found);
+    ok = 1;
+done:
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&tk);
+    PyBuffer_Release(&tv);
+    return ok;
+}
+
+/* Blocks the holder in ``slot`` has of the request (0 for a slot past 63). */
+static Py_ssize_t blocks_of(const Matched *m, int64_t slot) {
+    if (slot < 0 || slot >= 64) return 0;
+    uint64_t bit = 1ULL << slot;
+    for (int s = 0; s < m->found; s++)
+        if (m->dropped[s] & bit) return m->lengths[s];
+    return 0;
+}
+
+/* Check a plan's fragments: a tuple of ``per`` bytes objects for each of ``count``. */
+static int check_fragments(PyObject *fragments, Py_ssize_t count, Py_ssize_t per) {
+    if (!PyTuple_CheckExact(fragments) || PyTuple_GET_SIZE(fragments) != per * count) {
+        PyErr_SetString(PyExc_ValueError, "the plan's numbers and fragments disagree");
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < per * count; i++) {
+        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(fragments, i))) {
+            PyErr_SetString(PyExc_TypeError, "the plan's fragments must be bytes");
+            return 0;
+        }
     }
     return 1;
 }
@@ -285,11 +367,8 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "route_answer takes 8 arguments");
         return NULL;
     }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
-    uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
-    uint64_t live = PyLong_AsUnsignedLongLong(args[5]);
     Py_ssize_t top = PyLong_AsSsize_t(args[7]);
-    if (PyErr_Occurred()) return NULL;
+    if (top == -1 && PyErr_Occurred()) return NULL;
     PyObject *plan = args[6];
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 6) {
         PyErr_SetString(PyExc_TypeError, "route_answer: plan must be a 6-tuple");
@@ -302,77 +381,36 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     double cpu = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 3));
     double disk = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 4));
     if (PyErr_Occurred()) return NULL;
-    if (!PyBytes_CheckExact(numbers) || !PyTuple_CheckExact(fragments) || !PyBytes_CheckExact(head_tail)) {
+    if (!PyBytes_CheckExact(numbers) || !PyBytes_CheckExact(head_tail)) {
         PyErr_SetString(PyExc_TypeError, "route_answer: plan holds bytes, a tuple, floats, bytes");
         return NULL;
     }
     Py_ssize_t count = PyBytes_GET_SIZE(numbers) / (Py_ssize_t)sizeof(Candidate);
-    if (count < 1 || PyBytes_GET_SIZE(numbers) != count * (Py_ssize_t)sizeof(Candidate) ||
-        PyTuple_GET_SIZE(fragments) != FRAGMENTS * count) {
-        PyErr_SetString(PyExc_ValueError, "route_answer: plan's numbers and fragments disagree");
+    if (count < 1 || PyBytes_GET_SIZE(numbers) != count * (Py_ssize_t)sizeof(Candidate)) {
+        PyErr_SetString(PyExc_ValueError, "route_answer: the plan has no whole candidates");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < FRAGMENTS * count; i++) {
-        if (!PyBytes_CheckExact(PyTuple_GET_ITEM(fragments, i))) {
-            PyErr_SetString(PyExc_TypeError, "route_answer: fragments must be bytes");
-            return NULL;
-        }
-    }
-    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
-        PyErr_Format(PyExc_ValueError, "route_answer: block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
-        return NULL;
-    }
+    if (!check_fragments(fragments, count, FRAGMENTS)) return NULL;
     if (top < 1) top = 1;
     if (top > count) top = count;
     if (top > MAX_TOP) {
         PyErr_Format(PyExc_ValueError, "route_answer: top past %d", MAX_TOP);
         return NULL;
     }
+    /* bytes objects hold their data 8-byte aligned (CPython's allocator) */
     const Candidate *cands = (const Candidate *)PyBytes_AS_STRING(numbers);
 
-    Py_buffer tok, tk, tv;
-    if (!get_buffer(args[0], &tok, 4, "tokens")) return NULL;
-    if (!get_buffer(args[3], &tk, 8, "table_keys")) {
-        PyBuffer_Release(&tok);
-        return NULL;
-    }
-    if (!get_buffer(args[4], &tv, 8, "table_values")) {
-        PyBuffer_Release(&tok);
-        PyBuffer_Release(&tk);
-        return NULL;
-    }
-    PyObject *result = NULL, *keys = NULL, *answer = NULL;
-    char *buffer = NULL;
-    Py_ssize_t slots = tk.len / 8;
-    if (slots < 1 || (slots & (slots - 1)) || tv.len != tk.len) {
-        PyErr_SetString(PyExc_ValueError, "route_answer: the table must be a power of two of slots, keys and values alike");
-        goto done;
-    }
-    Py_ssize_t n_blocks = (tok.len / 4) / block_size;
-    keys = PyBytes_FromStringAndSize(NULL, 8 * n_blocks);
-    if (keys == NULL) goto done;
-    uint64_t *key_words = (uint64_t *)PyBytes_AS_STRING(keys);
-    chain((const uint8_t *)tok.buf, n_blocks, block_size, parent, key_words);
-    uint64_t dropped[SEGMENTS];
-    Py_ssize_t lengths[SEGMENTS];
-    int found;
-    Py_ssize_t longest = match(key_words, n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
-                               (uint64_t)(slots - 1), live, dropped, lengths, &found);
+    Matched m = {0};
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
+    PyObject *answer = NULL;
 
     /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order. */
     Scored best[MAX_TOP];
     Py_ssize_t kept = 0;
-    double blocks = (double)n_blocks;
+    double blocks = (double)m.n_blocks;
     for (Py_ssize_t p = 0; p < count; p++) {
         const Candidate *c = &cands[p];
-        Py_ssize_t g = 0;
-        uint64_t bit = (c->slot >= 0 && c->slot < 64) ? (1ULL << c->slot) : 0;
-        for (int s = 0; s < found; s++) {
-            if (dropped[s] & bit) {
-                g = lengths[s];
-                break;
-            }
-        }
+        Py_ssize_t g = blocks_of(&m, c->slot);
         Scored item;
         item.unavailable = c->unavailable;
         item.cached = (double)g * gpu + 0.0 * cpu + 0.0 * disk;
@@ -393,57 +431,121 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if (best[0].unavailable) { /* no holder to route to: the Python path words the error */
         answer = Py_NewRef(Py_None);
-        goto pack;
+    } else {
+        /* The answer's size: its fragments, and at most 25 bytes per number written. */
+        Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
+        size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+        for (Py_ssize_t k = 0; k < kept; k++) {
+            for (int f = 1; f < FRAGMENTS; f++)
+                size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
+            size += 200;
+        }
+        char *buffer = PyMem_Malloc(size);
+        if (buffer == NULL) {
+            PyErr_NoMemory();
+            Py_DECREF(m.keys);
+            return NULL;
+        }
+        Out o = {buffer, 0};
+        put_bytes(&o, PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+        PUT_LITERAL(&o, ",\"recorded\":false,\"n_blocks\":");
+        put_int(&o, m.n_blocks);
+        put_bytes(&o, head_tail);
+        PUT_LITERAL(&o, ",\"holders\":");
+        put_int(&o, count);
+        PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
+        int exact = 1;
+        for (Py_ssize_t k = 0; k < kept && exact; k++) {
+            PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
+            if (k) PUT_LITERAL(&o, ",");
+            put_bytes(&o, f[1]);
+            put_int(&o, best[k].gpu);
+            PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0},\"cached_blocks\":");
+            exact = put_float(&o, best[k].cached);
+            PUT_LITERAL(&o, ",\"prefill_blocks\":");
+            exact = exact && put_float(&o, best[k].prefill);
+            put_bytes(&o, f[2]);
+            exact = exact && put_float(&o, best[k].cost);
+            put_bytes(&o, f[3]);
+        }
+        PUT_LITERAL(&o, "]}");
+        answer = exact ? PyBytes_FromStringAndSize(buffer, o.n) : Py_NewRef(Py_None);
+        PyMem_Free(buffer);
+        if (answer == NULL) {
+            Py_DECREF(m.keys);
+            return NULL;
+        }
     }
-    /* The answer's size: its fragments, and at most 25 bytes per number written. */
-    Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
-    size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
-    for (Py_ssize_t k = 0; k < kept; k++) {
-        for (int f = 1; f < FRAGMENTS; f++)
-            size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
-        size += 200;
+    return Py_BuildValue("(NNn)", answer, m.keys, m.longest);
+}
+
+/* query_answer(tokens, block_size, parent, table_keys, table_values, live, plan)
+ *   -> (answer bytes, keys bytes, longest)
+ * plan: (slots, fragments, head_tail): per candidate its slot (int64, native order) and
+ * the bytes of its match up to "matched_blocks":, and the answer's bytes after
+ * "prompt_tokens": up to the matches' "["; see native_route.py. */
+static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "query_answer takes 7 arguments");
+        return NULL;
     }
-    buffer = PyMem_Malloc(size);
+    PyObject *plan = args[6];
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 3) {
+        PyErr_SetString(PyExc_TypeError, "query_answer: plan must be a 3-tuple");
+        return NULL;
+    }
+    PyObject *slots = PyTuple_GET_ITEM(plan, 0);
+    PyObject *fragments = PyTuple_GET_ITEM(plan, 1);
+    PyObject *head_tail = PyTuple_GET_ITEM(plan, 2);
+    if (!PyBytes_CheckExact(slots) || !PyBytes_CheckExact(head_tail)) {
+        PyErr_SetString(PyExc_TypeError, "query_answer: plan holds bytes, a tuple, bytes");
+        return NULL;
+    }
+    Py_ssize_t count = PyBytes_GET_SIZE(slots) / 8;
+    if (PyBytes_GET_SIZE(slots) != 8 * count) {
+        PyErr_SetString(PyExc_ValueError, "query_answer: the plan's slots are not int64s");
+        return NULL;
+    }
+    if (!check_fragments(fragments, count, 1)) return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    const int64_t *slot_of = (const int64_t *)PyBytes_AS_STRING(slots);
+
+    Matched m = {0};
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
+    Py_ssize_t size = 64 + PyBytes_GET_SIZE(head_tail);
+    for (Py_ssize_t p = 0; p < count; p++) size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, p)) + 128;
+    char *buffer = PyMem_Malloc(size);
     if (buffer == NULL) {
         PyErr_NoMemory();
-        goto done;
+        Py_DECREF(m.keys);
+        return NULL;
     }
     Out o = {buffer, 0};
-    put_bytes(&o, PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
-    PUT_LITERAL(&o, ",\"recorded\":false,\"n_blocks\":");
-    put_int(&o, n_blocks);
+    PUT_LITERAL(&o, "{\"prompt_tokens\":");
+    put_int(&o, m.n_tokens);
     put_bytes(&o, head_tail);
-    PUT_LITERAL(&o, ",\"holders\":");
-    put_int(&o, count);
-    PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
-    int exact = 1;
-    for (Py_ssize_t k = 0; k < kept && exact; k++) {
-        PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
-        if (k) PUT_LITERAL(&o, ",");
-        put_bytes(&o, f[1]);
-        put_int(&o, best[k].gpu);
-        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0},\"cached_blocks\":");
-        exact = put_float(&o, best[k].cached);
-        PUT_LITERAL(&o, ",\"prefill_blocks\":");
-        exact = exact && put_float(&o, best[k].prefill);
-        put_bytes(&o, f[2]);
-        exact = exact && put_float(&o, best[k].cost);
-        put_bytes(&o, f[3]);
+    for (Py_ssize_t p = 0; p < count; p++) {
+        Py_ssize_t g = blocks_of(&m, slot_of[p]);
+        long long tokens = (long long)g * block_size;
+        if (p) PUT_LITERAL(&o, ",");
+        put_bytes(&o, PyTuple_GET_ITEM(fragments, p));
+        put_int(&o, g);
+        PUT_LITERAL(&o, ",\"matched_tokens\":");
+        put_int(&o, tokens);
+        PUT_LITERAL(&o, ",\"tiers\":{\"gpu\":");
+        put_int(&o, tokens);
+        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0}}");
     }
     PUT_LITERAL(&o, "]}");
-    answer = exact ? PyBytes_FromStringAndSize(buffer, o.n) : Py_NewRef(Py_None);
-    if (answer == NULL) goto done;
-pack:
-    result = Py_BuildValue("(NOn)", answer, keys, longest);
-    answer = NULL;
-done:
-    Py_XDECREF(answer);
-    Py_XDECREF(keys);
+    PyObject *answer = PyBytes_FromStringAndSize(buffer, o.n);
     PyMem_Free(buffer);
-    PyBuffer_Release(&tok);
-    PyBuffer_Release(&tk);
-    PyBuffer_Release(&tv);
-    return result;
+    if (answer == NULL) {
+        Py_DECREF(m.keys);
+        return NULL;
+    }
+    return Py_BuildValue("(NNn)", answer, m.keys, m.longest);
 }
 
 /* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */
@@ -484,6 +586,8 @@ static PyObject *json_float(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"route_answer", (PyCFunction)(void (*)(void))route_answer, METH_FASTCALL,
      "The plain /route answer of a request, its keys and longest match (see native.py)."},
+    {"query_answer", (PyCFunction)(void (*)(void))query_answer, METH_FASTCALL,
+     "The plain /query answer of a request, its keys and longest match (see native.py)."},
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "Chained XXH3-64 content keys of full blocks, as bytes of uint64."},
     {"json_float", json_float, METH_O, "A float as route_answer writes it, or None."},
@@ -491,7 +595,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route answer in one call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route and /query answers in one call.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

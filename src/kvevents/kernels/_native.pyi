@@ -16,5 +16,15 @@ def route_answer(
     top: int,
     /,
 ) -> tuple[bytes | None, bytes, int]: ...
+def query_answer(
+    tokens: Buffer,
+    block_size: int,
+    parent: int,
+    table_keys: Buffer,
+    table_values: Buffer,
+    live: int,
+    plan: tuple[bytes, tuple[bytes, ...], bytes],
+    /,
+) -> tuple[bytes, bytes, int]: ...
 def chain_keys(tokens: Buffer, block_size: int, parent: int, /) -> bytes: ...
 def json_float(x: float, /) -> bytes | None: ...

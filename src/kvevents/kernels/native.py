@@ -1,4 +1,4 @@
-"""The router's plain ``/route`` answer in one native call: the C extension ``_native``.
+"""The router's plain ``/route`` and ``/query`` answers in one native call: the C extension ``_native``.
 
 A ``/route`` of 2,048 tokens costs the router about 13 us past parsing its body, spread
 over some 85 Python calls (keying, the compiled match's wrappers, the ranking, the
@@ -15,6 +15,8 @@ other member) while the loads hold still, byte for byte what the Python path ans
 * the answer's JSON, numbers written as msgspec writes them; a float msgspec would
   write in exponent form (below 1e-4 or from 1e16) answers None instead, and the
   caller takes the Python path.
+
+``/query`` is the same call without the scores (its answer lists every holder's match).
 
 It is built at install when a C compiler and Python's headers are there
 (``setup.py``: an optional extension) and is only ever an acceleration: without it,

@@ -416,6 +416,10 @@ class HotPath:
 
     def _query_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
         router = self.service.router
+        if body is PLAIN_BODY:
+            answer = router.native.query(tokens)
+            if answer is not None:
+                return answer
         matches, predicted = keyed(router.query_predicted, tokens, body)
         get = predicted.get
         bs = router.index.block_size or 0

@@ -1,19 +1,19 @@
-"""The plain ``/route`` answered in one native call (:mod:`kvevents.kernels.native`).
+"""The plain ``/route`` and ``/query`` answered in one native call (:mod:`kvevents.kernels.native`).
 
 :class:`NativeRoute` answers a request given as token ids alone (the body
-``{"input_ids": [...]}``: top 4, nothing recorded) when every condition of the exact
-answer holds, and None otherwise, for the Python path to answer:
+``{"input_ids": [...]}``: for ``/route``, top 4 and nothing recorded) when every
+condition of the exact answer holds, and None otherwise, for the Python path to answer:
 
 * the extension is built and on, and the numba kernels keep the index's mirror;
 * the index's matches are plain: GPU blocks only, no side groups (hybrid models), no
   predictions, at most 64 holder slots (:meth:`~kvevents.index.mask_table.MaskTable.plain_mirror`);
 * the block size is known and at most 60 tokens;
-* the router keeps a :class:`~kvevents.router.scoring.Ranking` of its holders (the
+* ``/route`` only: the router keeps a :class:`~kvevents.router.scoring.Ranking` of its holders (the
   loads held still since the last request; the second request after a change makes
   it), whose figures and the credits are plain floats (a plan of them is made once
   per ranking: :func:`plan_of`);
-* an available holder wins, and every float of the answer is one msgspec writes
-  without an exponent.
+* ``/route`` only: an available holder wins, and every float of the answer is one
+  msgspec writes without an exponent.
 
 The answer is then the bytes the Python path writes, and the match is recorded in the
 index as its own would be (a lookup, the recency of the blocks matched).
@@ -36,11 +36,15 @@ from kvevents.router.token_body import DEFAULT_TOP
 from kvevents.types import Holder
 from kvevents.wire.hashing import ROOT_KEY
 
-__all__ = ["NativeRoute", "Plan", "Routing", "plan_of"]
+__all__ = ["NativeRoute", "Plan", "QueryPlan", "Routing", "plan_of", "query_plan_of"]
 
 Plan = tuple[bytes, tuple[bytes, ...], float, float, float, bytes]
 """What the native call reads of a ranking: per candidate its figures (packed) and its
 answer's fixed bytes, the credits, and the answer's bytes after ``n_blocks``' value."""
+
+QueryPlan = tuple[bytes, tuple[bytes, ...], bytes]
+"""What the native ``/query`` reads: per candidate its slot (int64s) and its match's
+fixed bytes, and the answer's bytes after ``prompt_tokens``' value."""
 
 _CANDIDATE = struct.Struct("=dddqqq")  # own, pending, recent, routed, unavailable, slot
 _encode = msgspec.json.encode
@@ -62,8 +66,10 @@ class NativeRoute:
         self._module = native.load()
         self._made_for: tuple[object, ...] = ()
         self._plan: Plan | None = None
+        self._query_made_for: tuple[object, ...] = ()
+        self._query_plan: QueryPlan | None = None
         self.answered = 0
-        """Requests answered natively (for /workers)."""
+        """Requests answered natively, ``/route`` and ``/query`` (for /workers)."""
 
     @property
     def on(self) -> bool:
@@ -109,6 +115,57 @@ class NativeRoute:
         index.note_plain_match(keys, longest)
         self.answered += 1
         return answer
+
+    def query(self, tokens: Sequence[int]) -> bytes | None:
+        """The plain ``/query`` answer for ``tokens`` (an ``array("I")``), or None when
+        the Python path must answer (as :meth:`answer`, but no ranking is needed:
+        ``/query`` scores nothing)."""
+        module = self._module
+        if module is None or type(tokens) is not array:
+            return None
+        index = self.router.index
+        block_size = index.block_size
+        if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
+            return None
+        mirror = index.plain_mirror()
+        if mirror is None:
+            return None
+        holders = index.holders()
+        made_for = (holders, index, block_size)
+        if made_for != self._query_made_for:
+            self._query_plan = query_plan_of(holders, index, block_size)
+            self._query_made_for = made_for
+        plan = self._query_plan
+        if plan is None:
+            return None
+        answer: bytes
+        answer, keys, longest = module.query_answer(
+            tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live, plan
+        )
+        index.note_plain_match(keys, longest)
+        self.answered += 1
+        return answer
+
+
+def query_plan_of(holders: list[Holder], index: PrefixIndex, block_size: int) -> QueryPlan | None:
+    """The native ``/query``'s plan for these candidates (see :data:`QueryPlan`), or None
+    when one has no slot the native match reads."""
+    slots = array("q")
+    fragments: list[bytes] = []
+    for holder in holders:
+        slot = index.slot_of(holder)
+        if slot is None or slot >= 64:
+            return None
+        slots.append(slot)
+        fragments.append(
+            b'{"worker":'
+            + _encode(holder.worker)
+            + b',"dp_rank":'
+            + _encode(holder.dp_rank)
+            + b',"matched_blocks":'
+        )
+    head_tail = b',"block_size":' + _encode(block_size) + b',"matches":['
+    return slots.tobytes(), tuple(fragments), head_tail
 
 
 def plan_of(
