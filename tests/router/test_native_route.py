@@ -283,6 +283,40 @@ def test_a_query_of_a_fleet_of_65_slots_goes_to_python() -> None:
     assert router.native.query(tokens) is None
 
 
+def test_a_plan_is_made_again_for_other_credits_even_equal_ones() -> None:
+    """Credits of 1 and of 1.0 are equal structs that write apart (an int cached count
+    against a float): a plan made for one never answers for the other."""
+    router, tokens = _plain_router()
+    floats = router.index.credits = TierCredits(gpu=1.0, cpu=0.0, disk=0.0)
+    assert router.native.answer(tokens) is not None  # a plan for float credits
+    router.index.credits = TierCredits(gpu=1, cpu=0, disk=0)
+    assert router.index.credits == floats
+    assert router.native.answer(tokens) is None  # int credits: the Python path
+    assert b'"cached_blocks":10,' in encode_route_answer(
+        router.route(tokens, top=4), recorded=False, top=4
+    )
+
+
+def test_a_query_plan_is_made_again_for_an_equal_list_of_holders_in_other_slots() -> None:
+    a, b, x = Holder("http://e", 0), Holder("http://e", 1), Holder("http://x", 0)
+    router = Router(block_size=4, prediction_ttl_s=None)
+    router.add_holder(a)
+    router.add_holder(b)
+    tokens = array("I", range(40))
+    first = router.index.holders()
+    assert _native_query(router, tokens) is not None  # a plan: a in slot 0, b in slot 1
+    router.remove_holder(b)
+    router.add_holder(x)  # slot 1
+    router.add_holder(b)  # slot 2
+    router.remove_holder(x)
+    assert router.index.holders() == first and router.index.holders() is not first
+    assert router.index.slot_of(b) == 2
+    router.index.store_keys(b, content_keys_per_block(tokens, 4))
+    got = _native_query(router, tokens)
+    assert got is not None and got == _python_query(router, tokens)
+    assert b'"dp_rank":1,"matched_blocks":10,' in got
+
+
 def test_predictions_go_to_python() -> None:
     router = Router(block_size=4, prediction_ttl_s=60.0)  # predictions on
     for rank in range(2):

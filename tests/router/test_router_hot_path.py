@@ -217,7 +217,9 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
         assert slow.http.get("/workers").json()["process"]["native"] == {
             "status": "off: KVEVENTS_NATIVE=0",
             "answered": 0,
+            "failures": 0,
         }
+        assert fast.http.get("/workers").json()["process"]["native"]["failures"] == 0
     finally:
         fast.stop()
         slow.stop()

@@ -203,7 +203,7 @@ static void put_int(Out *o, long long v) {
 }
 
 /* A float as msgspec writes it: Python's repr for 0 and for 1e-4 <= |x| < 1e16 (where
- * the two agree; tests/test_native_route.py checks); 0 for any other value (the caller
+ * the two agree; tests/router/test_native_route.py checks); 0 for any other value (the caller
  * then answers None). At most 25 bytes. */
 static int put_float(Out *o, double x) {
     double a = fabs(x);
@@ -291,9 +291,11 @@ typedef struct {
 static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key,
                        PyObject *table_keys, PyObject *table_values, PyObject *live_mask) {
     Py_ssize_t block_size = PyLong_AsSsize_t(size);
+    if (block_size == -1 && PyErr_Occurred()) return 0;
     uint64_t parent = PyLong_AsUnsignedLongLong(parent_key);
+    if (parent == (uint64_t)-1 && PyErr_Occurred()) return 0;
     uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
-    if (PyErr_Occurred()) return 0;
+    if (live == (uint64_t)-1 && PyErr_Occurred()) return 0;
     if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
         PyErr_Format(PyExc_ValueError, "block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
         return 0;
@@ -377,10 +379,14 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *numbers = PyTuple_GET_ITEM(plan, 0);
     PyObject *fragments = PyTuple_GET_ITEM(plan, 1);
     PyObject *head_tail = PyTuple_GET_ITEM(plan, 5);
-    double gpu = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 2));
-    double cpu = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 3));
-    double disk = PyFloat_AsDouble(PyTuple_GET_ITEM(plan, 4));
-    if (PyErr_Occurred()) return NULL;
+    PyObject *const *credit = &PyTuple_GET_ITEM(plan, 2);
+    if (!PyFloat_CheckExact(credit[0]) || !PyFloat_CheckExact(credit[1]) || !PyFloat_CheckExact(credit[2])) {
+        PyErr_SetString(PyExc_TypeError, "route_answer: the plan's credits must be floats");
+        return NULL;
+    }
+    double gpu = PyFloat_AS_DOUBLE(credit[0]);
+    double cpu = PyFloat_AS_DOUBLE(credit[1]);
+    double disk = PyFloat_AS_DOUBLE(credit[2]);
     if (!PyBytes_CheckExact(numbers) || !PyBytes_CheckExact(head_tail)) {
         PyErr_SetString(PyExc_TypeError, "route_answer: plan holds bytes, a tuple, floats, bytes");
         return NULL;
@@ -556,8 +562,9 @@ static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
     uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    if (parent == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
         PyErr_Format(PyExc_ValueError, "chain_keys: block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
         return NULL;
@@ -596,6 +603,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_native", "The router's plain /route and /query answers in one call.", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -21,7 +21,7 @@ other member) while the loads hold still, byte for byte what the Python path ans
 It is built at install when a C compiler and Python's headers are there
 (``setup.py``: an optional extension) and is only ever an acceleration: without it,
 with ``KVEVENTS_NATIVE=0``, or for any other request, the Python path answers
-(``tests/test_native_route.py`` checks both answer alike). It reads the mirror the
+(``tests/router/test_native_route.py`` checks both answer alike). It reads the mirror the
 numba kernels keep, so it is used only while those are loaded too.
 """
 

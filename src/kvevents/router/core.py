@@ -217,10 +217,11 @@ class Router:
         """Per candidate list (by identity), its :class:`Ranking` at ``_rankings_version``."""
         self._rankings_version = -1
         self._one_pass_version = -1
-        self.native = NativeRoute(self)
-        """The plain ``/route`` answered in one native call (:mod:`kvevents.router.native_route`)."""
         """The loads' version at the last one-pass choice (``route(top=...)`` without a
         ranking): a second request at the same version builds the ranking."""
+        self.native = NativeRoute(self)
+        """The plain ``/route`` and ``/query`` answered in one native call
+        (:mod:`kvevents.router.native_route`)."""
 
     # --- feeding ----------------------------------------------------------------------
 

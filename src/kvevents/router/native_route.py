@@ -21,6 +21,7 @@ index as its own would be (a lookup, the recency of the blocks matched).
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from array import array
@@ -46,6 +47,8 @@ QueryPlan = tuple[bytes, tuple[bytes, ...], bytes]
 """What the native ``/query`` reads: per candidate its slot (int64s) and its match's
 fixed bytes, and the answer's bytes after ``prompt_tokens``' value."""
 
+log = logging.getLogger("kvevents.router")
+
 _CANDIDATE = struct.Struct("=dddqqq")  # own, pending, recent, routed, unavailable, slot
 _encode = msgspec.json.encode
 
@@ -64,12 +67,23 @@ class NativeRoute:
     def __init__(self, router: Routing) -> None:
         self.router = router
         self._module = native.load()
-        self._made_for: tuple[object, ...] = ()
+        self._made_for: tuple[Ranking, PrefixIndex, TierCredits, int] | None = None
         self._plan: Plan | None = None
-        self._query_made_for: tuple[object, ...] = ()
+        self._query_made_for: tuple[list[Holder], PrefixIndex, int] | None = None
         self._query_plan: QueryPlan | None = None
         self.answered = 0
         """Requests answered natively, ``/route`` and ``/query`` (for /workers)."""
+        self.failures = 0
+        """Native calls that raised (a bug; the Python path answered them)."""
+
+    def _failed(self, path: str) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.exception(
+                "the native %s call failed; the Python path answers instead (KVEVENTS_NATIVE=0 "
+                "turns the native calls off; please report this)",
+                path,
+            )
 
     @property
     def on(self) -> bool:
@@ -92,24 +106,37 @@ class NativeRoute:
         ranking = router._kept_ranking(index.holders())
         if ranking is None:
             return None
-        made_for = (ranking, index, index.credits, block_size)
-        if made_for != self._made_for:  # by identity first: cheap while nothing changed
-            self._plan = plan_of(ranking, index, index.credits, block_size)
-            self._made_for = made_for
+        credits = index.credits
+        # the plan's objects themselves: an equal object may still differ where the plan
+        # reads it (credits of 1 and of 1.0 are equal, and write apart)
+        kept = self._made_for
+        if (
+            kept is None
+            or kept[0] is not ranking
+            or kept[1] is not index
+            or kept[2] is not credits
+            or kept[3] != block_size
+        ):
+            self._plan = plan_of(ranking, index, credits, block_size)
+            self._made_for = (ranking, index, credits, block_size)
         plan = self._plan
         if plan is None:
             return None
         answer: bytes | None
-        answer, keys, longest = module.route_answer(
-            tokens,
-            block_size,
-            ROOT_KEY,
-            mirror._keys,
-            mirror._values,
-            index._live,
-            plan,
-            DEFAULT_TOP,
-        )
+        try:
+            answer, keys, longest = module.route_answer(
+                tokens,
+                block_size,
+                ROOT_KEY,
+                mirror._keys,
+                mirror._values,
+                index._live,
+                plan,
+                DEFAULT_TOP,
+            )
+        except Exception:  # a bug: the Python path answers, the log says it once
+            self._failed("/route")
+            return None
         if answer is None:
             return None
         index.note_plain_match(keys, longest)
@@ -131,17 +158,23 @@ class NativeRoute:
         if mirror is None:
             return None
         holders = index.holders()
-        made_for = (holders, index, block_size)
-        if made_for != self._query_made_for:
+        # the same list (a new one after any holder came or went), never an equal one:
+        # equal lists of holders may sit in other slots
+        kept = self._query_made_for
+        if kept is None or kept[0] is not holders or kept[1] is not index or kept[2] != block_size:
             self._query_plan = query_plan_of(holders, index, block_size)
-            self._query_made_for = made_for
+            self._query_made_for = (holders, index, block_size)
         plan = self._query_plan
         if plan is None:
             return None
         answer: bytes
-        answer, keys, longest = module.query_answer(
-            tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live, plan
-        )
+        try:
+            answer, keys, longest = module.query_answer(
+                tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live, plan
+            )
+        except Exception:  # a bug: the Python path answers, the log says it once
+            self._failed("/query")
+            return None
         index.note_plain_match(keys, longest)
         self.answered += 1
         return answer

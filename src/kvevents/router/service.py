@@ -232,7 +232,11 @@ class RouterService:
             "notes": None if peers is None else peers.summary(),
             "sync": None if self.sync is None else self.sync.status(),
             "kernels": kernels.status(),
-            "native": {"status": native.status(), "answered": self.router.native.answered},
+            "native": {
+                "status": native.status(),
+                "answered": self.router.native.answered,
+                "failures": self.router.native.failures,
+            },
             "settled": self.settled,
         }
 
