@@ -18,6 +18,8 @@ against two references from vLLM itself (it has no endpoint listing its cache):
 
 from __future__ import annotations
 
+import time
+
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
 
@@ -39,7 +41,15 @@ def test_prompt_sent_to_rank_r_shows_in_router_query_on_rank_r_with_its_full_pre
         client.complete(prompt, rank)
         router.wait_holds(rank, prompt, bs, FEED_TIMEOUT_S)
         expected = {r: 3 * bs if r == rank else 0 for r in range(vllm.dp_size)}
+        deadline = time.monotonic() + 60  # the native call reads the mirror the kernels keep
+        while router.workers()["process"]["kernels"] != "compiled":
+            assert time.monotonic() < deadline, router.workers()["process"]
+            time.sleep(0.2)
+        native = router.workers()["process"]["native"]
         assert router.query(prompt) == expected
+        # token ids alone: answered by the native call, as the Python path answers them
+        after = router.workers()["process"]["native"]
+        assert after["answered"] == native["answered"] + 1 and after["failures"] == 0, after
         # The same prompt as text, tokenized by the router with the model's tokenizer.json.
         assert router.query(words(prompt)) == expected
         feed.wait_for(
