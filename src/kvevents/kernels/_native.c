@@ -358,6 +358,18 @@ static int check_fragments(PyObject *fragments, Py_ssize_t count, Py_ssize_t per
     return 1;
 }
 
+/* (answer, keys, longest) from the ``n`` bytes written in ``buffer`` (freed here), the
+ * answer None when not ``exact``; the match's keys are handed over. */
+static PyObject *answered(Matched *m, char *buffer, Py_ssize_t n, int exact) {
+    PyObject *answer = exact ? PyBytes_FromStringAndSize(buffer, n) : Py_NewRef(Py_None);
+    PyMem_Free(buffer);
+    if (answer == NULL) {
+        Py_DECREF(m->keys);
+        return NULL;
+    }
+    return Py_BuildValue("(NNn)", answer, m->keys, m->longest);
+}
+
 /* route_answer(tokens, block_size, parent, table_keys, table_values, live, plan, top)
  *   -> (answer bytes or None, keys bytes, longest)
  * plan: (numbers, fragments, gpu, cpu, disk, head_tail) where numbers packs a Candidate
@@ -408,7 +420,6 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
 
     Matched m = {0};
     if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
-    PyObject *answer = NULL;
 
     /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order. */
     Scored best[MAX_TOP];
@@ -435,54 +446,46 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         best[at] = item;
     }
-    if (best[0].unavailable) { /* no holder to route to: the Python path words the error */
-        answer = Py_NewRef(Py_None);
-    } else {
-        /* The answer's size: its fragments, and at most 25 bytes per number written. */
-        Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
-        size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
-        for (Py_ssize_t k = 0; k < kept; k++) {
-            for (int f = 1; f < FRAGMENTS; f++)
-                size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
-            size += 200;
-        }
-        char *buffer = PyMem_Malloc(size);
-        if (buffer == NULL) {
-            PyErr_NoMemory();
-            Py_DECREF(m.keys);
-            return NULL;
-        }
-        Out o = {buffer, 0};
-        put_bytes(&o, PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
-        PUT_LITERAL(&o, ",\"recorded\":false,\"n_blocks\":");
-        put_int(&o, m.n_blocks);
-        put_bytes(&o, head_tail);
-        PUT_LITERAL(&o, ",\"holders\":");
-        put_int(&o, count);
-        PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
-        int exact = 1;
-        for (Py_ssize_t k = 0; k < kept && exact; k++) {
-            PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
-            if (k) PUT_LITERAL(&o, ",");
-            put_bytes(&o, f[1]);
-            put_int(&o, best[k].gpu);
-            PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0},\"cached_blocks\":");
-            exact = put_float(&o, best[k].cached);
-            PUT_LITERAL(&o, ",\"prefill_blocks\":");
-            exact = exact && put_float(&o, best[k].prefill);
-            put_bytes(&o, f[2]);
-            exact = exact && put_float(&o, best[k].cost);
-            put_bytes(&o, f[3]);
-        }
-        PUT_LITERAL(&o, "]}");
-        answer = exact ? PyBytes_FromStringAndSize(buffer, o.n) : Py_NewRef(Py_None);
-        PyMem_Free(buffer);
-        if (answer == NULL) {
-            Py_DECREF(m.keys);
-            return NULL;
-        }
+    if (best[0].unavailable) /* no holder to route to: the Python path words the error */
+        return Py_BuildValue("(ONn)", Py_None, m.keys, m.longest);
+    /* The answer's size: its fragments, and at most 25 bytes per number written. */
+    Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
+    size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+    for (Py_ssize_t k = 0; k < kept; k++) {
+        for (int f = 1; f < FRAGMENTS; f++)
+            size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
+        size += 200;
     }
-    return Py_BuildValue("(NNn)", answer, m.keys, m.longest);
+    char *buffer = PyMem_Malloc(size);
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        Py_DECREF(m.keys);
+        return NULL;
+    }
+    Out o = {buffer, 0};
+    put_bytes(&o, PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
+    PUT_LITERAL(&o, ",\"recorded\":false,\"n_blocks\":");
+    put_int(&o, m.n_blocks);
+    put_bytes(&o, head_tail);
+    PUT_LITERAL(&o, ",\"holders\":");
+    put_int(&o, count);
+    PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
+    int exact = 1;
+    for (Py_ssize_t k = 0; k < kept && exact; k++) {
+        PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
+        if (k) PUT_LITERAL(&o, ",");
+        put_bytes(&o, f[1]);
+        put_int(&o, best[k].gpu);
+        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0},\"cached_blocks\":");
+        exact = put_float(&o, best[k].cached);
+        PUT_LITERAL(&o, ",\"prefill_blocks\":");
+        exact = exact && put_float(&o, best[k].prefill);
+        put_bytes(&o, f[2]);
+        exact = exact && put_float(&o, best[k].cost);
+        put_bytes(&o, f[3]);
+    }
+    PUT_LITERAL(&o, "]}");
+    return answered(&m, buffer, o.n, exact);
 }
 
 /* query_answer(tokens, block_size, parent, table_keys, table_values, live, plan)
@@ -545,13 +548,7 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0}}");
     }
     PUT_LITERAL(&o, "]}");
-    PyObject *answer = PyBytes_FromStringAndSize(buffer, o.n);
-    PyMem_Free(buffer);
-    if (answer == NULL) {
-        Py_DECREF(m.keys);
-        return NULL;
-    }
-    return Py_BuildValue("(NNn)", answer, m.keys, m.longest);
+    return answered(&m, buffer, o.n, 1);
 }
 
 /* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */

@@ -26,7 +26,8 @@ import math
 import struct
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -36,6 +37,9 @@ from kvevents.router.scoring import Ranking
 from kvevents.router.token_body import DEFAULT_TOP
 from kvevents.types import Holder
 from kvevents.wire.hashing import ROOT_KEY
+
+if TYPE_CHECKING:
+    from kvevents.kernels.mask_mirror import MaskMirror
 
 __all__ = ["NativeRoute", "Plan", "QueryPlan", "Routing", "plan_of", "query_plan_of"]
 
@@ -89,21 +93,31 @@ class NativeRoute:
     def on(self) -> bool:
         return self._module is not None
 
-    def answer(self, tokens: Sequence[int]) -> bytes | None:
-        """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
-        the Python path must answer (see the module docstring)."""
+    def _plain(
+        self, tokens: Sequence[int]
+    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror] | None:
+        """The module, index, block size and synced mirror when a native call can answer
+        a request of ``tokens`` at all (both routes' common conditions), else None."""
         module = self._module
         if module is None or type(tokens) is not array:
             return None
-        router = self.router
-        index = router.index
+        index = self.router.index
         block_size = index.block_size
         if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
             return None
         mirror = index.plain_mirror()
         if mirror is None:
             return None
-        ranking = router._kept_ranking(index.holders())
+        return module, index, block_size, mirror
+
+    def answer(self, tokens: Sequence[int]) -> bytes | None:
+        """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
+        the Python path must answer (see the module docstring)."""
+        plain = self._plain(tokens)
+        if plain is None:
+            return None
+        module, index, block_size, mirror = plain
+        ranking = self.router._kept_ranking(index.holders())
         if ranking is None:
             return None
         credits = index.credits
@@ -147,16 +161,10 @@ class NativeRoute:
         """The plain ``/query`` answer for ``tokens`` (an ``array("I")``), or None when
         the Python path must answer (as :meth:`answer`, but no ranking is needed:
         ``/query`` scores nothing)."""
-        module = self._module
-        if module is None or type(tokens) is not array:
+        plain = self._plain(tokens)
+        if plain is None:
             return None
-        index = self.router.index
-        block_size = index.block_size
-        if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
-            return None
-        mirror = index.plain_mirror()
-        if mirror is None:
-            return None
+        module, index, block_size, mirror = plain
         holders = index.holders()
         # the same list (a new one after any holder came or went), never an equal one:
         # equal lists of holders may sit in other slots
