@@ -373,7 +373,7 @@ class MaskTable:
     def plain_mirror(self) -> MaskMirror | None:
         """The compiled match's one-word mirror, synced, when this index's matches are
         plain: GPU blocks only, no side groups, no predictions (what the native
-        ``/route`` answers, :mod:`kvevents.kernels.native`); else None. A match made
+        ``/route`` and ``/query`` answer, :mod:`kvevents.kernels.native`); else None. A match made
         from it is reported with :meth:`note_plain_match`."""
         if self._offloaded or self._hybrid or self._predicted:
             return None

@@ -89,10 +89,6 @@ class NativeRoute:
                 path,
             )
 
-    @property
-    def on(self) -> bool:
-        return self._module is not None
-
     def _plain(
         self, tokens: Sequence[int]
     ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror] | None:
