@@ -275,6 +275,28 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const
     return 1;
 }
 
+/* The block size and parent key of a keying, checked; 0 with an exception set. */
+static int keying(PyObject *size, PyObject *parent_key, Py_ssize_t *block_size, uint64_t *parent) {
+    *block_size = PyLong_AsSsize_t(size);
+    if (*block_size == -1 && PyErr_Occurred()) return 0;
+    *parent = PyLong_AsUnsignedLongLong(parent_key);
+    if (*parent == (uint64_t)-1 && PyErr_Occurred()) return 0;
+    if (*block_size < 1 || *block_size > MAX_BLOCK_TOKENS) {
+        PyErr_Format(PyExc_ValueError, "block_size=%zd, not 1..%d", *block_size, MAX_BLOCK_TOKENS);
+        return 0;
+    }
+    return 1;
+}
+
+/* The chained keys of every full block of the tokens in ``tok``, as uint64 bytes. */
+static PyObject *keys_of(const Py_buffer *tok, Py_ssize_t block_size, uint64_t parent) {
+    Py_ssize_t n_blocks = (tok->len / 4) / block_size;
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, 8 * n_blocks);
+    if (keys != NULL)
+        chain((const uint8_t *)tok->buf, n_blocks, block_size, parent, (uint64_t *)PyBytes_AS_STRING(keys));
+    return keys;
+}
+
 /* A request keyed and matched: its keys (uint64 bytes, new reference) and segments. */
 typedef struct {
     PyObject *keys;
@@ -290,16 +312,11 @@ typedef struct {
  * table from ``live``; 0 with an exception set on bad arguments. */
 static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key,
                        PyObject *table_keys, PyObject *table_values, PyObject *live_mask) {
-    Py_ssize_t block_size = PyLong_AsSsize_t(size);
-    if (block_size == -1 && PyErr_Occurred()) return 0;
-    uint64_t parent = PyLong_AsUnsignedLongLong(parent_key);
-    if (parent == (uint64_t)-1 && PyErr_Occurred()) return 0;
+    Py_ssize_t block_size;
+    uint64_t parent;
+    if (!keying(size, parent_key, &block_size, &parent)) return 0;
     uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
     if (live == (uint64_t)-1 && PyErr_Occurred()) return 0;
-    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
-        PyErr_Format(PyExc_ValueError, "block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
-        return 0;
-    }
     Py_buffer tok, tk, tv;
     if (!get_buffer(tokens, &tok, 4, "tokens")) return 0;
     if (!get_buffer(table_keys, &tk, 8, "table_keys")) {
@@ -320,10 +337,9 @@ static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *p
     }
     m->n_tokens = tok.len / 4;
     m->n_blocks = m->n_tokens / block_size;
-    m->keys = PyBytes_FromStringAndSize(NULL, 8 * m->n_blocks);
+    m->keys = keys_of(&tok, block_size, parent);
     if (m->keys == NULL) goto done;
-    uint64_t *words = (uint64_t *)PyBytes_AS_STRING(m->keys);
-    chain((const uint8_t *)tok.buf, m->n_blocks, block_size, parent, words);
+    const uint64_t *words = (const uint64_t *)PyBytes_AS_STRING(m->keys);
     m->longest = match(words, m->n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
                        (uint64_t)(slots - 1), live, m->dropped, m->lengths, &m->found);
     ok = 1;
@@ -558,20 +574,12 @@ static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "chain_keys takes 3 arguments");
         return NULL;
     }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
-    if (block_size == -1 && PyErr_Occurred()) return NULL;
-    uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
-    if (parent == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    if (block_size < 1 || block_size > MAX_BLOCK_TOKENS) {
-        PyErr_Format(PyExc_ValueError, "chain_keys: block_size=%zd, not 1..%d", block_size, MAX_BLOCK_TOKENS);
-        return NULL;
-    }
+    Py_ssize_t block_size;
+    uint64_t parent;
+    if (!keying(args[1], args[2], &block_size, &parent)) return NULL;
     Py_buffer tok;
     if (!get_buffer(args[0], &tok, 4, "tokens")) return NULL;
-    Py_ssize_t n_blocks = (tok.len / 4) / block_size;
-    PyObject *keys = PyBytes_FromStringAndSize(NULL, 8 * n_blocks);
-    if (keys != NULL)
-        chain((const uint8_t *)tok.buf, n_blocks, block_size, parent, (uint64_t *)PyBytes_AS_STRING(keys));
+    PyObject *keys = keys_of(&tok, block_size, parent);
     PyBuffer_Release(&tok);
     return keys;
 }

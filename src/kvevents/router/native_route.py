@@ -194,13 +194,7 @@ def query_plan_of(holders: list[Holder], index: PrefixIndex, block_size: int) ->
         if slot is None or slot >= 64:
             return None
         slots.append(slot)
-        fragments.append(
-            b'{"worker":'
-            + _encode(holder.worker)
-            + b',"dp_rank":'
-            + _encode(holder.dp_rank)
-            + b',"matched_blocks":'
-        )
+        fragments.append(_holder_head(holder) + b',"matched_blocks":')
     head_tail = b',"block_size":' + _encode(block_size) + b',"matches":['
     return slots.tobytes(), tuple(fragments), head_tail
 
@@ -226,7 +220,7 @@ def plan_of(
         if not all(type(x) is float and math.isfinite(x) for x in figures):
             return None
         numbers += _CANDIDATE.pack(own, pending, recent, routed, int(unavailable), slot)
-        head = b'{"worker":' + _encode(holder.worker) + b',"dp_rank":' + _encode(holder.dp_rank)
+        head = _holder_head(holder)
         fragments += (
             head,
             head + b',"matched":{"gpu":',
@@ -245,3 +239,8 @@ def plan_of(
         return None
     head_tail = b',"block_size":' + _encode(block_size)
     return bytes(numbers), tuple(fragments), credits.gpu, credits.cpu, credits.disk, head_tail
+
+
+def _holder_head(holder: Holder) -> bytes:
+    """A holder's answer entry up to its ``dp_rank`` value, as msgspec writes it."""
+    return b'{"worker":' + _encode(holder.worker) + b',"dp_rank":' + _encode(holder.dp_rank)
