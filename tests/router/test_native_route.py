@@ -1,5 +1,7 @@
 """The native /route answer (kvevents.kernels._native) is the Python path's, byte for byte.
 
+The native choice of a relayed request over the load board is the Python path's too.
+
 Two routers are given the same holders, blocks, loads and credits; one answers a plain
 ``/route`` natively, the other in Python. Their answers must be the same bytes, and
 their indexes must record the match alike (a lookup, the recency of the blocks
@@ -26,7 +28,7 @@ from kvevents import Holder, ScoringWeights, TierCredits, kernels
 from kvevents.errors import RouterNotReadyError
 from kvevents.index import Tier
 from kvevents.kernels import native
-from kvevents.router.core import Router
+from kvevents.router.core import RouteDecision, Router
 from kvevents.router.hot_path import HotPath, encode_route_answer
 from kvevents.router.token_body import PLAIN_BODY, TokensBody
 from kvevents.wire.hashing import content_keys_per_block
@@ -213,6 +215,91 @@ def test_the_native_query_is_the_python_query(case: dict) -> None:
     fast.index._flush_touches()
     slow.index._flush_touches()
     assert list(fast.index._blocks) == list(slow.index._blocks)
+
+
+def _routed(router: Router, tokens: array[int]) -> RouteDecision | None:
+    """``route(top=1)``, a relayed request's call; None when no holder is available."""
+    try:
+        return router.route(tokens, top=1)
+    except RouterNotReadyError:
+        return None
+
+
+def _seen(decision: RouteDecision) -> bytes:
+    """Every field of a decision, exactly (floats as written: -0.0 is not 0.0)."""
+    return msgspec.json.encode(msgspec.structs.replace(decision, keys=list(decision.keys)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets(), st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=5))
+def test_the_native_choice_over_the_board_is_the_python_choice(
+    case: dict, relayed: list[tuple[int, bool]]
+) -> None:
+    """Relayed requests (top 1, each one changing the loads: begun, sometimes ended) are
+    routed alike natively and in Python, and their matches recorded alike."""
+    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    lookups = fast.index.stats.lookups
+    asked = [(case["request"], False), *((case["prompts"][i], end) for i, end in relayed)]
+    for prompt, end in asked:
+        tokens = array("I", prompt)
+        got, expected = _routed(fast, tokens), _routed(slow, tokens)
+        if expected is None:
+            assert got is None  # no holder can take it: the Python path says so
+            continue
+        assert got is not None and _seen(got) == _seen(expected)
+        tickets = fast.begin(got), slow.begin(expected)
+        if end:
+            fast.finish(tickets[0])
+            slow.finish(tickets[1])
+    event("chosen natively" if fast.native.chosen else "not plain: Python chose")
+    assert fast.index.stats.lookups - lookups == slow.index.stats.lookups - lookups
+    fast.index._flush_touches()
+    slow.index._flush_touches()
+    assert list(fast.index._blocks) == list(slow.index._blocks)
+    assert {h: fast.loads[h] for h in fast.loads} == {h: slow.loads[h] for h in slow.loads}
+
+
+def test_a_relayed_request_is_chosen_natively_and_each_change_of_loads_is_read() -> None:
+    router, tokens = _plain_router()
+    router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    first = router.route(tokens, top=1)
+    assert router.native.chosen == 1
+    assert (first.dp_rank, first.chosen.matched.gpu, first.n_blocks) == (1, 10, 10)
+    assert list(first.keys) == content_keys_per_block(tokens, 4)
+    # the holder of every block is busy now: the load read from the board moves the choice
+    router.update_load("http://e", {"ranks": [{"dp_rank": 1, "running": 50, "waiting": 0}]})
+    busy = router.route(tokens, top=1)
+    assert router.native.chosen == 2
+    assert busy.dp_rank not in (0, 1) and busy.chosen.pending_blocks == 0.0
+    # the same loads again: the Python path builds its ranking, as before
+    router.route(tokens, top=1)
+    assert router.native.chosen == 2
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        pytest.param(lambda r, t: r.route(t, top=1, cache_salt="s"), id="salt"),
+        pytest.param(lambda r, t: r.route(t, top=1, lora="a"), id="adapter"),
+        pytest.param(lambda r, t: r.route(t, top=2), id="top-2"),
+        pytest.param(lambda r, t: r.route(list(t), top=1), id="tokens-in-a-list"),
+    ],
+)
+def test_what_the_native_choice_does_not_take_goes_to_python(
+    route: Callable[[Router, array[int]], RouteDecision],
+) -> None:
+    router, tokens = _plain_router()
+    router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    route(router, tokens)
+    assert router.native.chosen == 0
+
+
+def test_a_weight_that_is_no_float_goes_to_python() -> None:
+    router, tokens = _plain_router()
+    router.weights = ScoringWeights(load_weight=1)
+    router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    router.route(tokens, top=1)
+    assert router.native.chosen == 0
 
 
 def _plain_router(holders: int = 4, block_size: int = 4) -> tuple[Router, array[int]]:

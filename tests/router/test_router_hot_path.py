@@ -173,7 +173,8 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
     """A body of token ids alone is answered by the native call (kvevents.kernels.native)
     once the loads hold still, with the bytes the Python path writes for the same
     request: the body with ``"top": 4`` (the default, but another member, so Python
-    answers it) asked of the same router right after. KVEVENTS_NATIVE=0 turns it off."""
+    answers it) asked of the same router right after; a relayed request's holder is
+    chosen natively, as Python chooses it. KVEVENTS_NATIVE=0 turns it off."""
     fast = RouterProc([engine.url])
     slow = RouterProc([engine.url], env={"KVEVENTS_NATIVE": "0"})
     try:
@@ -212,11 +213,22 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
             assert plain.content == python.content
             native = fast.http.get("/workers").json()["process"]["native"]
             assert native["answered"] == answered + 1
+        # relayed requests (each one changes the loads) are chosen by the native call over
+        # the load board, as the Python path chooses them
+        for proc in (fast, slow):
+            for _ in range(3):
+                relayed = proc.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+                assert relayed.status_code == 200, relayed.text
+                assert relayed.headers["x-kvevents-dp-rank"] == "3"
+                assert relayed.headers["x-kvevents-matched-tokens"] == str(len(prompt))
+        native = fast.http.get("/workers").json()["process"]["native"]
+        assert native["chosen"] >= 2, native  # the first may find the loads' ranking kept
         for ids in asked:
             assert slow.post("/route", {"input_ids": ids}).status_code == 200
         assert slow.http.get("/workers").json()["process"]["native"] == {
             "status": "off: KVEVENTS_NATIVE=0",
             "answered": 0,
+            "chosen": 0,
             "failures": 0,
         }
         assert fast.http.get("/workers").json()["process"]["native"]["failures"] == 0

@@ -249,6 +249,7 @@ typedef struct {
     double pending;
     double recent;
     int64_t routed;
+    double routed_figure; /* board_choice's: the board holds it as a float */
     Py_ssize_t position;
     Py_ssize_t gpu;
     double cached;
@@ -262,6 +263,7 @@ static inline int before(const Scored *a, const Scored *b) {
     if (a->pending != b->pending) return a->pending < b->pending;
     if (a->recent != b->recent) return a->recent < b->recent;
     if (a->routed != b->routed) return a->routed < b->routed;
+    if (a->routed_figure != b->routed_figure) return a->routed_figure < b->routed_figure;
     return a->position < b->position;
 }
 
@@ -452,6 +454,7 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         item.pending = c->pending;
         item.recent = c->recent;
         item.routed = c->routed;
+        item.routed_figure = 0.0;
         item.position = p;
         item.gpu = g;
         if (kept == top && !before(&item, &best[kept - 1])) continue;
@@ -567,6 +570,110 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     return answered(&m, buffer, o.n, 1);
 }
 
+/* The load board's row of a slot (kvevents/router/load_board.py): its fields' order. */
+enum { ROW_AVAILABLE, ROW_ENGINE, ROW_INFLIGHT, ROW_BLOCKS, ROW_RAW, ROW_ROUTED, ROW_STRIDE };
+
+/* A candidate's place on the board and in the index (native order, 16 bytes each). */
+typedef struct {
+    int64_t board_slot;
+    int64_t index_slot;
+} Seat;
+
+/* board_choice(tokens, block_size, parent, table_keys, table_values, live, board, seats,
+ *              scale, weights)
+ *   -> (keys bytes, longest, figures)
+ * The best candidate of a request as board_top_scores scores it with every load read
+ * from the board (loads that change with every request: a relayed one), with no
+ * predictions and GPU blocks only. board: the board's table (float64, ROW_STRIDE per
+ * slot); seats: a Seat per candidate; weights: (load, balance, foreign request blocks,
+ * gpu, cpu, disk credits), floats. figures: (position, gpu blocks, cached, prefill,
+ * pending, cost, recent, balance, routed, available) of the best. */
+static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "board_choice takes 10 arguments");
+        return NULL;
+    }
+    PyObject *seats = args[7];
+    PyObject *weights = args[9];
+    if (!PyBytes_CheckExact(seats) || !PyTuple_CheckExact(weights) || PyTuple_GET_SIZE(weights) != 6) {
+        PyErr_SetString(PyExc_TypeError, "board_choice: seats must be bytes, weights a 6-tuple");
+        return NULL;
+    }
+    double w[6];
+    for (int k = 0; k < 6; k++) {
+        PyObject *x = PyTuple_GET_ITEM(weights, k);
+        if (!PyFloat_CheckExact(x)) {
+            PyErr_SetString(PyExc_TypeError, "board_choice: the weights must be floats");
+            return NULL;
+        }
+        w[k] = PyFloat_AS_DOUBLE(x);
+    }
+    double scale = PyFloat_AsDouble(args[8]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    Py_ssize_t count = PyBytes_GET_SIZE(seats) / (Py_ssize_t)sizeof(Seat);
+    if (count < 1 || PyBytes_GET_SIZE(seats) != count * (Py_ssize_t)sizeof(Seat)) {
+        PyErr_SetString(PyExc_ValueError, "board_choice: no whole seats");
+        return NULL;
+    }
+    const Seat *seat = (const Seat *)PyBytes_AS_STRING(seats);
+    Py_buffer board;
+    if (!get_buffer(args[6], &board, 8, "board")) return NULL;
+    const double *rows = (const double *)board.buf;
+    Py_ssize_t board_slots = board.len / (8 * ROW_STRIDE);
+    for (Py_ssize_t p = 0; p < count; p++) {
+        if (seat[p].board_slot < 0 || seat[p].board_slot >= board_slots) {
+            PyBuffer_Release(&board);
+            PyErr_SetString(PyExc_ValueError, "board_choice: a seat past the board");
+            return NULL;
+        }
+    }
+    Matched m = {0};
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) {
+        PyBuffer_Release(&board);
+        return NULL;
+    }
+    /* the least recent work among the available candidates, as the raw figure, then scaled */
+    double least = 0.0;
+    int any = 0;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        const double *row = rows + ROW_STRIDE * seat[p].board_slot;
+        if (row[ROW_AVAILABLE] != 0.0 && (!any || row[ROW_RAW] < least)) {
+            least = row[ROW_RAW];
+            any = 1;
+        }
+    }
+    least *= scale;
+    double blocks = (double)m.n_blocks;
+    Scored best = {0};
+    double best_balance = 0.0;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        const double *row = rows + ROW_STRIDE * seat[p].board_slot;
+        Py_ssize_t g = blocks_of(&m, seat[p].index_slot);
+        Scored item;
+        item.cached = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
+        item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+        double foreign = row[ROW_ENGINE] - row[ROW_INFLIGHT];
+        item.pending = row[ROW_BLOCKS] + (foreign > 0.0 ? w[2] * foreign : 0.0);
+        item.recent = row[ROW_RAW] * scale;
+        double balance = item.recent > least ? item.recent - least : 0.0;
+        item.cost = item.prefill + (w[0] * item.pending + w[1] * balance);
+        item.unavailable = row[ROW_AVAILABLE] == 0.0;
+        item.routed_figure = row[ROW_ROUTED];
+        item.routed = 0;
+        item.position = p;
+        item.gpu = g;
+        if (p == 0 || before(&item, &best)) {
+            best = item;
+            best_balance = balance;
+        }
+    }
+    PyBuffer_Release(&board);
+    return Py_BuildValue("(Nn(nndddddddO))", m.keys, m.longest, best.position, best.gpu, best.cached,
+                         best.prefill, best.pending, best.cost, best.recent, best_balance,
+                         best.routed_figure, best.unavailable ? Py_False : Py_True);
+}
+
 /* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */
 static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -600,6 +707,8 @@ static PyMethodDef methods[] = {
      "The plain /route answer of a request, its keys and longest match (see native.py)."},
     {"query_answer", (PyCFunction)(void (*)(void))query_answer, METH_FASTCALL,
      "The plain /query answer of a request, its keys and longest match (see native.py)."},
+    {"board_choice", (PyCFunction)(void (*)(void))board_choice, METH_FASTCALL,
+     "The best candidate of a request over the load board's loads (see native.py)."},
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
      "Chained XXH3-64 content keys of full blocks, as bytes of uint64."},
     {"json_float", json_float, METH_O, "A float as route_answer writes it, or None."},

@@ -26,5 +26,18 @@ def query_answer(
     plan: tuple[bytes, tuple[bytes, ...], bytes],
     /,
 ) -> tuple[bytes, bytes, int]: ...
+def board_choice(
+    tokens: Buffer,
+    block_size: int,
+    parent: int,
+    table_keys: Buffer,
+    table_values: Buffer,
+    live: int,
+    board: Buffer,
+    seats: bytes,
+    scale: float,
+    weights: tuple[float, float, float, float, float, float],
+    /,
+) -> tuple[bytes, int, tuple[int, int, float, float, float, float, float, float, float, bool]]: ...
 def chain_keys(tokens: Buffer, block_size: int, parent: int, /) -> bytes: ...
 def json_float(x: float, /) -> bytes | None: ...

@@ -560,6 +560,29 @@ class Router:
         holders, adapter = self.candidates(model)
         if not holders:
             raise self._no_rank(model)
+        if (
+            top == 1
+            and self._one_pass_version != self._loads_version
+            and adapter is None
+            and lora is None
+            and not cache_salt
+            and not extra_keys
+            and self._kept_ranking(holders) is None
+        ):
+            # the one pass below, in one native call (a relayed request's usual case)
+            chosen = self.native.choose(token_ids, holders)
+            if chosen is not None:
+                self._one_pass_version = self._loads_version
+                native_keys, best = chosen
+                return RouteDecision(
+                    worker=best.worker,
+                    dp_rank=best.dp_rank,
+                    n_blocks=len(native_keys),
+                    block_size=self.index.block_size or 0,
+                    scores=[best],
+                    keys=native_keys,
+                    candidates=len(holders),
+                )
         keys = (
             self._keys(token_ids, adapter if lora is None else lora, cache_salt, extra_keys)
             if self.index.block_size is not None

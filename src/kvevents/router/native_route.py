@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from kvevents.index import PrefixIndex, TierCredits
+from kvevents.index.types import HolderMatch
 from kvevents.kernels import native
-from kvevents.router.scoring import Ranking
+from kvevents.router.load_board import LoadBoard
+from kvevents.router.scoring import HolderScore, Ranking, ScoringWeights
 from kvevents.router.token_body import DEFAULT_TOP
 from kvevents.types import Holder
 from kvevents.wire.hashing import ROOT_KEY
@@ -41,7 +43,16 @@ from kvevents.wire.hashing import ROOT_KEY
 if TYPE_CHECKING:
     from kvevents.kernels.mask_mirror import MaskMirror
 
-__all__ = ["NativeRoute", "Plan", "QueryPlan", "Routing", "plan_of", "query_plan_of"]
+__all__ = [
+    "NativeRoute",
+    "Plan",
+    "QueryPlan",
+    "Routing",
+    "Seats",
+    "plan_of",
+    "query_plan_of",
+    "seats_of",
+]
 
 Plan = tuple[bytes, tuple[bytes, ...], float, float, float, bytes]
 """What the native call reads of a ranking: per candidate its figures (packed) and its
@@ -51,9 +62,14 @@ QueryPlan = tuple[bytes, tuple[bytes, ...], bytes]
 """What the native ``/query`` reads: per candidate its slot (int64s) and its match's
 fixed bytes, and the answer's bytes after ``prompt_tokens``' value."""
 
+Seats = tuple[bytes, tuple[float, float, float, float, float, float]]
+"""What the native choice over the load board reads: per candidate its board slot and
+index slot (int64 pairs), and the weights and credits it scores with."""
+
 log = logging.getLogger("kvevents.router")
 
 _CANDIDATE = struct.Struct("=dddqqq")  # own, pending, recent, routed, unavailable, slot
+_SEAT = struct.Struct("=qq")  # board slot, index slot
 _encode = msgspec.json.encode
 
 
@@ -61,6 +77,8 @@ class Routing(Protocol):
     """What :class:`NativeRoute` reads of its router (:class:`~kvevents.router.core.Router`)."""
 
     index: PrefixIndex
+    loads: LoadBoard
+    weights: ScoringWeights
 
     def _kept_ranking(self, holders: list[Holder]) -> Ranking | None: ...
 
@@ -75,8 +93,16 @@ class NativeRoute:
         self._plan: Plan | None = None
         self._query_made_for: tuple[list[Holder], PrefixIndex, int] | None = None
         self._query_plan: QueryPlan | None = None
+        self._seats_made_for: (
+            tuple[list[Holder], list[Holder], PrefixIndex, LoadBoard, ScoringWeights, TierCredits]
+            | None
+        ) = None
+        self._seats: Seats | None = None
         self.answered = 0
         """Requests answered natively, ``/route`` and ``/query`` (for /workers)."""
+        self.chosen = 0
+        """Requests whose holder was chosen natively over the load board (:meth:`choose`:
+        relayed ones, for /workers)."""
         self.failures = 0
         """Native calls that raised (a bug; the Python path answered them)."""
 
@@ -182,6 +208,107 @@ class NativeRoute:
         index.note_plain_match(keys, longest)
         self.answered += 1
         return answer
+
+    def choose(
+        self, tokens: Sequence[int], holders: list[Holder]
+    ) -> tuple[array[int], HolderScore] | None:
+        """The best of ``holders`` for a request of ``tokens`` (an ``array("I")``) as
+        :func:`~kvevents.router.load_board.board_top_scores` scores it from the board's
+        loads, with its keys (an ``array("Q")``); None when the Python path must choose.
+
+        For :meth:`Router.route <kvevents.router.core.Router.route>`'s one pass (top 1, the
+        loads changed since the last request: a relayed request) of a request keyed
+        with no adapter, salt or extra keys. The match is recorded as the index's own."""
+        plain = self._plain(tokens)
+        if plain is None:
+            return None
+        module, index, block_size, mirror = plain
+        router = self.router
+        board, weights, credits = router.loads, router.weights, index.credits
+        # the objects themselves, as for the plans: an equal list of holders may sit in
+        # other slots (the index's own list is a new one whenever a slot changes)
+        everyone = index.holders()
+        kept = self._seats_made_for
+        if (
+            kept is None
+            or kept[0] is not holders
+            or kept[1] is not everyone
+            or kept[2] is not index
+            or kept[3] is not board
+            or kept[4] is not weights
+            or kept[5] is not credits
+        ):
+            self._seats = seats_of(holders, index, board, weights, credits)
+            self._seats_made_for = (holders, everyone, index, board, weights, credits)
+        seats = self._seats
+        if seats is None:
+            return None
+        try:
+            keys, longest, best = module.board_choice(
+                tokens,
+                block_size,
+                ROOT_KEY,
+                mirror._keys,
+                mirror._values,
+                index._live,
+                board.table(),
+                seats[0],
+                board.scale,
+                seats[1],
+            )
+        except Exception:  # a bug: the Python path chooses, the log says it once
+            self._failed("choice")
+            return None
+        position, gpu, cached, prefill, pending, cost, recent, balance, routed, available = best
+        if not available:
+            return None  # no holder to route to: the Python path words the error
+        index.note_plain_match(keys, longest)
+        holder = holders[position]
+        score = HolderScore(
+            worker=holder.worker,
+            dp_rank=holder.dp_rank,
+            matched=HolderMatch(gpu, 0, 0),
+            cached_blocks=cached,
+            prefill_blocks=prefill,
+            pending_blocks=pending,
+            cost=cost,
+            routed=int(routed),
+            available=True,
+            recent_blocks=recent,
+            balance_blocks=balance,
+        )
+        self.chosen += 1
+        return array("Q", keys), score
+
+
+def seats_of(
+    holders: list[Holder],
+    index: PrefixIndex,
+    board: LoadBoard,
+    weights: ScoringWeights,
+    credits: TierCredits,
+) -> Seats | None:
+    """The native choice's seats of these candidates (see :data:`Seats`), or None when one
+    has no slot the native match reads or a weight or credit is not a finite float."""
+    figures = (
+        weights.load_weight,
+        weights.balance_weight,
+        weights.foreign_request_blocks,
+        credits.gpu,
+        credits.cpu,
+        credits.disk,
+    )
+    if not all(type(x) is float and math.isfinite(x) for x in figures):
+        return None
+    numbers = bytearray()
+    for holder, board_slot in zip(holders, board.candidates(holders)[1], strict=True):
+        slot = index.slot_of(holder)
+        if slot is None or slot >= 64:
+            return None
+        numbers += _SEAT.pack(board_slot, slot)
+    if not numbers:
+        return None
+    return bytes(numbers), figures
 
 
 def query_plan_of(holders: list[Holder], index: PrefixIndex, block_size: int) -> QueryPlan | None:

@@ -235,6 +235,7 @@ class RouterService:
             "native": {
                 "status": native.status(),
                 "answered": self.router.native.answered,
+                "chosen": self.router.native.chosen,
                 "failures": self.router.native.failures,
             },
             "settled": self.settled,
