@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from kvevents import Holder, ScoringWeights, TierCredits, kernels
 from kvevents.errors import RouterNotReadyError
 from kvevents.index import Tier
+from kvevents.index import predictions as predictions_module
 from kvevents.kernels import native
 from kvevents.router.core import RouteDecision, Router
 from kvevents.router.hot_path import HotPath, encode_route_answer
@@ -125,13 +126,15 @@ def fleets(draw: st.DrawFn) -> dict:
     }
 
 
-def _fleet(case: dict, *, natively: bool) -> Router:
-    """A router in the state ``case`` describes (the same state for the same case)."""
+def _fleet(case: dict, *, natively: bool, clock: Callable[[], float] | None = None) -> Router:
+    """A router in the state ``case`` describes (the same state for the same case);
+    with a ``clock``, it predicts (a time-to-live of 2 s on that clock)."""
     router = Router(
         block_size=case["block_size"],
         credits=case["credits"],
         weights=case["weights"],
-        prediction_ttl_s=None,
+        prediction_ttl_s=None if clock is None else 2.0,
+        **({} if clock is None else {"clock": clock}),
     )
     if not natively:
         router.native._module = None
@@ -230,17 +233,29 @@ def _seen(decision: RouteDecision) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(decision, keys=list(decision.keys)))
 
 
-@settings(max_examples=300, deadline=None)
-@given(fleets(), st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=5))
+@settings(max_examples=400, deadline=None)
+@given(
+    fleets(),
+    st.lists(
+        st.tuples(st.integers(0, 3), st.booleans(), st.sampled_from([0.0, 0.5, 1.5])),
+        min_size=1,
+        max_size=6,
+    ),
+    st.booleans(),
+)
 def test_the_native_choice_over_the_board_is_the_python_choice(
-    case: dict, relayed: list[tuple[int, bool]]
+    case: dict, relayed: list[tuple[int, bool, float]], predicting: bool
 ) -> None:
     """Relayed requests (top 1, each one changing the loads: begun, sometimes ended) are
-    routed alike natively and in Python, and their matches recorded alike."""
-    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    routed alike natively and in Python, predictions counted (made by the requests
+    begun, expiring on a clock both routers share), and their matches recorded alike."""
+    now = [0.0]
+    clock = (lambda: now[0]) if predicting else None
+    fast, slow = _fleet(case, natively=True, clock=clock), _fleet(case, natively=False, clock=clock)
     lookups = fast.index.stats.lookups
-    asked = [(case["request"], False), *((case["prompts"][i], end) for i, end in relayed)]
-    for prompt, end in asked:
+    asked = [(case["request"], False, 0.0), *((case["prompts"][i], e, t) for i, e, t in relayed)]
+    for prompt, end, later in asked:
+        now[0] += later  # some predictions expire (2 s)
         tokens = array("I", prompt)
         got, expected = _routed(fast, tokens), _routed(slow, tokens)
         if expected is None:
@@ -252,11 +267,59 @@ def test_the_native_choice_over_the_board_is_the_python_choice(
             fast.finish(tickets[0])
             slow.finish(tickets[1])
     event("chosen natively" if fast.native.chosen else "not plain: Python chose")
+    if fast.index._predicted:
+        event("predictions held at the end")
+    if any(fast.routes) and fast.decided_by_prediction:
+        event("a holder chosen by prediction")
     assert fast.index.stats.lookups - lookups == slow.index.stats.lookups - lookups
+    assert fast.index._predicted == slow.index._predicted
+    assert fast.index.predictions.stats == slow.index.predictions.stats
+    assert fast.decided_by_prediction == slow.decided_by_prediction
     fast.index._flush_touches()
     slow.index._flush_touches()
     assert list(fast.index._blocks) == list(slow.index._blocks)
     assert {h: fast.loads[h] for h in fast.loads} == {h: slow.loads[h] for h in slow.loads}
+
+
+@pytest.mark.parametrize("listed", [1 << 16, 2], ids=["changes-synced", "mirror-rebuilt"])
+def test_predictions_count_in_the_native_choice_as_in_python(
+    listed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests of new prompts predict their blocks on the holder chosen: the next ones
+    sharing a prefix follow the prediction, natively as in Python, whether the
+    predictions' mirror syncs their listed changes or (more changes than listed between
+    two choices) is rebuilt from the dict; expired and withdrawn predictions leave it."""
+    monkeypatch.setattr(predictions_module, "_CHANGED_LIMIT", listed)
+    now = [0.0]
+    routers = []
+    for natively in (True, False):
+        router = Router(block_size=4, prediction_ttl_s=2.0, clock=lambda: now[0])
+        if not natively:
+            router.native._module = None
+        for rank in range(4):
+            router.add_holder(Holder("http://e", rank))
+        routers.append(router)
+    rng = random.Random(5)
+    shared = [rng.getrandbits(32) for _ in range(40)]
+    seen = []
+    for i in range(40):
+        tokens = array(
+            "I", shared[: rng.randrange(4, 40)] + [rng.getrandbits(32) for _ in range(8)]
+        )
+        decisions = [r.route(tokens, top=1) for r in routers]
+        assert _seen(decisions[0]) == _seen(decisions[1]), i
+        seen.append(decisions[0].chosen.predicted_blocks)
+        tickets = [r.begin(d) for r, d in zip(routers, decisions, strict=True)]
+        if i % 3 == 0:  # the engine refused it: its predictions are withdrawn
+            for r, t in zip(routers, tickets, strict=True):
+                r.finish(t, failed=True)
+        now[0] += 0.3 if i % 7 else 2.5  # some predictions expire
+    fast, slow = routers
+    assert fast.native.chosen == 40 and slow.native.chosen == 0
+    assert any(seen), "some requests matched predicted blocks"
+    assert fast.index._predicted == slow.index._predicted
+    assert fast.index.predictions.stats == slow.index.predictions.stats
+    assert fast.decided_by_prediction == slow.decided_by_prediction
 
 
 def test_a_relayed_request_is_chosen_natively_and_each_change_of_loads_is_read() -> None:

@@ -131,6 +131,9 @@ class MaskTable:
         (:meth:`MaskMirror.sync <kvevents.kernels.mask_mirror.MaskMirror.sync>`): ``slot
         + 1`` where a holder's GPU bit was set, ``-(slot + 1)`` cleared, 0 dropped."""
         self._mirror_off = False
+        self._predicted_mirror: MaskMirror | None = None
+        """The predictions' masks in a flat table, for the native choice
+        (:meth:`choice_mirrors`); made on its first use."""
 
     # --- writing ----------------------------------------------------------------------
 
@@ -380,9 +383,49 @@ class MaskTable:
         mirror = self._synced_mirror()
         return mirror if mirror is not None and mirror.words == 1 else None
 
+    def choice_mirrors(self, *, keyed: bool) -> tuple[MaskMirror, MaskMirror | None] | None:
+        """The mirrors a native choice over the loads reads, synced: the blocks' (as
+        :meth:`plain_mirror`) and the predictions' (None when there are none); None when
+        the matches are not plain but for predictions. ``keyed``: the request has a full
+        block, so predictions past their deadline are expired first, as
+        :meth:`~kvevents.index.prefix_index.PrefixIndex.predicted` does for it."""
+        if self._offloaded or self._hybrid:
+            return None
+        mirror = self._synced_mirror()
+        if mirror is None or mirror.words != 1:
+            return None
+        if not keyed or not self._predicted:
+            return mirror, None
+        self.predictions.expire()
+        if not self._predicted:
+            return mirror, None
+        predicted = self._synced_predictions()
+        return None if predicted is None else (mirror, predicted)
+
+    def _synced_predictions(self) -> MaskMirror | None:
+        """The predictions' masks in a flat mirror, brought up to date with their listed
+        changes (rebuilt when those were not all listed); None when the kernels are off."""
+        mirror = self._predicted_mirror
+        if mirror is None:
+            compiled = kernels.loaded()
+            if compiled is None:
+                return None
+            mirror = self._predicted_mirror = compiled.mirror(1)
+            self.predictions.unlist_changes()  # a new mirror is built from the dict
+        changes = self.predictions.take_changes()
+        try:
+            if changes is None:
+                mirror.rebuild(self._predicted)
+            elif changes[0]:
+                mirror.sync(*changes)
+        except OverflowError:  # a key past uint64 (a caller's own keys): rebuilt next time
+            self._predicted_mirror = None
+            return None
+        return mirror
+
     def note_plain_match(self, keys: bytes, longest: int) -> None:
         """What :meth:`match_keys` records of a match made elsewhere from
-        :meth:`plain_mirror`: a lookup, and the recency of the ``longest`` blocks matched
+        :meth:`plain_mirror` or :meth:`choice_mirrors`: a lookup, and the recency of the ``longest`` blocks matched
         (``keys``: the request's keys as uint64 bytes)."""
         self.stats.lookups += 1
         if longest and len(self._touch_log) < _TOUCH_LOG_LIMIT:

@@ -71,8 +71,10 @@ dict consulted only while non-empty costs nothing when there are none.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import msgspec
 
@@ -87,6 +89,8 @@ DEFAULT_PREDICTION_TTL_S = 2.0
 """Seconds a prediction lives unconfirmed (see "Defaults" in the module docstring)."""
 DEFAULT_PREDICTION_CREDIT = 1.0
 """Worth of a predicted block relative to computing it (see "Defaults")."""
+_CHANGED_LIMIT = 1 << 16
+"""The most changes listed unread: past it, a mirror rebuilding costs less than syncing."""
 
 
 class PredictionStats(msgspec.Struct, kw_only=True):
@@ -122,6 +126,13 @@ class Predictions:
         self.masks: dict[int, int] = {}
         self._until: dict[tuple[int, int], float] = {}
         self._queue: deque[tuple[float, int, Sequence[int]]] = deque()
+        self.changed: list[int] | None = []
+        """Keys whose mask changed since :meth:`take_changes`, in order (for a flat mirror
+        of ``masks``, as :class:`~kvevents.index.mask_table.MaskTable` lists its own);
+        None once more than :data:`_CHANGED_LIMIT` went unread: the mirror then rebuilds."""
+        self.changed_ops: array[int] = array("q")
+        """Per key of ``changed``: ``slot + 1`` where that slot's bit was set, ``-(slot +
+        1)`` where it was cleared (the mirror drops a key left with no bit)."""
 
     @property
     def count(self) -> int:
@@ -152,8 +163,25 @@ class Predictions:
             kept.append(k)
         if kept:
             self._queue.append((deadline, slot, kept))
+        changed = self.changed
+        if changed is not None and added:
+            changed.extend(added)
+            self.changed_ops.extend(repeat(slot + 1, len(added)))
+            if len(changed) > _CHANGED_LIMIT:
+                self.unlist_changes()
         self.stats.made += len(added)
         return added, deadline
+
+    def take_changes(self) -> tuple[list[int], array[int]] | None:
+        """The changes listed since the last call (keys and ops, see ``changed``), then
+        listed afresh; None when they were not all listed (rebuild from ``masks``)."""
+        changed, ops = self.changed, self.changed_ops
+        self.changed, self.changed_ops = [], array("q")
+        return None if changed is None else (changed, ops)
+
+    def unlist_changes(self) -> None:
+        """Stop listing changes until :meth:`take_changes` (a mirror rebuilds instead)."""
+        self.changed, self.changed_ops = None, array("q")
 
     def expire(self) -> int:
         """Drop every prediction past its deadline; returns entries dropped."""
@@ -240,3 +268,9 @@ class Predictions:
             self.masks[key] = v
         else:
             del self.masks[key]
+        changed = self.changed
+        if changed is not None:
+            changed.append(key)
+            self.changed_ops.append(-slot - 1)
+            if len(changed) > _CHANGED_LIMIT:
+                self.unlist_changes()

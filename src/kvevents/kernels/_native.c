@@ -134,26 +134,30 @@ static void chain(const uint8_t *tokens, Py_ssize_t n_blocks, Py_ssize_t block_s
 #define TABLE_MIX 0x9E3779B97F4A7C15ULL
 #define SEGMENTS 65
 
-/* Segments of a match: the slots whose prefix ends at each length; answers the longest. */
+/* The value the table holds for ``key`` (0: none). */
+static inline uint64_t lookup(const uint64_t *table_keys, const uint64_t *table_values, uint64_t mask,
+                              uint64_t key) {
+    uint64_t h = key * TABLE_MIX;
+    uint64_t i = (h ^ (h >> 32)) & mask;
+    for (;;) {
+        uint64_t v = table_values[i];
+        if (v == 0) return 0;
+        if (table_keys[i] == key) return v;
+        i = (i + 1) & mask;
+    }
+}
+
+/* Segments of a match: the slots whose prefix ends at each length; answers the longest.
+ * With a second table (``more_keys`` not NULL), a block counts where either holds it. */
 static Py_ssize_t match(const uint64_t *keys, Py_ssize_t n, const uint64_t *table_keys,
-                        const uint64_t *table_values, uint64_t mask, uint64_t live,
+                        const uint64_t *table_values, uint64_t mask, const uint64_t *more_keys,
+                        const uint64_t *more_values, uint64_t more_mask, uint64_t live,
                         uint64_t *dropped, Py_ssize_t *lengths, int *found) {
     uint64_t held = live;
     *found = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t key = keys[j];
-        uint64_t h = key * TABLE_MIX;
-        uint64_t i = (h ^ (h >> 32)) & mask;
-        uint64_t value = 0;
-        for (;;) {
-            uint64_t v = table_values[i];
-            if (v == 0) break;
-            if (table_keys[i] == key) {
-                value = v;
-                break;
-            }
-            i = (i + 1) & mask;
-        }
+        uint64_t value = lookup(table_keys, table_values, mask, keys[j]);
+        if (more_keys != NULL) value |= lookup(more_keys, more_values, more_mask, keys[j]);
         uint64_t still = held & value;
         if (still != held) {
             if (j > 0) {
@@ -343,7 +347,7 @@ static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *p
     if (m->keys == NULL) goto done;
     const uint64_t *words = (const uint64_t *)PyBytes_AS_STRING(m->keys);
     m->longest = match(words, m->n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
-                       (uint64_t)(slots - 1), live, m->dropped, m->lengths, &m->found);
+                       (uint64_t)(slots - 1), NULL, NULL, 0, live, m->dropped, m->lengths, &m->found);
     ok = 1;
 done:
     PyBuffer_Release(&tok);
@@ -359,6 +363,34 @@ static Py_ssize_t blocks_of(const Matched *m, int64_t slot) {
     for (int s = 0; s < m->found; s++)
         if (m->dropped[s] & bit) return m->lengths[s];
     return 0;
+}
+
+/* ``with``: the match of ``m``'s keys where a block counts when either table holds it
+ * (the blocks' and the predictions'); 0 with an exception set on bad arguments. */
+static int match_either(const Matched *m, Matched *with, PyObject *table_keys, PyObject *table_values,
+                        PyObject *more_keys, PyObject *more_values, PyObject *live_mask) {
+    uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
+    if (live == (uint64_t)-1 && PyErr_Occurred()) return 0;
+    Py_buffer view[4];
+    PyObject *objects[4] = {table_keys, table_values, more_keys, more_values};
+    int got = 0, ok = 0;
+    for (; got < 4; got++)
+        if (!get_buffer(objects[got], &view[got], 8, "a table")) goto done;
+    Py_ssize_t slots = view[0].len / 8, more = view[2].len / 8;
+    if (slots < 1 || (slots & (slots - 1)) || view[1].len != view[0].len || more < 1 ||
+        (more & (more - 1)) || view[3].len != view[2].len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a table must be a power of two of slots, keys and values alike");
+        goto done;
+    }
+    with->longest = match((const uint64_t *)PyBytes_AS_STRING(m->keys), m->n_blocks,
+                          (const uint64_t *)view[0].buf, (const uint64_t *)view[1].buf, (uint64_t)(slots - 1),
+                          (const uint64_t *)view[2].buf, (const uint64_t *)view[3].buf, (uint64_t)(more - 1),
+                          live, with->dropped, with->lengths, &with->found);
+    ok = 1;
+done:
+    while (got > 0) PyBuffer_Release(&view[--got]);
+    return ok;
 }
 
 /* Check a plan's fragments: a tuple of ``per`` bytes objects for each of ``count``. */
@@ -580,34 +612,41 @@ typedef struct {
 } Seat;
 
 /* board_choice(tokens, block_size, parent, table_keys, table_values, live, board, seats,
- *              scale, weights)
+ *              scale, weights, predicted_keys, predicted_values)
  *   -> (keys bytes, longest, figures)
  * The best candidate of a request as board_top_scores scores it with every load read
- * from the board (loads that change with every request: a relayed one), with no
- * predictions and GPU blocks only. board: the board's table (float64, ROW_STRIDE per
- * slot); seats: a Seat per candidate; weights: (load, balance, foreign request blocks,
- * gpu, cpu, disk credits), floats. figures: (position, gpu blocks, cached, prefill,
- * pending, cost, recent, balance, routed, available) of the best. */
+ * from the board (loads that change with every request: a relayed one), GPU blocks
+ * only. board: the board's table (float64, ROW_STRIDE per slot); seats: a Seat per
+ * candidate; weights: (load, balance, foreign request blocks, gpu, cpu, disk credits,
+ * predicted credit), floats; predicted_keys/_values: the predictions' table, or None
+ * for none. figures: (position, gpu blocks, cached, prefill, pending, cost, recent,
+ * balance, routed, available, predicted blocks, by_prediction) of the best; by_prediction
+ * when the best on confirmed blocks alone is another candidate. */
 static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "board_choice takes 10 arguments");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "board_choice takes 12 arguments");
         return NULL;
     }
     PyObject *seats = args[7];
     PyObject *weights = args[9];
-    if (!PyBytes_CheckExact(seats) || !PyTuple_CheckExact(weights) || PyTuple_GET_SIZE(weights) != 6) {
-        PyErr_SetString(PyExc_TypeError, "board_choice: seats must be bytes, weights a 6-tuple");
+    if (!PyBytes_CheckExact(seats) || !PyTuple_CheckExact(weights) || PyTuple_GET_SIZE(weights) != 7) {
+        PyErr_SetString(PyExc_TypeError, "board_choice: seats must be bytes, weights a 7-tuple");
         return NULL;
     }
-    double w[6];
-    for (int k = 0; k < 6; k++) {
+    double w[7];
+    for (int k = 0; k < 7; k++) {
         PyObject *x = PyTuple_GET_ITEM(weights, k);
         if (!PyFloat_CheckExact(x)) {
             PyErr_SetString(PyExc_TypeError, "board_choice: the weights must be floats");
             return NULL;
         }
         w[k] = PyFloat_AS_DOUBLE(x);
+    }
+    int predicting = args[10] != Py_None;
+    if (predicting == (args[11] == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "board_choice: the predictions' keys and values, or neither");
+        return NULL;
     }
     double scale = PyFloat_AsDouble(args[8]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
@@ -633,6 +672,12 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyBuffer_Release(&board);
         return NULL;
     }
+    Matched with = {0}; /* blocks held or predicted (only read when predicting) */
+    if (predicting && !match_either(&m, &with, args[3], args[4], args[10], args[11], args[5])) {
+        PyBuffer_Release(&board);
+        Py_DECREF(m.keys);
+        return NULL;
+    }
     /* the least recent work among the available candidates, as the raw figure, then scaled */
     double least = 0.0;
     int any = 0;
@@ -645,33 +690,51 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     least *= scale;
     double blocks = (double)m.n_blocks;
-    Scored best = {0};
+    /* the best counting predictions, and the best on confirmed blocks alone */
+    Scored best = {0}, first = {0};
     double best_balance = 0.0;
+    Py_ssize_t best_predicted = 0;
     for (Py_ssize_t p = 0; p < count; p++) {
         const double *row = rows + ROW_STRIDE * seat[p].board_slot;
         Py_ssize_t g = blocks_of(&m, seat[p].index_slot);
+        Py_ssize_t predicted = 0;
+        if (predicting) {
+            Py_ssize_t either = blocks_of(&with, seat[p].index_slot);
+            predicted = either > g ? either - g : 0;
+        }
         Scored item;
-        item.cached = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
-        item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+        double confirmed = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
         double foreign = row[ROW_ENGINE] - row[ROW_INFLIGHT];
         item.pending = row[ROW_BLOCKS] + (foreign > 0.0 ? w[2] * foreign : 0.0);
         item.recent = row[ROW_RAW] * scale;
         double balance = item.recent > least ? item.recent - least : 0.0;
-        item.cost = item.prefill + (w[0] * item.pending + w[1] * balance);
+        double load = w[0] * item.pending + w[1] * balance;
         item.unavailable = row[ROW_AVAILABLE] == 0.0;
         item.routed_figure = row[ROW_ROUTED];
         item.routed = 0;
         item.position = p;
         item.gpu = g;
+        item.cached = confirmed;
+        item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+        item.cost = item.prefill + load;
+        if (p == 0 || before(&item, &first)) first = item;
+        if (predicted) {
+            item.cached = confirmed + (double)predicted * w[6];
+            item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+            item.cost = item.prefill + load;
+        }
         if (p == 0 || before(&item, &best)) {
             best = item;
             best_balance = balance;
+            best_predicted = predicted;
         }
     }
     PyBuffer_Release(&board);
-    return Py_BuildValue("(Nn(nndddddddO))", m.keys, m.longest, best.position, best.gpu, best.cached,
+    int by_prediction = best_predicted != 0 && first.position != best.position;
+    return Py_BuildValue("(Nn(nndddddddOnO))", m.keys, m.longest, best.position, best.gpu, best.cached,
                          best.prefill, best.pending, best.cost, best.recent, best_balance,
-                         best.routed_figure, best.unavailable ? Py_False : Py_True);
+                         best.routed_figure, best.unavailable ? Py_False : Py_True, best_predicted,
+                         by_prediction ? Py_True : Py_False);
 }
 
 /* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */

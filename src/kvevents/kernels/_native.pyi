@@ -36,8 +36,14 @@ def board_choice(
     board: Buffer,
     seats: bytes,
     scale: float,
-    weights: tuple[float, float, float, float, float, float],
+    weights: tuple[float, float, float, float, float, float, float],
+    predicted_keys: Buffer | None,
+    predicted_values: Buffer | None,
     /,
-) -> tuple[bytes, int, tuple[int, int, float, float, float, float, float, float, float, bool]]: ...
+) -> tuple[
+    bytes,
+    int,
+    tuple[int, int, float, float, float, float, float, float, float, bool, int, bool],
+]: ...
 def chain_keys(tokens: Buffer, block_size: int, parent: int, /) -> bytes: ...
 def json_float(x: float, /) -> bytes | None: ...

@@ -573,7 +573,7 @@ class Router:
             chosen = self.native.choose(token_ids, holders)
             if chosen is not None:
                 self._one_pass_version = self._loads_version
-                native_keys, best = chosen
+                native_keys, best, by_prediction = chosen
                 return RouteDecision(
                     worker=best.worker,
                     dp_rank=best.dp_rank,
@@ -581,6 +581,7 @@ class Router:
                     block_size=self.index.block_size or 0,
                     scores=[best],
                     keys=native_keys,
+                    by_prediction=by_prediction,
                     candidates=len(holders),
                 )
         keys = (

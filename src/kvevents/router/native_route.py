@@ -62,7 +62,7 @@ QueryPlan = tuple[bytes, tuple[bytes, ...], bytes]
 """What the native ``/query`` reads: per candidate its slot (int64s) and its match's
 fixed bytes, and the answer's bytes after ``prompt_tokens``' value."""
 
-Seats = tuple[bytes, tuple[float, float, float, float, float, float]]
+Seats = tuple[bytes, tuple[float, float, float, float, float, float, float]]
 """What the native choice over the load board reads: per candidate its board slot and
 index slot (int64 pairs), and the weights and credits it scores with."""
 
@@ -115,11 +115,9 @@ class NativeRoute:
                 path,
             )
 
-    def _plain(
-        self, tokens: Sequence[int]
-    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror] | None:
-        """The module, index, block size and synced mirror when a native call can answer
-        a request of ``tokens`` at all (both routes' common conditions), else None."""
+    def _keyable(self, tokens: Sequence[int]) -> tuple[ModuleType, PrefixIndex, int] | None:
+        """The module, index and block size when a native call can key a request of
+        ``tokens`` at all (every call's common conditions), else None."""
         module = self._module
         if module is None or type(tokens) is not array:
             return None
@@ -127,10 +125,20 @@ class NativeRoute:
         block_size = index.block_size
         if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
             return None
-        mirror = index.plain_mirror()
+        return module, index, block_size
+
+    def _plain(
+        self, tokens: Sequence[int]
+    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror] | None:
+        """:meth:`_keyable`'s figures and the synced mirror when a native ``/route`` or
+        ``/query`` can answer a request of ``tokens`` (both routes' conditions), else None."""
+        keyable = self._keyable(tokens)
+        if keyable is None:
+            return None
+        mirror = keyable[1].plain_mirror()
         if mirror is None:
             return None
-        return module, index, block_size, mirror
+        return *keyable, mirror
 
     def answer(self, tokens: Sequence[int]) -> bytes | None:
         """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
@@ -211,18 +219,24 @@ class NativeRoute:
 
     def choose(
         self, tokens: Sequence[int], holders: list[Holder]
-    ) -> tuple[array[int], HolderScore] | None:
+    ) -> tuple[array[int], HolderScore, bool] | None:
         """The best of ``holders`` for a request of ``tokens`` (an ``array("I")``) as
         :func:`~kvevents.router.load_board.board_top_scores` scores it from the board's
-        loads, with its keys (an ``array("Q")``); None when the Python path must choose.
+        loads, predictions counted; with its keys (an ``array("Q")``) and whether
+        predictions chose it (the best on confirmed blocks alone is another holder).
+        None when the Python path must choose.
 
         For :meth:`Router.route <kvevents.router.core.Router.route>`'s one pass (top 1, the
         loads changed since the last request: a relayed request) of a request keyed
         with no adapter, salt or extra keys. The match is recorded as the index's own."""
-        plain = self._plain(tokens)
-        if plain is None:
+        keyable = self._keyable(tokens)
+        if keyable is None:
             return None
-        module, index, block_size, mirror = plain
+        module, index, block_size = keyable
+        mirrors = index.choice_mirrors(keyed=len(tokens) >= block_size)
+        if mirrors is None:
+            return None
+        mirror, predicted = mirrors
         router = self.router
         board, weights, credits = router.loads, router.weights, index.credits
         # the objects themselves, as for the plans: an equal list of holders may sit in
@@ -255,11 +269,26 @@ class NativeRoute:
                 seats[0],
                 board.scale,
                 seats[1],
+                None if predicted is None else predicted._keys,
+                None if predicted is None else predicted._values,
             )
         except Exception:  # a bug: the Python path chooses, the log says it once
             self._failed("choice")
             return None
-        position, gpu, cached, prefill, pending, cost, recent, balance, routed, available = best
+        (
+            position,
+            gpu,
+            cached,
+            prefill,
+            pending,
+            cost,
+            recent,
+            balance,
+            routed,
+            available,
+            predicted_blocks,
+            by_prediction,
+        ) = best
         if not available:
             return None  # no holder to route to: the Python path words the error
         index.note_plain_match(keys, longest)
@@ -276,9 +305,10 @@ class NativeRoute:
             available=True,
             recent_blocks=recent,
             balance_blocks=balance,
+            predicted_blocks=predicted_blocks,
         )
         self.chosen += 1
-        return array("Q", keys), score
+        return array("Q", keys), score, by_prediction
 
 
 def seats_of(
@@ -297,6 +327,7 @@ def seats_of(
         credits.gpu,
         credits.cpu,
         credits.disk,
+        weights.predicted_credit,
     )
     if not all(type(x) is float and math.isfinite(x) for x in figures):
         return None
