@@ -155,6 +155,19 @@ def _fleet(case: dict, *, natively: bool, clock: Callable[[], float] | None = No
     return router
 
 
+def _predicting_fleets(case: dict, predicting: bool, recorded: list[int]) -> tuple[Router, Router]:
+    """The native and the Python router of ``case``; when ``predicting``, each has also
+    recorded a request of each ``recorded`` prompt, whose blocks are predicted on the
+    holder it went to (a clock that stands still: none expires)."""
+    clock = (lambda: 0.0) if predicting else None
+    routers = _fleet(case, natively=True, clock=clock), _fleet(case, natively=False, clock=clock)
+    for router in routers if predicting else ():
+        for which in recorded:
+            with contextlib.suppress(RouterNotReadyError):  # no holder available
+                router.record(router.route(array("I", case["prompts"][which]), top=1))
+    return routers
+
+
 def _python_query(router: Router, tokens: array[int]) -> bytes:
     """The Python path's /query answer: HotPath's, for a body that is not the plain one."""
     hot = SimpleNamespace(service=SimpleNamespace(router=router))
@@ -177,10 +190,13 @@ def _python_answer(router: Router, tokens: array[int]) -> bytes | None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(fleets())
-def test_the_native_answer_is_the_python_answer(case: dict) -> None:
+@given(fleets(), st.booleans(), st.lists(st.integers(0, 3), max_size=3))
+def test_the_native_answer_is_the_python_answer(
+    case: dict, predicting: bool, recorded: list[int]
+) -> None:
+    """Predictions (made by recorded requests) count alike."""
     tokens = array("I", case["request"])
-    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    fast, slow = _predicting_fleets(case, predicting, recorded)
     # the first request after the loads changed is answered in one pass, the second
     # makes the ranking the native call plans from
     for router in (fast, slow):
@@ -191,6 +207,8 @@ def test_the_native_answer_is_the_python_answer(case: dict) -> None:
     got = fast.native.answer(tokens)
     expected = _python_answer(slow, tokens)
     event("no holder available" if expected is None else "answered")
+    if expected is not None and b'"predicted_blocks":0,' not in expected:
+        event("answered with predicted blocks")
     if expected is None:
         assert got is None  # no holder can take it: the Python path says so
         return
@@ -206,14 +224,18 @@ def test_the_native_answer_is_the_python_answer(case: dict) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(fleets())
-def test_the_native_query_is_the_python_query(case: dict) -> None:
+@given(fleets(), st.booleans(), st.lists(st.integers(0, 3), max_size=3))
+def test_the_native_query_is_the_python_query(
+    case: dict, predicting: bool, recorded: list[int]
+) -> None:
     tokens = array("I", case["request"])
-    fast, slow = _fleet(case, natively=True), _fleet(case, natively=False)
+    fast, slow = _predicting_fleets(case, predicting, recorded)
     lookups = fast.index.stats.lookups
     got = _native_query(fast, tokens)
     assert got is not None  # /query needs no ranking and no available holder
     assert got == _python_query(slow, tokens)
+    if b'"predicted_blocks"' in got:
+        event("answered with predicted blocks")
     assert fast.index.stats.lookups == slow.index.stats.lookups == lookups + 1
     fast.index._flush_touches()
     slow.index._flush_touches()
@@ -467,15 +489,30 @@ def test_a_query_plan_is_made_again_for_an_equal_list_of_holders_in_other_slots(
     assert b'"dp_rank":1,"matched_blocks":10,' in got
 
 
-def test_predictions_go_to_python() -> None:
-    router = Router(block_size=4, prediction_ttl_s=60.0)  # predictions on
-    for rank in range(2):
-        router.add_holder(Holder("http://e", rank))
-    tokens = array("I", range(40))
-    router.record(router.route(tokens))
-    router.route(tokens, top=4)
-    router.route(tokens, top=4)
-    assert router.native.answer(tokens) is None
+def test_predictions_are_answered_natively_as_in_python() -> None:
+    """A recorded request predicts its blocks on its holder: the next /route and /query
+    of a request sharing them count the prediction, natively as in Python."""
+    routers = []
+    for natively in (True, False):
+        router = Router(block_size=4, prediction_ttl_s=60.0)  # predictions on
+        if not natively:
+            router.native._module = None
+        for rank in range(2):
+            router.add_holder(Holder("http://e", rank))
+        router.record(router.route(array("I", range(40))))
+        routers.append(router)
+    tokens = array("I", range(48))  # the 10 predicted blocks, and 2 more
+    for router in routers:
+        router.route(tokens, top=4)  # the loads changed: one pass
+        router.route(tokens, top=4)  # the ranking is kept from here
+    fast, slow = routers
+    got = fast.native.answer(tokens)
+    assert got is not None and got == _python_answer(slow, tokens)
+    decoded = msgspec.json.decode(got)
+    assert decoded["predicted_blocks"] == 10 and decoded["scores"][0]["predicted_blocks"] == 10
+    query = _native_query(fast, tokens)
+    assert query is not None and query == _python_query(slow, tokens)
+    assert b'"predicted_blocks":10,"predicted_tokens":40}' in query
 
 
 def test_more_than_64_slots_go_to_python() -> None:

@@ -133,7 +133,7 @@ class MaskTable:
         self._mirror_off = False
         self._predicted_mirror: MaskMirror | None = None
         """The predictions' masks in a flat table, for the native choice
-        (:meth:`choice_mirrors`); made on its first use."""
+        (:meth:`native_mirrors`); made on its first use."""
 
     # --- writing ----------------------------------------------------------------------
 
@@ -373,22 +373,14 @@ class MaskTable:
             return self._apply_groups(keys, (segs, segs, segs))
         return PrefixMatch(self._holders, (segs, segs, segs), len(keys), self.block_size)
 
-    def plain_mirror(self) -> MaskMirror | None:
-        """The compiled match's one-word mirror, synced, when this index's matches are
-        plain: GPU blocks only, no side groups, no predictions (what the native
-        ``/route`` and ``/query`` answer, :mod:`kvevents.kernels.native`); else None. A match made
-        from it is reported with :meth:`note_plain_match`."""
-        if self._offloaded or self._hybrid or self._predicted:
-            return None
-        mirror = self._synced_mirror()
-        return mirror if mirror is not None and mirror.words == 1 else None
-
-    def choice_mirrors(self, *, keyed: bool) -> tuple[MaskMirror, MaskMirror | None] | None:
-        """The mirrors a native choice over the loads reads, synced: the blocks' (as
-        :meth:`plain_mirror`) and the predictions' (None when there are none); None when
-        the matches are not plain but for predictions. ``keyed``: the request has a full
-        block, so predictions past their deadline are expired first, as
-        :meth:`~kvevents.index.prefix_index.PrefixIndex.predicted` does for it."""
+    def native_mirrors(self, *, keyed: bool) -> tuple[MaskMirror, MaskMirror | None] | None:
+        """The mirrors the native calls read (:mod:`kvevents.kernels.native`), synced: the
+        blocks' GPU masks and the predictions' (None when there are none); None when this
+        index's matches are not plain: offloaded tiers, side groups (hybrid models),
+        more than 64 slots, or the kernels off. ``keyed``: the request has a full block,
+        so predictions past their deadline are expired first, as
+        :meth:`~kvevents.index.prefix_index.PrefixIndex.predicted` does for it. A match
+        made from them is reported with :meth:`note_plain_match`."""
         if self._offloaded or self._hybrid:
             return None
         mirror = self._synced_mirror()
@@ -425,7 +417,7 @@ class MaskTable:
 
     def note_plain_match(self, keys: bytes, longest: int) -> None:
         """What :meth:`match_keys` records of a match made elsewhere from
-        :meth:`plain_mirror` or :meth:`choice_mirrors`: a lookup, and the recency of the ``longest`` blocks matched
+        :meth:`native_mirrors`: a lookup, and the recency of the ``longest`` blocks matched
         (``keys``: the request's keys as uint64 bytes)."""
         self.stats.lookups += 1
         if longest and len(self._touch_log) < _TOUCH_LOG_LIMIT:

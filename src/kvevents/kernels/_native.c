@@ -244,7 +244,7 @@ typedef struct {
     int64_t slot;
 } Candidate;
 
-#define FRAGMENTS 4 /* per candidate: head, score start, pending (to cost), score end */
+#define FRAGMENTS 4 /* per candidate: head, score start, pending (to cost), score end (to predicted) */
 #define MAX_TOP 64
 
 typedef struct {
@@ -256,6 +256,7 @@ typedef struct {
     double routed_figure; /* board_choice's: the board holds it as a float */
     Py_ssize_t position;
     Py_ssize_t gpu;
+    Py_ssize_t predicted; /* blocks predictions add to the gpu ones */
     double cached;
     double prefill;
 } Scored;
@@ -393,6 +394,27 @@ done:
     return ok;
 }
 
+/* ``with`` for the predictions' table ``more_keys``/``more_values`` when given (not None;
+ * *predicting set), as match_either; 1, or 0 with an exception set (``m``'s keys freed). */
+static int predictions_match(Matched *m, Matched *with, int *predicting, PyObject *const *args,
+                             Py_ssize_t more_at) {
+    *predicting = args[more_at] != Py_None;
+    if (*predicting == (args[more_at + 1] == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "the predictions' keys and values, or neither");
+    } else if (!*predicting || match_either(m, with, args[3], args[4], args[more_at], args[more_at + 1], args[5])) {
+        return 1;
+    }
+    Py_DECREF(m->keys);
+    return 0;
+}
+
+/* Blocks predictions add to the ``g`` a slot holds (0 when not predicting). */
+static inline Py_ssize_t predicted_of(const Matched *with, int predicting, int64_t slot, Py_ssize_t g) {
+    if (!predicting) return 0;
+    Py_ssize_t either = blocks_of(with, slot);
+    return either > g ? either - g : 0;
+}
+
 /* Check a plan's fragments: a tuple of ``per`` bytes objects for each of ``count``. */
 static int check_fragments(PyObject *fragments, Py_ssize_t count, Py_ssize_t per) {
     if (!PyTuple_CheckExact(fragments) || PyTuple_GET_SIZE(fragments) != per * count) {
@@ -420,35 +442,39 @@ static PyObject *answered(Matched *m, char *buffer, Py_ssize_t n, int exact) {
     return Py_BuildValue("(NNn)", answer, m->keys, m->longest);
 }
 
-/* route_answer(tokens, block_size, parent, table_keys, table_values, live, plan, top)
+/* route_answer(tokens, block_size, parent, table_keys, table_values, live, plan, top,
+ *              predicted_keys, predicted_values)
  *   -> (answer bytes or None, keys bytes, longest)
- * plan: (numbers, fragments, gpu, cpu, disk, head_tail) where numbers packs a Candidate
- * per candidate, fragments holds FRAGMENTS bytes per candidate and head_tail the
- * answer's bytes after "n_blocks": up to its "block_size" value; see native_route.py. */
+ * plan: (numbers, fragments, gpu, cpu, disk, head_tail, predicted credit) where numbers
+ * packs a Candidate per candidate, fragments holds FRAGMENTS bytes per candidate and
+ * head_tail the answer's bytes after "n_blocks": up to its "block_size" value; see
+ * native_route.py. predicted_keys/_values: the predictions' table, or None for none. */
 static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "route_answer takes 8 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "route_answer takes 10 arguments");
         return NULL;
     }
     Py_ssize_t top = PyLong_AsSsize_t(args[7]);
     if (top == -1 && PyErr_Occurred()) return NULL;
     PyObject *plan = args[6];
-    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 6) {
-        PyErr_SetString(PyExc_TypeError, "route_answer: plan must be a 6-tuple");
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 7) {
+        PyErr_SetString(PyExc_TypeError, "route_answer: plan must be a 7-tuple");
         return NULL;
     }
     PyObject *numbers = PyTuple_GET_ITEM(plan, 0);
     PyObject *fragments = PyTuple_GET_ITEM(plan, 1);
     PyObject *head_tail = PyTuple_GET_ITEM(plan, 5);
     PyObject *const *credit = &PyTuple_GET_ITEM(plan, 2);
-    if (!PyFloat_CheckExact(credit[0]) || !PyFloat_CheckExact(credit[1]) || !PyFloat_CheckExact(credit[2])) {
+    if (!PyFloat_CheckExact(credit[0]) || !PyFloat_CheckExact(credit[1]) || !PyFloat_CheckExact(credit[2]) ||
+        !PyFloat_CheckExact(PyTuple_GET_ITEM(plan, 6))) {
         PyErr_SetString(PyExc_TypeError, "route_answer: the plan's credits must be floats");
         return NULL;
     }
     double gpu = PyFloat_AS_DOUBLE(credit[0]);
     double cpu = PyFloat_AS_DOUBLE(credit[1]);
     double disk = PyFloat_AS_DOUBLE(credit[2]);
+    double pcredit = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(plan, 6));
     if (!PyBytes_CheckExact(numbers) || !PyBytes_CheckExact(head_tail)) {
         PyErr_SetString(PyExc_TypeError, "route_answer: plan holds bytes, a tuple, floats, bytes");
         return NULL;
@@ -468,11 +494,14 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     /* bytes objects hold their data 8-byte aligned (CPython's allocator) */
     const Candidate *cands = (const Candidate *)PyBytes_AS_STRING(numbers);
 
-    Matched m = {0};
+    Matched m = {0}, with = {0};
+    int predicting;
     if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
+    if (!predictions_match(&m, &with, &predicting, args, 8)) return NULL;
 
-    /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order. */
-    Scored best[MAX_TOP];
+    /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order,
+     * and the best on confirmed blocks alone (what by_prediction compares with). */
+    Scored best[MAX_TOP], first = {0};
     Py_ssize_t kept = 0;
     double blocks = (double)m.n_blocks;
     for (Py_ssize_t p = 0; p < count; p++) {
@@ -489,6 +518,15 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         item.routed_figure = 0.0;
         item.position = p;
         item.gpu = g;
+        item.predicted = predicted_of(&with, predicting, c->slot, g);
+        if (predicting) {
+            if (p == 0 || before(&item, &first)) first = item;
+            if (item.predicted) {
+                item.cached += (double)item.predicted * pcredit;
+                item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
+                item.cost = item.prefill + c->own;
+            }
+        }
         if (kept == top && !before(&item, &best[kept - 1])) continue;
         Py_ssize_t at = kept < top ? kept++ : kept - 1;
         while (at > 0 && before(&item, &best[at - 1])) {
@@ -499,13 +537,14 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     if (best[0].unavailable) /* no holder to route to: the Python path words the error */
         return Py_BuildValue("(ONn)", Py_None, m.keys, m.longest);
+    int by_prediction = best[0].predicted != 0 && first.position != best[0].position;
     /* The answer's size: its fragments, and at most 25 bytes per number written. */
     Py_ssize_t size = 512 + PyBytes_GET_SIZE(head_tail);
     size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[0].position));
     for (Py_ssize_t k = 0; k < kept; k++) {
         for (int f = 1; f < FRAGMENTS; f++)
             size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position + f));
-        size += 200;
+        size += 224;
     }
     char *buffer = PyMem_Malloc(size);
     if (buffer == NULL) {
@@ -520,7 +559,10 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     put_bytes(&o, head_tail);
     PUT_LITERAL(&o, ",\"holders\":");
     put_int(&o, count);
-    PUT_LITERAL(&o, ",\"predicted_blocks\":0,\"by_prediction\":false,\"scores\":[");
+    PUT_LITERAL(&o, ",\"predicted_blocks\":");
+    put_int(&o, best[0].predicted);
+    if (by_prediction) PUT_LITERAL(&o, ",\"by_prediction\":true,\"scores\":[");
+    else PUT_LITERAL(&o, ",\"by_prediction\":false,\"scores\":[");
     int exact = 1;
     for (Py_ssize_t k = 0; k < kept && exact; k++) {
         PyObject *const *f = &PyTuple_GET_ITEM(fragments, FRAGMENTS * best[k].position);
@@ -534,20 +576,24 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         put_bytes(&o, f[2]);
         exact = exact && put_float(&o, best[k].cost);
         put_bytes(&o, f[3]);
+        put_int(&o, best[k].predicted);
+        PUT_LITERAL(&o, "}");
     }
     PUT_LITERAL(&o, "]}");
     return answered(&m, buffer, o.n, exact);
 }
 
-/* query_answer(tokens, block_size, parent, table_keys, table_values, live, plan)
+/* query_answer(tokens, block_size, parent, table_keys, table_values, live, plan,
+ *              predicted_keys, predicted_values)
  *   -> (answer bytes, keys bytes, longest)
  * plan: (slots, fragments, head_tail): per candidate its slot (int64, native order) and
  * the bytes of its match up to "matched_blocks":, and the answer's bytes after
- * "prompt_tokens": up to the matches' "["; see native_route.py. */
+ * "prompt_tokens": up to the matches' "["; see native_route.py. predicted_keys/_values:
+ * the predictions' table, or None for none. */
 static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "query_answer takes 7 arguments");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "query_answer takes 9 arguments");
         return NULL;
     }
     PyObject *plan = args[6];
@@ -572,10 +618,12 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (block_size == -1 && PyErr_Occurred()) return NULL;
     const int64_t *slot_of = (const int64_t *)PyBytes_AS_STRING(slots);
 
-    Matched m = {0};
+    Matched m = {0}, with = {0};
+    int predicting;
     if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
+    if (!predictions_match(&m, &with, &predicting, args, 7)) return NULL;
     Py_ssize_t size = 64 + PyBytes_GET_SIZE(head_tail);
-    for (Py_ssize_t p = 0; p < count; p++) size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, p)) + 128;
+    for (Py_ssize_t p = 0; p < count; p++) size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, p)) + 192;
     char *buffer = PyMem_Malloc(size);
     if (buffer == NULL) {
         PyErr_NoMemory();
@@ -588,6 +636,7 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     put_bytes(&o, head_tail);
     for (Py_ssize_t p = 0; p < count; p++) {
         Py_ssize_t g = blocks_of(&m, slot_of[p]);
+        Py_ssize_t predicted = predicted_of(&with, predicting, slot_of[p], g);
         long long tokens = (long long)g * block_size;
         if (p) PUT_LITERAL(&o, ",");
         put_bytes(&o, PyTuple_GET_ITEM(fragments, p));
@@ -596,7 +645,14 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         put_int(&o, tokens);
         PUT_LITERAL(&o, ",\"tiers\":{\"gpu\":");
         put_int(&o, tokens);
-        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0}}");
+        PUT_LITERAL(&o, ",\"cpu\":0,\"disk\":0}");
+        if (predicted) { /* the answer omits them when 0 */
+            PUT_LITERAL(&o, ",\"predicted_blocks\":");
+            put_int(&o, predicted);
+            PUT_LITERAL(&o, ",\"predicted_tokens\":");
+            put_int(&o, (long long)predicted * block_size);
+        }
+        PUT_LITERAL(&o, "}");
     }
     PUT_LITERAL(&o, "]}");
     return answered(&m, buffer, o.n, 1);
@@ -643,11 +699,6 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         w[k] = PyFloat_AS_DOUBLE(x);
     }
-    int predicting = args[10] != Py_None;
-    if (predicting == (args[11] == Py_None)) {
-        PyErr_SetString(PyExc_TypeError, "board_choice: the predictions' keys and values, or neither");
-        return NULL;
-    }
     double scale = PyFloat_AsDouble(args[8]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     Py_ssize_t count = PyBytes_GET_SIZE(seats) / (Py_ssize_t)sizeof(Seat);
@@ -667,15 +718,11 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
             return NULL;
         }
     }
-    Matched m = {0};
-    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) {
+    Matched m = {0}, with = {0}; /* with: blocks held or predicted */
+    int predicting;
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5]) ||
+        !predictions_match(&m, &with, &predicting, args, 10)) {
         PyBuffer_Release(&board);
-        return NULL;
-    }
-    Matched with = {0}; /* blocks held or predicted (only read when predicting) */
-    if (predicting && !match_either(&m, &with, args[3], args[4], args[10], args[11], args[5])) {
-        PyBuffer_Release(&board);
-        Py_DECREF(m.keys);
         return NULL;
     }
     /* the least recent work among the available candidates, as the raw figure, then scaled */
@@ -697,11 +744,7 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t p = 0; p < count; p++) {
         const double *row = rows + ROW_STRIDE * seat[p].board_slot;
         Py_ssize_t g = blocks_of(&m, seat[p].index_slot);
-        Py_ssize_t predicted = 0;
-        if (predicting) {
-            Py_ssize_t either = blocks_of(&with, seat[p].index_slot);
-            predicted = either > g ? either - g : 0;
-        }
+        Py_ssize_t predicted = predicted_of(&with, predicting, seat[p].index_slot, g);
         Scored item;
         double confirmed = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
         double foreign = row[ROW_ENGINE] - row[ROW_INFLIGHT];

@@ -12,8 +12,10 @@ def route_answer(
     table_keys: Buffer,
     table_values: Buffer,
     live: int,
-    plan: tuple[bytes, tuple[bytes, ...], float, float, float, bytes],
+    plan: tuple[bytes, tuple[bytes, ...], float, float, float, bytes, float],
     top: int,
+    predicted_keys: Buffer | None,
+    predicted_values: Buffer | None,
     /,
 ) -> tuple[bytes | None, bytes, int]: ...
 def query_answer(
@@ -24,6 +26,8 @@ def query_answer(
     table_values: Buffer,
     live: int,
     plan: tuple[bytes, tuple[bytes, ...], bytes],
+    predicted_keys: Buffer | None,
+    predicted_values: Buffer | None,
     /,
 ) -> tuple[bytes, bytes, int]: ...
 def board_choice(

@@ -1,4 +1,4 @@
-"""The router's plain ``/route`` and ``/query`` answers in one native call: the C extension ``_native``.
+"""The C extension ``_native``: a plain ``/route`` or ``/query``, or a relayed request's choice, in one call.
 
 A ``/route`` of 2,048 tokens costs the router about 13 us past parsing its body, spread
 over some 85 Python calls (keying, the compiled match's wrappers, the ranking, the
@@ -9,7 +9,8 @@ other member) while the loads hold still, byte for byte what the Python path ans
 * the chained XXH3-64 keys of every block (blocks of 1 to 60 tokens, as
   :mod:`~kvevents.kernels.xxh3_chain`);
 * the match against the index's mirror of GPU masks (:mod:`~kvevents.kernels.mask_mirror`,
-  one word: up to 64 holder slots);
+  one word: up to 64 holder slots), and against the same mirror of the predictions'
+  masks when the router holds predictions (a block counts where either holds it);
 * every candidate's score as :class:`~kvevents.router.scoring.Ranking` computes it,
   from a plan of the ranking's figures (:mod:`kvevents.router.native_route` makes it);
 * the answer's JSON, numbers written as msgspec writes them; a float msgspec would
@@ -17,11 +18,16 @@ other member) while the loads hold still, byte for byte what the Python path ans
   caller takes the Python path.
 
 ``/query`` is the same call without the scores (its answer lists every holder's match).
+A relayed request (``/v1/completions``: every one changes the loads, so no ranking is
+kept) has its holder chosen in one call too, ``board_choice``: the keys, both matches
+and every candidate's score read from the load board's table, as
+:func:`~kvevents.router.load_board.board_top_scores` scores them; the decision is then
+made in Python from the best one's figures.
 
 It is built at install when a C compiler and Python's headers are there
 (``setup.py``: an optional extension) and is only ever an acceleration: without it,
 with ``KVEVENTS_NATIVE=0``, or for any other request, the Python path answers
-(``tests/router/test_native_route.py`` checks both answer alike). It reads the mirror the
+(``tests/router/test_native_route.py`` checks both answer alike). It reads the mirrors the
 numba kernels keep, so it is used only while those are loaded too.
 """
 

@@ -4,9 +4,10 @@
 ``{"input_ids": [...]}``: for ``/route``, top 4 and nothing recorded) when every
 condition of the exact answer holds, and None otherwise, for the Python path to answer:
 
-* the extension is built and on, and the numba kernels keep the index's mirror;
-* the index's matches are plain: GPU blocks only, no side groups (hybrid models), no
-  predictions, at most 64 holder slots (:meth:`~kvevents.index.mask_table.MaskTable.plain_mirror`);
+* the extension is built and on, and the numba kernels keep the index's mirrors;
+* the index's matches are plain: GPU blocks only, no side groups (hybrid models), at
+  most 64 holder slots (:meth:`~kvevents.index.mask_table.MaskTable.native_mirrors`);
+  predictions count as in Python (their masks are mirrored too);
 * the block size is known and at most 60 tokens;
 * ``/route`` only: the router keeps a :class:`~kvevents.router.scoring.Ranking` of its holders (the
   loads held still since the last request; the second request after a change makes
@@ -17,6 +18,12 @@ condition of the exact answer holds, and None otherwise, for the Python path to 
 
 The answer is then the bytes the Python path writes, and the match is recorded in the
 index as its own would be (a lookup, the recency of the blocks matched).
+
+:meth:`NativeRoute.choose` chooses the holder of a relayed request the same way
+(:meth:`Router.route <kvevents.router.core.Router.route>`'s one pass, top 1: the loads
+changed since the last request, as every relayed request changes them), reading every
+candidate's load from the board's table instead of a ranking's plan (:func:`seats_of`
+tells the extension where each candidate sits on the board and in the index).
 """
 
 from __future__ import annotations
@@ -54,9 +61,10 @@ __all__ = [
     "seats_of",
 ]
 
-Plan = tuple[bytes, tuple[bytes, ...], float, float, float, bytes]
+Plan = tuple[bytes, tuple[bytes, ...], float, float, float, bytes, float]
 """What the native call reads of a ranking: per candidate its figures (packed) and its
-answer's fixed bytes, the credits, and the answer's bytes after ``n_blocks``' value."""
+answer's fixed bytes, the tiers' credits, the answer's bytes after ``n_blocks``' value,
+and the predictions' credit."""
 
 QueryPlan = tuple[bytes, tuple[bytes, ...], bytes]
 """What the native ``/query`` reads: per candidate its slot (int64s) and its match's
@@ -115,9 +123,12 @@ class NativeRoute:
                 path,
             )
 
-    def _keyable(self, tokens: Sequence[int]) -> tuple[ModuleType, PrefixIndex, int] | None:
-        """The module, index and block size when a native call can key a request of
-        ``tokens`` at all (every call's common conditions), else None."""
+    def _plain(
+        self, tokens: Sequence[int]
+    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror, MaskMirror | None] | None:
+        """The module, index, block size and synced mirrors (the blocks', the
+        predictions' or None) when a native call can answer a request of ``tokens`` at
+        all (every call's common conditions), else None."""
         module = self._module
         if module is None or type(tokens) is not array:
             return None
@@ -125,20 +136,10 @@ class NativeRoute:
         block_size = index.block_size
         if block_size is None or block_size > module.MAX_BLOCK_TOKENS:
             return None
-        return module, index, block_size
-
-    def _plain(
-        self, tokens: Sequence[int]
-    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror] | None:
-        """:meth:`_keyable`'s figures and the synced mirror when a native ``/route`` or
-        ``/query`` can answer a request of ``tokens`` (both routes' conditions), else None."""
-        keyable = self._keyable(tokens)
-        if keyable is None:
+        mirrors = index.native_mirrors(keyed=len(tokens) >= block_size)
+        if mirrors is None:
             return None
-        mirror = keyable[1].plain_mirror()
-        if mirror is None:
-            return None
-        return *keyable, mirror
+        return module, index, block_size, *mirrors
 
     def answer(self, tokens: Sequence[int]) -> bytes | None:
         """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
@@ -146,7 +147,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, mirror = plain
+        module, index, block_size, mirror, predicted = plain
         ranking = self.router._kept_ranking(index.holders())
         if ranking is None:
             return None
@@ -177,6 +178,8 @@ class NativeRoute:
                 index._live,
                 plan,
                 DEFAULT_TOP,
+                None if predicted is None else predicted._keys,
+                None if predicted is None else predicted._values,
             )
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/route")
@@ -194,7 +197,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, mirror = plain
+        module, index, block_size, mirror, predicted = plain
         holders = index.holders()
         # the same list (a new one after any holder came or went), never an equal one:
         # equal lists of holders may sit in other slots
@@ -208,7 +211,15 @@ class NativeRoute:
         answer: bytes
         try:
             answer, keys, longest = module.query_answer(
-                tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live, plan
+                tokens,
+                block_size,
+                ROOT_KEY,
+                mirror._keys,
+                mirror._values,
+                index._live,
+                plan,
+                None if predicted is None else predicted._keys,
+                None if predicted is None else predicted._values,
             )
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/query")
@@ -229,14 +240,10 @@ class NativeRoute:
         For :meth:`Router.route <kvevents.router.core.Router.route>`'s one pass (top 1, the
         loads changed since the last request: a relayed request) of a request keyed
         with no adapter, salt or extra keys. The match is recorded as the index's own."""
-        keyable = self._keyable(tokens)
-        if keyable is None:
+        plain = self._plain(tokens)
+        if plain is None:
             return None
-        module, index, block_size = keyable
-        mirrors = index.choice_mirrors(keyed=len(tokens) >= block_size)
-        if mirrors is None:
-            return None
-        mirror, predicted = mirrors
+        module, index, block_size, mirror, predicted = plain
         router = self.router
         board, weights, credits = router.loads, router.weights, index.credits
         # the objects themselves, as for the plans: an equal list of holders may sit in
@@ -362,8 +369,10 @@ def plan_of(
 ) -> Plan | None:
     """The native call's plan of ``ranking`` (see :data:`Plan`), or None when a figure
     is not a plain finite float (or int, for ``routed``) the native scoring can use."""
+    pcredit = ranking.weights.predicted_credit
     if not all(
-        type(c) is float and math.isfinite(c) for c in (credits.gpu, credits.cpu, credits.disk)
+        type(c) is float and math.isfinite(c)
+        for c in (credits.gpu, credits.cpu, credits.disk, pcredit)
     ):
         return None
     numbers = bytearray()
@@ -391,12 +400,20 @@ def plan_of(
             + _encode(recent)
             + b',"balance_blocks":'
             + _encode(balance)
-            + b',"predicted_blocks":0}',
+            + b',"predicted_blocks":',
         )
     if not numbers:
         return None
     head_tail = b',"block_size":' + _encode(block_size)
-    return bytes(numbers), tuple(fragments), credits.gpu, credits.cpu, credits.disk, head_tail
+    return (
+        bytes(numbers),
+        tuple(fragments),
+        credits.gpu,
+        credits.cpu,
+        credits.disk,
+        head_tail,
+        pcredit,
+    )
 
 
 def _holder_head(holder: Holder) -> bytes:
