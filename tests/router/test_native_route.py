@@ -544,3 +544,28 @@ def test_a_float_msgspec_writes_with_an_exponent_goes_to_python() -> None:
 def test_the_plan_packs_what_the_extension_reads() -> None:
     assert module is not None
     assert struct.calcsize("=dddqqq") == module.CANDIDATE_BYTES
+
+
+def test_token_ids_not_in_a_uint32_array_are_keyed_in_python() -> None:
+    """The extension hashes each token as 4 bytes: ids held wider (an ``array("q")``)
+    are routed by the Python path, not reported as a failed native call."""
+    router, tokens = _plain_router()
+    router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    wide = array("q", tokens)
+    decision = router.route(wide, top=1)
+    assert decision.dp_rank == 1 and decision.chosen.matched.gpu == 10
+    assert router.native.answer(wide) is None and router.native.query(wide) is None
+    assert (router.native.chosen, router.native.failures) == (0, 0)
+
+
+def test_an_extension_built_from_other_source_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-place build left from another version (its calls take other arguments) is
+    turned off with the reason, not called to fail on every request."""
+    assert module is not None
+    monkeypatch.setattr(native, "_status", native.status())
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(module, "ABI", native.ABI + 1)
+    assert native.load() is None
+    assert native.status().startswith("off: the built extension is of another version")
+    monkeypatch.undo()
+    assert native.load() is module and native.status() == "built"

@@ -1,13 +1,17 @@
-/* The router's plain /route and /query answers in one native call (see kvevents/kernels/native.py).
+/* The router's native calls (see kvevents/kernels/native.py).
  *
  * route_answer() keys a request's blocks (XXH3-64 chained, as content_keys does),
  * matches them against the index's flat mirror of GPU masks (kernels/block_table.py's
- * table: open addressing, linear probing), scores every candidate as the router's
- * Ranking does (a stable-loads plan prepared in Python: kvevents/router/native_route.py)
- * and writes the answer's JSON, byte for byte what msgspec writes for the Python path.
- * Anything it cannot answer exactly (a float msgspec would print in exponent form, no
- * available holder) answers None, and the caller takes the Python path. query_answer()
- * keys and matches alike and writes the /query answer: every candidate's match.
+ * table: open addressing, linear probing) and, when the router holds predictions,
+ * against the same mirror of the predictions' masks (a block counts where either holds
+ * it), scores every candidate as the router's Ranking does (a stable-loads plan
+ * prepared in Python: kvevents/router/native_route.py) and writes the answer's JSON,
+ * byte for byte what msgspec writes for the Python path. Anything it cannot answer
+ * exactly (a float msgspec would print in exponent form, no available holder) answers
+ * None, and the caller takes the Python path. query_answer() keys and matches alike and
+ * writes the /query answer: every candidate's match. board_choice() keys and matches
+ * alike and picks the best candidate of a request whose loads just changed (a relayed
+ * one), every load read from the load board's table as board_top_scores reads it.
  *
  * XXH3 is written from the xxHash specification (its published primes and default
  * secret), for inputs of 4 to 240 bytes: blocks of 1 to 60 four-byte tokens. The host
@@ -46,6 +50,7 @@ static const uint8_t SECRET[192] = {
 #define MIX_1 0x165667919E3779F9ULL
 #define MIX_2 0x9FB21C651E98DF25ULL
 #define MAX_BLOCK_TOKENS 60
+#define ABI 2 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
 
 static inline uint64_t read64(const uint8_t *p) {
     uint64_t v;
@@ -746,6 +751,7 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_ssize_t g = blocks_of(&m, seat[p].index_slot);
         Py_ssize_t predicted = predicted_of(&with, predicting, seat[p].index_slot, g);
         Scored item;
+        item.predicted = predicted;
         double confirmed = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
         double foreign = row[ROW_ENGINE] - row[ROW_INFLIGHT];
         item.pending = row[ROW_BLOCKS] + (foreign > 0.0 ? w[2] * foreign : 0.0);
@@ -822,14 +828,16 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route and /query answers in one call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route and /query answers and relay choice in one call.",
+    -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddIntConstant(m, "MAX_BLOCK_TOKENS", MAX_BLOCK_TOKENS) < 0 ||
+    if (PyModule_AddIntConstant(m, "ABI", ABI) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_BLOCK_TOKENS", MAX_BLOCK_TOKENS) < 0 ||
         PyModule_AddIntConstant(m, "MAX_TOP", MAX_TOP) < 0 ||
         PyModule_AddIntConstant(m, "CANDIDATE_BYTES", (long)sizeof(Candidate)) < 0 ||
         PyModule_AddIntConstant(m, "FRAGMENTS", FRAGMENTS) < 0) {

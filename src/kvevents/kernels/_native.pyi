@@ -1,5 +1,6 @@
 from typing_extensions import Buffer
 
+ABI: int
 MAX_BLOCK_TOKENS: int
 MAX_TOP: int
 CANDIDATE_BYTES: int

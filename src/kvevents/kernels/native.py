@@ -37,7 +37,10 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["load", "status"]
+__all__ = ["ABI", "load", "status"]
+
+ABI = 2
+"""The version of the extension's calls this code makes (``_native.c``'s ``ABI``)."""
 
 _module: ModuleType | None = None
 _status = "off: not loaded in this process"
@@ -58,6 +61,13 @@ def load() -> ModuleType | None:
         from kvevents.kernels import _native
     except ImportError as exc:
         _status = f"off: not built at install (no C compiler?): {exc}"
+        return None
+    built = getattr(_native, "ABI", None)
+    if built != ABI:  # an in-place build left from another version of the source
+        _status = (
+            f"off: the built extension is of another version (ABI {built}, this code {ABI}): "
+            "build it again (pip install .)"
+        )
         return None
     _module, _status = _native, "built"
     return _module

@@ -130,7 +130,7 @@ class NativeRoute:
         predictions' or None) when a native call can answer a request of ``tokens`` at
         all (every call's common conditions), else None."""
         module = self._module
-        if module is None or type(tokens) is not array:
+        if module is None or type(tokens) is not array or tokens.typecode != "I":
             return None
         index = self.router.index
         block_size = index.block_size
