@@ -242,10 +242,11 @@ def test_the_native_query_is_the_python_query(
     assert list(fast.index._blocks) == list(slow.index._blocks)
 
 
-def _routed(router: Router, tokens: array[int]) -> RouteDecision | None:
-    """``route(top=1)``, a relayed request's call; None when no holder is available."""
+def _routed(router: Router, tokens: array[int], top: int = 1) -> RouteDecision | None:
+    """``route(top=...)``: 1 is a relayed request's call, 4 a recorded /route's; None
+    when no holder is available."""
     try:
-        return router.route(tokens, top=1)
+        return router.route(tokens, top=top)
     except RouterNotReadyError:
         return None
 
@@ -259,27 +260,36 @@ def _seen(decision: RouteDecision) -> bytes:
 @given(
     fleets(),
     st.lists(
-        st.tuples(st.integers(0, 3), st.booleans(), st.sampled_from([0.0, 0.5, 1.5])),
+        st.tuples(
+            st.integers(0, 3),
+            st.booleans(),
+            st.sampled_from([0.0, 0.5, 1.5]),
+            st.sampled_from([1, 1, 2, 4, 16]),
+        ),
         min_size=1,
         max_size=6,
     ),
     st.booleans(),
 )
 def test_the_native_choice_over_the_board_is_the_python_choice(
-    case: dict, relayed: list[tuple[int, bool, float]], predicting: bool
+    case: dict, relayed: list[tuple[int, bool, float, int]], predicting: bool
 ) -> None:
-    """Relayed requests (top 1, each one changing the loads: begun, sometimes ended) are
-    routed alike natively and in Python, predictions counted (made by the requests
-    begun, expiring on a clock both routers share), and their matches recorded alike."""
+    """Relayed requests (top 1) and recorded /route ones (the best few), each one
+    changing the loads (begun, sometimes ended), are routed alike natively and in
+    Python, predictions counted (made by the requests begun, expiring on a clock both
+    routers share), and their matches recorded alike."""
     now = [0.0]
     clock = (lambda: now[0]) if predicting else None
     fast, slow = _fleet(case, natively=True, clock=clock), _fleet(case, natively=False, clock=clock)
     lookups = fast.index.stats.lookups
-    asked = [(case["request"], False, 0.0), *((case["prompts"][i], e, t) for i, e, t in relayed)]
-    for prompt, end, later in asked:
+    asked = [
+        (case["request"], False, 0.0, 1),
+        *((case["prompts"][i], e, t, top) for i, e, t, top in relayed),
+    ]
+    for prompt, end, later, top in asked:
         now[0] += later  # some predictions expire (2 s)
         tokens = array("I", prompt)
-        got, expected = _routed(fast, tokens), _routed(slow, tokens)
+        got, expected = _routed(fast, tokens, top), _routed(slow, tokens, top)
         if expected is None:
             assert got is None  # no holder can take it: the Python path says so
             continue
@@ -347,18 +357,26 @@ def test_predictions_count_in_the_native_choice_as_in_python(
 def test_a_relayed_request_is_chosen_natively_and_each_change_of_loads_is_read() -> None:
     router, tokens = _plain_router()
     router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    before = router.native.chosen
     first = router.route(tokens, top=1)
-    assert router.native.chosen == 1
+    assert router.native.chosen == before + 1
     assert (first.dp_rank, first.chosen.matched.gpu, first.n_blocks) == (1, 10, 10)
     assert list(first.keys) == content_keys_per_block(tokens, 4)
     # the holder of every block is busy now: the load read from the board moves the choice
     router.update_load("http://e", {"ranks": [{"dp_rank": 1, "running": 50, "waiting": 0}]})
     busy = router.route(tokens, top=1)
-    assert router.native.chosen == 2
+    assert router.native.chosen == before + 2
     assert busy.dp_rank not in (0, 1) and busy.chosen.pending_blocks == 0.0
     # the same loads again: the Python path builds its ranking, as before
     router.route(tokens, top=1)
-    assert router.native.chosen == 2
+    assert router.native.chosen == before + 2
+    # a recorded /route asks for the best 4: chosen natively too, in order
+    router.update_load("http://e", {"ranks": [{"dp_rank": 2, "running": 3}]})
+    four = router.route(tokens, top=4)
+    assert router.native.chosen == before + 3
+    # rank 3 idle, then 0 and 2 (1 and 3 requests of the engine's own: 8 blocks each
+    # pending), and last rank 1, which holds the prompt but has 50 requests queued
+    assert [s.dp_rank for s in four.scores] == [3, 0, 2, 1] and four.dp_rank == 3
 
 
 @pytest.mark.parametrize(
@@ -366,7 +384,7 @@ def test_a_relayed_request_is_chosen_natively_and_each_change_of_loads_is_read()
     [
         pytest.param(lambda r, t: r.route(t, top=1, cache_salt="s"), id="salt"),
         pytest.param(lambda r, t: r.route(t, top=1, lora="a"), id="adapter"),
-        pytest.param(lambda r, t: r.route(t, top=2), id="top-2"),
+        pytest.param(lambda r, t: r.route(t, top=17), id="top-past-16"),
         pytest.param(lambda r, t: r.route(list(t), top=1), id="tokens-in-a-list"),
     ],
 )
@@ -375,16 +393,18 @@ def test_what_the_native_choice_does_not_take_goes_to_python(
 ) -> None:
     router, tokens = _plain_router()
     router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    before = router.native.chosen
     route(router, tokens)
-    assert router.native.chosen == 0
+    assert router.native.chosen == before
 
 
 def test_a_weight_that_is_no_float_goes_to_python() -> None:
     router, tokens = _plain_router()
     router.weights = ScoringWeights(load_weight=1)
     router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    before = router.native.chosen
     router.route(tokens, top=1)
-    assert router.native.chosen == 0
+    assert router.native.chosen == before
 
 
 def _plain_router(holders: int = 4, block_size: int = 4) -> tuple[Router, array[int]]:
@@ -551,11 +571,12 @@ def test_token_ids_not_in_a_uint32_array_are_keyed_in_python() -> None:
     are routed by the Python path, not reported as a failed native call."""
     router, tokens = _plain_router()
     router.update_load("http://e", {"ranks": [{"dp_rank": 0, "running": 1}]})
+    before = router.native.chosen
     wide = array("q", tokens)
     decision = router.route(wide, top=1)
     assert decision.dp_rank == 1 and decision.chosen.matched.gpu == 10
     assert router.native.answer(wide) is None and router.native.query(wide) is None
-    assert (router.native.chosen, router.native.failures) == (0, 0)
+    assert (router.native.chosen, router.native.failures) == (before, 0)
 
 
 def test_an_extension_built_from_other_source_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,9 @@
  * exactly (a float msgspec would print in exponent form, no available holder) answers
  * None, and the caller takes the Python path. query_answer() keys and matches alike and
  * writes the /query answer: every candidate's match. board_choice() keys and matches
- * alike and picks the best candidate of a request whose loads just changed (a relayed
- * one), every load read from the load board's table as board_top_scores reads it.
+ * alike and picks the best candidates of a request whose loads just changed (a relayed
+ * or recorded one), every load read from the load board's table as board_top_scores
+ * reads it.
  *
  * XXH3 is written from the xxHash specification (its published primes and default
  * secret), for inputs of 4 to 240 bytes: blocks of 1 to 60 four-byte tokens. The host
@@ -50,7 +51,7 @@ static const uint8_t SECRET[192] = {
 #define MIX_1 0x165667919E3779F9ULL
 #define MIX_2 0x9FB21C651E98DF25ULL
 #define MAX_BLOCK_TOKENS 60
-#define ABI 2 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
+#define ABI 3 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
 
 static inline uint64_t read64(const uint8_t *p) {
     uint64_t v;
@@ -264,6 +265,7 @@ typedef struct {
     Py_ssize_t predicted; /* blocks predictions add to the gpu ones */
     double cached;
     double prefill;
+    double balance; /* board_choice's: recent work past the least */
 } Scored;
 
 /* Python's tuple order of (unavailable, cost, pending, recent, routed, position). */
@@ -673,20 +675,27 @@ typedef struct {
 } Seat;
 
 /* board_choice(tokens, block_size, parent, table_keys, table_values, live, board, seats,
- *              scale, weights, predicted_keys, predicted_values)
- *   -> (keys bytes, longest, figures)
- * The best candidate of a request as board_top_scores scores it with every load read
- * from the board (loads that change with every request: a relayed one), GPU blocks
- * only. board: the board's table (float64, ROW_STRIDE per slot); seats: a Seat per
- * candidate; weights: (load, balance, foreign request blocks, gpu, cpu, disk credits,
- * predicted credit), floats; predicted_keys/_values: the predictions' table, or None
- * for none. figures: (position, gpu blocks, cached, prefill, pending, cost, recent,
- * balance, routed, available, predicted blocks, by_prediction) of the best; by_prediction
- * when the best on confirmed blocks alone is another candidate. */
+ *              scale, weights, predicted_keys, predicted_values, top)
+ *   -> (keys bytes, longest, by_prediction, (figures, ...))
+ * The best ``top`` candidates of a request, best first, as board_top_scores scores them
+ * with every load read from the board (loads that change with every request: a relayed
+ * one), GPU blocks only. board: the board's table (float64, ROW_STRIDE per slot); seats:
+ * a Seat per candidate; weights: (load, balance, foreign request blocks, gpu, cpu, disk
+ * credits, predicted credit), floats; predicted_keys/_values: the predictions' table, or
+ * None for none. figures: (position, gpu blocks, cached, prefill, pending, cost, recent,
+ * balance, routed, available, predicted blocks) per candidate kept; by_prediction when
+ * the best on confirmed blocks alone is another candidate than the best. */
 static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "board_choice takes 12 arguments");
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "board_choice takes 13 arguments");
+        return NULL;
+    }
+    Py_ssize_t top = PyLong_AsSsize_t(args[12]);
+    if (top == -1 && PyErr_Occurred()) return NULL;
+    if (top < 1) top = 1;
+    if (top > MAX_TOP) {
+        PyErr_Format(PyExc_ValueError, "board_choice: top past %d", MAX_TOP);
         return NULL;
     }
     PyObject *seats = args[7];
@@ -742,22 +751,21 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     least *= scale;
     double blocks = (double)m.n_blocks;
-    /* the best counting predictions, and the best on confirmed blocks alone */
-    Scored best = {0}, first = {0};
-    double best_balance = 0.0;
-    Py_ssize_t best_predicted = 0;
+    /* the best ``top`` counting predictions, in order, and the best on confirmed blocks alone */
+    if (top > count) top = count;
+    Scored best[MAX_TOP], first = {0};
+    Py_ssize_t kept = 0;
     for (Py_ssize_t p = 0; p < count; p++) {
         const double *row = rows + ROW_STRIDE * seat[p].board_slot;
         Py_ssize_t g = blocks_of(&m, seat[p].index_slot);
-        Py_ssize_t predicted = predicted_of(&with, predicting, seat[p].index_slot, g);
         Scored item;
-        item.predicted = predicted;
+        item.predicted = predicted_of(&with, predicting, seat[p].index_slot, g);
         double confirmed = (double)g * w[3] + 0.0 * w[4] + 0.0 * w[5];
         double foreign = row[ROW_ENGINE] - row[ROW_INFLIGHT];
         item.pending = row[ROW_BLOCKS] + (foreign > 0.0 ? w[2] * foreign : 0.0);
         item.recent = row[ROW_RAW] * scale;
-        double balance = item.recent > least ? item.recent - least : 0.0;
-        double load = w[0] * item.pending + w[1] * balance;
+        item.balance = item.recent > least ? item.recent - least : 0.0;
+        double load = w[0] * item.pending + w[1] * item.balance;
         item.unavailable = row[ROW_AVAILABLE] == 0.0;
         item.routed_figure = row[ROW_ROUTED];
         item.routed = 0;
@@ -767,24 +775,41 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
         item.cost = item.prefill + load;
         if (p == 0 || before(&item, &first)) first = item;
-        if (predicted) {
-            item.cached = confirmed + (double)predicted * w[6];
+        if (item.predicted) {
+            item.cached = confirmed + (double)item.predicted * w[6];
             item.prefill = blocks > item.cached ? blocks - item.cached : 0.0;
             item.cost = item.prefill + load;
         }
-        if (p == 0 || before(&item, &best)) {
-            best = item;
-            best_balance = balance;
-            best_predicted = predicted;
+        if (kept == top && !before(&item, &best[kept - 1])) continue;
+        Py_ssize_t at = kept < top ? kept++ : kept - 1;
+        while (at > 0 && before(&item, &best[at - 1])) {
+            best[at] = best[at - 1];
+            at--;
         }
+        best[at] = item;
     }
     PyBuffer_Release(&board);
-    int by_prediction = best_predicted != 0 && first.position != best.position;
-    return Py_BuildValue("(Nn(nndddddddOnO))", m.keys, m.longest, best.position, best.gpu, best.cached,
-                         best.prefill, best.pending, best.cost, best.recent, best_balance,
-                         best.routed_figure, best.unavailable ? Py_False : Py_True, best_predicted,
-                         by_prediction ? Py_True : Py_False);
+    int by_prediction = best[0].predicted != 0 && first.position != best[0].position;
+    PyObject *scores = PyTuple_New(kept);
+    if (scores == NULL) {
+        Py_DECREF(m.keys);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < kept; k++) {
+        const Scored *b = &best[k];
+        PyObject *figures = Py_BuildValue("(nndddddddOn)", b->position, b->gpu, b->cached, b->prefill, b->pending,
+                                          b->cost, b->recent, b->balance, b->routed_figure,
+                                          b->unavailable ? Py_False : Py_True, b->predicted);
+        if (figures == NULL) {
+            Py_DECREF(scores);
+            Py_DECREF(m.keys);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(scores, k, figures);
+    }
+    return Py_BuildValue("(NnON)", m.keys, m.longest, by_prediction ? Py_True : Py_False, scores);
 }
+
 
 /* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */
 static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -44,11 +44,13 @@ def board_choice(
     weights: tuple[float, float, float, float, float, float, float],
     predicted_keys: Buffer | None,
     predicted_values: Buffer | None,
+    top: int,
     /,
 ) -> tuple[
     bytes,
     int,
-    tuple[int, int, float, float, float, float, float, float, float, bool, int, bool],
+    bool,
+    tuple[tuple[int, int, float, float, float, float, float, float, float, bool, int], ...],
 ]: ...
 def chain_keys(tokens: Buffer, block_size: int, parent: int, /) -> bytes: ...
 def json_float(x: float, /) -> bytes | None: ...

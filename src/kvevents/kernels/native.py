@@ -21,8 +21,9 @@ other member) while the loads hold still, byte for byte what the Python path ans
 A relayed request (``/v1/completions``: every one changes the loads, so no ranking is
 kept) has its holder chosen in one call too, ``board_choice``: the keys, both matches
 and every candidate's score read from the load board's table, as
-:func:`~kvevents.router.load_board.board_top_scores` scores them; the decision is then
-made in Python from the best one's figures.
+:func:`~kvevents.router.load_board.board_top_scores` scores them (the best, or the
+best few for a recorded ``/route``); the decision is then made in Python from their
+figures.
 
 It is built at install when a C compiler and Python's headers are there
 (``setup.py``: an optional extension) and is only ever an acceleration: without it,
@@ -39,7 +40,7 @@ from types import ModuleType
 
 __all__ = ["ABI", "load", "status"]
 
-ABI = 2
+ABI = 3
 """The version of the extension's calls this code makes (``_native.c``'s ``ABI``)."""
 
 _module: ModuleType | None = None

@@ -561,7 +561,7 @@ class Router:
         if not holders:
             raise self._no_rank(model)
         if (
-            top == 1
+            top <= _ONE_PASS_TOP
             and self._one_pass_version != self._loads_version
             and adapter is None
             and lora is None
@@ -569,17 +569,18 @@ class Router:
             and not extra_keys
             and self._kept_ranking(holders) is None
         ):
-            # the one pass below, in one native call (a relayed request's usual case)
-            chosen = self.native.choose(token_ids, holders)
+            # the one pass below, in one native call (a relayed or recorded request's
+            # usual case: each one changes the loads)
+            chosen = self.native.choose(token_ids, holders, top)
             if chosen is not None:
                 self._one_pass_version = self._loads_version
-                native_keys, best, by_prediction = chosen
+                native_keys, scores, by_prediction = chosen
                 return RouteDecision(
-                    worker=best.worker,
-                    dp_rank=best.dp_rank,
+                    worker=scores[0].worker,
+                    dp_rank=scores[0].dp_rank,
                     n_blocks=len(native_keys),
                     block_size=self.index.block_size or 0,
-                    scores=[best],
+                    scores=scores,
                     keys=native_keys,
                     by_prediction=by_prediction,
                     candidates=len(holders),

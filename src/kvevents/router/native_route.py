@@ -19,11 +19,13 @@ condition of the exact answer holds, and None otherwise, for the Python path to 
 The answer is then the bytes the Python path writes, and the match is recorded in the
 index as its own would be (a lookup, the recency of the blocks matched).
 
-:meth:`NativeRoute.choose` chooses the holder of a relayed request the same way
-(:meth:`Router.route <kvevents.router.core.Router.route>`'s one pass, top 1: the loads
-changed since the last request, as every relayed request changes them), reading every
-candidate's load from the board's table instead of a ranking's plan (:func:`seats_of`
-tells the extension where each candidate sits on the board and in the index).
+:meth:`NativeRoute.choose` chooses the holder of a relayed request the same way, and
+the best few of a recorded ``/route`` (:meth:`Router.route
+<kvevents.router.core.Router.route>`'s one pass, at most 16 scores: the loads changed
+since the last request, as every relayed or recorded request changes them), reading
+every candidate's load from the board's table instead of a ranking's plan
+(:func:`seats_of` tells the extension where each candidate sits on the board and in the
+index).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class NativeRoute:
     def __init__(self, router: Routing) -> None:
         self.router = router
         self._module = native.load()
+        self._module_top = 0 if self._module is None else self._module.MAX_TOP
         self._made_for: tuple[Ranking, PrefixIndex, TierCredits, int] | None = None
         self._plan: Plan | None = None
         self._query_made_for: tuple[list[Holder], PrefixIndex, int] | None = None
@@ -229,19 +232,20 @@ class NativeRoute:
         return answer
 
     def choose(
-        self, tokens: Sequence[int], holders: list[Holder]
-    ) -> tuple[array[int], HolderScore, bool] | None:
-        """The best of ``holders`` for a request of ``tokens`` (an ``array("I")``) as
-        :func:`~kvevents.router.load_board.board_top_scores` scores it from the board's
-        loads, predictions counted; with its keys (an ``array("Q")``) and whether
-        predictions chose it (the best on confirmed blocks alone is another holder).
-        None when the Python path must choose.
+        self, tokens: Sequence[int], holders: list[Holder], top: int
+    ) -> tuple[array[int], list[HolderScore], bool] | None:
+        """The best ``top`` of ``holders`` for a request of ``tokens`` (an ``array("I")``),
+        best first, as :func:`~kvevents.router.load_board.board_top_scores` scores them
+        from the board's loads, predictions counted; with the request's keys (an
+        ``array("Q")``) and whether predictions chose the best (the best on confirmed
+        blocks alone is another holder). None when the Python path must choose.
 
-        For :meth:`Router.route <kvevents.router.core.Router.route>`'s one pass (top 1, the
-        loads changed since the last request: a relayed request) of a request keyed
-        with no adapter, salt or extra keys. The match is recorded as the index's own."""
+        For :meth:`Router.route <kvevents.router.core.Router.route>`'s one pass (the loads
+        changed since the last request, as a relayed or recorded request changes them)
+        of a request keyed with no adapter, salt or extra keys. The match is recorded
+        as the index's own."""
         plain = self._plain(tokens)
-        if plain is None:
+        if plain is None or top > self._module_top:
             return None
         module, index, block_size, mirror, predicted = plain
         router = self.router
@@ -265,7 +269,7 @@ class NativeRoute:
         if seats is None:
             return None
         try:
-            keys, longest, best = module.board_choice(
+            keys, longest, by_prediction, best = module.board_choice(
                 tokens,
                 block_size,
                 ROOT_KEY,
@@ -278,44 +282,35 @@ class NativeRoute:
                 seats[1],
                 None if predicted is None else predicted._keys,
                 None if predicted is None else predicted._values,
+                top,
             )
         except Exception:  # a bug: the Python path chooses, the log says it once
             self._failed("choice")
             return None
-        (
-            position,
-            gpu,
-            cached,
-            prefill,
-            pending,
-            cost,
-            recent,
-            balance,
-            routed,
-            available,
-            predicted_blocks,
-            by_prediction,
-        ) = best
-        if not available:
-            return None  # no holder to route to: the Python path words the error
+        if not best[0][9]:
+            return None  # no holder available to route to: the Python path words the error
         index.note_plain_match(keys, longest)
-        holder = holders[position]
-        score = HolderScore(
-            worker=holder.worker,
-            dp_rank=holder.dp_rank,
-            matched=HolderMatch(gpu, 0, 0),
-            cached_blocks=cached,
-            prefill_blocks=prefill,
-            pending_blocks=pending,
-            cost=cost,
-            routed=int(routed),
-            available=True,
-            recent_blocks=recent,
-            balance_blocks=balance,
-            predicted_blocks=predicted_blocks,
-        )
+        scores = []
+        for position, gpu, cached, prefill, pending, cost, recent, balance, routed, up, p in best:
+            holder = holders[position]
+            scores.append(
+                HolderScore(
+                    worker=holder.worker,
+                    dp_rank=holder.dp_rank,
+                    matched=HolderMatch(gpu, 0, 0),
+                    cached_blocks=cached,
+                    prefill_blocks=prefill,
+                    pending_blocks=pending,
+                    cost=cost,
+                    routed=int(routed),
+                    available=up,
+                    recent_blocks=recent,
+                    balance_blocks=balance,
+                    predicted_blocks=p,
+                )
+            )
         self.chosen += 1
-        return array("Q", keys), score, by_prediction
+        return array("Q", keys), scores, by_prediction
 
 
 def seats_of(
