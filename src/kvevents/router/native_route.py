@@ -113,7 +113,7 @@ class NativeRoute:
         """Requests answered natively, ``/route`` and ``/query`` (for /workers)."""
         self.chosen = 0
         """Requests whose holder was chosen natively over the load board (:meth:`choose`:
-        relayed ones, for /workers)."""
+        relayed and recorded ones, for /workers)."""
         self.failures = 0
         """Native calls that raised (a bug; the Python path answered them)."""
 
@@ -244,8 +244,10 @@ class NativeRoute:
         changed since the last request, as a relayed or recorded request changes them)
         of a request keyed with no adapter, salt or extra keys. The match is recorded
         as the index's own."""
+        if top > self._module_top:
+            return None
         plain = self._plain(tokens)
-        if plain is None or top > self._module_top:
+        if plain is None:
             return None
         module, index, block_size, mirror, predicted = plain
         router = self.router
