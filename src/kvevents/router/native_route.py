@@ -36,7 +36,7 @@ import struct
 from array import array
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import msgspec
 
@@ -48,9 +48,6 @@ from kvevents.router.scoring import HolderScore, Ranking, ScoringWeights
 from kvevents.router.token_body import DEFAULT_TOP
 from kvevents.types import Holder
 from kvevents.wire.hashing import ROOT_KEY
-
-if TYPE_CHECKING:
-    from kvevents.kernels.mask_mirror import MaskMirror
 
 __all__ = [
     "NativeRoute",
@@ -75,6 +72,15 @@ fixed bytes, and the answer's bytes after ``prompt_tokens``' value."""
 Seats = tuple[bytes, tuple[float, float, float, float, float, float, float]]
 """What the native choice over the load board reads: per candidate its board slot and
 index slot (int64 pairs), and the weights and credits it scores with."""
+
+_Keying: TypeAlias = "tuple[array[int], int, int, Any, Any, int]"
+"""The arguments every native call starts with: the tokens, the block size, the parent
+key, and the blocks' mirror (its keys, its masks, the live slots)."""
+_Tables = tuple[Any, Any]
+"""The arguments after a call's own: the predictions' mirror (keys, masks), or two None."""
+_Plain = tuple[ModuleType, PrefixIndex, int, _Keying, _Tables]
+"""What every native call reads: the extension, the index, the block size, its keying
+and its predictions' tables (:meth:`NativeRoute._plain`)."""
 
 log = logging.getLogger("kvevents.router")
 
@@ -126,12 +132,9 @@ class NativeRoute:
                 path,
             )
 
-    def _plain(
-        self, tokens: Sequence[int]
-    ) -> tuple[ModuleType, PrefixIndex, int, MaskMirror, MaskMirror | None] | None:
-        """The module, index, block size and synced mirrors (the blocks', the
-        predictions' or None) when a native call can answer a request of ``tokens`` at
-        all (every call's common conditions), else None."""
+    def _plain(self, tokens: Sequence[int]) -> _Plain | None:
+        """What every native call reads (see :class:`_Plain`) when one can answer a
+        request of ``tokens`` at all (every call's common conditions), else None."""
         module = self._module
         if module is None or type(tokens) is not array or tokens.typecode != "I":
             return None
@@ -142,7 +145,10 @@ class NativeRoute:
         mirrors = index.native_mirrors(keyed=len(tokens) >= block_size)
         if mirrors is None:
             return None
-        return module, index, block_size, *mirrors
+        mirror, predicted = mirrors
+        keying = (tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live)
+        tables = (None, None) if predicted is None else (predicted._keys, predicted._values)
+        return module, index, block_size, keying, tables
 
     def answer(self, tokens: Sequence[int]) -> bytes | None:
         """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
@@ -150,7 +156,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, mirror, predicted = plain
+        module, index, block_size, keying, tables = plain
         ranking = self.router._kept_ranking(index.holders())
         if ranking is None:
             return None
@@ -172,18 +178,7 @@ class NativeRoute:
             return None
         answer: bytes | None
         try:
-            answer, keys, longest = module.route_answer(
-                tokens,
-                block_size,
-                ROOT_KEY,
-                mirror._keys,
-                mirror._values,
-                index._live,
-                plan,
-                DEFAULT_TOP,
-                None if predicted is None else predicted._keys,
-                None if predicted is None else predicted._values,
-            )
+            answer, keys, longest = module.route_answer(*keying, plan, DEFAULT_TOP, *tables)
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/route")
             return None
@@ -200,7 +195,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, mirror, predicted = plain
+        module, index, block_size, keying, tables = plain
         holders = index.holders()
         # the same list (a new one after any holder came or went), never an equal one:
         # equal lists of holders may sit in other slots
@@ -213,17 +208,7 @@ class NativeRoute:
             return None
         answer: bytes
         try:
-            answer, keys, longest = module.query_answer(
-                tokens,
-                block_size,
-                ROOT_KEY,
-                mirror._keys,
-                mirror._values,
-                index._live,
-                plan,
-                None if predicted is None else predicted._keys,
-                None if predicted is None else predicted._values,
-            )
+            answer, keys, longest = module.query_answer(*keying, plan, *tables)
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/query")
             return None
@@ -249,7 +234,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, mirror, predicted = plain
+        module, index, _, keying, tables = plain
         router = self.router
         board, weights, credits = router.loads, router.weights, index.credits
         # the objects themselves, as for the plans: an equal list of holders may sit in
@@ -272,19 +257,7 @@ class NativeRoute:
             return None
         try:
             keys, longest, by_prediction, best = module.board_choice(
-                tokens,
-                block_size,
-                ROOT_KEY,
-                mirror._keys,
-                mirror._values,
-                index._live,
-                board.table(),
-                seats[0],
-                board.scale,
-                seats[1],
-                None if predicted is None else predicted._keys,
-                None if predicted is None else predicted._values,
-                top,
+                *keying, board.table(), seats[0], board.scale, seats[1], *tables, top
             )
         except Exception:  # a bug: the Python path chooses, the log says it once
             self._failed("choice")
