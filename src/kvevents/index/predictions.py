@@ -23,10 +23,11 @@ Structure and invariants
 * ``masks: dict[content_key, int]``: bit ``slot`` set iff that slot has a live
   prediction for the block. No value is 0 (an empty mask is deleted). One bit per
   slot, no tiers: a prediction is of a GPU copy.
-* ``_until: dict[(content_key, slot), deadline]``: one entry per set bit of ``masks``,
-  with the latest deadline given to it (a newer prediction of the same block for the
-  same slot extends it). ``count == len(_until)`` is the number of predicted entries;
-  the owner keeps ``confirmed entries + count <= max_entries``.
+* ``_until: dict[slot, dict[content_key, deadline]]``: one entry per set bit of
+  ``masks``, with the latest deadline given to it (a newer prediction of the same block
+  for the same slot extends it); per slot, so that no (block, slot) pair is made per
+  block. ``count``, their total, is the number of predicted entries; the owner keeps
+  ``confirmed entries + count <= max_entries``.
 * ``_queue``: ``(deadline, slot, keys)`` per prediction made, in deadline order (the
   time-to-live is one value, so insertion order is deadline order). An entry is
   expired by the oldest record whose deadline has passed *and* equals or exceeds its
@@ -36,8 +37,8 @@ Structure and invariants
 Complexity
 ----------
 ``add``, ``confirm``, ``withdraw``: O(blocks of the request). ``expire``: amortised
-O(1) per entry ever made (each record is popped once). ``clear_slot``: O(predicted
-entries), which stay few (they live for seconds). The match walk over the side table
+O(1) per entry ever made (each record is popped once). ``clear_slot``: O(the slot's
+predicted entries), which stay few (they live for seconds). The match walk over the side table
 (:meth:`PrefixIndex.predicted <kvevents.index.prefix_index.PrefixIndex.predicted>`)
 runs only when ``masks`` is not empty, so the confirmed-only match is unchanged.
 
@@ -124,7 +125,8 @@ class Predictions:
         self.confirm_age_max_s = 0.0
         """The longest of those: what the time-to-live must exceed."""
         self.masks: dict[int, int] = {}
-        self._until: dict[tuple[int, int], float] = {}
+        self._until: dict[int, dict[int, float]] = {}
+        self._count = 0
         self._queue: deque[tuple[float, int, Sequence[int]]] = deque()
         self.changed: list[int] | None = []
         """Keys whose mask changed since :meth:`take_changes`, in order (for a flat mirror
@@ -137,7 +139,7 @@ class Predictions:
     @property
     def count(self) -> int:
         """Predicted (block, holder) entries alive (some may be past their deadline)."""
-        return len(self._until)
+        return self._count
 
     def add(self, slot: int, keys: Sequence[int], room: int) -> tuple[list[int], float]:
         """Predict ``keys`` (not yet held by ``slot``) on ``slot``, at most ``room`` new entries.
@@ -146,23 +148,25 @@ class Predictions:
         predicted and their deadline: what :meth:`withdraw` takes back.
         """
         deadline = self.clock() + self.ttl_s
-        until = self._until
+        until = self._until.get(slot)
+        if until is None:
+            until = self._until[slot] = {}
         masks = self.masks
         bit = 1 << slot
         added: list[int] = []
         kept: list[int] = []
         for k in keys:
-            rk = (k, slot)
-            if rk not in until:
+            if k not in until:
                 if len(added) >= room:
                     self.stats.dropped += 1
                     continue
                 added.append(k)
                 masks[k] = masks.get(k, 0) | bit
-            until[rk] = deadline
+            until[k] = deadline
             kept.append(k)
         if kept:
             self._queue.append((deadline, slot, kept))
+        self._count += len(added)
         changed = self.changed
         if changed is not None and added:
             changed.extend(added)
@@ -208,12 +212,14 @@ class Predictions:
 
     def confirm(self, slot: int, keys: Sequence[int]) -> int:
         """The slot stored ``keys``: their predictions become ordinary entries. Returns how many."""
-        until = self._until
+        until = self._until.get(slot)
+        if not until:
+            return 0
         now = self.clock()
         ttl = self.ttl_s
         n = 0
         for k in keys:
-            d = until.pop((k, slot), None)
+            d = until.pop(k, None)
             if d is not None:
                 self._unset(k, slot)
                 n += 1
@@ -221,6 +227,7 @@ class Predictions:
                 self.confirm_age_sum_s += age
                 if age > self.confirm_age_max_s:
                     self.confirm_age_max_s = age
+        self._count -= n
         self.stats.confirmed += n
         return n
 
@@ -230,36 +237,40 @@ class Predictions:
         ``keys`` and ``deadline`` are what :meth:`add` returned; entries another request
         predicted since (a later deadline) stay theirs.
         """
-        until = self._until
+        until = self._until.get(slot)
+        if not until:
+            return 0
         n = 0
         for k in keys:
-            rk = (k, slot)
-            if until.get(rk) == deadline:
-                del until[rk]
+            if until.get(k) == deadline:
+                del until[k]
                 self._unset(k, slot)
                 n += 1
+        self._count -= n
         self.stats.withdrawn += n
         return n
 
     def clear_slot(self, slot: int) -> int:
-        """Drop every prediction of a slot (reset, AllBlocksCleared, removal). O(predicted entries)."""
-        gone = [rk for rk in self._until if rk[1] == slot]
-        for rk in gone:
-            del self._until[rk]
-            self._unset(rk[0], slot)
+        """Drop every prediction of a slot (reset, AllBlocksCleared, removal). O(its entries)."""
+        gone = self._until.pop(slot, {})
+        for k in gone:
+            self._unset(k, slot)
+        self._count -= len(gone)
         self.stats.cleared += len(gone)
         return len(gone)
 
     def _drop(self, slot: int, keys: Sequence[int], deadline: float) -> int:
-        until = self._until
+        until = self._until.get(slot)
+        if not until:
+            return 0
         dropped = 0
         for k in keys:
-            rk = (k, slot)
-            d = until.get(rk)
+            d = until.get(k)
             if d is not None and d <= deadline:
-                del until[rk]
+                del until[k]
                 self._unset(k, slot)
                 dropped += 1
+        self._count -= dropped
         return dropped
 
     def _unset(self, key: int, slot: int) -> None:
