@@ -373,8 +373,8 @@ def test_a_route_answer_score_carries_every_field_of_the_holder_score() -> None:
 
 
 def test_the_route_answer_written_is_the_schema_struct_encoded() -> None:
-    """What /route writes (scores of holders that cache nothing encoded once and kept)
-    is exactly RouteAnswer encoded, request after request and as the loads change."""
+    """What /route writes is exactly RouteAnswer encoded, request after request and as
+    the loads change."""
     router = Router(block_size=4)
     for rank in range(6):
         router.add_holder(Holder("http://e:1", rank))

@@ -166,13 +166,6 @@ class RouteAnswer(msgspec.Struct, gc=False):
     scores: list[ScoreAnswer]
 
 
-class _EncodedRouteAnswer(RouteAnswer, gc=False):
-    """:class:`RouteAnswer` as written: its scores already JSON (see :func:`_score_json`);
-    the field keeps its place."""
-
-    scores: list[msgspec.Raw]  # type: ignore[assignment]
-
-
 class ErrorAnswer(msgspec.Struct, gc=False):
     error: str
 
@@ -193,16 +186,10 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
 
 
 def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
-    """:func:`route_answer` as JSON, the same bytes. With ``top`` (the decision came
-    from a :class:`~kvevents.router.scoring.Ranking`), a score that caches nothing is
-    encoded once (:func:`_score_json`); every holder's scores (``top`` None) are new
-    objects each time, so they are encoded and not kept."""
-    if top is None:
-        return _ENCODER.encode(route_answer(decision, recorded=recorded, top=None))
-    scores = decision.scores[: max(1, top)]
-    return _ENCODER.encode(
-        _EncodedRouteAnswer(*_head(decision, recorded), [_score_json(s) for s in scores])
-    )
+    """:func:`route_answer` as JSON. Its scores are encoded with it each time: those of a
+    one-pass choice (a recorded or relayed request) are new objects per request, so
+    keeping the encoding of some by identity cost more than it saved."""
+    return _ENCODER.encode(route_answer(decision, recorded=recorded, top=top))
 
 
 def _head(
@@ -219,26 +206,6 @@ def _head(
         decision.chosen.predicted_blocks,
         decision.by_prediction,
     )
-
-
-def _score_json(score: HolderScore) -> msgspec.Raw:
-    """A score as the answer writes it. The scores of holders that cache nothing of a
-    request are the same objects from request to request while the loads stay
-    (:class:`~kvevents.router.scoring.Ranking`): those are kept, by identity."""
-    kept = _SCORES_WRITTEN.get(id(score))
-    if kept is not None and kept[0] is score:
-        return kept[1]
-    raw = msgspec.Raw(_ENCODER.encode(ScoreAnswer.of(score)))
-    if not score.cached_blocks:
-        if len(_SCORES_WRITTEN) >= _SCORES_WRITTEN_MAX:
-            _SCORES_WRITTEN.clear()
-        _SCORES_WRITTEN[id(score)] = (score, raw)  # the score is held: its id stays its own
-    return raw
-
-
-_SCORES_WRITTEN: dict[int, tuple[HolderScore, msgspec.Raw]] = {}
-_SCORES_WRITTEN_MAX = 4096
-"""A bound: a ranking keeps a few scores per request size, and is replaced as loads change."""
 
 
 class HotPath:
