@@ -180,9 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=5,
         metavar="N",
-        help="with --completions-only: alternating rounds of the comparison (default 3)",
+        help="with --completions-only: alternating rounds of the comparison (default 5)",
     )
     parser.add_argument(
         "--markdown",

@@ -16,8 +16,8 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
 * ``/v1/completions`` through the router, against the same requests sent to the engine
   directly and through a bare relay (the same HTTP stack and client forwarding without
   routing: the bare server's ``--relay-to``), alternating over ``completions_rounds``
-  rounds (default 3: one round's added p50 moves by a millisecond from one to the next
-  on 2 shared cores; the relay's added latency: :mod:`kvevents.bench.completions`;
+  rounds (default 5: one round's added p50 moves by a millisecond or more from one to
+  the next on 2 shared cores, so the median needs several; the relay's added latency: :mod:`kvevents.bench.completions`;
   ``results["completions"]``); ``completions_only`` runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
@@ -189,7 +189,7 @@ def run_router_bench(
     completions: bool = True,
     http_servers: Sequence[HttpServer] | None = None,
     sync_rounds: int = 3,
-    completions_rounds: int = 3,
+    completions_rounds: int = 5,
     completions_only: bool = False,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
