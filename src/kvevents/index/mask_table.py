@@ -86,6 +86,7 @@ def compiled_keys(keys: Sequence[int]) -> array[int] | None:
 
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.DISK)
+_GPU_ONLY = (Tier.GPU,)
 Segments = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 _TOUCH_LOG_LIMIT = 1024
 _CANON_LIMIT = 1 << 16
@@ -200,7 +201,11 @@ class MaskTable:
         refs = self._refs
         canon = self._canon
         w = self._width
-        bits = [(int(t), 1 << (slot + t * w)) for t in (_TIERS if tier is None else (tier,))]
+        if tier is not None:
+            tiers: tuple[Tier, ...] = (tier,)
+        else:  # every tier; with nothing offloaded anywhere, only the GPU's bits are set
+            tiers = _TIERS if self._offloaded else _GPU_ONLY
+        bits = [(int(t), 1 << (slot + t * w)) for t in tiers]
         gpu = 1 << slot
         changed = self._changed
         ops = self._changed_ops
