@@ -3,7 +3,7 @@
 The model keeps one deadline per (block, slot) pair in one dict and derives the masks
 and the count from it; :class:`~kvevents.index.predictions.Predictions` keeps them per
 slot with a running count. After every operation both must agree on the masks, the
-count, every stat and what the operation returned.
+count, every stat, the confirmations' ages and what the operation returned.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Model:
         self.until: dict[tuple[int, int], float] = {}
         self.queue: deque[tuple[float, int, list[int]]] = deque()
         self.stats = PredictionStats()
+        self.age_sum = self.age_max = 0.0
 
     def masks(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -74,7 +75,14 @@ class Model:
         return n
 
     def confirm(self, slot: int, keys: list[int]) -> int:
-        n = sum(self.until.pop((k, slot), None) is not None for k in keys)
+        n = 0
+        for k in keys:
+            d = self.until.pop((k, slot), None)
+            if d is not None:
+                n += 1
+                age = self.clock[0] - (d - TTL)
+                self.age_sum += age
+                self.age_max = max(self.age_max, age)
         self.stats.confirmed += n
         return n
 
@@ -95,20 +103,25 @@ class Model:
         return len(gone)
 
 
-_slot = st.integers(0, 5)
-_keys = st.lists(st.integers(0, 12), max_size=8)
-_op = st.one_of(
-    st.tuples(st.just("add"), _slot, _keys, st.integers(0, 10)),
-    st.tuples(st.just("confirm"), _slot, _keys),
-    st.tuples(st.just("withdraw"), st.integers(0, 40)),
-    st.tuples(st.just("expire"), st.floats(0.0, 1.5)),
-    st.tuples(st.just("shrink"), st.integers(0, 10)),
-    st.tuples(st.just("clear"), _slot),
-)
+_slot = st.integers(0, 3)
+_keys = st.lists(st.integers(0, 6), max_size=6)
+_OPS = {
+    "add": st.tuples(st.just("add"), _slot, _keys, st.integers(0, 10)),
+    "confirm": st.tuples(st.just("confirm"), _slot, _keys),
+    "expire": st.tuples(st.just("expire"), st.sampled_from([0.0, 0.25, 0.5, 1.25, 2.5])),
+    "withdraw": st.tuples(st.just("withdraw"), st.integers(0, 40)),
+    "shrink": st.tuples(st.just("shrink"), st.integers(0, 10)),
+    "clear": st.tuples(st.just("clear"), _slot),
+}
+# adds, confirmations and the clock's steps drawn more often: they must meet, so that
+# confirmations of predictions of some age happen in most examples
+_op = st.sampled_from(
+    ["add"] * 3 + ["confirm"] * 3 + ["expire"] * 2 + ["withdraw", "shrink", "clear"]
+).flatmap(_OPS.__getitem__)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(_op, max_size=60))
+@given(st.lists(_op, min_size=4, max_size=60))
 def test_predictions_agree_with_the_plain_model(ops: list[tuple]) -> None:
     clock = [100.0]
     real = Predictions(ttl_s=TTL, clock=lambda: clock[0])
@@ -138,3 +151,4 @@ def test_predictions_agree_with_the_plain_model(ops: list[tuple]) -> None:
         assert real.masks == model.masks()
         assert real.count == len(model.until)
         assert real.stats == model.stats
+        assert (real.confirm_age_sum_s, real.confirm_age_max_s) == (model.age_sum, model.age_max)

@@ -217,19 +217,21 @@ class Predictions:
             return 0
         now = self.clock()
         ttl = self.ttl_s
-        n = 0
+        age_sum, age_max = self.confirm_age_sum_s, self.confirm_age_max_s
+        gone: list[int] = []
         for k in keys:
             d = until.pop(k, None)
             if d is not None:
-                self._unset(k, slot)
-                n += 1
+                gone.append(k)
                 age = now - (d - ttl)  # since the latest prediction of this entry
-                self.confirm_age_sum_s += age
-                if age > self.confirm_age_max_s:
-                    self.confirm_age_max_s = age
-        self._count -= n
-        self.stats.confirmed += n
-        return n
+                age_sum += age
+                if age > age_max:
+                    age_max = age
+        if gone:
+            self.confirm_age_sum_s, self.confirm_age_max_s = age_sum, age_max
+            self._clear(slot, gone)
+            self.stats.confirmed += len(gone)
+        return len(gone)
 
     def withdraw(self, slot: int, keys: Sequence[int], deadline: float) -> int:
         """The request behind a prediction failed: drop what it added. Returns entries dropped.
@@ -240,22 +242,19 @@ class Predictions:
         until = self._until.get(slot)
         if not until:
             return 0
-        n = 0
+        gone = []
         for k in keys:
             if until.get(k) == deadline:
                 del until[k]
-                self._unset(k, slot)
-                n += 1
-        self._count -= n
-        self.stats.withdrawn += n
-        return n
+                gone.append(k)
+        self._clear(slot, gone)
+        self.stats.withdrawn += len(gone)
+        return len(gone)
 
     def clear_slot(self, slot: int) -> int:
         """Drop every prediction of a slot (reset, AllBlocksCleared, removal). O(its entries)."""
-        gone = self._until.pop(slot, {})
-        for k in gone:
-            self._unset(k, slot)
-        self._count -= len(gone)
+        gone = list(self._until.pop(slot, ()))
+        self._clear(slot, gone)
         self.stats.cleared += len(gone)
         return len(gone)
 
@@ -263,25 +262,33 @@ class Predictions:
         until = self._until.get(slot)
         if not until:
             return 0
-        dropped = 0
+        gone = []
         for k in keys:
             d = until.get(k)
             if d is not None and d <= deadline:
                 del until[k]
-                self._unset(k, slot)
-                dropped += 1
-        self._count -= dropped
-        return dropped
+                gone.append(k)
+        self._clear(slot, gone)
+        return len(gone)
 
-    def _unset(self, key: int, slot: int) -> None:
-        v = self.masks[key] & ~(1 << slot)
-        if v:
-            self.masks[key] = v
-        else:
-            del self.masks[key]
+    def _clear(self, slot: int, gone: list[int]) -> None:
+        """Clear ``slot``'s bit of ``gone`` (keys whose deadlines were just dropped) in
+        ``masks``, count them out and list them (see ``changed``): once per call, not
+        per key, as this runs for every block an engine stores."""
+        if not gone:
+            return
+        masks = self.masks
+        keep = ~(1 << slot)
+        for k in gone:
+            v = masks[k] & keep
+            if v:
+                masks[k] = v
+            else:
+                del masks[k]
+        self._count -= len(gone)
         changed = self.changed
         if changed is not None:
-            changed.append(key)
-            self.changed_ops.append(-slot - 1)
+            changed.extend(gone)
+            self.changed_ops.extend(repeat(-slot - 1, len(gone)))
             if len(changed) > _CHANGED_LIMIT:
                 self.unlist_changes()
