@@ -17,8 +17,9 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
   directly and through a bare relay (the same HTTP stack and client forwarding without
   routing: the bare server's ``--relay-to``), alternating over ``completions_rounds``
   rounds (default 5: one round's added p50 moves by a millisecond or more from one to
-  the next on 2 shared cores, so the median needs several; the relay's added latency: :mod:`kvevents.bench.completions`;
-  ``results["completions"]``); ``completions_only`` runs this comparison and nothing else;
+  the next on 2 shared cores, so the median needs several; the relay's added latency:
+  :mod:`kvevents.bench.completions`; ``results["completions"]``); ``completions_only``
+  runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
   (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).

@@ -38,9 +38,10 @@ Complexity
 ----------
 ``add``, ``confirm``, ``withdraw``: O(blocks of the request). ``expire``: amortised
 O(1) per entry ever made (each record is popped once). ``clear_slot``: O(the slot's
-predicted entries), which stay few (they live for seconds). The match walk over the side table
-(:meth:`PrefixIndex.predicted <kvevents.index.prefix_index.PrefixIndex.predicted>`)
-runs only when ``masks`` is not empty, so the confirmed-only match is unchanged.
+predicted entries), which stay few (they live for seconds). The match walk over the
+side table (:meth:`PrefixIndex.predicted
+<kvevents.index.prefix_index.PrefixIndex.predicted>`) runs only when ``masks`` is not
+empty, so the confirmed-only match is unchanged.
 
 Defaults
 --------
