@@ -353,6 +353,44 @@ def test_a_request_read_with_an_inline_one_is_not_cut_off_by_the_keep_alive_time
     asyncio.run(go())
 
 
+def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_is_not() -> None:
+    """The keep-alive timeout is watched by one timer for every connection of the loop:
+    a connection that goes idle after an inline answer is closed by the server about
+    then; one that sends a request before each timeout stays open past many of them,
+    and is closed once it goes idle in turn."""
+
+    async def go() -> None:
+        at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
+        server.config.timeout_keep_alive = 0.3  # each new connection reads it
+        host, port = at.split(":")
+        loop = asyncio.get_running_loop()
+        idle_r, idle_w = await asyncio.open_connection(host, int(port))
+        busy_r, busy_w = await asyncio.open_connection(host, int(port))
+        try:
+            idle_w.write(_post(b"/route", _BODIES[0]))
+            assert _status(await asyncio.wait_for(idle_r.readuntil(b'"scores"'), 10.0)) == 200
+            went_idle = loop.time()
+            for i in range(6):  # 0.9 s in all, three keep-alive timeouts
+                busy_w.write(_post(b"/query", _BODIES[i % 2]))
+                answer = await asyncio.wait_for(busy_r.readuntil(b'"matches"'), 10.0)
+                assert b"HTTP/1.1 200 " in answer
+                busy_idle = loop.time()
+                await asyncio.sleep(0.15)
+            rest = await asyncio.wait_for(idle_r.read(), 10.0)  # EOF: closed by the server
+            assert b"HTTP/1.1" not in rest and idle_r.at_eof()
+            assert busy_idle - went_idle > 0.6  # the busy one outlived the idle one's timeout
+            await asyncio.wait_for(busy_r.read(), 10.0)
+            assert busy_r.at_eof()
+            assert 0.25 <= loop.time() - busy_idle < 3.0
+        finally:
+            idle_w.close()
+            busy_w.close()
+            server.should_exit = True
+            await asyncio.wait_for(task, 20.0)
+
+    asyncio.run(go())
+
+
 def test_an_upgrade_request_is_left_to_uvicorn() -> None:
     """A POST to /route that asks to upgrade the connection (a WebSocket) is uvicorn's
     to decide, not answered inline (uvicorn's upgrade reads what its own header handling

@@ -49,9 +49,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import Awaitable
 from typing import Any, Protocol, runtime_checkable
 
+from kvevents.deadlines import Deadlines
 from kvevents.held_writes import HeldWrites, holding_enabled
 
 __all__ = ["AsyncInlineApp", "InlineAnswer", "InlineApp", "protocol_for"]
@@ -80,9 +82,11 @@ class InlineApp(Protocol):
         ...
 
 
-InlineAnswer = tuple[int, list[tuple[bytes, bytes]], bytes]
+InlineAnswer = tuple[int, list[tuple[bytes, bytes]] | bytes, bytes]
 """An answer computed asynchronously: status, headers (no ``content-length`` or
-``connection``: the protocol writes those), body."""
+``connection``: the protocol writes those), body. The headers are ``(name, value)``
+pairs, or their lines already written (``b"name: value\\r\\n"`` each): an answer whose
+headers are mostly the same each time formats them in one step instead of one per pair."""
 
 
 @runtime_checkable
@@ -139,14 +143,19 @@ def _subclass() -> type[Any] | None:
         "on_message_complete",
         "on_response_complete",
         "_unset_keepalive_if_required",
+        "_start_asgi_task",
+        "timeout_keep_alive_handler",
     )
     if not all(hasattr(HttpToolsProtocol, name) for name in needed):  # pragma: no cover
         log.warning("this uvicorn's httptools protocol lacks %s: no inline path", needed)
         return None
 
-    def _head(status: int, headers: list[tuple[bytes, bytes]], answer: bytes) -> bytes:
+    def _head(status: int, headers: list[tuple[bytes, bytes]] | bytes, answer: bytes) -> bytes:
         """An answer's status line and headers, ``content-length`` last, without the blank line."""
-        lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status]
+        status_line = STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status
+        if isinstance(headers, bytes):  # written already (see InlineAnswer)
+            return b"%s%scontent-length: %d\r\n" % (status_line, headers, len(answer))
+        lines = [status_line]
         lines.extend(b"%s: %s\r\n" % header for header in headers)
         lines.append(b"content-length: %d\r\n" % len(answer))
         return b"".join(lines)
@@ -168,11 +177,42 @@ def _subclass() -> type[Any] | None:
             self._inline_body: list[bytes] = []
             self._close_after = False
             self._held: HeldWrites | None = None
+            self._idle = _idle_deadlines(self.loop)
+            self._idle_watched = False
 
         def connection_made(self, transport: Any) -> None:
             if holding_enabled():  # uvicorn's own writes and closes go through it too
                 transport = self._held = HeldWrites(transport, self.loop)
             super().connection_made(transport)
+
+        def on_response_complete(self) -> None:
+            # What uvicorn does once an answer is out (count it, read again, start the
+            # next pipelined request), but an idle connection's keep-alive timeout is
+            # watched by the loop's one timer for every connection (kvevents.deadlines):
+            # a timer of its own, armed here and cancelled by the next request, cost
+            # about 2 us of the loop per answer.
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle.watch(self, self.loop.time() + self.timeout_keep_alive)
+                self._idle_watched = True
+
+        def _unset_keepalive_if_required(self) -> None:
+            if self._idle_watched:
+                self._idle_watched = False
+                self._idle.forget(self)
+            super()._unset_keepalive_if_required()  # a timer uvicorn armed itself, if any
+
+        def _idle_timed_out(self) -> None:
+            """No request came within the keep-alive timeout: uvicorn closes the connection."""
+            self._idle_watched = False
+            self.timeout_keep_alive_handler()
 
         def _send(self, data: bytes) -> None:
             """An answer on a connection kept alive: held to the end of the loop's round."""
@@ -331,9 +371,21 @@ def _subclass() -> type[Any] | None:
             else:
                 self._write_and_close(head, answer)
 
+    def _idle_deadlines(loop: asyncio.AbstractEventLoop) -> Deadlines[InlineHttpToolsProtocol]:
+        """The loop's keep-alive deadlines, one set per loop (servers on other threads
+        have their own)."""
+        deadlines = _IDLE_BY_LOOP.get(loop)
+        if deadlines is None:
+            deadlines = _IDLE_BY_LOOP[loop] = Deadlines(InlineHttpToolsProtocol._idle_timed_out)
+        return deadlines
+
     return InlineHttpToolsProtocol
 
 
+_IDLE_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per event loop, the keep-alive deadlines of its inline connections."""
 _INLINE: type[Any] | bool | None = False  # False: not built yet
 
 

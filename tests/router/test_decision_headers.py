@@ -71,3 +71,47 @@ def test_the_quoted_worker_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) 
         headers = dict(decision_headers(_decision(worker, gpu=1, cpu=0, disk=0, predicted=0), 16))
         assert headers[b"x-kvevents-worker"] == f"http://engine-{i}:8000/a%20b".encode()
         assert len(openai_relay._QUOTED_WORKERS) <= 2
+
+
+@pytest.mark.parametrize("worker", ["http://engine:8000", "http://engine:8000/päth with space"])
+@pytest.mark.parametrize(("gpu", "cpu", "disk", "predicted"), [(0, 0, 0, 0), (3, 1, 2, 2)])
+def test_the_written_lines_are_the_headers_as_a_server_writes_them(
+    worker: str, gpu: int, cpu: int, disk: int, predicted: int
+) -> None:
+    """An answer written whole carries the headers as lines formatted in one step: the
+    same bytes as writing each pair ``name: value\\r\\n``, in the same order."""
+    decision = _decision(worker, gpu=gpu, cpu=cpu, disk=disk, predicted=predicted)
+    pairs = decision_headers(decision, 2048)
+    assert openai_relay.decision_lines(decision, 2048) == b"".join(
+        b"%s: %s\r\n" % pair for pair in pairs
+    )
+
+
+def test_the_engines_headers_as_lines_are_its_pairs_written() -> None:
+    """The engine's content type (JSON when it gave none) and retry-after, as lines."""
+    for given in ({}, {"content-type": "text/event-stream"}, {"retry-after": "7"}):
+        pairs = openai_relay._engine_headers(given)
+        assert openai_relay._engine_lines(given) == b"".join(b"%s: %s\r\n" % p for p in pairs)
+
+
+def test_forwarded_headers_stay_bytes_and_a_line_break_is_refused() -> None:
+    """The client's headers go on as the server gave them, repeated ones joined, hop-by-hop
+    and Authorization dropped; a value with a line break would write a header of the
+    client's own into the engine's request, and is refused."""
+    raw = [
+        (b"host", b"router:8000"),
+        (b"content-length", b"12"),
+        (b"authorization", b"Bearer client-key"),
+        (b"x-trace", b"a"),
+        (b"x-trace", b"b"),
+        (b"cookie", b"k=1"),
+        (b"cookie", b"j=2"),
+        (b"connection", b"keep-alive, x-hop"),
+        (b"x-hop", b"dropped"),
+    ]
+    kept = openai_relay._forwarded(raw)
+    assert kept == {b"x-trace": b"a, b", b"cookie": b"k=1; j=2"}
+    assert openai_relay._request_lines(kept) == b"x-trace: a, b\r\ncookie: k=1; j=2\r\n"
+    for bad in (b"a\r\nx-injected: 1", b"a\nx-injected: 1", b"a\rb"):
+        with pytest.raises(ValueError, match="line break"):
+            openai_relay._request_lines({b"x-trace": bad})

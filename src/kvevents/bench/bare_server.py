@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvevents import kernels
-from kvevents.http_inline import InlineAnswer
 from kvevents.http_serving import HTTP_SERVERS, run_event_loop, serve_app
 from kvevents.router.hot_path import Receive, Scope, Send
 from kvevents.router.token_body import BadRequest, decode_tokens_body
@@ -45,6 +44,10 @@ _HEADERS = [(b"content-type", b"application/json")]
 _RSGI_HEADERS = [("content-type", "application/json")]
 RELAYED_PATH = "/v1/completions"
 _FORWARDED = {"content-type": "application/json"}
+
+_PairedAnswer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""An inline answer (:data:`kvevents.http_inline.InlineAnswer`) with its headers as pairs,
+as the ASGI and RSGI sides here send them."""
 
 
 def _answer(raw: bytes) -> tuple[int, bytes]:
@@ -75,13 +78,13 @@ class BareApp:
 
     def answer_async_inline(
         self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> asyncio.Future[InlineAnswer]:
+    ) -> asyncio.Future[_PairedAnswer]:
         return self._relay(body)
 
-    def _relay(self, body: bytes) -> asyncio.Future[InlineAnswer]:
+    def _relay(self, body: bytes) -> asyncio.Future[_PairedAnswer]:
         """The engine's answer to ``body``, forwarded as it came (see the module docstring)."""
         assert self.relay_to is not None
-        answered: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
+        answered: asyncio.Future[_PairedAnswer] = asyncio.get_running_loop().create_future()
 
         def done(exchange: asyncio.Future[FullResponse]) -> None:
             error = exchange.exception()

@@ -75,14 +75,15 @@ class AnsweringUpstream(Upstream):
     def __init__(self) -> None:
         super().__init__(timeout=60.0)
         self.forwarded = 0
-        self.last: tuple[str, bytes, Mapping[str, str]] | None = None
+        self.last: tuple[str, bytes, Mapping[str, str] | bytes] | None = None
         """The last request forwarded: its path, body and headers."""
 
     def post_whole(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
+        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
     ) -> asyncio.Future[FullResponse]:
         self.forwarded += 1
         self.last = (path, body, headers)
+        self._start(base, path, body, headers)  # the request's head, built as it would be
         answered: asyncio.Future[FullResponse] = asyncio.get_running_loop().create_future()
         answered.set_result(FullResponse(200, {"content-type": "application/json"}, _ANSWER))
         return answered

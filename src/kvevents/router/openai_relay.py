@@ -89,9 +89,9 @@ _DROP_HEADERS = frozenset(
 )
 _DROP_RAW_HEADERS = frozenset(name.encode("latin-1") for name in _DROP_HEADERS)
 """The same names as the server gives them (lower-case bytes), read before decoding."""
+_RANK_HEADER_BYTES = RANK_HEADER.encode("latin-1")
 _MAX_TOKEN_ID = 2**32 - 1
 _ENCODER = msgspec.json.Encoder()
-_JSON = "application/json"
 _JSON_BYTES = b"application/json"
 
 
@@ -174,14 +174,8 @@ def prompts_of(body: Mapping[str, Any]) -> list[str | list[int]]:
 
 def decision_headers(decision: RouteDecision, prompt_tokens: int) -> list[tuple[bytes, bytes]]:
     """The response headers that show where a request went and why (latin-1 bytes)."""
-    worker = _QUOTED_WORKERS.get(decision.worker)
-    if worker is None:
-        if len(_QUOTED_WORKERS) >= _QUOTED_WORKERS_MAX:
-            _QUOTED_WORKERS.clear()  # a fleet has a few engines: this is only a bound
-        quoted = quote(decision.worker, safe=":/?&=@[]+,;~!$'()*")
-        worker = _QUOTED_WORKERS[decision.worker] = quoted.encode("latin-1")
     return [
-        (b"x-kvevents-worker", worker),
+        (b"x-kvevents-worker", _quoted_worker(decision.worker)),
         (b"x-kvevents-dp-rank", b"%d" % decision.dp_rank),
         (b"x-kvevents-matched-tokens", b"%d" % decision.matched_tokens),
         (b"x-kvevents-prompt-tokens", b"%d" % prompt_tokens),
@@ -190,8 +184,38 @@ def decision_headers(decision: RouteDecision, prompt_tokens: int) -> list[tuple[
     ]
 
 
+def decision_lines(decision: RouteDecision, prompt_tokens: int) -> bytes:
+    """:func:`decision_headers` as the header lines a server writes (``name: value\\r\\n``
+    each), formatted in one step: the relay's answers written whole carry them so."""
+    return _DECISION_LINES % (
+        _quoted_worker(decision.worker),
+        decision.dp_rank,
+        decision.matched_tokens,
+        prompt_tokens,
+        decision.policy.encode("latin-1"),
+        decision.predicted_tokens,
+    )
+
+
+_DECISION_LINES = (
+    b"x-kvevents-worker: %s\r\nx-kvevents-dp-rank: %d\r\nx-kvevents-matched-tokens: %d\r\n"
+    b"x-kvevents-prompt-tokens: %d\r\nx-kvevents-policy: %s\r\nx-kvevents-predicted-tokens: %d\r\n"
+)
+
+
+def _quoted_worker(worker: str) -> bytes:
+    """A worker URL as its header value (percent-quoted once, not per request)."""
+    quoted = _QUOTED_WORKERS.get(worker)
+    if quoted is None:
+        if len(_QUOTED_WORKERS) >= _QUOTED_WORKERS_MAX:
+            _QUOTED_WORKERS.clear()  # a fleet has a few engines: this is only a bound
+        text = quote(worker, safe=":/?&=@[]+,;~!$'()*")
+        quoted = _QUOTED_WORKERS[worker] = text.encode("latin-1")
+    return quoted
+
+
 _QUOTED_WORKERS: dict[str, bytes] = {}
-"""Each worker URL as its header value (percent-quoted once, not per request)."""
+"""Each worker URL as its header value (:func:`_quoted_worker`)."""
 _QUOTED_WORKERS_MAX = 1024
 
 
@@ -293,7 +317,7 @@ class OpenAIRelay:
 
         await _until_gone(relay(), proto.client_disconnect(), stream, answer.release)
 
-    async def answer(self, chat: bool, headers: dict[str, str], raw: bytes) -> Answer:
+    async def answer(self, chat: bool, headers: dict[bytes, bytes], raw: bytes) -> Answer:
         """The answer to one request: ``headers`` are the client's to forward (hop-by-hop,
         ``Authorization`` and any rank header already dropped), ``raw`` its body."""
         try:
@@ -352,7 +376,7 @@ class OpenAIRelay:
     def _route(
         self,
         chat: bool,
-        headers: dict[str, str],
+        headers: dict[bytes, bytes],
         raw: bytes,
         fields: RelayFields,
         body: dict[str, Any] | None,
@@ -375,12 +399,12 @@ class OpenAIRelay:
             raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
         except RouterNotReadyError as exc:
             raise OpenAIError(503, str(exc), "service_unavailable") from None
-        prompt_tokens = sum(map(len, prompts))
+        prompt_tokens = len(prompts[0]) if len(prompts) == 1 else sum(map(len, prompts))
         spec = service.spec(decision.worker)
-        headers["accept-encoding"] = "identity"  # bytes are relayed as they come, unencoded
-        headers["content-type"] = _JSON  # the body was parsed as JSON
+        headers[b"accept-encoding"] = b"identity"  # bytes are relayed as they come, unencoded
+        headers[b"content-type"] = _JSON_BYTES  # the body was parsed as JSON
         if spec.engine_kind == "vllm":
-            headers[RANK_HEADER] = str(decision.dp_rank)
+            headers[_RANK_HEADER_BYTES] = b"%d" % decision.dp_rank
             content = raw
         else:
             content = _with_rank(raw, body, decision.dp_rank, fields.names_rank)
@@ -389,8 +413,7 @@ class OpenAIRelay:
             decision,
             spec.url,
             content,
-            headers,
-            decision_headers(decision, prompt_tokens),
+            _request_lines(headers),
             prompt_tokens,
             router.begin(decision),
         )
@@ -439,12 +462,12 @@ class OpenAIRelay:
                 yield b"\n\n"
             finally:
                 upstream.release()
-                service.requests.record_usage(fwd.decision.holder, tracker.usage())
+                service.requests.record_usage(fwd.ticket.holder, tracker.usage())
 
         return Answer(status, [*passed, *fwd.shown], stream=relay(), release=upstream.release)
 
     def _relay_whole(
-        self, headers: dict[str, str], raw: bytes, tokens: array[int], fields: RelayFields
+        self, headers: dict[bytes, bytes], raw: bytes, tokens: array[int], fields: RelayFields
     ) -> asyncio.Future[InlineAnswer]:
         """What :meth:`_forward` does, for an answer written whole, without a task or a coroutine:
         routed here, forwarded with :meth:`Upstream.post_whole`, answered from its
@@ -482,18 +505,14 @@ class OpenAIRelay:
         error = done.exception()
         try:
             if error is None:
-                full = done.result()
-                self.service.requests.record(
-                    fwd.endpoint, fwd.decision, fwd.prompt_tokens, full.status
-                )
-                answer = self._answered(fwd, full.status, _engine_headers(full.headers), full.body)
+                inline = self._answered_whole(fwd, done.result())
             elif isinstance(error, MidwayError):
                 self.service.requests.record(
                     fwd.endpoint, fwd.decision, fwd.prompt_tokens, error.status
                 )
-                answer = self._midway(fwd, error.status, error.cause)
+                inline = _inline(self._midway(fwd, error.status, error.cause))
             elif isinstance(error, FORWARD_ERRORS):
-                answer = self._unreachable(fwd, error)
+                inline = _inline(self._unreachable(fwd, error))
             else:  # a bug: the request ends all the same
                 self.service.router.finish(fwd.ticket, failed=True)
                 raise error
@@ -502,7 +521,7 @@ class OpenAIRelay:
                 answered.set_exception(exc)
             return
         if not answered.done():  # a forced shutdown cancels what it waits for
-            answered.set_result(_inline(answer))
+            answered.set_result(inline)
 
     def _unreachable(self, fwd: _Forward, exc: BaseException) -> Answer:
         """No answer came from the engine (``exc`` says why): a 502, the request ended."""
@@ -526,8 +545,19 @@ class OpenAIRelay:
         service = self.service
         service.router.finish(fwd.ticket, failed=status != 200)
         if status == 200:
-            service.requests.record_usage(fwd.decision.holder, engine_usage_of_json(payload))
+            service.requests.record_usage(fwd.ticket.holder, engine_usage_of_json(payload))
         return Answer(status, [*passed, *fwd.shown], payload)
+
+    def _answered_whole(self, fwd: _Forward, full: FullResponse) -> InlineAnswer:
+        """:meth:`_answered` of the engine's whole answer, recorded, for the server to
+        write: its headers as lines (the engine's, then the decision's), formatted in
+        two steps, not one per header and again when written."""
+        service, status, payload = self.service, full.status, full.body
+        service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
+        service.router.finish(fwd.ticket, failed=status != 200)
+        if status == 200:
+            service.requests.record_usage(fwd.ticket.holder, engine_usage_of_json(payload))
+        return status, _engine_lines(full.headers) + fwd.lines, payload
 
 
 class _Forward:
@@ -540,7 +570,6 @@ class _Forward:
         "headers",
         "path",
         "prompt_tokens",
-        "shown",
         "ticket",
         "url",
     )
@@ -551,8 +580,7 @@ class _Forward:
         decision: RouteDecision,
         url: str,
         content: bytes,
-        headers: dict[str, str],
-        shown: list[tuple[bytes, bytes]],
+        headers: bytes,
         prompt_tokens: int,
         ticket: Ticket,
     ) -> None:
@@ -563,10 +591,19 @@ class _Forward:
         self.url = url
         self.content = content
         self.headers = headers
-        self.shown = shown
-        """The decision's response headers (:func:`decision_headers`)."""
+        """The request's header lines for the engine (:func:`_request_lines`)."""
         self.prompt_tokens = prompt_tokens
         self.ticket = ticket
+
+    @property
+    def shown(self) -> list[tuple[bytes, bytes]]:
+        """The decision's response headers (:func:`decision_headers`)."""
+        return decision_headers(self.decision, self.prompt_tokens)
+
+    @property
+    def lines(self) -> bytes:
+        """The same as the lines a server writes (:func:`decision_lines`)."""
+        return decision_lines(self.decision, self.prompt_tokens)
 
 
 def _inline(answer: Answer) -> InlineAnswer:
@@ -617,26 +654,51 @@ def _engine_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return passed
 
 
-def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+def _engine_lines(headers: Mapping[str, str]) -> bytes:
+    """:func:`_engine_headers` as the header lines a server writes."""
+    media = headers.get("content-type")
+    lines = _JSON_LINE if media is None else b"content-type: %s\r\n" % media.encode("latin-1")
+    retry = headers.get("retry-after")
+    if retry is not None:
+        lines += b"retry-after: %s\r\n" % retry.encode("latin-1")
+    return lines
+
+
+_JSON_LINE = b"content-type: application/json\r\n"
+
+
+def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
     """The client's headers that go on to the engine: not those of :data:`_DROP_HEADERS`,
     nor those its ``Connection`` header names (hop-by-hop, for this connection only). A
     header the client sent more than once goes on once, its values joined by ``", "``
     (what HTTP defines the repeated lines to mean; ``"; "`` for ``Cookie``); before,
-    only the last one went."""
+    only the last one went. Names and values stay the bytes the server gave (names
+    lower-case)."""
     drop = _DROP_RAW_HEADERS
     for name, value in raw_headers:
         if name == b"connection" and value.lower() not in _CONNECTION_ONLY:
             drop = drop | {token.strip().lower() for token in value.split(b",")}
-    kept: dict[str, str] = {}
-    for raw_name, raw_value in raw_headers:
-        if raw_name not in drop:
-            key, text = raw_name.decode("latin-1"), raw_value.decode("latin-1")
-            earlier = kept.get(key)
+    kept: dict[bytes, bytes] = {}
+    for name, value in raw_headers:
+        if name not in drop:
+            earlier = kept.get(name)
             if earlier is None:
-                kept[key] = text
+                kept[name] = value
             else:  # cookies are joined as one Cookie header joins them (RFC 6265)
-                kept[key] = f"{earlier}{'; ' if raw_name == b'cookie' else ', '}{text}"
+                kept[name] = b"%s%s%s" % (earlier, b"; " if name == b"cookie" else b", ", value)
     return kept
+
+
+def _request_lines(headers: dict[bytes, bytes]) -> bytes:
+    """``headers`` as the lines of the request to the engine (``name: value\\r\\n`` each).
+
+    The names come from the server's HTTP parser (tokens, never a colon); a line break
+    in a name or value is refused (ValueError) as the client would otherwise write
+    headers of its own into the engine's request."""
+    lines = b"".join([b"%s: %s\r\n" % item for item in headers.items()])
+    if lines.count(b"\n") != len(headers) or lines.count(b"\r") != len(headers):
+        raise ValueError("a header to forward has a line break in its name or value")
+    return lines
 
 
 _CONNECTION_ONLY = frozenset({b"keep-alive", b"close"})

@@ -53,7 +53,9 @@ class RequestStats:
             (endpoint, decision.worker, decision.dp_rank, decision.policy, str(status))
         ] += 1
         matched = decision.matched_tokens
-        buckets = self.matched_buckets.setdefault(endpoint, [0] * (len(MATCHED_TOKEN_BUCKETS) + 1))
+        buckets = self.matched_buckets.get(endpoint)
+        if buckets is None:  # not setdefault: that makes the list on every call
+            buckets = self.matched_buckets[endpoint] = [0] * (len(MATCHED_TOKEN_BUCKETS) + 1)
         buckets[bisect.bisect_left(MATCHED_TOKEN_BUCKETS, matched)] += 1
         self.matched_sum[endpoint] += matched
         self.prompt_tokens[endpoint] += prompt_tokens

@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvevents.deadlines import Deadlines
 from kvevents.errors import KVEventsError
 from kvevents.http_auth import ClientCredentials
 
@@ -177,7 +178,6 @@ class _Connection(asyncio.Protocol):
         self._framed = True  # the body's end is marked by a length or chunking
         self._keep_alive = False
         self._error: BaseException | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self.closed = False
 
     # --- asyncio.Protocol ---
@@ -252,7 +252,7 @@ class _Connection(asyncio.Protocol):
         if self._parser.get_status_code() < 200:
             return  # an interim answer's end: the parser goes on to the final one
         self._complete = True
-        self._cancel_timer()  # all of it is in: the deadline no longer applies
+        self._forget_deadline()  # all of it is in: the deadline no longer applies
         if self._whole:
             self._hand_over()
             return
@@ -293,7 +293,7 @@ class _Connection(asyncio.Protocol):
         self._on_head = on_head
         self._on_end = None
         self._head = loop.create_future()
-        self._timer = loop.call_at(deadline, self._fail, TimeoutError())
+        self._upstream.deadlines.watch(self, deadline)
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
@@ -327,7 +327,7 @@ class _Connection(asyncio.Protocol):
             and self._keep_alive
         )
         if reusable:
-            self._cancel_timer()
+            self._forget_deadline()
             self._head = None
             self._complete = False
             self._status = 0
@@ -337,7 +337,7 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
-        self._cancel_timer()
+        self._forget_deadline()
         self.closed = True
         if self._transport is not None:
             self._transport.close()
@@ -348,10 +348,12 @@ class _Connection(asyncio.Protocol):
         if on_end is not None:
             on_end()
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _forget_deadline(self) -> None:
+        self._upstream.deadlines.forget(self)
+
+    def _timed_out(self) -> None:
+        """The exchange's deadline passed before it ended."""
+        self._fail(TimeoutError())
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -395,8 +397,12 @@ class Upstream:
         self._fixed = b"".join(_header_line(k, v) for k, v in (headers or {}).items())
         self._origins: dict[str, _Origin] = {}
         self._closed = False
+        self.deadlines: Deadlines[_Connection] = Deadlines(_Connection._timed_out)
+        """The exchanges in flight, each failed with TimeoutError at its deadline."""
 
-    async def post(self, base: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+    async def post(
+        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
+    ) -> Response:
         """POST ``body`` to ``base + path``; the answer once its head is in.
 
         :class:`UpstreamError` or :class:`TimeoutError` when there is none; the body
@@ -409,7 +415,7 @@ class Upstream:
         return response
 
     def post_whole(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str]
+        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
     ) -> asyncio.Future[FullResponse]:
         """POST ``body`` to ``base + path``; a future of the whole answer.
 
@@ -522,11 +528,13 @@ class Upstream:
         base: str,
         path: str,
         body: bytes,
-        headers: Mapping[str, str],
+        headers: Mapping[str, str] | bytes,
         timeout: float | None = None,
     ) -> tuple[_Origin, float, _Connection | None, bytes]:
         """Where the request goes, its deadline, a kept-alive connection if one is free,
-        and its head (built first: a header it refuses takes no connection from the pool)."""
+        and its head (built first: a header it refuses takes no connection from the pool).
+        ``headers`` may be their lines already written (``name: value\\r\\n`` each, checked
+        by the caller: the relay's, :func:`kvevents.router.openai_relay._request_lines`)."""
         if self._closed:
             raise UpstreamError("the router is shutting down: forwarding is closed")
         origin = self._origin(base)
@@ -536,7 +544,10 @@ class Upstream:
             % (origin.prefix.encode("latin-1"), path.encode("latin-1"), origin.netloc, len(body)),
             self._fixed,
         ]
-        lines.extend(_header_line(k, v) for k, v in headers.items())
+        if isinstance(headers, bytes):
+            lines.append(headers)
+        else:
+            lines.extend(_header_line(k, v) for k, v in headers.items())
         lines.append(b"\r\n")
         deadline = now + (self.timeout if timeout is None else timeout)
         return origin, deadline, self._idle(origin, now), b"".join(lines)
