@@ -17,7 +17,7 @@ async def _expiring(deadlines: dict[str, float], forget: set[str]) -> dict[str, 
     watched: Deadlines[str] = Deadlines(lambda item: expired.setdefault(item, loop.time()))
     start = loop.time()
     for item, delay in deadlines.items():
-        watched.watch(item, start + delay)
+        watched.watch(item, start + delay, loop)
     for item in forget:
         watched.forget(item)
     await asyncio.sleep(max(deadlines.values()) + 0.1)
@@ -59,8 +59,8 @@ def test_an_expiry_that_ends_another_item_expires_that_one_no_more() -> None:
 
         watched: Deadlines[str] = Deadlines(expire)
         at = loop.time() + 0.02
-        watched.watch("a", at)
-        watched.watch("b", at)
+        watched.watch("a", at, loop)
+        watched.watch("b", at, loop)
         await asyncio.sleep(0.1)
         return calls
 
@@ -73,8 +73,8 @@ def test_watching_again_moves_an_items_deadline() -> None:
         expired: list[float] = []
         watched: Deadlines[str] = Deadlines(lambda item: expired.append(loop.time()))
         start = loop.time()
-        watched.watch("a", start + 0.02)
-        watched.watch("a", start + 0.12)
+        watched.watch("a", start + 0.02, loop)
+        watched.watch("a", start + 0.12, loop)
         await asyncio.sleep(0.2)
         assert len(expired) == 1
         return expired[0] - start
@@ -89,10 +89,12 @@ def test_items_of_a_loop_that_ended_are_dropped_and_a_new_loop_is_served() -> No
     watched: Deadlines[str] = Deadlines(expired.append)
 
     async def leave() -> None:
-        watched.watch("old", asyncio.get_running_loop().time() + 0.05)
+        loop = asyncio.get_running_loop()
+        watched.watch("old", loop.time() + 0.05, loop)
 
     async def serve() -> None:
-        watched.watch("new", asyncio.get_running_loop().time() + 0.02)
+        loop = asyncio.get_running_loop()
+        watched.watch("new", loop.time() + 0.02, loop)
         await asyncio.sleep(0.15)
 
     asyncio.run(leave())

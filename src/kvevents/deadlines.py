@@ -26,7 +26,8 @@ T = TypeVar("T", bound=Hashable)
 
 class Deadlines(Generic[T]):
     """Calls ``expire(item)`` for an item watched and not forgotten by its deadline
-    (loop time); from the running event loop only."""
+    (loop time); from the running event loop only, which the caller names (asking for
+    it, ``asyncio.get_running_loop()``, is a ``getpid`` system call each time)."""
 
     def __init__(self, expire: Callable[[T], None]) -> None:
         self._expire = expire
@@ -40,10 +41,9 @@ class Deadlines(Generic[T]):
         """Items watched now."""
         return len(self._due)
 
-    def watch(self, item: T, deadline: float) -> None:
-        """Expire ``item`` at ``deadline`` unless it is forgotten first (a later call
-        for the same item moves its deadline)."""
-        loop = asyncio.get_running_loop()
+    def watch(self, item: T, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        """Expire ``item`` at ``deadline`` (``loop``'s time; the running loop) unless it
+        is forgotten first (a later call for the same item moves its deadline)."""
         if loop is not self._loop:  # what another loop watched can never be served here
             self._due.clear()
             self._timer = None

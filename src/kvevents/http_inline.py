@@ -200,7 +200,8 @@ def _subclass() -> type[Any] | None:
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
             else:
-                self._idle.watch(self, self.loop.time() + self.timeout_keep_alive)
+                loop = self.loop
+                self._idle.watch(self, loop.time() + self.timeout_keep_alive, loop)
                 self._idle_watched = True
 
         def _unset_keepalive_if_required(self) -> None:

@@ -471,22 +471,21 @@ class OpenAIRelay:
     ) -> asyncio.Future[InlineAnswer]:
         """What :meth:`_forward` does, for an answer written whole, without a task or a coroutine:
         routed here, forwarded with :meth:`Upstream.post_whole`, answered from its
-        future's callback. The future returned fails only on a bug (the server's 500)."""
-        answered: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
+        future's callback. The future returned fails only on a bug (the server's 500).
+        It is made on the exchange's loop (the running one: asking for that is a
+        ``getpid`` system call each time)."""
         try:
             fwd = self._route(False, headers, raw, fields, None, [tokens])
         except OpenAIError as exc:
-            answered.set_result(_inline(Answer.error(exc)))
-            return answered
+            return _settled(_inline(Answer.error(exc)))
         except Exception as exc:  # a bug: the server answers its 500
-            answered.set_exception(exc)
-            return answered
+            return _settled(exc)
         try:
             exchange = self.service.upstream.post_whole(fwd.url, fwd.path, fwd.content, fwd.headers)
         except Exception as exc:
             self.service.router.finish(fwd.ticket, failed=True)
-            answered.set_exception(exc)
-            return answered
+            return _settled(exc)
+        answered: asyncio.Future[InlineAnswer] = exchange.get_loop().create_future()
         exchange.add_done_callback(lambda done: self._whole_done(fwd, done, answered))
         return answered
 
@@ -604,6 +603,16 @@ class _Forward:
     def lines(self) -> bytes:
         """The same as the lines a server writes (:func:`decision_lines`)."""
         return decision_lines(self.decision, self.prompt_tokens)
+
+
+def _settled(outcome: InlineAnswer | Exception) -> asyncio.Future[InlineAnswer]:
+    """A future of the running loop with ``outcome``, an answer or the exception it raises."""
+    settled: asyncio.Future[InlineAnswer] = asyncio.get_running_loop().create_future()
+    if isinstance(outcome, Exception):
+        settled.set_exception(outcome)
+    else:
+        settled.set_result(outcome)
+    return settled
 
 
 def _inline(answer: Answer) -> InlineAnswer:

@@ -155,9 +155,14 @@ class Response:
 class _Connection(asyncio.Protocol):
     """One connection, one exchange at a time; httptools parses the answers."""
 
-    def __init__(self, upstream: Upstream, origin: _Origin) -> None:
+    def __init__(
+        self, upstream: Upstream, origin: _Origin, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._upstream = upstream
         self._origin = origin
+        self.loop = loop
+        """The loop the connection lives on: read from here on the per-request path, as
+        ``asyncio.get_running_loop()`` makes a ``getpid`` system call each time."""
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._headers: dict[str, str] = {}
@@ -288,12 +293,12 @@ class _Connection(asyncio.Protocol):
         At ``deadline`` (loop time) an exchange not yet over fails with TimeoutError.
         ``on_head`` is called as the final answer's head is read."""
         assert self._transport is not None
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self._whole = whole
         self._on_head = on_head
         self._on_end = None
         self._head = loop.create_future()
-        self._upstream.deadlines.watch(self, deadline)
+        self._upstream.deadlines.watch(self, deadline, loop)
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
@@ -306,7 +311,7 @@ class _Connection(asyncio.Protocol):
                 return None
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -424,16 +429,18 @@ class Upstream:
         On a kept-alive connection the future is the exchange's own; a new connection
         is opened by a task first.
         """
-        loop = asyncio.get_running_loop()
         try:
             origin, deadline, conn, head = self._start(base, path, body, headers)
         except UpstreamError as exc:
-            refused: asyncio.Future[FullResponse] = loop.create_future()
+            refused: asyncio.Future[FullResponse] = asyncio.get_running_loop().create_future()
             refused.set_exception(exc)
             return refused
         if conn is not None:
             return conn.send(head, body, deadline, whole=True)
-        return loop.create_task(self._connect_then_send(origin, deadline, head, body))
+        task = asyncio.get_running_loop().create_task(
+            self._connect_then_send(origin, deadline, head, body)
+        )
+        return task
 
     async def _connect_then_send(
         self, origin: _Origin, deadline: float, head: bytes, body: bytes
@@ -538,7 +545,10 @@ class Upstream:
         if self._closed:
             raise UpstreamError("the router is shutting down: forwarding is closed")
         origin = self._origin(base)
-        now = asyncio.get_running_loop().time()
+        idle = origin.idle
+        # the newest idle connection's loop is the running one (asked only when there is
+        # none: each ask is a getpid system call)
+        now = (idle[-1][1].loop if idle else asyncio.get_running_loop()).time()
         lines = [
             b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n"
             % (origin.prefix.encode("latin-1"), path.encode("latin-1"), origin.netloc, len(body)),
@@ -557,7 +567,7 @@ class Upstream:
         if self._closed:
             conn.close()
             return
-        origin.idle.append((asyncio.get_running_loop().time(), conn))
+        origin.idle.append((conn.loop.time(), conn))
 
     async def close(self) -> None:
         """Close every idle connection; later requests are refused."""
@@ -587,7 +597,7 @@ class Upstream:
 
     async def _connect(self, origin: _Origin, deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        conn = _Connection(self, origin)
+        conn = _Connection(self, origin, loop)
         limit = min(deadline, loop.time() + self.connect_timeout)
         kwargs: dict[str, Any] = {}
         if origin.tls:
