@@ -11,8 +11,10 @@ of the p50s within each round; the summary reports each round's and their median
 
 With a bare relay (``bare_url``: :mod:`kvevents.bench.bare_server` ``--relay-to``, the
 router's HTTP stack and client forwarding without routing) each round measures it too,
-between the other two: its added p50 is what relaying alone costs on this stack, so
-the router's added p50 minus it is what routing adds.
+on the other side of the direct run (via, direct, bare, then bare, direct, via, ...):
+each comparison is of two runs next to each other in time, as the machine's speed
+drifts by 10% and more over a minute. Its added p50 is what relaying alone costs on
+this stack, so the router's added p50 minus it is what routing adds.
 
 Each run also reads the CPU time of the engine and router processes
 (``/proc/PID/stat``, Linux), as CPU microseconds per request: on a shared machine
@@ -62,9 +64,9 @@ def run_completions(
         raise ValueError(f"rounds={rounds}: the comparison needs at least one round")
     targets = {"direct": f"{engine_url}/v1/completions", "via": f"{router_url}/v1/completions"}
     sides = ["direct", "via"]
-    if bare_url is not None:
+    if bare_url is not None:  # direct in the middle: next to each run it is compared with
         targets["bare"] = f"{bare_url}/v1/completions"
-        sides.insert(1, "bare")
+        sides = ["via", "direct", "bare"]
     runs: list[dict[str, Any]] = []
     for i in range(rounds):
         order = sides if i % 2 == 0 else sides[::-1]
