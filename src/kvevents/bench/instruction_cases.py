@@ -15,6 +15,10 @@ server, exactly as the router's server calls it, with nothing to wait for:
   <kvevents.router.openai_relay.OpenAIRelay.inline>`: decode, route, the rank added,
   headers, the engine's answer taken), its engine answering at once.
 
+For both relays the engine request's head is built as the forwarding client builds it
+(since 2026-12-05; before, the stand-in engine took the headers unread, and the bare
+relay counted about 15,000 fewer instructions).
+
 The router holds ``PROMPTS`` prompts of ``TOKENS`` tokens, block 16, each stored on one
 of 4 ranks, and the requests cycle through them, as in ``kvevents bench router``. The
 kernels are loaded and the heap frozen, as a router that has settled has them.
