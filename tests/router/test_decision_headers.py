@@ -97,7 +97,7 @@ def test_the_engines_headers_as_lines_are_its_pairs_written() -> None:
 def test_forwarded_headers_stay_bytes_and_a_line_break_is_refused() -> None:
     """The client's headers go on as the server gave them, repeated ones joined, hop-by-hop
     and Authorization dropped; a value with a line break would write a header of the
-    client's own into the engine's request, and is refused."""
+    client's own into the engine's request, and is refused (a 400 naming it)."""
     raw = [
         (b"host", b"router:8000"),
         (b"content-length", b"12"),
@@ -113,5 +113,6 @@ def test_forwarded_headers_stay_bytes_and_a_line_break_is_refused() -> None:
     assert kept == {b"x-trace": b"a, b", b"cookie": b"k=1; j=2"}
     assert openai_relay._request_lines(kept) == b"x-trace: a, b\r\ncookie: k=1; j=2\r\n"
     for bad in (b"a\r\nx-injected: 1", b"a\nx-injected: 1", b"a\rb"):
-        with pytest.raises(ValueError, match="line break"):
-            openai_relay._request_lines({b"x-trace": bad})
+        with pytest.raises(openai_relay.OpenAIError, match="'x-trace' has a line break") as e:
+            openai_relay._request_lines({b"accept": b"*/*", b"x-trace": bad})
+        assert e.value.status == 400

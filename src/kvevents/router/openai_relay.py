@@ -701,12 +701,19 @@ def _forwarded(raw_headers: Sequence[tuple[bytes, bytes]]) -> dict[bytes, bytes]
 def _request_lines(headers: dict[bytes, bytes]) -> bytes:
     """``headers`` as the lines of the request to the engine (``name: value\\r\\n`` each).
 
-    The names come from the server's HTTP parser (tokens, never a colon); a line break
-    in a name or value is refused (ValueError) as the client would otherwise write
-    headers of its own into the engine's request."""
+    The names come from the server's HTTP parser (tokens, never a colon). A line break
+    in a name or value would write headers of the client's own into the engine's
+    request: that is refused, an OpenAIError 400 naming the header."""
     lines = b"".join([b"%s: %s\r\n" % item for item in headers.items()])
     if lines.count(b"\n") != len(headers) or lines.count(b"\r") != len(headers):
-        raise ValueError("a header to forward has a line break in its name or value")
+        for name, value in headers.items():
+            if any(end in name + value for end in (b"\r", b"\n")):
+                shown = name.decode("latin-1")
+                raise OpenAIError(
+                    400,
+                    f"the header {shown!r} has a line break in its name or value: send it "
+                    "on one line (it would be forwarded to the engine)",
+                )
     return lines
 
 
