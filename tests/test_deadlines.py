@@ -4,10 +4,18 @@ forgotten first."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
+import uvloop
 
 from kvevents.deadlines import Deadlines
+
+LOOPS: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {
+    "asyncio": asyncio.run,
+    "uvloop": uvloop.run,
+}
 
 
 async def _expiring(deadlines: dict[str, float], forget: set[str]) -> dict[str, float]:
@@ -82,6 +90,98 @@ def test_watching_again_moves_an_items_deadline() -> None:
     assert asyncio.run(run()) >= 0.118
 
 
+def test_an_expiry_that_raises_is_reported_and_the_others_still_expire() -> None:
+    """One item's expiry fails: the loop's exception handler hears of it, the other items
+    due with it expire, and one due later still expires at its own deadline."""
+
+    async def run() -> tuple[list[str], list[dict[str, Any]], int]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+        expired: list[str] = []
+
+        def expire(item: str) -> None:
+            if item == "bad":
+                raise RuntimeError("a failing expiry")
+            expired.append(item)
+
+        watched: Deadlines[str] = Deadlines(expire)
+        start = loop.time()
+        for item, delay in (("bad", 0.02), ("a", 0.02), ("b", 0.02), ("later", 0.1)):
+            watched.watch(item, start + delay, loop)
+        await asyncio.sleep(0.2)
+        return expired, reported, len(watched)
+
+    expired, reported, left = asyncio.run(run())
+    assert expired == ["a", "b", "later"] and left == 0
+    assert len(reported) == 1 and isinstance(reported[0]["exception"], RuntimeError)
+
+
+def test_an_expiry_that_watches_an_item_leaves_the_earlier_ones_on_time() -> None:
+    """An expiry watches a new item due much later: an item due between them still
+    expires at its own deadline, not with the new one."""
+
+    async def run() -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        at: dict[str, float] = {}
+
+        def expire(item: str) -> None:
+            at[item] = loop.time() - start
+            if item == "first":
+                watched.watch("far", loop.time() + 0.4, loop)
+
+        watched: Deadlines[str] = Deadlines(expire)
+        watched.watch("first", start + 0.02, loop)
+        watched.watch("between", start + 0.1, loop)
+        await asyncio.sleep(0.6)
+        return at
+
+    at = asyncio.run(run())
+    assert set(at) == {"first", "between", "far"}
+    assert at["between"] < 0.2 and at["far"] >= 0.4
+
+
+@pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
+def test_a_timer_fires_about_once_per_deadline_on_either_loop(
+    run: Callable[[Coroutine[Any, Any, Any]], Any],
+) -> None:
+    """uvloop's clock is in milliseconds and its timers may fire just before a deadline:
+    that counts as due, so the one timer does not fire again and again until then. Every
+    item expires, none before its deadline less that resolution."""
+
+    async def go() -> tuple[int, list[float]]:
+        loop = asyncio.get_running_loop()
+        fired = 0
+        early: list[float] = []
+        deadline_of: dict[int, float] = {}
+
+        def expire(item: int) -> None:
+            early.append(deadline_of[item] - loop.time())
+
+        watched: Deadlines[int] = Deadlines(expire)
+        real_fire = watched._fire
+
+        def counting(at_loop: asyncio.AbstractEventLoop) -> None:
+            nonlocal fired
+            fired += 1
+            real_fire(at_loop)
+
+        watched._fire = counting  # type: ignore[method-assign]
+        start = loop.time()
+        for i in range(20):  # one timeout: deadlines in order, 13 ms apart
+            deadline_of[i] = start + 0.05 + i * 0.013
+            watched.watch(i, deadline_of[i], loop)
+        await asyncio.sleep(0.5)
+        assert len(watched) == 0
+        return fired, early
+
+    fired, early = run(go())
+    assert len(early) == 20
+    assert max(early) <= 0.0011  # never more than the clock's resolution ahead
+    assert fired <= 2 * 20, f"{fired} firings for 20 deadlines"
+
+
 def test_items_of_a_loop_that_ended_are_dropped_and_a_new_loop_is_served() -> None:
     """An item left watched when its loop ended is never expired in the next loop (its
     connection belonged to the old one); the next loop's items expire on its own timer."""
@@ -100,3 +200,24 @@ def test_items_of_a_loop_that_ended_are_dropped_and_a_new_loop_is_served() -> No
     asyncio.run(leave())
     asyncio.run(serve())
     assert expired == ["new"]
+
+
+def test_the_timer_of_a_loop_left_behind_does_nothing_when_it_fires() -> None:
+    """Loop A watches an item and stops before its timer fires; loop B watches its own.
+    When A runs again and its timer fires, B's item is left to B's timer, and A's item,
+    dropped when B began, never expires."""
+    expired: list[str] = []
+    watched: Deadlines[str] = Deadlines(expired.append)
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        first.call_soon(lambda: watched.watch("a", first.time() + 0.02, first))
+        first.run_until_complete(asyncio.sleep(0))
+        second.call_soon(lambda: watched.watch("b", second.time() + 0.3, second))
+        second.run_until_complete(asyncio.sleep(0))
+        first.run_until_complete(asyncio.sleep(0.1))  # A's timer fires here
+        assert expired == []
+        second.run_until_complete(asyncio.sleep(0.4))
+        assert expired == ["b"]
+    finally:
+        first.close()
+        second.close()

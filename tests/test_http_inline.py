@@ -354,10 +354,10 @@ def test_a_request_read_with_an_inline_one_is_not_cut_off_by_the_keep_alive_time
 
 
 def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_is_not() -> None:
-    """The keep-alive timeout is watched by one timer for every connection of the loop:
-    a connection that goes idle after an inline answer is closed by the server about
-    then; one that sends a request before each timeout stays open past many of them,
-    and is closed once it goes idle in turn."""
+    """The keep-alive timeout is watched by one timer for every connection of the server:
+    a connection that goes idle after an inline answer, or after an ASGI one, is closed
+    by the server about then; one that sends a request before each timeout stays open
+    past many of them, and is closed once it goes idle in turn."""
 
     async def go() -> None:
         at, server, task = await _serve(create_app(RouterService(_router(), [])), "on")
@@ -366,10 +366,13 @@ def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_i
         loop = asyncio.get_running_loop()
         idle_r, idle_w = await asyncio.open_connection(host, int(port))
         busy_r, busy_w = await asyncio.open_connection(host, int(port))
+        asgi_r, asgi_w = await asyncio.open_connection(host, int(port))
         try:
             idle_w.write(_post(b"/route", _BODIES[0]))
             assert _status(await asyncio.wait_for(idle_r.readuntil(b'"scores"'), 10.0)) == 200
             went_idle = loop.time()
+            asgi_w.write(b"GET /health HTTP/1.1\r\nhost: router\r\n\r\n")  # an ASGI answer
+            assert _status(await asyncio.wait_for(asgi_r.readuntil(b"\r\n\r\n"), 10.0)) == 200
             for i in range(6):  # 0.9 s in all, three keep-alive timeouts
                 busy_w.write(_post(b"/query", _BODIES[i % 2]))
                 answer = await asyncio.wait_for(busy_r.readuntil(b'"matches"'), 10.0)
@@ -378,6 +381,8 @@ def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_i
                 await asyncio.sleep(0.15)
             rest = await asyncio.wait_for(idle_r.read(), 10.0)  # EOF: closed by the server
             assert b"HTTP/1.1" not in rest and idle_r.at_eof()
+            assert b"HTTP/1.1" not in await asyncio.wait_for(asgi_r.read(), 10.0)
+            assert asgi_r.at_eof()
             assert busy_idle - went_idle > 0.6  # the busy one outlived the idle one's timeout
             await asyncio.wait_for(busy_r.read(), 10.0)
             assert busy_r.at_eof()
@@ -385,6 +390,7 @@ def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_i
         finally:
             idle_w.close()
             busy_w.close()
+            asgi_w.close()
             server.should_exit = True
             await asyncio.wait_for(task, 20.0)
 

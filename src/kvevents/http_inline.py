@@ -177,7 +177,7 @@ def _subclass() -> type[Any] | None:
             self._inline_body: list[bytes] = []
             self._close_after = False
             self._held: HeldWrites | None = None
-            self._idle = _idle_deadlines(self.loop)
+            self._idle = _idle_deadlines(self.server_state)
             self._idle_watched = False
 
         def connection_made(self, transport: Any) -> None:
@@ -188,7 +188,7 @@ def _subclass() -> type[Any] | None:
         def on_response_complete(self) -> None:
             # What uvicorn does once an answer is out (count it, read again, start the
             # next pipelined request), but an idle connection's keep-alive timeout is
-            # watched by the loop's one timer for every connection (kvevents.deadlines):
+            # watched by the server's one timer for every connection (kvevents.deadlines):
             # a timer of its own, armed here and cancelled by the next request, cost
             # about 2 us of the loop per answer.
             self.server_state.total_requests += 1
@@ -372,21 +372,21 @@ def _subclass() -> type[Any] | None:
             else:
                 self._write_and_close(head, answer)
 
-    def _idle_deadlines(loop: asyncio.AbstractEventLoop) -> Deadlines[InlineHttpToolsProtocol]:
-        """The loop's keep-alive deadlines, one set per loop (servers on other threads
-        have their own)."""
-        deadlines = _IDLE_BY_LOOP.get(loop)
+    def _idle_deadlines(server_state: Any) -> Deadlines[InlineHttpToolsProtocol]:
+        """The keep-alive deadlines of one server's connections (a server runs on one
+        loop; servers on other loops or threads have their own)."""
+        deadlines = _IDLE_BY_SERVER.get(server_state)
         if deadlines is None:
-            deadlines = _IDLE_BY_LOOP[loop] = Deadlines(InlineHttpToolsProtocol._idle_timed_out)
+            deadlines = Deadlines(InlineHttpToolsProtocol._idle_timed_out)
+            _IDLE_BY_SERVER[server_state] = deadlines
         return deadlines
 
     return InlineHttpToolsProtocol
 
 
-_IDLE_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Deadlines[Any]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per event loop, the keep-alive deadlines of its inline connections."""
+_IDLE_BY_SERVER: weakref.WeakKeyDictionary[Any, Deadlines[Any]] = weakref.WeakKeyDictionary()
+"""Per uvicorn server (its ``ServerState``, shared by its connections), the keep-alive
+deadlines of its inline connections: dropped with the server, and the loop with it."""
 _INLINE: type[Any] | bool | None = False  # False: not built yet
 
 

@@ -212,8 +212,10 @@ def test_no_answer_within_the_timeout_is_a_timeout_and_the_connection_closes() -
             client = Upstream(timeout=0.3)
             with pytest.raises(TimeoutError):
                 await client.post(server.url, "/x", b"{}", {})
+            assert len(client.deadlines) == 0  # expired: no longer watched
             answer = await client.post(server.url, "/x", b"{}", {})
             assert await answer.read() == b"{}"
+            assert len(client.deadlines) == 0  # all of it in: forgotten
             await client.close()
         assert server.connections == 2
 
@@ -231,8 +233,10 @@ def test_a_stream_that_stalls_past_the_deadline_times_out() -> None:
             answer = await client.post(server.url, "/x", b"{}", {})
             chunks = answer.chunks()
             assert await anext(chunks) == b"hi"
+            assert len(client.deadlines) == 1  # the stream goes on: still watched
             with pytest.raises(TimeoutError):
                 await anext(chunks)
+            assert len(client.deadlines) == 0
             answer.release()
             await client.close()
 
