@@ -178,7 +178,6 @@ def _subclass() -> type[Any] | None:
             self._close_after = False
             self._held: HeldWrites | None = None
             self._idle = _idle_deadlines(self.server_state)
-            self._idle_watched = False
 
         def connection_made(self, transport: Any) -> None:
             if holding_enabled():  # uvicorn's own writes and closes go through it too
@@ -202,18 +201,10 @@ def _subclass() -> type[Any] | None:
             else:
                 loop = self.loop
                 self._idle.watch(self, loop.time() + self.timeout_keep_alive, loop)
-                self._idle_watched = True
 
         def _unset_keepalive_if_required(self) -> None:
-            if self._idle_watched:
-                self._idle_watched = False
-                self._idle.forget(self)
+            self._idle.forget(self)  # nothing when it is not idle
             super()._unset_keepalive_if_required()  # a timer uvicorn armed itself, if any
-
-        def _idle_timed_out(self) -> None:
-            """No request came within the keep-alive timeout: uvicorn closes the connection."""
-            self._idle_watched = False
-            self.timeout_keep_alive_handler()
 
         def _send(self, data: bytes) -> None:
             """An answer on a connection kept alive: held to the end of the loop's round."""
@@ -377,7 +368,8 @@ def _subclass() -> type[Any] | None:
         loop; servers on other loops or threads have their own)."""
         deadlines = _IDLE_BY_SERVER.get(server_state)
         if deadlines is None:
-            deadlines = Deadlines(InlineHttpToolsProtocol._idle_timed_out)
+            # past the keep-alive timeout, uvicorn's handler closes the connection
+            deadlines = Deadlines(InlineHttpToolsProtocol.timeout_keep_alive_handler)
             _IDLE_BY_SERVER[server_state] = deadlines
         return deadlines
 

@@ -437,10 +437,9 @@ class Upstream:
             return refused
         if conn is not None:
             return conn.send(head, body, deadline, whole=True)
-        task = asyncio.get_running_loop().create_task(
+        return asyncio.get_running_loop().create_task(
             self._connect_then_send(origin, deadline, head, body)
         )
-        return task
 
     async def _connect_then_send(
         self, origin: _Origin, deadline: float, head: bytes, body: bytes
