@@ -23,6 +23,8 @@ import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents.cli import router_workers
+from kvevents.cli.router import default_workers
+from process_support import KVEventsProcess, run_kvevents
 
 pytestmark = pytest.mark.slow
 
@@ -205,3 +207,37 @@ def test_a_restarted_worker_that_hangs_before_it_is_ready_is_stopped_and_restart
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+
+
+@pytest.mark.parametrize(
+    ("server", "cores", "expected"),
+    [
+        ("uvicorn", 1, 1),
+        ("uvicorn", 2, 2),
+        ("uvicorn", 16, 16),
+        ("granian", 1, 1),
+        ("granian", 2, 1),
+        ("granian", 3, 1),
+        ("granian", 16, 8),
+    ],
+)
+def test_default_workers_are_one_per_core_and_one_per_two_cores_on_granian(
+    server: str, cores: int, expected: int
+) -> None:
+    """A granian process keeps two threads busy: by default it gets two cores."""
+    assert default_workers(server, cores) == expected
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_a_router_without_workers_starts_the_default_count(engine: Engine, server: str) -> None:
+    """Without --workers the router starts default_workers() processes for its server,
+    as /workers says (``process.workers``) and --help states for this machine."""
+    proc = KVEventsProcess(
+        "router", ["--engine", engine.url, "--port", "0", "--http-server", server]
+    )
+    try:
+        assert proc.http.get("/workers").json()["process"]["workers"] == default_workers(server)
+    finally:
+        proc.stop()
+    shown = run_kvevents("router", "--help").stdout
+    assert f"here {default_workers('granian')}: each granian process" in " ".join(shown.split())

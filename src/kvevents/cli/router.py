@@ -107,6 +107,7 @@ __all__ = [
     "add_arguments",
     "build_service",
     "create_app",
+    "default_workers",
     "run",
     "serve",
 ]
@@ -217,8 +218,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="router processes serving the port (SO_REUSEPORT), each following every engine "
-        "and sharing its in-flight requests with the others (default: one per core, "
-        f"here {os.cpu_count() or 1})",
+        "and sharing its in-flight requests with the others (default: one per core, here "
+        f"{default_workers('uvicorn')}; with --http-server granian one per two cores, here "
+        f"{default_workers('granian')}: each granian process keeps two threads busy)",
     )
     parser.add_argument(
         "--peer",
@@ -255,8 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=HTTP_SERVERS,
         default="uvicorn",
         help="the HTTP server: uvicorn (httptools, uvloop) or granian, a Rust server driven "
-        "through RSGI that answers /route faster but keeps a worse p99 while events are "
-        "applied (needs 'kvevents[granian]'; README, Performance)",
+        "through RSGI; uvicorn answers more from one process and from several, and keeps "
+        "a better p99 while events are applied (granian needs 'kvevents[granian]'; README, "
+        "Performance)",
     )
     add_log_level(parser)
 
@@ -422,8 +425,22 @@ def _check(
     return router, specs, tokenizer
 
 
+def default_workers(http_server: str, cores: int | None = None) -> int:
+    """The router processes ``--workers`` starts when not told: one per core (``cores``,
+    the machine's when None) for uvicorn, one per two cores for granian.
+
+    A granian process keeps two threads busy, its Rust I/O thread and the Python one,
+    and hands every request between them: with more of them than cores each handoff
+    is a context switch. ``benchmarks/router_workers.py`` on 2 cores (``/route``, 2,048
+    tokens, 32 connections), three rounds: one granian process 17,925-19,645 requests/s
+    at 58-64 us of CPU and about 3 context switches per request, two processes
+    14,115-14,447 at 95-97 us and 8-9 (uvicorn's two: 36,064-40,553 at 33-37 us and 0.1)."""
+    count = (os.cpu_count() or 1) if cores is None else cores
+    return max(1, count // 2) if http_server == "granian" else max(1, count)
+
+
 def run(args: argparse.Namespace) -> int:
-    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    workers = default_workers(args.http_server) if args.workers is None else args.workers
     if args.http_server == "granian":
         require_granian()
     try:
