@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="router processes serving the port (SO_REUSEPORT), each following every engine "
-        "and sharing its in-flight requests with the others (default: one per core, here "
+        "and sharing its in-flight requests with the others (default: one per usable core, here "
         f"{default_workers('uvicorn')}; with --http-server granian one per two cores, here "
         f"{default_workers('granian')}: each granian process keeps two threads busy)",
     )
@@ -426,8 +426,9 @@ def _check(
 
 
 def default_workers(http_server: str, cores: int | None = None) -> int:
-    """The router processes ``--workers`` starts when not told: one per core (``cores``,
-    the machine's when None) for uvicorn, one per two cores for granian.
+    """The router processes ``--workers`` starts when not told: one per core (``cores``;
+    when None, the cores this process may run on, as ``taskset`` or a container's
+    cpuset leave them) for uvicorn, one per two cores for granian.
 
     A granian process keeps two threads busy, its Rust I/O thread and the Python one,
     and hands every request between them: with more of them than cores each handoff
@@ -435,8 +436,15 @@ def default_workers(http_server: str, cores: int | None = None) -> int:
     tokens, 32 connections), three rounds: one granian process 17,925-19,645 requests/s
     at 58-64 us of CPU and about 3 context switches per request, two processes
     14,115-14,447 at 95-97 us and 8-9 (uvicorn's two: 36,064-40,553 at 33-37 us and 0.1)."""
-    count = (os.cpu_count() or 1) if cores is None else cores
+    count = _usable_cores() if cores is None else cores
     return max(1, count // 2) if http_server == "granian" else max(1, count)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def run(args: argparse.Namespace) -> int:
