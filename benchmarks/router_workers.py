@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvevents.bench import router as bench_router  # the router benchmark's own steps
+from kvevents.bench.completions import process_cpu_s
 from kvevents.demo.procs import Child
 from kvevents.results import write_results
 
@@ -46,18 +47,17 @@ def _children(pid: int) -> list[int]:
 
 
 def _counters(pids: list[int]) -> tuple[float, int, int]:
-    """CPU seconds, voluntary and involuntary context switches of every thread of ``pids``."""
+    """CPU seconds of ``pids`` (each process's, all its threads), and the voluntary and
+    involuntary context switches of every thread of them (``/proc`` counts switches per
+    thread only)."""
     cpu, voluntary, involuntary = 0.0, 0, 0
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in pids:
+        cpu += process_cpu_s(pid) or 0.0
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
                 status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
             except OSError:  # a thread that ended meanwhile
                 continue
-            fields = stat.rsplit(")", 1)[1].split()
-            cpu += (int(fields[11]) + int(fields[12])) / tick
             for line in status.splitlines():
                 if line.startswith("voluntary_ctxt_switches"):
                     voluntary += int(line.split()[1])

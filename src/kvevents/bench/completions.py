@@ -38,7 +38,7 @@ def process_cpu_s(pid: int | None) -> float | None:
         return None
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

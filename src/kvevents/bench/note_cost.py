@@ -34,7 +34,6 @@ runs, it gives the cost as a share of the hot path.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from kvevents.bench.completions import process_cpu_s
 from kvevents.demo.procs import Child
 from kvevents.demo.replicas import NatsChild
 from kvevents.router.core import Router
@@ -80,9 +80,9 @@ def run_note_cost(
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for r in range(rounds):
             for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                cpu = _cpu_s(pids[name])
+                cpu = process_cpu_s(pids[name])
                 run = load(f"{urls[name]}/route", bodies)
-                used = _cpu_s(pids[name])
+                used = process_cpu_s(pids[name])
                 if cpu is not None and used is not None and run["requests"]:
                     run["cpu_us_per_request"] = (used - cpu) / run["requests"] * 1e6
                 runs[name].append(run)
@@ -143,16 +143,6 @@ async def _in_process(nats_url: str, rounds: int, count: int) -> dict[str, Any]:
         "notes_dropped": transport.dropped,
         "connected": connected,
     }
-
-
-def _cpu_s(pid: int | None) -> float | None:
-    """User plus system CPU seconds of process ``pid`` so far (None off Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _summary(
