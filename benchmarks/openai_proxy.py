@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvevents.demo.procs import Child
-from kvevents.endpoints import free_port_range
 from kvevents.results import write_results
+from kvevents.transport.endpoints import free_port_range
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "openai_proxy.json"
 PAGE = 16

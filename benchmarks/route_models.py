@@ -2,7 +2,7 @@
 
     python benchmarks/route_models.py [--holders 8] [--tokens 2048] [--requests 2000]
 
-Drives :class:`~kvevents.router.hot_path.HotPath` as the ASGI server would (no sockets,
+Drives :class:`~kvevents.router.serve.hot_path.HotPath` as the ASGI server would (no sockets,
 so the figure is the router's own work per request: body decode, keys, match, score,
 encode) with ``{"input_ids": [...]}`` and, when the router knows models, with
 ``"model"`` as well. ``holders`` ranks of two engines each serving one model; every
@@ -22,8 +22,8 @@ import msgspec
 
 from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router, kernels
 from kvevents.bench.route_fleet import route_request_us
-from kvevents.router.app import create_app
-from kvevents.router.service import RouterService
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.service import RouterService
 
 
 def _router(holders: int, tokens: int, prompts: int, bs: int) -> tuple[Router, list[bytes]]:
@@ -60,7 +60,7 @@ def main() -> None:
     rows = {"no model": plain}
     models = getattr(router, "models", None)
     if models is not None:
-        from kvevents.router.models import models_from_names
+        from kvevents.router.decide.models import models_from_names
 
         models.set("http://e0", models_from_names(["m0"]))
         models.set("http://e1", models_from_names(["m1"]))

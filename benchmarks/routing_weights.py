@@ -2,8 +2,8 @@
 
     python benchmarks/routing_weights.py [--grid small|full] [--workers 2] [--json PATH]
 
-How the router's default weights were chosen (see :mod:`kvevents.router.scoring`).
-Each candidate (a policy and its :class:`~kvevents.router.scoring.ScoringWeights`) is
+How the router's default weights were chosen (see :mod:`kvevents.router.decide.scoring`).
+Each candidate (a policy and its :class:`~kvevents.router.decide.scoring.ScoringWeights`) is
 replayed with :func:`kvevents.demo.offline.offline_replay` (the real router and caches,
 a simulated clock) on every scenario:
 
@@ -40,7 +40,7 @@ from kvevents.demo.replay import Workload
 from kvevents.demo.report import summarize
 from kvevents.engine.cache import PrefixCache
 from kvevents.results import write_results
-from kvevents.router.scoring import ScoringWeights
+from kvevents.router.decide.scoring import ScoringWeights
 from kvevents.traces import BLOCK_TOKENS, hash_id_tokens, load_trace
 
 HERE = Path(__file__).resolve().parent

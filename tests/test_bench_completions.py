@@ -16,7 +16,7 @@ import httpx
 
 from kvevents.bench.bare_server import BareApp
 from kvevents.bench.completions import run_completions
-from kvevents.http_serving import bind_http, start_http
+from kvevents.http.serving import bind_http, start_http
 
 ANSWER = b'{"object": "text_completion", "usage": {"prompt_tokens": 3}}'
 

@@ -34,7 +34,6 @@ from kvevents import (
     Subscriber,
     Unreachable,
     ZmqEventPublisher,
-    curve_keys,
 )
 from kvevents.cli.engine_args import (
     add_engine_arguments,
@@ -42,11 +41,12 @@ from kvevents.cli.engine_args import (
     endpoint_specs,
     engine_specs,
 )
-from kvevents.curve_keys import load_public_key_file, load_public_keys_dir, write_key_pair
 from kvevents.engine.server_info import BoundPublisher, kv_events_block
 from kvevents.subscribe import curve_client
 from kvevents.subscribe.server_info import streams_from_server_info
 from kvevents.subscribe.stats import StreamStatus
+from kvevents.transport import curve_keys
+from kvevents.transport.curve_keys import load_public_key_file, load_public_keys_dir, write_key_pair
 from kvevents.wire.server_info import kv_events_block_to_builtins
 from subscriber_support import collect, deliveries, signals, wait_for
 

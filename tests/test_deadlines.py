@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvevents.deadlines import Deadlines
+from kvevents.http.deadlines import Deadlines
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {
     "asyncio": asyncio.run,

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvevents import decode_batch
-from kvevents.endpoints import PortPlan, free_port_range
+from kvevents.transport.endpoints import PortPlan, free_port_range
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames
 
 DP_SIZE = 4
@@ -30,7 +30,7 @@ TIMEOUT_S = 20.0
 
 CHILD = r"""
 import json, select, sys
-from kvevents.endpoints import select_kv_publisher_dp_rank
+from kvevents.transport.endpoints import select_kv_publisher_dp_rank
 from kvevents.errors import EndpointError
 from kvevents.publish.zmq_publisher import ZmqEventPublisher
 from kvevents.wire.events import BlockStored, KVEventBatch

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvevents import EndpointError, KVEventsError, offset_endpoint_port, select_kv_publisher_dp_rank
-from kvevents.endpoints import Endpoint, PortPlan, free_port_range
+from kvevents.transport.endpoints import Endpoint, PortPlan, free_port_range
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvevents.held_writes import HeldWrites
+from kvevents.http.held_writes import HeldWrites
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -165,7 +165,7 @@ def test_one_round_releases_every_connection_and_a_closed_one_is_skipped(
             raise RuntimeError("this transport cannot write")
 
         broken.held.transport.write = refuse  # type: ignore[method-assign]
-        with caplog.at_level(logging.ERROR, logger="kvevents.held_writes"):
+        with caplog.at_level(logging.ERROR, logger="kvevents.http.held_writes"):
             await _a_turn()
         assert await first.arrived(b"first") == b"first"
         assert await last.arrived(b"last") == b"last"

@@ -21,16 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "router"))
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents.api import document
-from kvevents.config import KVEventsConfig
 from kvevents.engine import api_schema as engine_api
 from kvevents.engine.server import EngineInfo, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import plan_topology
-from kvevents.router import api_schema as router_api
-from kvevents.router.core import Router
-from kvevents.router.fastapi_app import create_fastapi_app
-from kvevents.router.hot_path import HotPath
-from kvevents.router.service import RouterService
+from kvevents.publish.config import KVEventsConfig
+from kvevents.router.decide.router import Router
+from kvevents.router.serve import api_schema as router_api
+from kvevents.router.serve.fastapi_app import create_fastapi_app
+from kvevents.router.serve.hot_path import HotPath
+from kvevents.router.serve.service import RouterService
 
 LIMIT = 65_536
 """The router's --max-body-bytes here: small, so bodies on both sides of it are cheap."""

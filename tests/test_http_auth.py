@@ -1,4 +1,4 @@
-"""API keys, TLS files and client credentials (kvevents.http_auth), and the engine's publisher host."""
+"""API keys, TLS files and client credentials (kvevents.http.auth), and the engine's publisher host."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import trustme
 
-from kvevents.config import KVEventsConfig
 from kvevents.errors import ConfigError
-from kvevents.http_auth import (
+from kvevents.http.auth import (
     ApiKey,
     ClientCredentials,
     ServerTLS,
     resolve_secret,
     unauthorized_answer,
 )
+from kvevents.publish.config import KVEventsConfig
 from process_support import run_kvevents
 
 ENV = "KVEVENTS_TEST_API_KEY"

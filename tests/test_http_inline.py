@@ -1,7 +1,7 @@
 """The inline path on uvicorn answers exactly as the ASGI path, and only where it may.
 
 Two real uvicorn servers on loopback serve one router: one through the inline protocol
-(:mod:`kvevents.http_inline`), one through uvicorn's own (the same app behind a plain
+(:mod:`kvevents.http.inline`), one through uvicorn's own (the same app behind a plain
 ASGI function, which offers no inline answer). Raw sockets check what a client library
 would hide: pipelining order, HTTP/1.0, chunked bodies, ``Expect: 100-continue``.
 """
@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from kvevents import Holder, Router
-from kvevents.held_writes import HeldWrites
-from kvevents.http_auth import ApiKey
-from kvevents.http_inline import InlineApp, protocol_for
-from kvevents.http_serving import bind_http, start_http
-from kvevents.router.app import create_app
-from kvevents.router.hot_path import HotPath
-from kvevents.router.service import RouterService
+from kvevents.http.auth import ApiKey
+from kvevents.http.held_writes import HeldWrites
+from kvevents.http.inline import InlineApp, protocol_for
+from kvevents.http.serving import bind_http, start_http
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.hot_path import HotPath
+from kvevents.router.serve.service import RouterService
 from kvevents.wire.hashing import content_keys
 
 LIMIT = 4096
@@ -425,7 +425,7 @@ def test_an_upgrade_request_is_left_to_uvicorn() -> None:
 
 def test_an_answer_held_to_the_round_end_still_precedes_the_400_behind_it() -> None:
     """A good request and an unparsable one in one write: uvicorn writes its 400 and
-    closes while the inline answer is still held (:mod:`kvevents.held_writes`); the
+    closes while the inline answer is still held (:mod:`kvevents.http.held_writes`); the
     client reads the 200 first, then the 400, then the end of the connection. (uvicorn's
     own protocol answers only the 400 here: its ASGI task had not written the 200 yet.)"""
 

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from kvevents import EndpointError
-from kvevents.http_serving import bind_http, http_url
+from kvevents.http.serving import bind_http, http_url
 
 
 def test_taken_port_is_an_endpoint_error_naming_the_address() -> None:

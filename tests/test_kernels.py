@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents import kernels
-from kvevents.router.token_body import BadRequest, TokensBody, decode_tokens_body
+from kvevents.router.prompts.token_body import BadRequest, TokensBody, decode_tokens_body
 from kvevents.wire.hashing import content_keys, content_keys_per_block
 
 U32 = 2**32 - 1

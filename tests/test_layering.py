@@ -38,9 +38,9 @@ def test_the_tree_keeps_every_contract() -> None:
 def test_a_router_import_of_the_engine_breaks_the_contract(tmp_path: Path) -> None:
     """One import of the simulated engine from the router is reported as a broken contract."""
     shutil.copytree(ROOT / "src" / "kvevents", tmp_path / "kvevents")
-    scoring = tmp_path / "kvevents" / "router" / "scoring.py"
+    scoring = tmp_path / "kvevents" / "router" / "decide" / "scoring.py"
     scoring.write_text(scoring.read_text() + "\nimport kvevents.engine.cache  # noqa\n")
     result = _lint_imports(tmp_path, ROOT / "pyproject.toml")
     assert result.returncode != 0
     assert "The simulated engine and the router never import each other BROKEN" in result.stdout
-    assert "kvevents.router.scoring -> kvevents.engine.cache" in result.stdout
+    assert "kvevents.router.decide.scoring -> kvevents.engine.cache" in result.stdout

@@ -52,7 +52,12 @@ def test_internals_live_in_their_subpackage() -> None:
     """Deployment helpers and bookkeeping types are not top-level names, but are still
     importable from their subpackage."""
     moved = {
-        "kvevents.endpoints": ["Endpoint", "PortPlan", "RankEndpoints", "free_port_range"],
+        "kvevents.transport.endpoints": [
+            "Endpoint",
+            "PortPlan",
+            "RankEndpoints",
+            "free_port_range",
+        ],
         "kvevents.subscribe": ["BlockSizeMismatch", "BlockSizes", "EngineStatus", "StreamStats"],
     }
     for module_name, names in moved.items():

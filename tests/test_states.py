@@ -11,7 +11,7 @@ import pytest
 
 from kvevents import EngineSpec
 from kvevents.engine.supervisor import RankState
-from kvevents.router.core import POLICIES, Policy
+from kvevents.router.decide.router import POLICIES, Policy
 from kvevents.subscribe import ENGINE_KINDS, DiscoveryState, EngineKind, StreamStats, StreamStatus
 from kvevents.subscribe.engine_watcher import EngineWatcher
 from kvevents.subscribe.loop import Command

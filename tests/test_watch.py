@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvevents.endpoints import free_port_range
+from kvevents.transport.endpoints import free_port_range
 from process_support import run_kvevents
 from subscriber_support import EngineProcess
 

@@ -13,7 +13,7 @@ modules behind it may move.
 * Errors: :class:`KVEventsError` and the classes below it (see :mod:`kvevents.errors`).
 
 Deployment helpers and internals stay in their subpackage and are imported from there:
-port planning (:mod:`kvevents.endpoints`: ``Endpoint``, ``PortPlan``, ``RankEndpoints``,
+port planning (:mod:`kvevents.transport.endpoints`: ``Endpoint``, ``PortPlan``, ``RankEndpoints``,
 ``free_port_range``), the subscriber's bookkeeping (:mod:`kvevents.subscribe`:
 ``BlockSizes``, ``BlockSizeMismatch``, ``EngineStatus``, ``StreamStats``), the HTTP
 services (:mod:`kvevents.router`, :mod:`kvevents.engine`; ``kvevents router`` and
@@ -22,9 +22,6 @@ services (:mod:`kvevents.router`, :mod:`kvevents.engine`; ``kvevents router`` an
 
 from importlib.metadata import version as _version
 
-from kvevents.config import KVEventsConfig
-from kvevents.curve_keys import CurveKeyPair
-from kvevents.endpoints import offset_endpoint_port, select_kv_publisher_dp_rank
 from kvevents.errors import (
     ConfigError,
     DiscoveryError,
@@ -38,6 +35,7 @@ from kvevents.errors import (
 )
 from kvevents.index.prefix_index import PrefixIndex, namespace_key
 from kvevents.index.types import HolderMatch, IndexStats, PrefixMatch, Tier, TierCredits
+from kvevents.publish.config import KVEventsConfig
 from kvevents.publish.zmq_publisher import (
     EventPublisher,
     EventPublisherFactory,
@@ -68,6 +66,8 @@ from kvevents.subscribe.items import (
     Unreachable,
 )
 from kvevents.subscribe.subscriber import Subscriber, SubscriberState
+from kvevents.transport.curve_keys import CurveKeyPair
+from kvevents.transport.endpoints import offset_endpoint_port, select_kv_publisher_dp_rank
 from kvevents.types import Hash, Holder
 from kvevents.wire.codec import decode_batch, encode_batch
 from kvevents.wire.events import (

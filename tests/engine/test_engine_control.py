@@ -16,9 +16,9 @@ import zmq.asyncio
 from engine_support import Engine
 from zmq.utils.monitor import recv_monitor_message
 
-from kvevents.config import KVEventsConfig
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.supervisor import RankSupervisor
+from kvevents.publish.config import KVEventsConfig
 
 encode = msgspec.msgpack.Encoder().encode
 

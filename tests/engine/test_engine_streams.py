@@ -9,7 +9,7 @@ import zmq
 from engine_support import Engine, RankStreams, published_counts
 
 from kvevents import AllBlocksCleared, BlockRemoved
-from kvevents.endpoints import free_port_range
+from kvevents.transport.endpoints import free_port_range
 
 pytestmark = pytest.mark.slow
 

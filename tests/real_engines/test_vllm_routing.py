@@ -19,7 +19,7 @@ import httpx
 from real_vllm_helpers import IndexFeed, Prompts, RealVLLM, VLLMClient
 from real_vllm_router import RouterProcess, words
 
-from kvevents.router.engines import vllm_rank_loads, vllm_scrape
+from kvevents.router.fleet.engines import vllm_rank_loads, vllm_scrape
 
 FEED_TIMEOUT_S = 30.0
 

@@ -19,9 +19,9 @@ from kvevents.bench.ingest import _payloads
 from kvevents.errors import SubscriberStateError
 from kvevents.index.prefix_index import PrefixIndex
 from kvevents.index.snapshot import decode_snapshot
-from kvevents.router.core import Router
-from kvevents.router.service import RouterService
-from kvevents.router.warm_start import dump_bytes
+from kvevents.router.decide.router import Router
+from kvevents.router.fleet.warm_start import dump_bytes
+from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.items import Delivery
 from kvevents.types import Holder
 from kvevents.wire.codec import decode_batch

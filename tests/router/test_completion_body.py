@@ -1,6 +1,6 @@
 """The relay's completions fast path reads exactly what decoding the whole body reads.
 
-:func:`kvevents.router.completion_body.token_prompt` is only an acceleration: for every
+:func:`kvevents.router.prompts.completion_body.token_prompt` is only an acceleration: for every
 body it takes, its token ids and fields must equal those of the whole decode
 (``prompts_of`` on the decoded dict); every body it does not take gives None, so the
 relay decodes it whole and refuses it in the same words as before.
@@ -17,8 +17,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvevents import kernels
-from kvevents.router.completion_body import RelayFields, _beside_the_prompt, token_prompt
-from kvevents.router.openai_relay import OpenAIError, _with_rank, prompts_of
+from kvevents.router.prompts.completion_body import RelayFields, _beside_the_prompt, token_prompt
+from kvevents.router.serve.openai_relay import OpenAIError, _with_rank, prompts_of
 
 U32 = 2**32 - 1
 

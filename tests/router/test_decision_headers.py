@@ -7,10 +7,10 @@ from urllib.parse import quote
 import pytest
 
 from kvevents.index.types import HolderMatch
-from kvevents.router import openai_relay
-from kvevents.router.core import RouteDecision
-from kvevents.router.openai_relay import decision_headers
-from kvevents.router.scoring import HolderScore
+from kvevents.router.decide.router import RouteDecision
+from kvevents.router.decide.scoring import HolderScore
+from kvevents.router.serve import openai_relay
+from kvevents.router.serve.openai_relay import decision_headers
 
 
 def _score(worker: str, rank: int, matched: HolderMatch, predicted: int) -> HolderScore:

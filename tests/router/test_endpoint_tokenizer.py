@@ -13,8 +13,8 @@ import json
 import pytest
 from upstream_support import Server, answer_once, keep_alive, run, serving
 
-from kvevents.router.tokenize import EndpointTokenizer, TokenizeError
-from kvevents.router.upstream import Upstream
+from kvevents.http.upstream import Upstream
+from kvevents.router.prompts.tokenize import EndpointTokenizer, TokenizeError
 
 
 def answer(status: int, body: bytes) -> bytes:

@@ -14,10 +14,10 @@ import random
 import pytest
 
 from kvevents import Holder, HolderLoad, ScoringWeights
-from kvevents.router import load_board
-from kvevents.router.core import Router
-from kvevents.router.load_board import LoadBoard
-from kvevents.router.scoring import pending_blocks
+from kvevents.router.decide import load_board
+from kvevents.router.decide.load_board import LoadBoard
+from kvevents.router.decide.router import Router
+from kvevents.router.decide.scoring import pending_blocks
 
 H0, H1, H2 = Holder("http://a", 0), Holder("http://a", 1), Holder("http://b", 0)
 

@@ -29,9 +29,9 @@ from kvevents.errors import RouterNotReadyError
 from kvevents.index import Tier
 from kvevents.index import predictions as predictions_module
 from kvevents.kernels import native
-from kvevents.router.core import RouteDecision, Router
-from kvevents.router.hot_path import HotPath, encode_route_answer
-from kvevents.router.token_body import PLAIN_BODY, TokensBody
+from kvevents.router.decide.router import RouteDecision, Router
+from kvevents.router.prompts.token_body import PLAIN_BODY, TokensBody
+from kvevents.router.serve.hot_path import HotPath, encode_route_answer
 from kvevents.wire.hashing import content_keys_per_block
 
 module = native.load()

@@ -20,7 +20,7 @@ import zmq
 from openai_support import FakeEngine, RankPublishers
 from router_support import RouterProc, wait_until
 
-from kvevents.endpoints import free_port_range
+from kvevents.transport.endpoints import free_port_range
 
 BS = 4
 

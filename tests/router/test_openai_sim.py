@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from router_support import Engine, RouterProc, wait_until
 
-from kvevents.endpoints import free_port_range
 from kvevents.text.chat import render_chat
+from kvevents.transport.endpoints import free_port_range
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from engine_support import stream_events

@@ -1,7 +1,7 @@
 """The relay answered from uvicorn's parser callbacks answers exactly as through ASGI.
 
 A completions body whose prompt is one list of token ids, not asking for a stream, is
-relayed by a coroutine the inline protocol runs (:mod:`kvevents.http_inline`,
+relayed by a coroutine the inline protocol runs (:mod:`kvevents.http.inline`,
 :meth:`OpenAIRelay.inline`), its answer written whole. Two real uvicorn servers on
 loopback serve one router service in front of a fake engine: one through the inline
 protocol, one through uvicorn's own (the same app behind a plain ASGI function). Raw
@@ -23,14 +23,14 @@ from openai_support import FakeEngine
 from upstream_support import Script, Server, serving
 
 from kvevents import Holder, Router, kernels
-from kvevents.http_auth import ApiKey
-from kvevents.http_inline import AsyncInlineApp, protocol_for
-from kvevents.http_serving import bind_http, start_http
-from kvevents.router import openai_relay as relay_module
-from kvevents.router.app import create_app
-from kvevents.router.hot_path import HotPath
-from kvevents.router.openai_relay import OpenAIRelay
-from kvevents.router.service import RouterService
+from kvevents.http.auth import ApiKey
+from kvevents.http.inline import AsyncInlineApp, protocol_for
+from kvevents.http.serving import bind_http, start_http
+from kvevents.router.serve import openai_relay as relay_module
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.hot_path import HotPath
+from kvevents.router.serve.openai_relay import OpenAIRelay
+from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.wire.hashing import content_keys
 
@@ -365,7 +365,7 @@ def test_a_stream_left_to_the_asgi_path_is_decoded_once(
     and that relay takes the same decode instead of reading the body again; its stream
     is the plain server's. A stream that arrives straight on the ASGI path (the plain
     server) is decoded once too."""
-    import kvevents.router.openai_relay as relay_module
+    import kvevents.router.serve.openai_relay as relay_module
 
     calls: list[bytes] = []
     real = relay_module.token_prompt
@@ -522,6 +522,6 @@ def test_a_stream_the_relay_never_started_is_released_all_the_same() -> None:
     the answer for a client already gone): the stream generator never ran its cleanup,
     so the answer's own release frees the engine connection (and with it the request's
     in-flight count); after a stream that ran, that release is a second call, which
-    :meth:`Response.release <kvevents.router.upstream.Response.release>` ignores."""
+    :meth:`Response.release <kvevents.http.upstream.Response.release>` ignores."""
     assert asyncio.run(_relay_that_fails(starts=False)) == ["by the answer"]
     assert asyncio.run(_relay_that_fails(starts=True)) == ["by the stream", "by the answer"]

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from kvevents.router.request_stats import engine_usage, engine_usage_of_json
+from kvevents.router.serve.request_stats import engine_usage, engine_usage_of_json
 
 _ANSWERS = [
     (

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from kvevents import Router
-from kvevents.router import service as service_module
-from kvevents.router.app import DeferredApp, create_app
-from kvevents.router.service import RouterService
+from kvevents.router.serve import service as service_module
+from kvevents.router.serve.app import DeferredApp, create_app
+from kvevents.router.serve.service import RouterService
 
 Message = dict[str, Any]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvevents import BlockStored, Delivery, Gap, Holder, KVEventBatch, Loss, Reset, Router
-from kvevents.router.metrics import make_registry, render
-from kvevents.router.models import models_from_names
+from kvevents.router.decide.models import models_from_names
+from kvevents.router.serve.metrics import make_registry, render
 from kvevents.subscribe.items import Removed
 
 H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)

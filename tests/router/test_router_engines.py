@@ -18,10 +18,10 @@ import pytest
 import zmq
 
 from kvevents import BlockStored, KVEventBatch, Subscriber, ZmqEventPublisher
-from kvevents.router import engines as engines_module
-from kvevents.router import service as service_module
-from kvevents.router.core import Router
-from kvevents.router.engines import (
+from kvevents.http.upstream import Upstream
+from kvevents.router.decide.router import Router
+from kvevents.router.fleet import engines as engines_module
+from kvevents.router.fleet.engines import (
     SLOW_POLLS_TOLERATED,
     EngineState,
     _poll_load,
@@ -31,7 +31,7 @@ from kvevents.router.engines import (
     vllm_scrape,
     watch_engine,
 )
-from kvevents.router.upstream import Upstream
+from kvevents.router.serve import service as service_module
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.types import Holder
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from kvevents import Holder, KVEventsError, Router, RouterNotReadyError
-from kvevents.router.app import create_app
-from kvevents.router.service import RouterService
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.service import RouterService
 
 
 class _BuggyRouter(Router):

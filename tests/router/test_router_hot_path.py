@@ -21,8 +21,8 @@ from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
 from kvevents.index.types import HolderMatch
-from kvevents.router.hot_path import ScoreAnswer, encode_route_answer, route_answer
-from kvevents.router.scoring import HolderScore
+from kvevents.router.decide.scoring import HolderScore
+from kvevents.router.serve.hot_path import ScoreAnswer, encode_route_answer, route_answer
 
 PAGE = 4
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import pytest
 from openai_support import FakeEngine
 
 from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router
-from kvevents.router.batch import combine_scores
-from kvevents.router.models import (
+from kvevents.router.decide.batch import combine_scores
+from kvevents.router.decide.models import (
     EngineModels,
     ModelCatalog,
     UnknownModelError,
@@ -18,7 +18,7 @@ from kvevents.router.models import (
     models_from_server_info,
     models_from_v1_models,
 )
-from kvevents.router.service import RouterService
+from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 
 A0, A1, B0, C0 = Holder("a", 0), Holder("a", 1), Holder("b", 0), Holder("c", 0)

@@ -11,7 +11,7 @@ import pytest
 import zmq.asyncio
 
 from kvevents import Holder, Router
-from kvevents.router.peers import LoadNote, LoadNotes, PeerNotes, sender_id
+from kvevents.router.fleet.peers import LoadNote, LoadNotes, PeerNotes, sender_id
 
 H = Holder("http://engine", 0)
 

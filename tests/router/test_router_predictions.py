@@ -15,8 +15,8 @@ from kvevents import (
     Reset,
     Router,
 )
-from kvevents.router.metrics import make_registry, render
-from kvevents.router.scoring import ScoringWeights
+from kvevents.router.decide.scoring import ScoringWeights
+from kvevents.router.serve.metrics import make_registry, render
 from kvevents.subscribe.items import Signal
 from kvevents.wire.hashing import content_keys
 

@@ -1,6 +1,6 @@
 """Ranking: the best few of score()'s list, exactly, without scoring every holder.
 
-:class:`~kvevents.router.scoring.Ranking` ranks the holders once by the part of their
+:class:`~kvevents.router.decide.scoring.Ranking` ranks the holders once by the part of their
 cost that does not depend on the request, then answers each request from the holders
 it matched and the first few of the rest. Whatever the loads, matches, predictions,
 ties and unavailable holders, its answer must be ``score(...)[:top]``, field for field;
@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits, kernels
-from kvevents.router import load_board
-from kvevents.router.core import Router
-from kvevents.router.load_board import LoadBoard, board_top_scores
-from kvevents.router.scoring import Ranking, score
+from kvevents.router.decide import load_board
+from kvevents.router.decide.load_board import LoadBoard, board_top_scores
+from kvevents.router.decide.router import Router
+from kvevents.router.decide.scoring import Ranking, score
 
 # small values on purpose: equal costs, and so every tie-break, come up often
 _blocks = st.integers(min_value=0, max_value=6)

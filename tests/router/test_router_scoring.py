@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
-from kvevents.router.scoring import choose, pending_blocks, score
+from kvevents.router.decide.scoring import choose, pending_blocks, score
 
 H0, H1, H2 = Holder("e", 0), Holder("e", 1), Holder("e", 2)
 

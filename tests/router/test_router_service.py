@@ -14,8 +14,8 @@ from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, PrefixIndex, ScoringWeights
 from kvevents.cli.router import add_arguments, build_service
-from kvevents.router.core import Router
-from kvevents.router.service import RouterService
+from kvevents.router.decide.router import Router
+from kvevents.router.serve.service import RouterService
 from kvevents.text.chat import render_chat
 
 PAGE = 4

@@ -22,14 +22,14 @@ from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
 from kvevents.errors import ConfigError
-from kvevents.router.nats_sync import (
+from kvevents.router.fleet.nats_sync import (
     RESYNC_INTERVAL,
     NatsNoteTransport,
     default_subject,
     shown_url,
     split_notes,
 )
-from kvevents.router.peers import LoadNote, LoadNotes
+from kvevents.router.fleet.peers import LoadNote, LoadNotes
 from process_support import run_kvevents
 from subscriber_support import free_tcp_port
 

@@ -21,8 +21,8 @@ from router_support import Engine, RouterProc, wait_until
 from kvevents import BlockStored, KVEventBatch
 from kvevents.cli.router import add_arguments, build_service
 from kvevents.index.prefix_index import PrefixIndex
-from kvevents.router.core import Router
-from kvevents.router.warm_start import load_from_peers
+from kvevents.router.decide.router import Router
+from kvevents.router.fleet.warm_start import load_from_peers
 from kvevents.types import Holder
 from process_support import run_kvevents
 

@@ -1,20 +1,20 @@
 """The ceiling for the router benchmark: the router's HTTP stack with nothing behind it.
 
 ``python -m kvevents.bench.bare_server --port 0`` serves one ASGI app on exactly the
-stack ``kvevents router`` uses (:func:`kvevents.http_serving.serve_app`: uvicorn, its
-httptools parser with the inline path of :mod:`kvevents.http_inline`, uvloop) that reads
+stack ``kvevents router`` uses (:func:`kvevents.http.serving.serve_app`: uvicorn, its
+httptools parser with the inline path of :mod:`kvevents.http.inline`, uvloop) that reads
 a POST body, decodes it with the router's own request decoder
-(:func:`~kvevents.router.token_body.decode_tokens_body`, with the compiled kernels
+(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`, with the compiled kernels
 loaded as the router loads them) and answers ``{"prompt_tokens": N}``: no keys, no
 index, no scoring. Whatever this answers per second is what any router on this stack
 could at best; the benchmark reports the router's figures as a share of it. It prints
 ``kvevents bare ready URL``.
 ``--http-server granian`` serves the same parse through granian's RSGI interface
-(:mod:`kvevents.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
+(:mod:`kvevents.http.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
 
 ``--relay-to URL`` also makes it a *bare relay*: ``POST /v1/completions`` is forwarded
 as it came to ``URL/v1/completions`` with the router's own client
-(:meth:`~kvevents.router.upstream.Upstream.post_whole`, kept-alive connections) and the
+(:meth:`~kvevents.http.upstream.Upstream.post_whole`, kept-alive connections) and the
 engine's status, content type and body answered, inline on uvicorn as the router's
 relay is: no decode, no keys, no routing, no decision headers, no usage. What it adds
 to the engine's latency is what any relay on this stack adds; the benchmark measures
@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvevents import kernels
-from kvevents.http_serving import HTTP_SERVERS, run_event_loop, serve_app
-from kvevents.router.hot_path import Receive, Scope, Send
-from kvevents.router.token_body import BadRequest, decode_tokens_body
-from kvevents.router.upstream import FullResponse, Upstream
+from kvevents.http.serving import HTTP_SERVERS, run_event_loop, serve_app
+from kvevents.http.upstream import FullResponse, Upstream
+from kvevents.router.prompts.token_body import BadRequest, decode_tokens_body
+from kvevents.router.serve.hot_path import Receive, Scope, Send
 
 __all__ = ["READY_PREFIX", "BareApp", "bare_app", "main"]
 
@@ -46,7 +46,7 @@ RELAYED_PATH = "/v1/completions"
 _FORWARDED = {"content-type": "application/json"}
 
 _PairedAnswer = tuple[int, list[tuple[bytes, bytes]], bytes]
-"""An inline answer (:data:`kvevents.http_inline.InlineAnswer`) with its headers as pairs,
+"""An inline answer (:data:`kvevents.http.inline.InlineAnswer`) with its headers as pairs,
 as the ASGI and RSGI sides here send them."""
 
 
@@ -60,7 +60,7 @@ def _answer(raw: bytes) -> tuple[int, bytes]:
 
 class BareApp:
     """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian); on uvicorn
-    it answers inline as the router's hot path does (:mod:`kvevents.http_inline`).
+    it answers inline as the router's hot path does (:mod:`kvevents.http.inline`).
     ``upstream``: the relay's client (default: the router's kept-alive one)."""
 
     inline_paths = frozenset({b"/route", b"/query"})

@@ -9,10 +9,10 @@ server, exactly as the router's server calls it, with nothing to wait for:
 
 * ``bare``: the bare server's ``/route`` (:mod:`kvevents.bench.bare_server`): the body
   decoded as the router decodes it, the token count answered: the ceiling's work;
-* ``route`` and ``query``: the router's :meth:`~kvevents.router.hot_path.HotPath.answer_inline`;
+* ``route`` and ``query``: the router's :meth:`~kvevents.router.serve.hot_path.HotPath.answer_inline`;
 * ``bare_relay``: the bare relay's ``/v1/completions``, its engine answering at once;
 * ``relay``: the router's relayed completion (:meth:`OpenAIRelay.inline
-  <kvevents.router.openai_relay.OpenAIRelay.inline>`: decode, route, the rank added,
+  <kvevents.router.serve.openai_relay.OpenAIRelay.inline>`: decode, route, the rank added,
   headers, the engine's answer taken), its engine answering at once.
 
 For both relays the engine request's head is built as the forwarding client builds it
@@ -37,11 +37,11 @@ import msgspec
 
 from kvevents import kernels
 from kvevents.bench.bare_server import BareApp
+from kvevents.http.upstream import FullResponse, Upstream
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
-from kvevents.router.core import Router
-from kvevents.router.hot_path import HotPath
-from kvevents.router.service import RouterService
-from kvevents.router.upstream import FullResponse, Upstream
+from kvevents.router.decide.router import Router
+from kvevents.router.serve.hot_path import HotPath
+from kvevents.router.serve.service import RouterService
 from kvevents.types import Holder
 
 __all__ = ["CASES", "PROMPTS", "TOKENS", "AnsweringUpstream", "Cases", "build_cases", "main"]

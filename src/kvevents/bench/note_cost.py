@@ -3,7 +3,7 @@
 Part of ``kvevents bench router`` (:mod:`kvevents.bench.router`). ``POST /route`` alone
 changes nothing and sends no note; with ``"record": true`` the router counts the
 decision in its holder's recent work and, when it shares load, sends a ``routed`` note
-(:meth:`kvevents.router.core.Router.record`). So both routers here get the same bodies,
+(:meth:`kvevents.router.decide.router.Router.record`). So both routers here get the same bodies,
 ``{"input_ids": [...], "record": true}`` over the stored 2,048-token prompts:
 
 * **off**: ``kvevents router --workers 1``: no peers, so no note is made;
@@ -23,7 +23,7 @@ sender's side; the receiving side (applying a peer's note, a dictionary update o
 event loop) is not in it, as no other replica publishes during the runs.
 
 :func:`note_cpu_in_process` is the same question without HTTP and without the
-neighbours: one in-process :class:`~kvevents.router.core.Router` records the same
+neighbours: one in-process :class:`~kvevents.router.decide.router.Router` records the same
 decision ``count`` times, yielding to the event loop after each (so the publishing
 task runs as it would between requests), with a NATS :class:`LoadNotes` attached and
 without, interleaved; the difference in CPU time per decision is what one note costs,
@@ -45,9 +45,9 @@ import httpx
 from kvevents.bench.completions import process_cpu_s
 from kvevents.demo.procs import Child
 from kvevents.demo.replicas import NatsChild
-from kvevents.router.core import Router
-from kvevents.router.nats_sync import NatsNoteTransport
-from kvevents.router.peers import LoadNotes
+from kvevents.router.decide.router import Router
+from kvevents.router.fleet.nats_sync import NatsNoteTransport
+from kvevents.router.fleet.peers import LoadNotes
 from kvevents.types import Holder
 
 __all__ = ["note_cpu_in_process", "run_note_cost"]

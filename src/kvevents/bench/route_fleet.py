@@ -1,13 +1,13 @@
 """What one ``/route`` costs as the fleet grows: the best few scored, against every holder.
 
 In process, no sockets (the figure is the router's own work, CPU time, median of the
-rounds): a :class:`~kvevents.router.core.Router` with ``ranks`` holders (4 ranks per
+rounds): a :class:`~kvevents.router.decide.router.Router` with ``ranks`` holders (4 ranks per
 engine), ``prompts`` prompts of ``tokens`` tokens stored one per holder in turn, and
 the loads the engines' polls would give it (some requests running on every rank), with
 the compiled kernels loaded as the router loads them. Per fleet size:
 
 * ``top_us``: :meth:`Router.route` with ``top=4``, what ``POST /route`` does by default
-  (:class:`~kvevents.router.scoring.Ranking`: the holders the request matched, then the
+  (:class:`~kvevents.router.decide.scoring.Ranking`: the holders the request matched, then the
   best four of the rest);
 * ``every_us``: :meth:`Router.route` scoring every holder (``"all_scores": true``, and
   every ``/route`` before 2026-12-03), in the same run;
@@ -16,7 +16,7 @@ the compiled kernels loaded as the router loads them. Per fleet size:
 * ``relayed_us``: what a relayed completion asks of the router, :meth:`Router.route`
   with ``top=1`` then :meth:`~Router.begin` and :meth:`~Router.finish`: the loads
   change under every request, so no ranking serves it (the load table's scan does,
-  :mod:`kvevents.router.load_board`);
+  :mod:`kvevents.router.decide.load_board`);
 * ``recorded_us``: a ``/route`` with ``"record": true``, :meth:`Router.route` with
   ``top=4`` then :meth:`~Router.record`: the loads change under every request too.
 
@@ -35,9 +35,9 @@ from typing import Any
 import msgspec
 
 from kvevents import kernels
-from kvevents.router.app import create_app
-from kvevents.router.core import Router
-from kvevents.router.service import RouterService
+from kvevents.router.decide.router import Router
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.service import RouterService
 from kvevents.types import Holder
 
 __all__ = ["route_request_us", "run_route_fleet_bench"]

@@ -54,8 +54,8 @@ from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
 from kvevents.demo.procs import Child
 from kvevents.errors import ConfigError, KVEventsError
-from kvevents.granian_serving import require_granian
-from kvevents.http_serving import HTTP_SERVERS, HttpServer
+from kvevents.http.granian_serving import require_granian
+from kvevents.http.serving import HTTP_SERVERS, HttpServer
 
 __all__ = ["EVENTS_CONFIG_WITH_REPLAY", "run_router_bench"]
 

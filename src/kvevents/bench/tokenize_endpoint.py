@@ -5,8 +5,8 @@ text prompt and chat it routes, so that request is on the hot path of text routi
 This benchmark starts a real ``kvevents engine`` and, in this process, sends it the
 same ``/tokenize`` request one at a time, in alternating rounds, two ways:
 
-* ``upstream``: :class:`~kvevents.router.tokenize.EndpointTokenizer` as the router runs
-  it, posting through the router's engine client (:class:`~kvevents.router.upstream.Upstream`);
+* ``upstream``: :class:`~kvevents.router.prompts.tokenize.EndpointTokenizer` as the router runs
+  it, posting through the router's engine client (:class:`~kvevents.http.upstream.Upstream`);
 * ``httpx``: the same request through one kept-alive ``httpx.AsyncClient`` and
   ``response.json()``, which is how the router sent it before 2026-12-03.
 
@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from kvevents.demo.procs import Child
-from kvevents.router.tokenize import EndpointTokenizer
-from kvevents.router.upstream import Upstream
+from kvevents.http.upstream import Upstream
+from kvevents.router.prompts.tokenize import EndpointTokenizer
 
 __all__ = ["run_tokenize_endpoint_bench"]
 

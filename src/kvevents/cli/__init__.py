@@ -6,6 +6,6 @@
   the subcommands;
 * :mod:`~kvevents.cli.engine_args`: the options that describe an engine by hand.
 
-Serving HTTP (bind, announce a ready line, stop on a signal) is :mod:`kvevents.http_serving`,
+Serving HTTP (bind, announce a ready line, stop on a signal) is :mod:`kvevents.http.serving`,
 a layer below, because the benchmarks' bare server serves the same way.
 """

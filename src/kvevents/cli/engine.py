@@ -38,8 +38,6 @@ from typing import Any
 
 from kvevents.cli.options import add_log_level
 from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
-from kvevents.config import KVEventsConfig
-from kvevents.endpoints import PortPlan
 from kvevents.engine.models import (
     DEFAULT_MODEL_NAME,
     ServedModels,
@@ -51,8 +49,10 @@ from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
-from kvevents.http_auth import ApiKey, ApiKeyGate, ServerTLS
-from kvevents.http_serving import bind_http, http_url, start_http, stop_on_signals
+from kvevents.http.auth import ApiKey, ApiKeyGate, ServerTLS
+from kvevents.http.serving import bind_http, http_url, start_http, stop_on_signals
+from kvevents.publish.config import KVEventsConfig
+from kvevents.transport.endpoints import PortPlan
 from kvevents.types import (
     NonNegativeFloat,
     Port,

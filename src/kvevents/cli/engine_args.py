@@ -30,10 +30,10 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from kvevents.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.errors import ConfigError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineSpec, load_engines_file
+from kvevents.transport.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.types import NonNegativeInt, PositiveInt, bounded
 
 __all__ = ["add_engine_arguments", "curve_options", "endpoint_specs", "engine_specs"]

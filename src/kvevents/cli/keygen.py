@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvevents.curve_keys import write_key_pair
+from kvevents.transport.curve_keys import write_key_pair
 
 __all__ = ["add_arguments", "run"]
 

@@ -10,16 +10,16 @@ An engine is discovered through its ``/server_info`` (a vLLM through its
 its ``--engine`` (``--kv-endpoint`` and friends, :mod:`kvevents.cli.engine_args`) or in an
 engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every rank's stream (a
 :class:`~kvevents.Subscriber`), asks each engine for its load or health
-(:mod:`kvevents.router.engines`), and answers (JSON in and out):
+(:mod:`kvevents.router.fleet.engines`), and answers (JSON in and out):
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI requests, routed to
   the rank holding their longest prefix and relayed (streaming too); a chat is rendered
-  with the engine's template first. See :mod:`kvevents.router.openai`.
+  with the engine's template first. See :mod:`kvevents.router.serve.openai`.
 * ``POST /query``: ``{"input_ids": [...]}``, ``{"text": "..."}`` or ``{"messages":
   [...]}`` (a chat, with the chat body's template fields; optional ``lora``,
   ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
 * ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
-  holder's score (see :mod:`kvevents.router.scoring`), by the KV-aware cost whatever
+  holder's score (see :mod:`kvevents.router.decide.scoring`), by the KV-aware cost whatever
   ``--policy`` says. Asking changes nothing unless the body says ``"record": true``: a
   gateway that then sends the request itself has the choice counted in the balance
   term. The router never sees such a request end, so it is in-flight load only as the
@@ -28,10 +28,10 @@ engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every r
   ``routed_dp_rank`` set (any rank in the body is replaced); the engine's answer comes
   back with a ``router`` field saying where it went and why.
 * ``GET /workers``: engines, streams and holders with their health, load and block sizes.
-* ``GET /metrics``: Prometheus text (:mod:`kvevents.router.metrics`).
+* ``GET /metrics``: Prometheus text (:mod:`kvevents.router.serve.metrics`).
 * ``GET /dump``: the index snapshot (``application/octet-stream``, see
   :meth:`kvevents.PrefixIndex.to_bytes`), with each stream's last applied seq: what a
-  replica started with ``--peer URL`` begins from (:mod:`kvevents.router.warm_start`).
+  replica started with ``--peer URL`` begins from (:mod:`kvevents.router.fleet.warm_start`).
 
 Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
 ``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
@@ -76,19 +76,19 @@ from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
 from kvevents.cli.security import RouterSecurity, add_router_arguments, router_security
 from kvevents.errors import ConfigError
-from kvevents.granian_serving import require_granian
-from kvevents.http_serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
+from kvevents.http.granian_serving import require_granian
+from kvevents.http.serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
-from kvevents.router.app import create_app
-from kvevents.router.core import POLICIES, Router
-from kvevents.router.hot_path import DEFAULT_MAX_BODY_BYTES
-from kvevents.router.peers import LoadNotes, SyncTransport, machine_seat, sender_id
-from kvevents.router.scoring import ScoringWeights
-from kvevents.router.service import RouterService
-from kvevents.router.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
-from kvevents.router.warm_start import load_from_peers, peer_url_problem
+from kvevents.router.decide.router import POLICIES, Router
+from kvevents.router.decide.scoring import ScoringWeights
+from kvevents.router.fleet.peers import LoadNotes, SyncTransport, machine_seat, sender_id
+from kvevents.router.fleet.warm_start import load_from_peers, peer_url_problem
+from kvevents.router.prompts.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES
+from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
@@ -374,7 +374,7 @@ def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:
             raise ConfigError("--sync-subject needs --sync NATS_URL")
         return None
     try:
-        from kvevents.router.nats_sync import NatsNoteTransport, default_subject
+        from kvevents.router.fleet.nats_sync import NatsNoteTransport, default_subject
     except ImportError:
         raise ConfigError(
             "--sync needs the nats-py package: pip install 'kvevents[sync]'"

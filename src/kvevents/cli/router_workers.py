@@ -4,7 +4,7 @@ Each worker process is a whole router: it follows every engine's streams itself 
 fans each stream out to every subscriber), keeps its own index, polls the engines, and
 listens on the same port with ``SO_REUSEPORT``, so the kernel spreads connections over
 the processes. The processes tell each other every request they route and every one
-that ends (:mod:`kvevents.router.peers`, over ``ipc://`` sockets in a private folder), so
+that ends (:mod:`kvevents.router.fleet.peers`, over ``ipc://`` sockets in a private folder), so
 the balance and in-flight terms of each one's cost see all N processes' traffic.
 
 The parent process only supervises: it reserves the port (bound, never listening, so
@@ -19,7 +19,7 @@ stops them all (SIGTERM, then SIGKILL after 10 s). A worker stops by itself when
 parent is gone (killed), so none is left serving the port unsupervised. A worker that
 dies comes back with an empty index that its subscriber refills by replay where the
 engines keep a replay buffer, and its peers' view of its in-flight requests ages out
-(:data:`~kvevents.router.peers.DEFAULT_NOTE_TTL`).
+(:data:`~kvevents.router.fleet.peers.DEFAULT_NOTE_TTL`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Any
 
 from kvevents.cli.security import RouterSecurity
 from kvevents.errors import EndpointError, KVEventsError
-from kvevents.http_serving import bind_http, run_event_loop, serve_app
-from kvevents.router.app import create_app
-from kvevents.router.peers import PeerNotes, machine_seat, sender_id
-from kvevents.router.service import RouterService
+from kvevents.http.serving import bind_http, run_event_loop, serve_app
+from kvevents.router.fleet.peers import PeerNotes, machine_seat, sender_id
+from kvevents.router.serve.app import create_app
+from kvevents.router.serve.service import RouterService
 
 __all__ = ["serve_workers"]
 

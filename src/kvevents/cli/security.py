@@ -8,7 +8,7 @@
   with, ``--engine-api-key`` and ``--ssl-ca-certs`` (:func:`engine_credentials`).
 * :func:`add_router_arguments` and :func:`router_security`: the router's whole set.
 
-The values are checked by :mod:`kvevents.http_auth`; every error is a
+The values are checked by :mod:`kvevents.http.auth`; every error is a
 :class:`~kvevents.errors.ConfigError` naming the option, and no message holds a key.
 README, "Security", says what each option closes.
 """
@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvevents.errors import ConfigError
-from kvevents.http_auth import ApiKey, ClientCredentials, ServerTLS, resolve_secret
+from kvevents.http.auth import ApiKey, ClientCredentials, ServerTLS, resolve_secret
 
 __all__ = [
     "API_KEY_ENV",

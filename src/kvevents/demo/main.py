@@ -75,7 +75,7 @@ DEFAULTS: dict[str, Any] = {
     "concurrency": 32,
     "max_new_tokens": 32,
     # Empty: the router runs with its own defaults, which were chosen on this replay and
-    # others (see kvevents.router.scoring), so the demo shows what `kvevents router` does.
+    # others (see kvevents.router.decide.scoring), so the demo shows what `kvevents router` does.
     "router_args": "",
 }
 

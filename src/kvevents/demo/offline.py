@@ -17,7 +17,7 @@ rank's :class:`~kvevents.engine.cache.PrefixCache` with its events. What is simu
 With the demo's defaults (``overhead_s`` calibrated on its latencies) the hit rates
 land within about one point of ``kvevents demo``'s own, KV-aware and round-robin, and
 one request at a time reproduces the collapse that a real vLLM showed (see
-:mod:`kvevents.router.scoring`). O(total prompt tokens) hashing plus one routing
+:mod:`kvevents.router.decide.scoring`). O(total prompt tokens) hashing plus one routing
 decision per request.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from kvevents.demo.replay import Outcome, PolicyRun, Workload
 from kvevents.engine.cache import Admission, PrefixCache
-from kvevents.router.core import Policy, Router, Ticket
-from kvevents.router.scoring import ScoringWeights
+from kvevents.router.decide.router import Policy, Router, Ticket
+from kvevents.router.decide.scoring import ScoringWeights
 from kvevents.subscribe.items import Delivery
 from kvevents.traces import request_tokens
 from kvevents.types import Holder

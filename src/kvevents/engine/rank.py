@@ -38,11 +38,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvevents.config import KVEventsConfig
-from kvevents.endpoints import Endpoint
 from kvevents.engine.cache import PrefixCache
 from kvevents.engine.scheduler import Completion, QueueFullError, Scheduler
 from kvevents.errors import KVEventsError
+from kvevents.publish.config import KVEventsConfig
+from kvevents.transport.endpoints import Endpoint
 from kvevents.wire.hashing import get_hash_scheme
 
 __all__ = ["RankSpec", "main"]

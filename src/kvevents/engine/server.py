@@ -45,7 +45,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvevents.api import install
-from kvevents.config import KVEventsConfig
 from kvevents.engine.api_schema import OPERATIONS, GenerateRequest
 from kvevents.engine.bodies import BodyError, diagnose, read_body
 from kvevents.engine.models import ServedModels, lora_keys
@@ -54,6 +53,7 @@ from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.topology import Topology
 from kvevents.errors import RequestError
+from kvevents.publish.config import KVEventsConfig
 from kvevents.text.tokenizer import ByteTokenizer
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "EngineInfo", "EngineLimits", "create_app"]

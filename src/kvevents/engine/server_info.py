@@ -24,9 +24,9 @@ from typing import Any
 
 from msgspec import UNSET, UnsetType
 
-from kvevents.config import KVEventsConfig
-from kvevents.curve_keys import CurveKeyPair
-from kvevents.endpoints import Endpoint
+from kvevents.publish.config import KVEventsConfig
+from kvevents.transport.curve_keys import CurveKeyPair
+from kvevents.transport.endpoints import Endpoint
 from kvevents.wire.server_info import (
     AdvertisedPublisher,
     KVEventsBlock,

@@ -12,7 +12,7 @@ SGLang runs one scheduler per GPU. Their ranks depend on the mode:
 
 Either way there are ``dp_size`` KV caches. Only attention-TP rank 0 of each publishes
 (the others hold identical copies), and its publisher rank is
-:func:`~kvevents.endpoints.select_kv_publisher_dp_rank` of its ranks, which spans
+:func:`~kvevents.transport.endpoints.select_kv_publisher_dp_rank` of its ranks, which spans
 ``0..dp_size-1`` in both modes (docs/architecture.md, The problem).
 
 The simulated engine runs one process per KV cache, i.e. per publishing scheduler;
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvevents.endpoints import select_kv_publisher_dp_rank
 from kvevents.errors import ConfigError
+from kvevents.transport.endpoints import select_kv_publisher_dp_rank
 
 __all__ = ["SchedulerRole", "Topology", "plan_topology"]
 

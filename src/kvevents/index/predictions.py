@@ -14,7 +14,7 @@ confirmed blocks) until one of these ends it:
   added, and only if no later request predicted it again);
 * **cleared**: a ``Reset`` or ``AllBlocksCleared`` of the holder (a ``Loss`` clears
   the holder's confirmed blocks but keeps its predictions: see
-  :mod:`kvevents.router.core`);
+  :mod:`kvevents.router.decide.router`);
 * **dropped**: the index's memory bound needs the room (oldest predictions go first,
   before any confirmed block).
 

@@ -15,7 +15,7 @@ kernels do that work in one call each, without a Python object per token or per 
   index's block masks (:mod:`~kvevents.kernels.mask_mirror`), one compiled call instead
   of a dict lookup per block.
 * :mod:`~kvevents.kernels.load_scan` picks the best holders by load from the router's
-  load table (:mod:`kvevents.router.load_board`), one call instead of a Python step
+  load table (:mod:`kvevents.router.decide.load_board`), one call instead of a Python step
   per holder when every request changes the loads (relayed requests).
 
 Beside them, :mod:`~kvevents.kernels.native` loads a C extension (built at install when a
@@ -155,7 +155,7 @@ class Kernels:
         ``lead``: instead of ``"input_ids"``, the bytes the body has between its ``{``
         (and whitespace) and the ``:`` of the array wanted, ending with that array's
         key; the caller must check that the key is a member of the object itself
-        (:func:`kvevents.router.completion_body.token_prompt` does)."""
+        (:func:`kvevents.router.prompts.completion_body.token_prompt` does)."""
         if type(body) is not bytes:  # the one type the kernel was compiled for
             body = bytes(body)
         # The ids go into this thread's buffer, grown to the most the body can hold, and

@@ -5,7 +5,7 @@
  * table: open addressing, linear probing) and, when the router holds predictions,
  * against the same mirror of the predictions' masks (a block counts where either holds
  * it), scores every candidate as the router's Ranking does (a stable-loads plan
- * prepared in Python: kvevents/router/native_route.py) and writes the answer's JSON,
+ * prepared in Python: kvevents/router/decide/native_route.py) and writes the answer's JSON,
  * byte for byte what msgspec writes for the Python path. Anything it cannot answer
  * exactly (a float msgspec would print in exponent form, no available holder) answers
  * None, and the caller takes the Python path. query_answer() keys and matches alike and
@@ -665,7 +665,7 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
     return answered(&m, buffer, o.n, 1);
 }
 
-/* The load board's row of a slot (kvevents/router/load_board.py): its fields' order. */
+/* The load board's row of a slot (kvevents/router/decide/load_board.py): its fields' order. */
 enum { ROW_AVAILABLE, ROW_ENGINE, ROW_INFLIGHT, ROW_BLOCKS, ROW_RAW, ROW_ROUTED, ROW_STRIDE };
 
 /* A candidate's place on the board and in the index (native order, 16 bytes each). */

@@ -4,11 +4,11 @@ A relayed request (or a ``/route`` with ``record``) changes the loads it is rout
 so the next request cannot reuse a ranking: it must look at every holder. In Python
 that is about half a microsecond a holder (180 us a request at 256 ranks, 600 at
 1,024). The router's loads live in one flat float64 table
-(:class:`~kvevents.router.load_board.LoadBoard`, :data:`STRIDE` numbers per holder
+(:class:`~kvevents.router.decide.load_board.LoadBoard`, :data:`STRIDE` numbers per holder
 slot), so one call here scans the candidates instead.
 
 :func:`best_unmatched` ranks every candidate as if it cached nothing of the request:
-by :func:`~kvevents.router.scoring.score`'s sort key (unavailable last, then the cost,
+by :func:`~kvevents.router.decide.scoring.score`'s sort key (unavailable last, then the cost,
 the pending work, the recent work, the requests routed and the candidate's position),
 with the same float64 arithmetic in the same order, so the holders it picks are the
 ones Python would. The caller scores the holders that matched the request itself and

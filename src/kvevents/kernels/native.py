@@ -11,8 +11,8 @@ other member) while the loads hold still, byte for byte what the Python path ans
 * the match against the index's mirror of GPU masks (:mod:`~kvevents.kernels.mask_mirror`,
   one word: up to 64 holder slots), and against the same mirror of the predictions'
   masks when the router holds predictions (a block counts where either holds it);
-* every candidate's score as :class:`~kvevents.router.scoring.Ranking` computes it,
-  from a plan of the ranking's figures (:mod:`kvevents.router.native_route` makes it);
+* every candidate's score as :class:`~kvevents.router.decide.scoring.Ranking` computes it,
+  from a plan of the ranking's figures (:mod:`kvevents.router.decide.native_route` makes it);
 * the answer's JSON, numbers written as msgspec writes them; a float msgspec would
   write in exponent form (below 1e-4 or from 1e16) answers None instead, and the
   caller takes the Python path.
@@ -21,7 +21,7 @@ other member) while the loads hold still, byte for byte what the Python path ans
 A relayed request (``/v1/completions``: every one changes the loads, so no ranking is
 kept) has its holder chosen in one call too, ``board_choice``: the keys, both matches
 and every candidate's score read from the load board's table, as
-:func:`~kvevents.router.load_board.board_top_scores` scores them (the best, or the
+:func:`~kvevents.router.decide.load_board.board_top_scores` scores them (the best, or the
 best few for a recorded ``/route``); the decision is then made in Python from their
 figures.
 

@@ -1,6 +1,6 @@
 """CURVE on a publisher's sockets: the server keys, the ZAP check, the refusals counted.
 
-When the ``--kv-events-config`` holds CURVE keys (:mod:`kvevents.config`), the live PUB
+When the ``--kv-events-config`` holds CURVE keys (:mod:`kvevents.publish.config`), the live PUB
 and the replay ROUTER of a :class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher`
 become CURVE servers: every connection is encrypted, and a subscriber is served only
 when its public key is among the allowed ones. Three parts:
@@ -35,9 +35,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from kvevents.config import KVEventsConfig
-from kvevents.curve_keys import CurveKeyPair
 from kvevents.errors import ConfigError
+from kvevents.publish.config import KVEventsConfig
+from kvevents.transport.curve_keys import CurveKeyPair
 
 __all__ = ["CurveServer"]
 

@@ -13,8 +13,8 @@ import socket
 
 import zmq
 
-from kvevents.endpoints import Endpoint
 from kvevents.errors import EndpointError
+from kvevents.transport.endpoints import Endpoint
 
 __all__ = ["open_socket"]
 

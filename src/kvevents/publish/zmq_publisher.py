@@ -44,8 +44,6 @@ from typing import Any, ClassVar, Literal
 import msgspec
 import zmq
 
-from kvevents.config import KVEventsConfig
-from kvevents.endpoints import Endpoint, offset_endpoint_port
 from kvevents.errors import ConfigError, PublisherStateError
 from kvevents.publish.base import (
     EventPublisher,
@@ -54,10 +52,12 @@ from kvevents.publish.base import (
     PublisherStats,
     resolve_publisher_rank,
 )
+from kvevents.publish.config import KVEventsConfig
 from kvevents.publish.curve_server import CurveServer
 from kvevents.publish.replay_server import ReplayBuffer, ReplayServer
 from kvevents.publish.send_queue import SendQueue
 from kvevents.publish.sockets import open_socket
+from kvevents.transport.endpoints import Endpoint, offset_endpoint_port
 from kvevents.wire.codec import encode_batch
 from kvevents.wire.events import KVEventBatch
 from kvevents.wire.frames import END_SEQ

@@ -4,8 +4,8 @@
 package does not import FastAPI.
 """
 
-from kvevents.router.core import RouteDecision, Router, Ticket
-from kvevents.router.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
+from kvevents.router.decide.router import RouteDecision, Router, Ticket
+from kvevents.router.decide.scoring import HolderLoad, HolderScore, ScoringWeights, choose, score
 
 __all__ = [
     "HolderLoad",

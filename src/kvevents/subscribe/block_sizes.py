@@ -32,7 +32,7 @@ and a warning says so. Until then the new size's events are skipped as mismatche
 Events alone never change the size: one vLLM stream may carry chains of two sizes (a
 model whose KV-cache groups differ in block size), which must not flip it to and fro;
 so an engine that declares no size (a vLLM whose ``/metrics`` states none plainly:
-:func:`kvevents.router.engines.cache_config_block_size`) is not followed to a new one.
+:func:`kvevents.router.fleet.engines.cache_config_block_size`) is not followed to a new one.
 
 Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
 event mismatches. Not thread-safe: one consumer thread.

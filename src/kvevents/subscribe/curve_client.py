@@ -18,7 +18,7 @@ import errno
 
 import zmq
 
-from kvevents.curve_keys import CurveKeyPair
+from kvevents.transport.curve_keys import CurveKeyPair
 
 __all__ = ["HANDSHAKE_EVENTS", "HANDSHAKE_TIMEOUT_MS", "handshake_failure_reason", "secure_client"]
 

@@ -16,7 +16,7 @@ advertises and sends).
 
 ``model`` names the models the engine serves (a name, a comma list, or in a file a list
 of names); the router then routes requests for them there without asking the engine
-(:mod:`kvevents.router.models`).
+(:mod:`kvevents.router.decide.models`).
 
 ``kind`` says how a request is sent to one rank: ``vllm`` with the HTTP header
 ``X-data-parallel-rank``, ``sglang`` and ``kvevents`` (our simulated engine) with
@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import httpx
 import msgspec
 
-from kvevents.curve_keys import parse_public_key
-from kvevents.endpoints import Endpoint, PortPlan
 from kvevents.errors import ConfigError, EndpointError
-from kvevents.http_auth import masked_url
+from kvevents.http.auth import masked_url
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY
+from kvevents.transport.curve_keys import parse_public_key
+from kvevents.transport.endpoints import Endpoint, PortPlan
 
 if TYPE_CHECKING:
     from kvevents.subscribe.subscriber import Subscriber

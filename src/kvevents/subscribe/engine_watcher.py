@@ -25,7 +25,7 @@ import httpx
 import msgspec
 
 from kvevents.errors import DiscoveryError
-from kvevents.http_auth import ClientCredentials
+from kvevents.http.auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, discover
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.stream_spec import MISSED_WITHOUT_REPLAY

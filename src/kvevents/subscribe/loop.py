@@ -36,7 +36,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvevents.curve_keys import CurveKeyPair
 from kvevents.errors import WireError
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.handoff import Handoff
@@ -59,6 +58,7 @@ from kvevents.subscribe.stream import (
     TrackerAction,
 )
 from kvevents.subscribe.stream_sockets import StreamSockets
+from kvevents.transport.curve_keys import CurveKeyPair
 from kvevents.types import Holder
 from kvevents.wire.codec import decode_batch
 from kvevents.wire.events import AllBlocksCleared

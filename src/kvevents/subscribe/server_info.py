@@ -25,7 +25,6 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvevents.curve_keys import parse_public_key
 from kvevents.errors import ConfigError, DiscoveryError
 from kvevents.subscribe.stream_spec import (
     HOW_TO_ENABLE,
@@ -34,6 +33,7 @@ from kvevents.subscribe.stream_spec import (
     resolve_endpoint,
     tcp_endpoint,
 )
+from kvevents.transport.curve_keys import parse_public_key
 from kvevents.wire.server_info import KVEventsBlock, decode_kv_events_block
 
 __all__ = ["fetch_server_info", "streams_from_server_info"]

@@ -33,7 +33,6 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvevents.curve_keys import CurveKeyPair
 from kvevents.subscribe import curve_client
 from kvevents.subscribe.curve_client import (
     HANDSHAKE_EVENTS,
@@ -45,6 +44,7 @@ from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.replay_client import ReplayClient
 from kvevents.subscribe.stats import StreamCounters, StreamStats, StreamStatus
 from kvevents.subscribe.stream import StreamTracker, TrackerAction
+from kvevents.transport.curve_keys import CurveKeyPair
 from kvevents.types import Holder
 
 log = logging.getLogger(__name__)

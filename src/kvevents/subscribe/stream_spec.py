@@ -12,9 +12,9 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from kvevents.curve_keys import parse_public_key
-from kvevents.endpoints import WILDCARD_HOSTS, Endpoint
 from kvevents.errors import DiscoveryError, EndpointError
+from kvevents.transport.curve_keys import parse_public_key
+from kvevents.transport.endpoints import WILDCARD_HOSTS, Endpoint
 
 __all__ = [
     "HOW_TO_ENABLE",

@@ -67,15 +67,15 @@ from types import TracebackType
 import msgspec
 import zmq
 
-from kvevents.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.errors import SubscriberStateError
-from kvevents.http_auth import ClientCredentials
+from kvevents.http.auth import ClientCredentials
 from kvevents.subscribe.discovery import StreamSpec, normalize_engine_url
 from kvevents.subscribe.engine_watcher import EngineStatus, EngineWatcher
 from kvevents.subscribe.handoff import Handoff, HandoffClosed
 from kvevents.subscribe.items import Item
 from kvevents.subscribe.loop import Command, SubscriberLoop
 from kvevents.subscribe.stats import StreamStats
+from kvevents.transport.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.types import Holder
 
 __all__ = ["DEFAULT_MAX_MESSAGE_SIZE", "EngineStatus", "Subscriber", "SubscriberState"]
@@ -123,7 +123,7 @@ class Subscriber:
       batch (from the start). A resumed holder of a discovered engine that its discovery
       does not list is dropped with a ``Removed`` signal.
     * ``http_credentials``: the API key discovery requests carry and the CA bundle
-      ``https://`` engines are verified against (:class:`~kvevents.http_auth.ClientCredentials`;
+      ``https://`` engines are verified against (:class:`~kvevents.http.auth.ClientCredentials`;
       default: no key, the default trust store).
     * ``curve_key_pair``: this subscriber's CURVE key pair
       (:meth:`kvevents.CurveKeyPair.load` of a ``kvevents keygen`` secret key file), used

@@ -1,0 +1,451 @@
+"""Routing cost: prefill left to do, work waiting, and each holder's share of recent work.
+
+For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefix is
+``gpu`` + ``cpu`` + ``disk`` blocks (nested tiers, see :mod:`kvevents.index.types`):
+
+.. code-block:: text
+
+    prefill(h) = n - (gpu * credit_gpu + cpu * credit_cpu + disk * credit_disk
+                      + predicted * predicted_credit)
+    pending(h) = inflight_blocks(h)
+                 + foreign_request_blocks * max(0, engine_requests(h) - inflight_requests(h))
+    recent(h)  = sum over the requests r this router sent to h:
+                     blocks(r) * 0.5 ** (routed_since(r) / balance_half_life)
+    balance(h) = recent(h) - min(recent(a) for every available holder a)
+    cost(h)    = prefill(h) + load_weight * pending(h) + balance_weight * balance(h)
+
+``prefill`` is the blocks the holder must compute for this request (a block served
+from CPU still costs a quarter of its prefill by default). ``predicted`` is the blocks
+that predictions (:mod:`kvevents.index.predictions`) add to the holder's confirmed
+prefix: a sibling of a request just sent there counts its shared prefix as (almost)
+cached, so the cost, not a rule, decides between the prefix and the holder's load. ``pending`` is the work
+queued on the holder now, in blocks: the uncached blocks of requests this router sent
+and has not seen finish, plus the requests the engine reports running or waiting
+(``/load``, or vLLM's ``/metrics``) that this router did not send, each counted as
+``foreign_request_blocks``. Those are counted as of the engine's last poll: the
+requests this router begins and ends between two polls move ``engine_requests`` with
+``inflight_requests`` (:meth:`LoadBoard.add_inflight
+<kvevents.router.decide.load_board.LoadBoard.add_inflight>`), so a request that has just
+ended is not taken for a foreign one until the next poll.
+
+``recent`` is the work this router gave the holder lately: the prompt blocks of each
+request sent to it, halved every ``balance_half_life`` requests routed (to any
+holder). ``pending`` alone vanishes between requests: with one request in flight at a
+time every holder looks idle, so the holder of the one block all of a trace's requests
+share (a system prompt) wins every new conversation, and one rank's cache takes the
+whole workload while the others stay empty (a real vLLM with DP 2 then hit less than
+round-robin). ``recent`` does not vanish: new conversations, which tie on the shared
+block, go to the holder with the least recent work, while a follow-up whose long
+prefix is cached stays with its holder unless that holder's excess of recent work,
+times ``balance_weight``, outweighs the prefix.
+
+Defaults and choices, measured with ``benchmarks/routing_weights.py`` (the offline
+replay of :mod:`kvevents.demo.offline` on seven scenarios: the demo's, one request at a
+time, 8 ranks, Mooncake's synthetic trace, the real-vLLM workload) and ``kvevents demo``:
+
+* ``load_weight`` 0.1 (it was 1.0): ``pending`` counts a request's uncached prompt for
+  as long as it runs, though its prefill ends after the first step, so at 1.0 any
+  request in flight outweighs a cached conversation (86% of the pooled bound on the
+  demo's replay; 77% measured by ``kvevents demo``), and 0.5 already misses 90% in
+  places. 0 scores as well as 0.1 in the replay, which models no queueing, but would
+  ignore queues and other routers' requests altogether; 0.1 keeps them as tie-breakers.
+* ``balance_weight`` 0.05 and ``balance_half_life`` 64: at least 98% of the bound and
+  load max/min <= 1.12 in every scenario; 0.02-0.1 and 32-128 all stay >= 95% and
+  <= 1.14, so the choice is not a knife edge.
+* ``recent`` counts whole prompts, not only their uncached part: a running request
+  holds KV memory for its whole prompt and refreshes every block of it in the
+  holder's LRU, so prompt blocks are the holder's share of cache and memory. Counting
+  prefill blocks only balanced worse (tokens served max/min up to 1.38 with 8 ranks).
+* Decay per request routed, not per second: the balance then means the same at one
+  request in flight as at 32, on a fast engine as on a slow one, and idle time (when
+  no cache changes) does not erase it.
+* A continuous term rather than a guard that routes by load alone once the imbalance
+  passes absolute and relative thresholds (as SGLang's router does): in the same
+  replay the guard also ended the collapse but gave up more prefix hits (92% of the
+  bound at 32 in flight), and adds two thresholds to tune.
+
+The lowest cost wins; ties go to the lower ``pending``, then the lower ``recent`` (new
+conversations that tie on a shared prefix spread by work, not by request count), then
+to the holder this router has sent fewer requests so far, then to the earlier holder.
+
+:func:`score` and :func:`choose` are pure functions, O(holders) per decision. The
+router keeps its loads in a table (:mod:`kvevents.router.decide.load_board`), where a routed
+request decays every holder's ``recent`` in O(1), and while the loads change under
+every request (relayed ones) it takes the best few from one compiled scan of it
+(:func:`~kvevents.router.decide.load_board.board_top_scores`, ``score(...)[:top]`` exactly).
+
+:class:`Ranking` answers the best few of :func:`score`'s list, exactly, without scoring
+every holder: a holder that caches nothing of the request (no match, no prediction)
+costs ``prefill = n`` plus a part that depends on its load alone, so those holders rank
+among themselves as that part does, whatever the request. A Ranking sorts the holders by
+it once (O(holders log holders)); each request then scores only the holders it matched
+and adds the ``top`` best holders as if nobody had matched (a match only lowers a cost,
+so the rest of the answer is among them), O(matched + top). Those are scored once per
+request size and kept, the same objects from request to request. The router keeps a
+Ranking until the loads change (:meth:`~kvevents.router.decide.router.Router.route` with
+``top``): across a fleet of 64 ranks, a ``/route`` answer no longer costs a Python step
+per rank, and on a fleet of any size the holders that cache nothing cost none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from kvevents.errors import RouterNotReadyError
+from kvevents.index.predictions import DEFAULT_PREDICTION_CREDIT
+from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.types import Holder, NonNegativeFloat, PositiveFiniteFloat, check_bound
+
+__all__ = [
+    "HolderLoad",
+    "HolderScore",
+    "Ranking",
+    "ScoringWeights",
+    "choose",
+    "pending_blocks",
+    "score",
+]
+
+
+class ScoringWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """Weights of the cost; see the module docstring. All must be >= 0, the half-life > 0."""
+
+    load_weight: NonNegativeFloat = 0.1
+    """How many blocks of prefill one block of pending work is worth."""
+    foreign_request_blocks: NonNegativeFloat = 8.0
+    """Pending work assumed for one request the engine runs that this router did not send."""
+    balance_weight: NonNegativeFloat = 0.05
+    """How many blocks of prefill one block of excess recent work is worth."""
+    balance_half_life: PositiveFiniteFloat = 64.0
+    """Requests routed (to any holder) after which a request's share of ``recent`` halves."""
+    predicted_credit: float = DEFAULT_PREDICTION_CREDIT
+    """Worth of one predicted block, like a tier credit (0..1)."""
+
+    def __post_init__(self) -> None:
+        # a constructor call is not decoded, so msgspec does not check the Meta bounds itself
+        for name, bound in (
+            ("load_weight", NonNegativeFloat),
+            ("foreign_request_blocks", NonNegativeFloat),
+            ("balance_weight", NonNegativeFloat),
+            ("balance_half_life", PositiveFiniteFloat),
+        ):
+            check_bound(getattr(self, name), bound, f"ScoringWeights: {name}")
+        if not 0.0 <= self.predicted_credit <= 1.0:
+            raise ValueError(
+                f"ScoringWeights: predicted_credit={self.predicted_credit!r} must be between "
+                "0 and 1 (the fraction of a block's prefill a predicted copy saves)"
+            )
+
+    @property
+    def decay(self) -> float:
+        """The factor ``recent`` is multiplied by per request routed."""
+        return float(0.5 ** (1.0 / self.balance_half_life))
+
+
+class HolderLoad(msgspec.Struct, kw_only=True):
+    """What the router knows of one holder's load."""
+
+    engine_requests: int = 0
+    """Running plus waiting requests on the engine: the count its last poll reported
+    (``/load``, or vLLM's ``/metrics``), plus the requests this router and its peers
+    began there since, less those that ended since (never below 0)."""
+    inflight_requests: int = 0
+    """Requests this router forwarded to the holder and has not seen finish."""
+    inflight_blocks: float = 0.0
+    """Uncached (prefill) blocks of those requests."""
+    routed: int = 0
+    """Requests this router has sent to the holder so far."""
+    available: bool = True
+    """False when the engine reports the rank unavailable: never chosen."""
+    recent_blocks: float = 0.0
+    """Prompt blocks this router sent the holder, decayed (``recent`` in the module docstring)."""
+
+
+# gc=False: one per request and free of reference cycles, so the collector never tracks it
+class HolderScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One holder's figures for one request."""
+
+    worker: str
+    dp_rank: int
+    matched: HolderMatch
+    cached_blocks: float
+    """Credit-weighted cached blocks: gpu*credit_gpu + cpu*credit_cpu + disk*credit_disk."""
+    prefill_blocks: float
+    pending_blocks: float
+    cost: float
+    routed: int
+    available: bool
+    recent_blocks: float = 0.0
+    balance_blocks: float = 0.0
+    """``recent`` above the least recently loaded available holder's."""
+    predicted_blocks: int = 0
+    """Blocks predictions add to ``matched`` (counted in ``cached_blocks`` at their credit)."""
+
+    @property
+    def holder(self) -> Holder:
+        return Holder(self.worker, self.dp_rank)
+
+
+def pending_blocks(load: HolderLoad, weights: ScoringWeights) -> float:
+    """The holder's queued work in blocks (see the module docstring)."""
+    foreign = max(0, load.engine_requests - load.inflight_requests)
+    return load.inflight_blocks + weights.foreign_request_blocks * foreign
+
+
+def score(
+    n_blocks: int,
+    holders: Sequence[Holder],
+    matches: Mapping[Holder, HolderMatch],
+    loads: Mapping[Holder, HolderLoad],
+    *,
+    credits: TierCredits = DEFAULT_CREDITS,
+    weights: ScoringWeights | None = None,
+    predicted: Mapping[Holder, int] | None = None,
+) -> list[HolderScore]:
+    """Score every holder for a request of ``n_blocks`` full blocks; best first.
+
+    Holders missing from ``matches`` cache nothing of it; missing from ``loads``, they
+    are idle; missing from ``predicted`` (or it None), they have no predicted blocks.
+    Unavailable holders come last, whatever their cost.
+    """
+    weights = weights or _DEFAULT_WEIGHTS
+    get_load = loads.get
+    held = [get_load(h, _IDLE) for h in holders]
+    least = min([load.recent_blocks for load in held if load.available], default=0.0)
+    gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
+    load_weight, balance_weight = weights.load_weight, weights.balance_weight
+    foreign_blocks = weights.foreign_request_blocks
+    pcredit = weights.predicted_credit
+    get_match = matches.get
+    get_predicted = predicted.get if predicted else None
+    ranked: list[tuple[bool, float, float, float, int, int, HolderScore]] = []
+    for i, h in enumerate(holders):
+        load = held[i]
+        m = get_match(h, _ZERO)
+        on_gpu, on_cpu, on_disk = m
+        cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
+        p = 0 if get_predicted is None else get_predicted(h, 0)
+        if p:
+            cached += p * pcredit
+        prefill = n_blocks - cached if n_blocks > cached else 0.0
+        foreign = load.engine_requests - load.inflight_requests  # pending_blocks(), inlined
+        pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
+        recent = load.recent_blocks
+        balance = recent - least if recent > least else 0.0
+        # prefill plus the holder's request-independent part, added last: Ranking ranks
+        # holders that cache nothing of the request by that part alone
+        cost = prefill + (load_weight * pending + balance_weight * balance)
+        available, routed = load.available, load.routed
+        # i is unique, so the ranking never compares the scores themselves
+        ranked.append(
+            (
+                not available,
+                cost,
+                pending,
+                recent,
+                routed,
+                i,
+                HolderScore(
+                    worker=h.worker,
+                    dp_rank=h.dp_rank,
+                    matched=m,
+                    cached_blocks=cached,
+                    prefill_blocks=prefill,
+                    pending_blocks=pending,
+                    cost=cost,
+                    routed=routed,
+                    available=available,
+                    recent_blocks=recent,
+                    balance_blocks=balance,
+                    predicted_blocks=p,
+                ),
+            )
+        )
+    ranked.sort()
+    return [entry[-1] for entry in ranked]
+
+
+class Ranking:
+    """The holders ranked by the part of their cost that is the same for every request.
+
+    Built from the candidate ``holders`` (in their order, as :func:`score` takes them),
+    the ``loads`` and the ``weights`` as they are now; it does not follow later changes
+    (build a new one). :meth:`top` is then ``score(...)[:top]`` for any request, exactly
+    (``tests/router/test_router_ranking.py`` checks it against :func:`score`).
+    """
+
+    __slots__ = ("_by_holder", "_entries", "_group_ends", "_rest", "holders", "weights")
+
+    def __init__(
+        self,
+        holders: Sequence[Holder],
+        loads: Mapping[Holder, HolderLoad],
+        weights: ScoringWeights | None = None,
+    ) -> None:
+        self.holders = holders
+        weights = self.weights = weights or _DEFAULT_WEIGHTS
+        get_load = loads.get
+        held = [get_load(h, _IDLE) for h in holders]
+        least = min([load.recent_blocks for load in held if load.available], default=0.0)
+        load_weight, balance_weight = weights.load_weight, weights.balance_weight
+        foreign_blocks = weights.foreign_request_blocks
+        entries: list[_Entry] = []
+        for i, h in enumerate(holders):
+            load = held[i]
+            foreign = load.engine_requests - load.inflight_requests
+            pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
+            recent = load.recent_blocks
+            balance = recent - least if recent > least else 0.0
+            own = load_weight * pending + balance_weight * balance
+            entries.append((not load.available, own, pending, recent, load.routed, i, h, balance))
+        entries.sort()  # i is unique: the holders and balances are never compared
+        self._entries = entries
+        # per entry, where its group (the entries with its availability and own part) ends
+        ends = [len(entries)] * len(entries)
+        for j in range(len(entries) - 2, -1, -1):
+            here, after = entries[j], entries[j + 1]
+            ends[j] = ends[j + 1] if (here[0], here[1]) == (after[0], after[1]) else j + 1
+        self._group_ends = ends
+        self._by_holder = {entry[6]: entry for entry in entries}
+        self._rest: dict[tuple[int, int, type], list[_Ranked]] = {}
+        """Per (blocks, count, type of a zero credit): :meth:`_nothing_cached`'s answer."""
+
+    def entries(self) -> list[_Entry]:
+        """The holders' figures, best first (see :data:`_Entry`); shared, do not change it."""
+        return self._entries
+
+    def top(
+        self,
+        n_blocks: int,
+        matches: Mapping[Holder, HolderMatch],
+        top: int,
+        *,
+        credits: TierCredits = DEFAULT_CREDITS,
+        predicted: Mapping[Holder, int] | None = None,
+    ) -> list[HolderScore]:
+        """The first ``top`` (at least 1) of :func:`score`'s list for a request of
+        ``n_blocks`` blocks with these matches and predictions; O(matched + top).
+
+        The scores of holders that cache nothing of the request are the same objects
+        from one request to the next while the ranking lives (see :meth:`_nothing_cached`)."""
+        top = max(1, top)
+        gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
+        pcredit = self.weights.predicted_credit
+        by_holder = self._by_holder
+        ranked: list[_Ranked] = []
+        touched = set(matches)
+        if predicted:
+            touched.update(predicted)
+        scored: set[int] = set()  # positions of the holders scored here
+        for h in touched:
+            entry = by_holder.get(h)
+            if entry is None:
+                continue  # not a candidate: score() ignores it too
+            scored.add(entry[5])
+            m = matches.get(h, _ZERO)
+            on_gpu, on_cpu, on_disk = m
+            cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
+            p = predicted.get(h, 0) if predicted else 0
+            if p:
+                cached += p * pcredit
+            prefill = n_blocks - cached if n_blocks > cached else 0.0
+            cost = prefill + entry[1]
+            score = _score_of(entry, m, cached, prefill, cost, p)
+            ranked.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
+        # The others among the best ``top`` were nobody matched are the others among
+        # the best ``top`` here: a match only lowers its holder's cost, so it never
+        # passes another holder that would not have passed it anyway.
+        rest = self._nothing_cached(n_blocks, top, credits)
+        if not scored:
+            return [item[6] for item in rest[:top]]
+        for item in rest:
+            if item[5] not in scored:
+                ranked.append(item)
+        ranked.sort()  # the positions are unique: the scores are never compared
+        return [item[6] for item in ranked[:top]]
+
+    def _nothing_cached(self, n_blocks: int, count: int, credits: TierCredits) -> list[_Ranked]:
+        """At least the best ``count`` holders (all when fewer) as if none cached anything
+        of a request of ``n_blocks`` blocks, with their sort keys, best first; kept per
+        arguments while the ranking lives.
+
+        Such holders cost the same prefill plus their own part, so they come in the
+        entries' order, group by group of equal own parts. Within a group the order is
+        exact, so at most ``count`` of a group can count; once ``count`` are taken, a
+        later group counts only if its cost rounds to the cost of the last one taken
+        (its later fields may then rank it first)."""
+        nothing = 0 * credits.gpu + 0 * credits.cpu + 0 * credits.disk  # as score(): 0 or 0.0
+        key = (n_blocks, count, type(nothing))
+        found = self._rest.get(key)
+        if found is not None:
+            return found
+        if len(self._rest) >= _REST_KEPT:
+            self._rest.clear()
+        prefill = n_blocks - nothing if n_blocks > nothing else 0.0
+        entries, group_ends = self._entries, self._group_ends
+        size, j, taken = len(entries), 0, 0
+        last: tuple[bool, float] | None = None
+        out: list[_Ranked] = []
+        while j < size:
+            head = entries[j]
+            cost = prefill + head[1]
+            if taken >= count and (head[0], cost) != last:
+                break
+            end = min(group_ends[j], j + count)
+            for entry in entries[j:end]:
+                score = _score_of(entry, _ZERO, nothing, prefill, cost, 0)
+                out.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
+            taken += end - j
+            last = (head[0], cost)
+            j = group_ends[j]
+        out.sort()  # groups whose costs round to a tie rank by their later fields
+        self._rest[key] = out
+        return out
+
+
+_Entry = tuple[bool, float, float, float, int, int, Holder, float]
+"""(unavailable, own cost, pending, recent, routed, position, holder, balance)."""
+_Ranked = tuple[bool, float, float, float, int, int, HolderScore]
+"""A holder's score behind the fields it is ranked by (see :func:`score`)."""
+_REST_KEPT = 256
+"""Answers of :meth:`Ranking._nothing_cached` a ranking keeps (a bound: a few per request size,
+one per ``top`` asked)."""
+
+
+def _score_of(
+    entry: _Entry, matched: HolderMatch, cached: float, prefill: float, cost: float, p: int
+) -> HolderScore:
+    """The score of a ranked holder (``entry``) for one request."""
+    h = entry[6]
+    return HolderScore(
+        worker=h.worker,
+        dp_rank=h.dp_rank,
+        matched=matched,
+        cached_blocks=cached,
+        prefill_blocks=prefill,
+        pending_blocks=entry[2],
+        cost=cost,
+        routed=entry[4],
+        available=not entry[0],
+        recent_blocks=entry[3],
+        balance_blocks=entry[7],
+        predicted_blocks=p,
+    )
+
+
+_DEFAULT_WEIGHTS = ScoringWeights()
+_ZERO = HolderMatch(0, 0, 0)
+_IDLE = HolderLoad()
+"""The load of a holder missing from ``loads`` (read only: never handed out)."""
+
+
+def choose(scores: Sequence[HolderScore]) -> HolderScore:
+    """The winner of :func:`score`'s ranking; RouterNotReadyError when no holder is available."""
+    if not scores or not scores[0].available:
+        raise RouterNotReadyError(
+            "no available holder to route to: every engine rank is down or unknown; "
+            "check the engines' /health and the router's /workers"
+        )
+    return scores[0]

@@ -1,0 +1,359 @@
+"""Load notes across machines over NATS Core (``kvevents router --sync nats://HOST:PORT``).
+
+Router replicas on different machines each follow every engine and keep their own
+index; what they share is in-flight load, the :class:`~kvevents.router.fleet.peers.LoadNote`
+of :mod:`kvevents.router.fleet.peers`, published on one NATS subject per router group
+(``--sync-subject``; by default derived from the engines followed, :func:`default_subject`,
+so replicas of one fleet meet without configuration). NATS Core is at-most-once, which
+is what the notes need: a lost note only ages out (its ttl).
+
+:class:`NatsNoteTransport` is a :class:`~kvevents.router.fleet.peers.NoteTransport`. The hot
+path never waits for NATS: :meth:`~NatsNoteTransport.send` appends to a bounded queue
+that a task publishes from. That task waits ``batch_window`` seconds (default 5 ms)
+after the first note and then publishes everything queued as one NATS message: one
+publish, and one socket write, costs about 60 us of CPU in nats-py, which per note
+was about a tenth of a ``/route`` request's CPU (``kvevents bench router``); per batch it
+is shared by every note of the batch. A batch of several notes is a msgpack array of
+the encoded notes (each a msgpack ``bin``); a lone note goes as itself, so a receiver
+takes either (:func:`split_notes`). Load notes a few milliseconds late change nothing
+that matters: the engines' own load reports are slower. While NATS is unreachable (at start, or after it went
+away) notes are dropped and counted, not buffered (stale notes would only arrive
+late), the replica routes on its own knowledge, and :meth:`~NatsNoteTransport.status`
+says so (``/workers`` ``process.sync``, the ``kvevents_router_sync_connected`` metric);
+nats-py reconnects by itself, every ``reconnect_wait`` seconds, and the subscription
+comes back with the connection. A connection that goes silent without closing (a network
+partition) is noticed by its unanswered pings, within seconds (:data:`PING_INTERVAL`).
+
+Notes can also be lost on the way in: when this replica reads its subscription more
+slowly than peers publish (a burst while its event loop is busy), nats-py drops the
+messages that no longer fit its pending queue (a *slow consumer*), each one note or a
+batch of them. A lost ``finish`` would leave a peer's finished request in flight here
+until its ttl, a lost ``begin`` would hide one. Each dropped message is counted
+(``missed`` in :meth:`~NatsNoteTransport.status`, the
+``kvevents_router_sync_missed_messages`` metric), and once the drops stop
+(:data:`RESYNC_DELAY` without one, or :data:`RESYNC_INTERVAL` after the first) the
+replica starts again from what is true now, as after a lost link: it drops the peers'
+load it heard over NATS and says hello, so every peer sends its requests in flight
+again (at most once a :data:`RESYNC_INTERVAL`).
+
+Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import urllib.parse
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
+
+from kvevents.errors import ConfigError
+from kvevents.http.auth import masked_url
+from kvevents.router.fleet.peers import cancel_and_wait
+
+__all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
+
+MAX_BATCH = 1000
+"""Notes per NATS message at most (about 70 bytes each, far below NATS's 1 MB limit)."""
+
+PING_INTERVAL = 2.0
+"""Seconds between pings to NATS. A connection that went silent without closing (a
+network partition: no FIN, no RST) is noticed only by pings that go unanswered; with
+nats-py's default of 120 s a replica said ``connected`` for minutes while its notes went
+nowhere. A ping is a few bytes each way."""
+
+RESYNC_DELAY = 0.05
+"""Seconds without a message dropped on the way in before the resync that makes up for
+the ones that were: the rest of a burst is dropped before it, not after."""
+RESYNC_INTERVAL = 1.0
+"""Seconds at least between two resyncs (each one has every peer send its requests in
+flight again), and at most from a drop to its resync while drops go on."""
+MAX_OUTSTANDING_PINGS = 2
+"""Pings unanswered before the connection is taken for dead and nats-py reconnects: a
+silent one is noticed after 4 to 6 seconds, a busy server is not mistaken for a dead one."""
+
+_BATCH_ENCODER = msgspec.msgpack.Encoder()
+_BATCH_DECODER = msgspec.msgpack.Decoder(list[bytes])
+
+
+def split_notes(payload: bytes) -> list[bytes]:
+    """The encoded notes of one NATS message: a batch's elements, or the message itself."""
+    try:
+        return _BATCH_DECODER.decode(payload)
+    except msgspec.DecodeError:  # one note (or garbage, which the note decoder counts)
+        return [payload]
+
+
+log = logging.getLogger("kvevents.router")
+
+
+def default_subject(engines: Iterable[str]) -> str:
+    """``kvevents.notes.<12 hex digits>``: one subject per set of engine URLs followed."""
+    digest = hashlib.sha256("\n".join(sorted(set(engines))).encode()).hexdigest()
+    return f"kvevents.notes.{digest[:12]}"
+
+
+shown_url = masked_url
+"""``text`` with the credentials of every URL in it masked (``--sync
+nats://user:pass@host`` is how nats-py takes them)."""
+
+
+def _check_url(url: str) -> None:
+    """ConfigError unless ``url`` is one NATS URL with a host and a valid port (or none:
+    4222). nats-py checks them only as it connects, and raises there, before its retry
+    loop: a replica started with a typo would go on without sync, saying only that it
+    is not connected."""
+    shown = shown_url(url)
+    example = "give a NATS URL, e.g. nats://127.0.0.1:4222"
+    if not url.startswith(("nats://", "tls://")):
+        raise ConfigError(f"--sync {shown!r}: {example}")
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        port = parsed.port
+    except ValueError:  # a port that is not a number or out of range, a broken [IPv6]
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(
+            f"--sync {shown!r}: cannot read a port from 1 to 65535 in the URL; {example}"
+        )
+    if not parsed.hostname:
+        raise ConfigError(f"--sync {shown!r}: the URL names no host; {example}")
+
+
+class NatsNoteTransport:
+    """Notes over one NATS subject; see the module docstring.
+
+    ``ignore_prefix``: senders whose notes arrive by another transport too (the other
+    processes of this ``--workers`` group), dropped on receipt here.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        *,
+        ignore_prefix: str | None = None,
+        reconnect_wait: float = 0.5,
+        max_queue: int = 10_000,
+        batch_window: float = 0.005,
+        pending_limit: int | None = None,
+    ) -> None:
+        _check_url(url)
+        if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
+            raise ValueError(
+                f"--sync-subject {subject!r}: a NATS subject is dot-separated tokens with "
+                "no spaces or wildcards, e.g. kvevents.notes.fleet1"
+            )
+        self._connect_url = url
+        self.url = shown_url(url)
+        """The URL as shown (``/workers``, logs): credentials in it masked."""
+        self.subject = subject
+        self.ignore_prefix = ignore_prefix
+        self.reconnect_wait = reconnect_wait
+        self.batch_window = batch_window
+        self.batches = 0
+        self.connected = False
+        self.disconnects = 0
+        self.reconnects = 0
+        self.dropped = 0
+        self.missed = 0
+        """Peers' messages (one note, or a batch) NATS dropped before this replica read
+        them (a slow consumer)."""
+        self.resyncs = 0
+        """Times this replica started again from its peers' requests in flight now,
+        after notes were missed."""
+        self.pending_limit = pending_limit
+        """Messages the subscription holds unread before nats-py drops more (None: its
+        default, half a million)."""
+        self.last_error: str | None = None
+        self._resync_at: asyncio.TimerHandle | None = None
+        self._resync_due = 0.0  # when a resync must happen, drops or not (loop time)
+        self._last_resync = float("-inf")
+        self.on_link: Callable[[bool], None] | None = None
+        """Called with False when the connection is lost, True when it is back
+        (:class:`~kvevents.router.fleet.peers.LoadNotes` sets it)."""
+        self._queue: collections.deque[bytes] = collections.deque(maxlen=max_queue)
+        self._wake = asyncio.Event()
+        self._nc: Client | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def send(self, raw: bytes) -> bool:
+        if not self.connected:
+            self.dropped += 1
+            return False
+        if len(self._queue) == self._queue.maxlen:
+            self.dropped += 1  # the oldest queued note gives way
+        self._queue.append(raw)
+        self._wake.set()
+        return True
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(deliver))
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        with contextlib.suppress(Exception):  # _run logged and recorded every failure
+            await cancel_and_wait(task)
+        self.connected = False
+        await self._drop_connection()
+        if self._resync_at is not None:  # after the connection: it may have set one
+            self._resync_at.cancel()
+            self._resync_at = None
+
+    def status(self) -> dict[str, Any]:
+        """For ``/workers`` (``process.sync``) and ``/metrics``."""
+        return {
+            "url": self.url,
+            "subject": self.subject,
+            "connected": self.connected,
+            "disconnects": self.disconnects,
+            "reconnects": self.reconnects,
+            "dropped": self.dropped,
+            "missed": self.missed,
+            "resyncs": self.resyncs,
+            "batches": self.batches,
+            "last_error": self.last_error,
+        }
+
+    # --- the task ---------------------------------------------------------------------
+
+    async def _run(self, deliver: Callable[[bytes], None]) -> None:
+        """Connect and publish for ever. nats-py retries a lost connection by itself; a
+        failure it raises instead (from connecting or subscribing: a TLS or an auth
+        setting it refuses) is logged and shown in :meth:`status`, and everything starts
+        again after a wait that doubles up to a minute, so it is neither silent nor a
+        tight loop."""
+        wait = self.reconnect_wait
+        while True:
+            try:
+                await self._session(deliver)
+            except Exception as exc:  # any failure: say so, and try again
+                if self.connected:
+                    self.connected = False
+                    self._link(False)
+                self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
+                log.error(
+                    "NATS %s: %s; routing without the other replicas' load, trying again in %.1f s",
+                    self.url,
+                    self.last_error,
+                    wait,
+                )
+                await self._drop_connection()
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 60.0)
+
+    def _link(self, up: bool) -> None:
+        if self.on_link is not None:
+            self.on_link(up)
+
+    def _missed_one(self) -> None:
+        """NATS dropped a message on its way in: count it, and resync once the drops stop
+        (see the module docstring)."""
+        self.missed += 1
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._resync_at is None:
+            self._resync_due = now + RESYNC_INTERVAL
+        else:
+            self._resync_at.cancel()
+        at = max(min(now + RESYNC_DELAY, self._resync_due), self._last_resync + RESYNC_INTERVAL)
+        self._resync_at = loop.call_at(at, self._resync)
+
+    def _resync(self) -> None:
+        """Start again from the peers' requests in flight now (see the module docstring)."""
+        self._resync_at = None
+        if not self.connected or self._task is None:
+            return  # the connection coming back says hello itself; or closing
+        self._last_resync = asyncio.get_running_loop().time()
+        self.resyncs += 1
+        self.last_error = "nats: slow consumer, messages dropped"
+        log.warning(
+            "NATS %s: %d messages of peer load notes missed so far (this replica read them "
+            "too slowly); asking the peers for their requests in flight again",
+            self.url,
+            self.missed,
+        )
+        self._link(False)
+        self._link(True)
+
+    async def _drop_connection(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is not None and not nc.is_closed:
+            with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(nc.close(), timeout=2.0)
+
+    async def _session(self, deliver: Callable[[bytes], None]) -> None:
+        async def on_message(msg: Msg) -> None:
+            for raw in split_notes(msg.data):
+                deliver(raw)
+
+        async def on_error(exc: Exception) -> None:
+            if isinstance(exc, nats.errors.SlowConsumerError):
+                self._missed_one()  # one per message dropped: kept cheap
+                return
+            self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
+            log.debug("NATS %s: %s", self.url, self.last_error)
+
+        async def on_disconnected() -> None:
+            if self.connected:
+                self.disconnects += 1
+                log.warning(
+                    "NATS %s unreachable: routing without the other replicas' load", self.url
+                )
+                self.connected = False
+                self._link(False)
+
+        async def on_reconnected() -> None:
+            self.reconnects += 1
+            self.connected = True
+            log.warning("NATS %s reachable again: sharing load notes", self.url)
+            self._link(True)
+
+        # max_reconnect_attempts=-1 retries the first connection too, for ever, so a
+        # replica started before NATS joins once it is up; pending_size=0: no buffering
+        # while disconnected (a publish then fails, and the note is counted as dropped).
+        self._nc = nc = await nats.connect(
+            self._connect_url,
+            name="kvevents-router",
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=self.reconnect_wait,  # seconds
+            connect_timeout=2,
+            ping_interval=PING_INTERVAL,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            pending_size=0,
+            no_echo=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+        )
+        limit = DEFAULT_SUB_PENDING_MSGS_LIMIT if self.pending_limit is None else self.pending_limit
+        await nc.subscribe(self.subject, cb=on_message, pending_msgs_limit=limit)
+        self.connected = True
+        log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
+        self._link(True)  # the first connection too: peers then tell it what is in flight
+        queue = self._queue
+        while True:
+            await self._wake.wait()
+            if self.batch_window > 0:
+                await asyncio.sleep(self.batch_window)  # let the notes of a burst gather
+            self._wake.clear()
+            while queue:
+                batch = [queue.popleft() for _ in range(min(len(queue), MAX_BATCH))]
+                payload = batch[0] if len(batch) == 1 else _BATCH_ENCODER.encode(batch)
+                try:
+                    await nc.publish(self.subject, payload)
+                    self.batches += 1
+                except (nats.errors.Error, OSError) as exc:
+                    self.dropped += len(batch)
+                    self.last_error = shown_url(f"{type(exc).__name__}: {exc}")

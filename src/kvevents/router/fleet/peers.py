@@ -1,0 +1,549 @@
+"""Load notes between router processes, so N routers balance like one.
+
+Each router process keeps its own index (every one follows every engine's streams), but
+the load terms of the cost (:mod:`kvevents.router.decide.scoring`) are about *requests*, which
+each process sees only for itself. So every process tells the others, in a note, each
+request it routes and each that ends:
+
+* ``routed``: a decision someone else forwards (``/route`` with ``record``): the
+  holder's ``recent`` work grows by the prompt's blocks, as for a local decision;
+* ``begin``: a request this process forwards: ``recent`` grows, and the request's
+  uncached blocks are in flight on the holder until its ``finish`` note;
+* ``finish``: the forwarded request ended (answered or failed).
+
+What a note does is :class:`LoadNotes`; how it travels is a :class:`NoteTransport`,
+and one :class:`LoadNotes` may send on and hear from several. Within one ``--workers``
+group the transport is ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the parent
+process makes (:class:`ZmqNoteTransport`: one PUB per process, bound; one SUB per
+process, connected to every other), so notes never leave the machine and cost a
+non-blocking send on the hot path; :class:`PeerNotes` is that pairing. Across machines
+it is NATS (``kvevents router --sync``, :mod:`kvevents.router.fleet.nats_sync`).
+
+Best effort: a note that is lost only leaves load that ages out, because every
+``begin`` carries a time-to-live (``ttl``) after which the receiver drops it even
+without a ``finish``; so a peer that dies takes its in-flight load with it after at
+most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
+duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
+this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
+``finish`` change nothing; what is remembered for that is forgotten after ``ttl``. A note
+with a negative count or rank, or non-finite blocks, is counted ``malformed`` and ignored.
+
+A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
+(:func:`sender_id`; a ``--workers`` process's seat is its group and index). The first
+note of a new run drops the in-flight requests of the run before it in that seat (it
+died: they will never finish, and would count until their ``ttl``; runs that end in their
+start time are ordered by it, so a dead run's late note heard after its replacement's
+changes nothing), and the first note
+of any sender never heard before makes this process send ``begin`` again for each
+request it has in flight: the newcomer did not hear the first ones, and the others take
+the copies as the duplicates they are.
+
+A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
+``on_link``) says so: while it is down, the notes of the requests heard over it (their
+finishes too) are lost, so this router drops the peers' in-flight requests it learned
+over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is up
+(the first connection too, so a replica that just started hears of the requests already
+in flight before it routes any), this router sends a ``hello`` over it and then ``begin``
+again for each request it has in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
+(``reset``: their finishes may have been lost) and sends its own ``begin`` again, so both
+sides count what is in flight now. (A router of an earlier version counts a ``hello`` as
+malformed.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import heapq
+import itertools
+import logging
+import math
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvevents.router.decide.router import NoteKind, Router, Ticket
+from kvevents.types import Holder
+
+__all__ = [
+    "DEFAULT_NOTE_TTL",
+    "LoadNote",
+    "LoadNotes",
+    "NoteTransport",
+    "PeerNotes",
+    "SyncTransport",
+    "WireKind",
+    "ZmqNoteTransport",
+    "cancel_and_wait",
+    "sender_id",
+]
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task (None: nothing to do) and wait until it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+log = logging.getLogger("kvevents.router")
+
+DEFAULT_NOTE_TTL = 300.0
+"""Seconds a peer's in-flight request counts without its ``finish`` (a lost note ages out)."""
+
+
+WireKind = Literal["routed", "begin", "finish", "hello"]
+"""A note's kind: a :data:`~kvevents.router.decide.router.NoteKind`, or ``hello`` (a sender back on
+a link it lost: see the module docstring; its holder and numbers are zero)."""
+
+
+class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One note on the wire (msgpack array): who sent it, what happened, to which holder."""
+
+    sender: str
+    kind: WireKind
+    worker: str
+    dp_rank: int
+    ticket: int
+    n_blocks: int
+    inflight_blocks: float
+    ttl: float
+
+
+def machine_seat(port: int) -> str:
+    """The seat of a router serving ``port`` on this machine: host name, port and the
+    kernel's boot id, the same when the router restarts, apart for two machines that
+    share a host name (two VMs both called ``localhost`` on the same port)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:  # not Linux: the host name and port alone
+        boot = ""
+    return f"{socket.gethostname()}:{port}@{boot}"
+
+
+def sender_id(seat: str, run: str) -> str:
+    """A sender id naming a seat (a stable place, e.g. a worker index) and this run of it:
+    a later run in the same seat supersedes the earlier one (see the module docstring).
+
+    A run ending in ``-<start time in ns>`` (``--workers`` use ``PID-TIME_NS``) is ordered
+    by that time: a note from a run that started before the one heard in its seat is a
+    dead run's late note, whichever came first. Other runs are ordered as they are heard.
+    """
+    if "#" in seat:
+        raise ValueError(f"note sender seat {seat!r}: must not contain '#'")
+    return f"{seat}#{run}"
+
+
+def _seat(sender: str) -> str | None:
+    seat, sep, _ = sender.rpartition("#")
+    return seat if sep else None
+
+
+def _started(sender: str) -> int | None:
+    """The start time a sender's run ends with (:func:`sender_id`), or None."""
+    _, sep, tail = sender.rpartition("#")[2].rpartition("-")
+    return int(tail) if sep and tail.isascii() and tail.isdigit() else None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(LoadNote)
+
+
+def _in_range(note: LoadNote) -> bool:
+    """Whether a decoded note's numbers are ones a router sends (the decoder checks only
+    their types). A negative or non-finite count would not cancel out: the in-flight
+    board clamps at 0, so a begin of -40 blocks and its finish leave +40 for ever, one
+    of inf blocks wipes the holder's own in-flight blocks (inf - inf), and a negative
+    ``n_blocks`` makes a holder's recent work negative, so it draws traffic."""
+    blocks = note.inflight_blocks
+    return note.n_blocks >= 0 and note.dp_rank >= 0 and 0.0 <= blocks < math.inf
+
+
+class NoteTransport(Protocol):
+    """How notes travel: a non-blocking send, and a receiver started on the event loop."""
+
+    ignore_prefix: str | None
+    """Notes from senders starting with this are dropped on receipt (they arrive by
+    another transport too); None: none are."""
+
+    def send(self, raw: bytes) -> bool:
+        """Queue one encoded note without waiting; False when it was dropped."""
+        ...
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        """Begin receiving (on the running event loop): ``deliver`` gets each raw note."""
+        ...
+
+    async def close(self) -> None:
+        """Stop receiving and release the transport. Idempotent."""
+        ...
+
+
+class SyncTransport(NoteTransport, Protocol):
+    """A transport that reports its connection (NATS), for ``/workers`` and ``/metrics``."""
+
+    on_link: Callable[[bool], None] | None
+    """Set by :class:`LoadNotes`: called with False when the connection is lost, True when
+    it is up (the first connection too)."""
+
+    def status(self) -> dict[str, Any]:
+        """At least ``connected`` (bool) and ``dropped`` (notes not sent)."""
+        ...
+
+
+class ZmqNoteTransport:
+    """ZeroMQ PUB/SUB: bind ``own``, connect to every endpoint of ``peers``."""
+
+    ignore_prefix: str | None = None
+
+    def __init__(
+        self, own: str, peers: Sequence[str], *, context: zmq.asyncio.Context | None = None
+    ) -> None:
+        ctx = context or zmq.asyncio.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.bind(own)
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for endpoint in peers:
+            self._sub.connect(endpoint)
+        self._task: asyncio.Task[None] | None = None
+
+    def send(self, raw: bytes) -> bool:
+        try:
+            self._pub.send(raw, zmq.NOBLOCK)
+        except zmq.Again:  # a full queue drops the note: best effort
+            return False
+        return True
+
+    def start(self, deliver: Callable[[bytes], None]) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._receive(deliver))
+
+    async def _receive(self, deliver: Callable[[bytes], None]) -> None:
+        while True:
+            deliver(await self._sub.recv())
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        self._pub.close()
+        self._sub.close()
+
+
+class LoadNotes:
+    """Send this router's notes on every transport; apply the others' to ``router``.
+
+    ``sender``: this router's id, unique across every router that shares notes.
+    ``follows``: whether a note's engine (its ``worker``) is one this router follows;
+    notes about others are counted as ``foreign`` and ignored (None: every engine).
+    ``clock`` is injectable for tests. Not thread-safe: one event loop.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        sender: str,
+        transports: Sequence[NoteTransport],
+        *,
+        ttl: float = DEFAULT_NOTE_TTL,
+        clock: Callable[[], float] = time.monotonic,
+        follows: Callable[[str], bool] | None = None,
+    ) -> None:
+        if not ttl > 0:
+            raise ValueError(f"note ttl={ttl!r}: must be a positive number of seconds")
+        self.router = router
+        self.sender = sender
+        self.transports = list(transports)
+        self.ttl = ttl
+        self.clock = clock
+        self.follows = follows
+        self.sent = 0
+        self.dropped = 0
+        self.received = 0
+        self.duplicates = 0
+        self.malformed = 0
+        """Notes that do not decode, or whose numbers are out of range, ignored."""
+        self.expired = 0
+        self.foreign = 0
+        """Notes about holders this router does not follow (another group's engines on a
+        shared ``--sync-subject``), ignored."""
+        self.superseded = 0
+        """Peers' in-flight requests dropped, and notes ignored, because a later run of
+        their sender's seat spoke (the sender was restarted)."""
+        self.resent = 0
+        """``begin`` notes sent again for a sender heard for the first time, or back on a
+        link (its ``hello``, or this router's own link back)."""
+        self.reset = 0
+        """Peers' in-flight requests dropped because the link they were heard on went down
+        or resynced (notes it dropped on the way in), or their sender said ``hello`` (it
+        sends again those still in flight)."""
+        self._heard_on: dict[str, NoteTransport] = {}  # sender -> the transport it came by
+        self._senders: set[str] = {sender}
+        self._seats: dict[str, str] = {}  # seat -> the latest sender heard in it
+        self._gone: set[str] = set()  # senders a later run of their seat superseded
+        self._own: dict[int, tuple[Ticket, int]] = {}  # this router's requests in flight
+        self._remote: dict[tuple[str, int], tuple[Holder, float, float]] = {}
+        # notes already applied whose duplicates must change nothing: key -> forget after
+        self._done: dict[tuple[str, int], float] = {}
+        # when each entry of both is due, earliest first: (until, key, in _remote); an
+        # entry removed or renewed since leaves its line here, skipped when it comes up
+        self._due: list[tuple[float, tuple[str, int], bool]] = []
+        self._routed_ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._next_sweep = clock() + 1.0
+        router.note_listeners.append(self._local)
+
+    # --- sending ----------------------------------------------------------------------
+
+    def _local(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
+        if ticket is not None:
+            if kind == "begin":
+                self._own[ticket.id] = (ticket, n_blocks)
+            else:
+                self._own.pop(ticket.id, None)
+        self._send(kind, holder, n_blocks, ticket)
+
+    def _send(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
+        raw = self._encode(kind, holder, n_blocks, ticket)
+        went = False
+        for transport in self.transports:
+            if transport.send(raw):
+                went = True
+            else:
+                self.dropped += 1  # per transport that refused it
+        self.sent += went
+
+    def _encode(
+        self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None
+    ) -> bytes:
+        note = LoadNote(
+            self.sender,
+            kind,
+            holder.worker,
+            holder.dp_rank,
+            -next(self._routed_ids) if ticket is None else ticket.id,
+            n_blocks,
+            0.0 if ticket is None else ticket.blocks,
+            self.ttl,
+        )
+        return _ENCODER.encode(note)
+
+    # --- receiving --------------------------------------------------------------------
+
+    def start(self) -> None:
+        for transport in self.transports:
+            transport.start(functools.partial(self._on_raw, transport=transport))
+            if hasattr(transport, "on_link"):  # a SyncTransport: it can lose its connection
+                transport.on_link = functools.partial(self._on_link, transport=transport)
+        self._task = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        with contextlib.suppress(ValueError):
+            self.router.note_listeners.remove(self._local)
+        for transport in self.transports:
+            await transport.close()
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.expire()
+
+    def _on_raw(self, raw: bytes, transport: NoteTransport) -> None:
+        try:
+            note = _DECODER.decode(raw)
+        except msgspec.DecodeError:
+            self.malformed += 1
+            return
+        prefix = transport.ignore_prefix
+        if prefix is not None and note.sender.startswith(prefix):
+            return
+        self.apply(note, transport)
+
+    def apply(self, note: LoadNote, via: NoteTransport | None = None) -> None:
+        """Apply one peer note to the router's loads, once (own notes are ignored).
+        ``via``: the transport it came by (what a lost link drops; ``hello`` answered on)."""
+        if not _in_range(note):
+            self.malformed += 1
+            return
+        if note.sender not in self._senders:
+            if note.sender in self._gone or not self._new_sender(note.sender):
+                self.superseded += 1  # a dead run's note, late
+                return
+        elif note.sender == self.sender:
+            return
+        elif note.kind == "hello":  # a known sender back on a link it lost
+            self.reset += self._drop_from(lambda sender: sender == note.sender)
+            self._resend_own(via)
+        if via is not None:
+            self._heard_on[note.sender] = via
+        if note.kind == "hello":
+            return
+        self.received += 1
+        follows = self.follows
+        if follows is not None and not follows(note.worker):  # another group's engine
+            self.foreign += 1
+            return
+        holder = Holder(note.worker, note.dp_rank)
+        key = (note.sender, note.ticket)
+        now = self.clock()
+        if key in self._done or (note.kind == "begin" and key in self._remote):
+            self.duplicates += 1
+            return
+        # the sender's time-to-live, but never longer than ours (nor NaN, infinite or <= 0)
+        until = now + (min(note.ttl, self.ttl) if note.ttl > 0 else self.ttl)
+        if note.kind == "routed":
+            self.router.remote_routed(holder, note.n_blocks)
+            self._forget_at(key, until)
+        elif note.kind == "begin":
+            self.router.remote_routed(holder, note.n_blocks)
+            self.router.remote_inflight(holder, 1, note.inflight_blocks)
+            self._remote[key] = (holder, note.inflight_blocks, until)
+            heapq.heappush(self._due, (until, key, True))
+        elif note.kind == "finish":
+            held = self._remote.pop(key, None)
+            if held is not None:
+                self.router.remote_inflight(held[0], -1, -held[1])
+            self._forget_at(key, until)  # a late begin, or a duplicate, changes nothing
+        if now >= self._next_sweep:
+            self.expire()
+
+    def _new_sender(self, sender: str) -> bool:
+        """A sender heard for the first time: drop what an earlier run of its seat left
+        in flight, and tell it of this router's own requests in flight. False (and the
+        sender is remembered as gone) when it is itself an earlier run of its seat than
+        the one heard there: a dead run whose notes come late."""
+        seat = _seat(sender)
+        if seat is not None:
+            earlier = self._seats.get(seat)
+            if earlier is not None:
+                then, now = _started(earlier), _started(sender)
+                if then is not None and now is not None and now < then:
+                    self._gone.add(sender)
+                    return False
+            self._seats[seat] = sender
+            if earlier is not None:
+                self.superseded += self._drop_from(lambda s: s == earlier)
+                self._senders.discard(earlier)
+                self._gone.add(earlier)
+        self._senders.add(sender)
+        self._resend_own(None)
+        return True
+
+    def _on_link(self, up: bool, transport: NoteTransport) -> None:
+        """``transport`` lost its connection (False) or has it back (True): see the module
+        docstring, "A lost link"."""
+        if not up:
+            dropped = self._drop_from(lambda sender: self._heard_on.get(sender) is transport)
+            self.reset += dropped
+            if dropped:
+                log.info(
+                    "load notes: link lost or resynced, %d peer requests in flight heard "
+                    "over it dropped (its peers send those still in flight again)",
+                    dropped,
+                )
+            return
+        hello = LoadNote(self.sender, "hello", "", 0, 0, 0, 0.0, self.ttl)
+        if transport.send(_ENCODER.encode(hello)):
+            self._resend_own(transport)
+
+    def _drop_from(self, senders: Callable[[str], bool]) -> int:
+        """Drop the peers' in-flight requests of the ``senders`` that match, not remembered
+        as done (a ``begin`` sent again counts anew); how many (the caller counts them)."""
+        keys = [key for key in self._remote if senders(key[0])]
+        for key in keys:
+            holder, blocks, _ = self._remote.pop(key)
+            self.router.remote_inflight(holder, -1, -blocks)
+        return len(keys)
+
+    def _resend_own(self, via: NoteTransport | None) -> None:
+        """``begin`` again for each request this router has in flight: on ``via`` only (a
+        peer back on it), or on every transport (None). With no blocks routed: they count
+        in flight again, not as a second routing in the holder's recent work."""
+        for ticket, _ in list(self._own.values()):
+            if via is None:
+                self._send("begin", ticket.holder, 0, ticket)
+            elif not via.send(self._encode("begin", ticket.holder, 0, ticket)):
+                self.dropped += 1
+            self.resent += 1
+
+    def _forget_at(self, key: tuple[str, int], until: float) -> None:
+        self._done[key] = until
+        heapq.heappush(self._due, (until, key, False))
+
+    def expire(self) -> None:
+        """Drop peers' in-flight requests whose time-to-live has passed."""
+        now = self.clock()
+        self._next_sweep = now + 1.0
+        due = self._due
+        while due and due[0][0] <= now:  # O(entries due), not a walk over all of them
+            until, key, in_flight = heapq.heappop(due)
+            if not in_flight:
+                if self._done.get(key) == until:
+                    del self._done[key]
+                continue
+            held = self._remote.get(key)
+            if held is None or held[2] != until:
+                continue  # finished since
+            del self._remote[key]
+            self.router.remote_inflight(held[0], -1, -held[1])
+            self.expired += 1
+            self._forget_at(key, now + self.ttl)
+
+    @property
+    def remote_inflight(self) -> int:
+        """Peers' requests now counted in flight on this router's holders."""
+        return len(self._remote)
+
+    def summary(self) -> dict[str, int]:
+        """The counters, for ``/workers`` and ``/metrics``."""
+        return {
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "received": self.received,
+            "duplicates": self.duplicates,
+            "malformed": self.malformed,
+            "expired": self.expired,
+            "foreign": self.foreign,
+            "superseded": self.superseded,
+            "resent": self.resent,
+            "reset": self.reset,
+            "peer_inflight": self.remote_inflight,
+        }
+
+
+class PeerNotes(LoadNotes):
+    """Notes between the processes of one ``--workers`` group, over ipc PUB/SUB.
+
+    ``own``: this process's PUB endpoint (bound); ``peers``: the others' (connected);
+    ``extra``: further transports (NATS, ``--sync``).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        sender: str,
+        own: str,
+        peers: Sequence[str],
+        *,
+        ttl: float = DEFAULT_NOTE_TTL,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        extra: Sequence[NoteTransport] = (),
+        follows: Callable[[str], bool] | None = None,
+    ) -> None:
+        transport = ZmqNoteTransport(own, peers, context=context)
+        super().__init__(router, sender, [transport, *extra], ttl=ttl, clock=clock, follows=follows)

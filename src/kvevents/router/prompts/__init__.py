@@ -1,0 +1,1 @@
+"""Prompts from request bodies: token bodies, completion bodies and tokenizing."""

@@ -1,0 +1,117 @@
+"""Reading a request body with a size bound, before it is buffered whole.
+
+Every route of the router that takes a body (the hot path's ``/route`` and ``/query``,
+and FastAPI's ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``) reads it
+with :func:`read_body` and the one ``--max-body-bytes`` limit. A body past the limit is
+:class:`BodyTooLarge` (answered 413 in the route's error shape): refused from
+``Content-Length`` before a byte is read, and for a chunked body as soon as the running
+count passes the limit, so no more than the limit plus one chunk is ever held. The
+connection stays usable after the answer (on granian the refused body is read to its
+end and dropped, as uvicorn does, since granian would otherwise close the connection).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvevents.errors import KVEventsError
+from kvevents.http.auth import Message, Receive, Scope
+from kvevents.http.granian_serving import drain
+from kvevents.router.serve.service import BadRequest
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "BodyTooLarge",
+    "Disconnected",
+    "Message",
+    "Receive",
+    "Scope",
+    "read_body",
+]
+
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+"""16 MiB: a 128k-token prompt as JSON ids is under 1 MiB; its text under 2 MiB."""
+
+
+class BodyTooLarge(KVEventsError):
+    """The request body passed the limit; answered with 413."""
+
+
+class Disconnected(Exception):
+    """The client went away before its body arrived (nothing is answered)."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refused (:class:`BodyTooLarge`) as soon as it is known to
+    pass ``limit`` bytes: from ``Content-Length`` before a byte is read, else by counting
+    a chunked body as it arrives, so no more than the limit plus one chunk is held.
+
+    Every route of the router that takes a body reads it with this (the FastAPI ones
+    pass ``request.scope`` and ``request.receive``). :class:`BadRequest` for a
+    ``Content-Length`` that is no number, :class:`Disconnected` when the client left.
+    """
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if not value.isdigit():
+                raise BadRequest(f"Content-Length {value[:40]!r} is not a number of bytes")
+            if int(value) > limit:
+                raise BodyTooLarge(_too_large(f"Content-Length {int(value)}", limit))
+            break
+    message = await receive()
+    if message["type"] != "http.request":
+        raise Disconnected
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(body) > limit:
+            raise BodyTooLarge(_too_large(f"{len(body)} bytes", limit))
+        return body
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] != "http.request":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_rsgi_body(scope: Any, proto: Any, limit: int) -> bytes:
+    """:func:`read_body` on granian's RSGI interface (``kvevents router --http-server
+    granian``), with the same checks and errors: ``Content-Length`` before a byte is
+    kept, else a chunked body counted as it arrives; a refused body is read on and
+    dropped (held no longer than one chunk), so the connection stays usable."""
+    length = scope.headers.get("content-length")
+    try:
+        if length is not None:
+            if not (length.isascii() and length.isdigit()):  # "²" is a digit to str
+                raise BadRequest(f"Content-Length {length[:40]!r} is not a number of bytes")
+            if int(length) > limit:
+                await drain(proto.__aiter__())  # read and dropped, as uvicorn does: granian
+                # would otherwise close the connection after the 413
+                raise BodyTooLarge(_too_large(f"Content-Length {int(length)}", limit))
+            return bytes(await proto())
+        chunks = []
+        size = 0
+        async for chunk in proto:  # past the limit, read on and drop (see above)
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(bytes(chunk))
+        if size > limit:
+            raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
+        return b"".join(chunks)
+    except (BadRequest, BodyTooLarge):
+        raise
+    except RuntimeError:  # granian's ProtocolClosed: the client went away
+        raise Disconnected from None
+
+
+def _too_large(size: str, limit: int) -> str:
+    return (
+        f"the request body ({size}) is over the router's limit of {limit} bytes "
+        "(kvevents router --max-body-bytes): send a shorter prompt or raise the limit"
+    )

@@ -1,0 +1,487 @@
+"""The routing hot path: ``POST /route`` and ``POST /query`` as a bare ASGI app.
+
+Every routing request goes through here, so it avoids what a framework adds per request:
+no middleware stack, no request object, no dict built for the answer. A body is read
+(bounded: a ``Content-Length`` past the limit is refused before the body is kept, and a
+chunked body is counted as it arrives; on granian a refused body is then read to its
+end and dropped, as uvicorn does, so the connection stays usable), decoded once
+(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`: the compiled kernels of
+:mod:`kvevents.kernels` when loaded, msgspec otherwise), matched and scored by the
+in-process :class:`~kvevents.router.decide.router.Router`, and answered with a
+msgspec struct encoded by one reused encoder. ``POST /v1/completions`` and
+``/v1/chat/completions`` go to the OpenAI relay (:mod:`kvevents.router.serve.openai_relay`) on
+both interfaces; ``GET /workers`` and ``GET /health`` are answered here too
+(:mod:`kvevents.router.serve.status`), so they need no framework. The app's lifespan starts
+and stops the service. Every other path goes to the app behind it (FastAPI:
+``/generate``, ``/metrics``, ``/docs``), where a framework costs nothing that matters.
+
+Answers (JSON):
+
+* ``/query``: ``{"prompt_tokens", "block_size", "matches": [{"worker", "dp_rank",
+  "matched_blocks", "matched_tokens", "tiers": {"gpu", "cpu", "disk"},
+  "predicted_blocks", "predicted_tokens"}]}``, one entry per known holder (tiers in
+  tokens). ``matched_*`` and ``tiers`` are confirmed blocks only (the engine reported
+  them); ``predicted_*``, present only when not zero, are the blocks predictions add
+  after them (:mod:`kvevents.index.predictions`).
+* ``/route``: ``{"worker", "dp_rank", "recorded", "n_blocks", "block_size", "holders",
+  "predicted_blocks", "by_prediction", "scores": [...]}``: the chosen holder's score
+  first, then the next best ``top - 1`` (``top`` in the body, default
+  :data:`DEFAULT_TOP`), so the answer does not grow with the fleet; ``"all_scores":
+  true`` returns every holder's. ``holders`` counts them all. Each score's ``matched``
+  is confirmed blocks per tier and its ``predicted_blocks`` the predicted ones after
+  them; the top-level ``predicted_blocks`` is the chosen holder's, and ``by_prediction``
+  says whether confirmed blocks alone would have chosen another holder.
+
+Both take ``model`` (:mod:`kvevents.router.decide.models`): only the holders of engines serving
+it are matched, scored and answered, and an adapter's name keys the request under it.
+
+Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
+JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 404 for a
+``model`` no engine serves (the message lists those served), 413 past the body limit,
+503 before any engine rank is known, and the tokenizer's own status when tokenizing text
+fails, 401 without the ``--api-key`` (any path but the open ones). The connection stays
+usable after every one of them.
+
+Over 300 lines: the answers' structs and the handlers that write them, on both server
+interfaces (ASGI and granian's RSGI), and the lifespan, read together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from kvevents.errors import RouterNotReadyError
+from kvevents.http.auth import ApiKey, ASGIApp, Send, send_unauthorized
+from kvevents.http.granian_serving import AsgiOverRsgi
+from kvevents.http.inline import InlineAnswer
+from kvevents.router.decide.models import UnknownModelError
+from kvevents.router.decide.router import RouteDecision
+from kvevents.router.decide.scoring import HolderScore
+from kvevents.router.prompts.token_body import PLAIN_BODY, decode_tokens_body
+from kvevents.router.serve.bodies import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyTooLarge,
+    Disconnected,
+    Receive,
+    Scope,
+    read_body,
+    read_rsgi_body,
+)
+from kvevents.router.serve.openai_relay import RELAYED, OpenAIRelay
+from kvevents.router.serve.service import (
+    DEFAULT_TOP,
+    BadRequest,
+    RouterService,
+    TokenizeFailed,
+    TokensBody,
+)
+from kvevents.router.serve.status import HEALTHY, workers_document
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_TOP",
+    "ErrorAnswer",
+    "HotPath",
+    "QueryAnswer",
+    "Receive",
+    "RouteAnswer",
+    "Scope",
+    "Send",
+    "keyed",
+]
+
+
+class Tiers(msgspec.Struct, gc=False):
+    """Per-tier figures: tokens in ``/query``'s ``tiers``, blocks in ``/route``'s ``matched``."""
+
+    gpu: int
+    cpu: int
+    disk: int
+
+
+class QueryMatch(msgspec.Struct, gc=False, omit_defaults=True):
+    worker: str
+    dp_rank: int
+    matched_blocks: int
+    matched_tokens: int
+    tiers: Tiers
+    predicted_blocks: int = 0
+    predicted_tokens: int = 0
+
+
+class QueryAnswer(msgspec.Struct, gc=False):
+    prompt_tokens: int
+    block_size: int
+    matches: list[QueryMatch]
+
+
+class ScoreAnswer(msgspec.Struct, gc=False):
+    """One holder's score as ``/route`` reports it (see :class:`~kvevents.router.decide.scoring.HolderScore`)."""
+
+    worker: str
+    dp_rank: int
+    matched: Tiers
+    cached_blocks: float
+    prefill_blocks: float
+    pending_blocks: float
+    cost: float
+    routed: int
+    available: bool
+    recent_blocks: float
+    balance_blocks: float
+    predicted_blocks: int
+
+    @classmethod
+    def of(cls, s: HolderScore) -> ScoreAnswer:
+        m = s.matched
+        return cls(
+            s.worker,
+            s.dp_rank,
+            Tiers(m.gpu, m.cpu, m.disk),
+            s.cached_blocks,
+            s.prefill_blocks,
+            s.pending_blocks,
+            s.cost,
+            s.routed,
+            s.available,
+            s.recent_blocks,
+            s.balance_blocks,
+            s.predicted_blocks,
+        )
+
+
+class RouteAnswer(msgspec.Struct, gc=False):
+    worker: str
+    dp_rank: int
+    recorded: bool
+    n_blocks: int
+    block_size: int
+    holders: int
+    predicted_blocks: int
+    by_prediction: bool
+    scores: list[ScoreAnswer]
+
+
+class ErrorAnswer(msgspec.Struct, gc=False):
+    error: str
+
+
+T = TypeVar("T")
+
+log = logging.getLogger("kvevents.router")
+
+_ENCODER = msgspec.json.Encoder()
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_RSGI_JSON_HEADERS = [("content-type", "application/json")]
+
+
+def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
+    """The ``/route`` answer for a decision: the first ``top`` scores (all when None)."""
+    scores = decision.scores if top is None else decision.scores[: max(1, top)]
+    return RouteAnswer(*_head(decision, recorded), [ScoreAnswer.of(s) for s in scores])
+
+
+def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
+    """:func:`route_answer` as JSON. Its scores are encoded with it each time: those of a
+    one-pass choice (a recorded or relayed request) are new objects per request, so
+    keeping the encoding of some by identity cost more than it saved."""
+    return _ENCODER.encode(route_answer(decision, recorded=recorded, top=top))
+
+
+def _head(
+    decision: RouteDecision, recorded: bool
+) -> tuple[str, int, bool, int, int, int, int, bool]:
+    """The ``/route`` answer's fields before its scores."""
+    return (
+        decision.worker,
+        decision.dp_rank,
+        recorded,
+        decision.n_blocks,
+        decision.block_size,
+        decision.candidates,
+        decision.chosen.predicted_blocks,
+        decision.by_prediction,
+    )
+
+
+class HotPath:
+    """ASGI app: the routes of the module docstring here, everything else to ``fallback``.
+
+    ``prepare``: work to do once the server accepts requests (the router builds its
+    deferred FastAPI app there), so that it does not delay start-up
+    (:meth:`RouterService.defer`).
+    """
+
+    def __init__(
+        self,
+        service: RouterService,
+        fallback: ASGIApp,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        api_key: ApiKey | None = None,
+        open_paths: Iterable[str] = (),
+        prepare: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes={max_body_bytes}: must be a positive number")
+        self.api_key = api_key
+        self.open_paths = frozenset(open_paths)
+        self.service = service
+        self.fallback = fallback
+        self.max_body_bytes = max_body_bytes
+        self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
+        self.relay = OpenAIRelay(service, max_body_bytes=max_body_bytes)
+        """``POST`` of :data:`~kvevents.router.serve.openai_relay.RELAYED` paths (the OpenAI routes)."""
+        self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
+            "/route": self._route,
+            "/query": self._query,
+        }
+        self._reads: dict[str, Callable[[], bytes]] = {
+            "/workers": lambda: _ENCODER.encode(workers_document(self.service)),
+            "/health": lambda: _HEALTHY,
+        }
+        if prepare is not None:
+            service.defer(prepare)
+        self.inline_paths = frozenset({b"/route", b"/query"})
+        """Answered from uvicorn's parser callbacks when they can be (:meth:`answer_inline`)."""
+        self.async_inline_paths = frozenset({b"/v1/completions"})
+        """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`);
+        chats are rendered by the engine's tokenizer first, so they go the ASGI way."""
+        self.inline_limit = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            await self.fallback(scope, receive, send)
+            return
+        path = scope["path"]
+        key = self.api_key
+        if key is not None and path not in self.open_paths and not key.matches(scope["headers"]):
+            await send_unauthorized(scope, send)
+            return
+        if path in RELAYED and scope["method"] == "POST":
+            await self.relay.asgi(scope, receive, send)
+            return
+        handler = self._handlers.get(path)
+        if handler is None or scope["method"] != "POST":
+            read = self._reads.get(path) if scope["method"] == "GET" else None
+            if read is None:
+                await self.fallback(scope, receive, send)
+            else:
+                await _send_json(send, 200, read())
+            return
+        answered = await self._answer(handler, read_body(scope, receive, self.max_body_bytes))
+        if answered is not None:
+            await _send_json(send, *answered)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """ASGI lifespan: start the service, then the deferred work; stop it at shutdown."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.service.start()
+                except Exception as exc:
+                    failed = f"{type(exc).__name__}: {exc}"
+                    await send({"type": "lifespan.startup.failed", "message": failed})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.service.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def __rsgi__(self, scope: Any, proto: Any) -> None:
+        """The same app on granian's RSGI interface (:mod:`kvevents.http.granian_serving`).
+
+        ``POST /route`` and ``/query`` with the key (or no key set) are answered here
+        natively; everything else, refusals included, goes through the ASGI bridge to
+        :meth:`__call__`, so both interfaces answer alike.
+        """
+        if (
+            scope.path in RELAYED
+            and scope.proto == "http"
+            and scope.method == "POST"
+            and self._rsgi_authorized(scope)
+        ):
+            await self.relay.rsgi(scope, proto)
+            return
+        handler = self._handlers.get(scope.path) if scope.proto == "http" else None
+        if handler is None or scope.method != "POST" or not self._rsgi_authorized(scope):
+            await self._bridge.__rsgi__(scope, proto)
+            return
+        answered = await self._answer(handler, read_rsgi_body(scope, proto, self.max_body_bytes))
+        if answered is not None:
+            proto.response_bytes(answered[0], _RSGI_JSON_HEADERS, answered[1])
+
+    def _rsgi_authorized(self, scope: Any) -> bool:
+        key = self.api_key
+        if key is None or scope.path in self.open_paths:
+            return True
+        given = scope.headers.get("authorization")
+        return given is not None and key.matches([(b"authorization", given.encode("latin-1"))])
+
+    async def _answer(
+        self, handler: Callable[[bytes], Awaitable[bytes]], body: Awaitable[bytes]
+    ) -> tuple[int, bytes] | None:
+        """Status and answer for one hot-path request; None when the client went away."""
+        try:
+            return 200, await handler(await body)
+        except Disconnected:
+            return None
+        except _REFUSALS as exc:
+            return _refusal(exc)
+        except Exception:  # a bug: a JSON 500 on every server, as the inline path answers
+            log.exception("the router failed answering a request")
+            return 500, _error("internal error: see the router's log")
+
+    def answer_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes] | None:
+        """``/route`` or ``/query`` answered synchronously from uvicorn's parser callbacks
+        (:mod:`kvevents.http.inline`); None, so that the request is served as ASGI, when
+        the key is missing or wrong (the 401 is written there) or the body is text or a
+        chat (the tokenizer is asynchronous). Same answers as :meth:`__call__`, except
+        that an unexpected error is a JSON 500 (the error is logged) and the connection
+        stays open, where uvicorn answers a plain-text 500."""
+        key = self.api_key
+        if key is not None and not key.matches(headers):
+            return None
+        try:
+            tokens, decoded = decode_tokens_body(body)
+            if tokens is None:
+                return None
+            if path == b"/route":
+                return 200, self._route_answer(tokens, decoded)
+            return 200, self._query_answer(tokens, decoded)
+        except _REFUSALS as exc:
+            return _refusal(exc)
+        except Exception:  # any other error is a 500, as the ASGI side answers it
+            log.exception("the router failed answering %s", path.decode("latin-1"))
+            return 500, _error("internal error: see the router's log")
+
+    def answer_async_inline(
+        self, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """A completion relayed from uvicorn's parser callbacks, its answer written whole
+        (:mod:`kvevents.http.inline`); None, to serve it as ASGI, when the key is missing
+        or wrong or the relay cannot take it that way (:meth:`OpenAIRelay.inline`)."""
+        key = self.api_key
+        if key is not None and not key.matches(headers):
+            return None
+        return self.relay.inline(headers, body)
+
+    async def _query(self, raw: bytes) -> bytes:
+        tokens, body = await self.service.tokens(raw)
+        return self._query_answer(tokens, body)
+
+    def _query_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
+        router = self.service.router
+        if body is PLAIN_BODY:
+            answer = router.native.query(tokens)
+            if answer is not None:
+                return answer
+        matches, predicted = keyed(router.query_predicted, tokens, body)
+        get = predicted.get
+        bs = router.index.block_size or 0
+        return _ENCODER.encode(
+            QueryAnswer(
+                len(tokens),
+                bs,
+                [
+                    QueryMatch(
+                        h.worker,
+                        h.dp_rank,
+                        m.blocks,
+                        m.blocks * bs,
+                        Tiers(m.gpu * bs, m.cpu * bs, m.disk * bs),
+                        get(h, 0),
+                        get(h, 0) * bs,
+                    )
+                    for h, m in matches.items()
+                ],
+            )
+        )
+
+    async def _route(self, raw: bytes) -> bytes:
+        tokens, body = await self.service.tokens(raw)
+        return self._route_answer(tokens, body)
+
+    def _route_answer(self, tokens: Sequence[int], body: TokensBody) -> bytes:
+        router = self.service.router
+        if body is PLAIN_BODY:
+            answer = router.native.answer(tokens)
+            if answer is not None:
+                return answer
+        top = None if body.all_scores else body.top
+        decision = keyed(router.route, tokens, body, top=top)
+        if body.record:
+            router.record(decision)
+        return encode_route_answer(decision, recorded=body.record, top=top)
+
+
+def keyed(decide: Callable[..., T], tokens: Sequence[int], body: TokensBody, **more: Any) -> T:
+    """``decide`` (``Router.route`` or ``query_predicted``) for the body's request, with
+    ``more`` arguments; extra keys that cannot be keyed (ValueError) are the body's
+    fault: 400."""
+    try:
+        return decide(
+            tokens,
+            lora=body.adapter,
+            cache_salt=body.cache_salt,
+            model=body.model,
+            extra_keys=body.extra_keys,
+            **more,
+        )
+    except ValueError as exc:
+        if body.extra_keys is None:
+            raise
+        raise BadRequest(f"request body: {exc}") from None
+
+
+def _error(message: str) -> bytes:
+    return _ENCODER.encode(ErrorAnswer(message))
+
+
+_REFUSALS = (
+    BadRequest,
+    BodyTooLarge,
+    TokenizeFailed,
+    UnknownModelError,
+    RecursionError,
+    UnicodeError,
+    RouterNotReadyError,
+)
+"""What a hot-path request can be refused for; any other error is a 500."""
+
+
+def _refusal(exc: BaseException) -> tuple[int, bytes]:
+    """The status and ``{"error"}`` answer for one of :data:`_REFUSALS`."""
+    if isinstance(exc, BadRequest):
+        return 400, _error(str(exc))
+    if isinstance(exc, BodyTooLarge):
+        return 413, _error(str(exc))
+    if isinstance(exc, TokenizeFailed):
+        return exc.status, _error(str(exc))
+    if isinstance(exc, UnknownModelError):
+        return 404, _error(str(exc))
+    if isinstance(exc, RecursionError):
+        return 400, _error("request body: JSON nested too deeply")
+    if isinstance(exc, UnicodeError):
+        return 400, _error(f"request body: text is not valid Unicode: {exc}")
+    return 503, _error(str(exc))  # RouterNotReadyError: no engine rank yet
+
+
+_HEALTHY = _ENCODER.encode(HEALTHY)
+
+
+async def _send_json(send: Send, status: int, answer: bytes) -> None:
+    headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})

@@ -1,0 +1,380 @@
+"""The router as a service: :class:`RouterService` owns what feeds the router.
+
+It holds the in-process :class:`~kvevents.router.decide.router.Router`, the subscriber that
+follows every engine's streams into its index, the engine pollers, the tokenizer and
+one long-lived HTTP client for the engines, which sends the router's own engine key
+(``--engine-api-key``) on every request and never a client's. The routes that answer over HTTP are
+:mod:`kvevents.router.serve.app` and :mod:`kvevents.router.serve.openai`; both import this module,
+and it imports neither. It also runs start-up's deferred work once the server serves
+(:meth:`RouterService.defer`: the compiled kernels, then the FastAPI app).
+
+Just over 300 lines: the service's start, stop and deferred work are one lifecycle,
+read together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+from kvevents import kernels
+from kvevents.errors import KVEventsError, SubscriberStateError
+from kvevents.http.auth import ClientCredentials
+from kvevents.http.upstream import Upstream, UpstreamError
+from kvevents.kernels import native
+from kvevents.router.decide.router import POLICIES, Policy, Router
+from kvevents.router.fleet.engines import MODELS_RECHECK_S, EngineState, watch_engine
+from kvevents.router.fleet.peers import LoadNotes, SyncTransport
+from kvevents.router.fleet.warm_start import WarmStart
+from kvevents.router.prompts.token_body import (
+    DEFAULT_TOP,
+    BadRequest,
+    TokensBody,
+    decode_tokens_body,
+)
+from kvevents.router.prompts.tokenize import (
+    ByteTextTokenizer,
+    ChatError,
+    EndpointTokenizer,
+    TextTokenizer,
+    TokenizeError,
+)
+from kvevents.router.serve.metrics import make_registry
+from kvevents.router.serve.request_stats import RequestStats
+from kvevents.subscribe.engine_spec import EngineSpec
+from kvevents.subscribe.subscriber import Subscriber
+from kvevents.types import Holder
+
+FORWARD_ERRORS = (UpstreamError, TimeoutError)
+"""What forwarding to an engine raises when the engine cannot be reached or answer in time."""
+
+APPLY_STEP_BLOCKS = 256
+"""Blocks of a long stored or removed chain applied between two checks of the clock."""
+APPLY_SLICE_S = 0.0005
+"""Seconds of applying events after which the loop answers waiting requests. A batch of
+an engine serving long prompts holds thousands of block operations (the ingest
+benchmark's Mooncake batches: 1,500 on average, up to 8,000, 1 to 22 ms to apply in
+one piece), and a request arriving meanwhile waited for all of it."""
+_JSON_BODY = {"content-type": "application/json"}
+
+__all__ = [
+    "DEFAULT_TOP",
+    "FORWARD_ERRORS",
+    "BadRequest",
+    "RouterService",
+    "TokenizeFailed",
+    "TokensBody",
+]
+
+log = logging.getLogger("kvevents.router")
+
+
+class TokenizeFailed(KVEventsError):
+    """Tokenizing failed (the engine's /tokenize is down, or refused); answered with ``status``."""
+
+    def __init__(self, error: TokenizeError) -> None:
+        super().__init__(str(error))
+        self.status = error.status
+
+
+FIRST_POLL_WAIT_S = 2.0
+"""The longest :meth:`RouterService.start` waits for every engine's first poll (its
+ranks, block size, load and models) before the server says it is serving."""
+
+DEFERRED_AFTER_S = 2.0
+"""The longest the work deferred past start-up waits for the server to say it is
+serving (an app embedded without :meth:`RouterService.serving`) before it runs anyway."""
+
+
+async def _run_deferred(
+    service: RouterService, work: list[Callable[[], Awaitable[object]]]
+) -> None:
+    """Start-up's deferred work, once the server accepts requests; then settle the heap.
+
+    The compiled kernels load first (numba's import and its cache, about half a second
+    of CPU, much of it holding the GIL) and the index's mirror for the compiled match
+    is built, then whatever was deferred with
+    :meth:`RouterService.defer` (the router's FastAPI app). Done at start, that work
+    would compete with the HTTP server's start and a warm start's catch-up with the
+    streams; requests take the plain path meanwhile. Then every object alive so far
+    (the imports, numba's compiler, the app) moves out of the garbage collector's sight
+    (``gc.freeze``): a full collection then walks only what requests and the index
+    create, instead of pausing the hot path for the 100,000-odd objects of start-up.
+    """
+    await service.until_serving(DEFERRED_AFTER_S)
+    await asyncio.to_thread(kernels.load)
+    service.router.index.sync_mirror()  # a warm-started index: not on the first request
+    for item in work:
+        try:
+            await item()
+        except Exception:  # the first request that needs it tries again, and says why
+            log.exception("work deferred past the router's start-up failed")
+    gc.collect()
+    gc.freeze()
+    service.settled = True
+
+
+class RouterService:
+    """The router plus what feeds it: the subscriber, the engine pollers, an HTTP client.
+
+    ``engines``: URLs (discovered) or :class:`~kvevents.subscribe.engine_spec.EngineSpec` values.
+    The subscriber is the caller's (``build_service`` adds every spec's streams to it).
+    ``upstream``: the client that forwards requests to engines (default: one :meth:`start`
+    opens with the engine credentials; a benchmark passes one that answers in process).
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        engines: Sequence[str | EngineSpec],
+        *,
+        subscriber: Subscriber | None = None,
+        load_interval: float = 0.5,
+        forward_timeout: float = 600.0,
+        tokenizer: TextTokenizer | None = None,
+        policy: Policy = "kv-aware",
+        engine_credentials: ClientCredentials | None = None,
+        models_interval: float = MODELS_RECHECK_S,
+        upstream: Upstream | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.router = router
+        specs = [e if isinstance(e, EngineSpec) else EngineSpec.create(e) for e in engines]
+        self.states = {s.worker: EngineState(s) for s in specs}
+        for spec in specs:  # before any event is handled: configured sizes come first
+            if spec.block_size is None:
+                continue
+            origin = f"--block-size of engine {spec.worker}"
+            if spec.described:
+                for stream in spec.streams():
+                    router.add_holder(
+                        Holder(stream.worker, stream.dp_rank),
+                        block_size=spec.block_size,
+                        source="configured",
+                        origin=origin,
+                    )
+            else:
+                router.declare_block_size(
+                    Holder(spec.worker, 0), spec.block_size, source="configured", origin=origin
+                )
+        self.engines = [s.url for s in specs]
+        self.workers = frozenset(s.worker for s in specs)
+        """The engines this router follows, as holders name them (a load note about
+        another is not this router's: :class:`~kvevents.router.fleet.peers.LoadNotes`)."""
+        self.subscriber = subscriber
+        self.load_interval = load_interval
+        self.models_interval = models_interval
+        """Seconds between two reads of an engine's models (:mod:`kvevents.router.fleet.engines`)."""
+        self.forward_timeout = forward_timeout
+        self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
+        self.policy = policy
+        self.engine_credentials = engine_credentials or ClientCredentials()
+        """The key the router sends every engine request with (never the client's), and the
+        CA bundle ``https://`` engines are verified against."""
+        self.requests = RequestStats()
+        self.registry = make_registry(router, self._stream_stats, self.requests, self.process_info)
+        self.process_index = 0
+        """Which of ``process_count`` router processes this is (``--workers``)."""
+        self.process_count = 1
+        self.peers: LoadNotes | None = None
+        """Load notes to and from the other processes and routers, when there are any."""
+        self.sync: SyncTransport | None = None
+        """The NATS transport of those notes (``--sync``), for ``/workers`` and ``/metrics``."""
+        self.warm_start: WarmStart | None = None
+        """How the index started when peers were given (``--peer``)."""
+        self._client: httpx.AsyncClient | None = None
+        self._upstream: Upstream | None = upstream
+        """The client that forwards requests (``upstream``, else one :meth:`start` opens)."""
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+        self.applying = asyncio.Lock()
+        """Held while an item is applied (in steps, the loop free between them): the
+        index is whole only outside it (``/dump`` takes it to copy the index)."""
+        self._serving = asyncio.Event()
+        self._deferred: list[Callable[[], Awaitable[object]]] = []
+        self.settled = False
+        """True once start-up's deferred work is done and the heap frozen (``/workers``)."""
+
+    def spec(self, worker: str) -> EngineSpec:
+        """The engine a holder's worker name belongs to."""
+        state = self.states.get(worker)
+        if state is not None:
+            return state.spec
+        return EngineSpec.create(worker)  # a holder learned from events of an unknown worker
+
+    @property
+    def upstream(self) -> Upstream:
+        """The client that forwards requests to engines (see :meth:`start`)."""
+        if self._upstream is None:
+            raise RuntimeError(
+                "RouterService.start() has not run: the forwarding client is not open"
+            )
+        return self._upstream
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("RouterService.start() has not run: the HTTP client is not open")
+        return self._client
+
+    def process_info(self) -> dict[str, Any]:
+        """Which process answers, and its load notes (``/workers``, ``/metrics``)."""
+        peers = self.peers
+        return {
+            "index": self.process_index,
+            "workers": self.process_count,
+            "pid": os.getpid(),
+            "notes": None if peers is None else peers.summary(),
+            "sync": None if self.sync is None else self.sync.status(),
+            "kernels": kernels.status(),
+            "native": {
+                "status": native.status(),
+                "answered": self.router.native.answered,
+                "chosen": self.router.native.chosen,
+                "failures": self.router.native.failures,
+            },
+            "settled": self.settled,
+        }
+
+    def _stream_stats(self) -> dict[Holder, Any]:
+        return {} if self.subscriber is None else dict(self.subscriber.stats())
+
+    def serving(self) -> None:
+        """Called by the server once it accepts requests: start-up's deferred work begins."""
+        self._serving.set()
+
+    def defer(self, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` once the server serves, after the kernels load (see :meth:`start`)."""
+        self._deferred.append(work)
+
+    async def until_serving(self, timeout: float) -> None:
+        """Return once :meth:`serving` has been called, or after ``timeout`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._serving.wait(), timeout)
+
+    async def start(self) -> None:
+        """Open the clients, start the consumer and one poller per engine, and return once
+        every engine's first poll is done (at most :data:`FIRST_POLL_WAIT_S` seconds)."""
+        kernels.will_load()
+        self._tasks.append(asyncio.create_task(_run_deferred(self, self._deferred)))
+        # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
+        # request never goes out on a connection the server is closing (a ReadError, 502).
+        creds = self.engine_credentials
+        verify = creds.verify()
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(30.0, connect=5.0), headers=creds.headers(), verify=verify
+        )
+        # Forwarding, on every routed request, and the engines' load polls go through the
+        # router's own client (kvevents.http.upstream: a third of aiohttp's CPU per
+        # request, which was a tenth of httpx's). Idle connections close after 2 s, before the engine's
+        # (uvicorn: 5 s) keep-alive timeout, so a request never goes out on a connection
+        # the server is closing. Bodies are relayed as they come (no decoding).
+        if self._upstream is None:
+            self._upstream = Upstream(
+                timeout=self.forward_timeout,
+                connect_timeout=5.0,
+                headers=creds.headers(),
+                tls=verify,
+            )
+        if (
+            isinstance(self.text_tokenizer, EndpointTokenizer)
+            and self.text_tokenizer.upstream is None
+        ):
+            self.text_tokenizer.upstream = self._upstream
+        if self.subscriber is not None:
+            self._tasks.append(asyncio.create_task(self._consume(self.subscriber)))
+        for state in self.states.values():
+            self._tasks.append(
+                asyncio.create_task(
+                    watch_engine(
+                        self.router,
+                        state,
+                        self._client,
+                        self.upstream,
+                        self.load_interval,
+                        self._stopping,
+                        self.models_interval,
+                    )
+                )
+            )
+        # Serving before an engine's first poll answered would refuse /query (no block
+        # size yet) and route without its models or load: wait for it, bounded, since an
+        # engine that is down fails its poll at once and one that hangs must not hold the
+        # router back. The subscriber discovers the same engines meanwhile, on its own.
+        first_polls = [state.first_poll.wait() for state in self.states.values()]
+        if first_polls:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*first_polls), FIRST_POLL_WAIT_S)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._client is not None:
+            await self._client.aclose()
+        if self._upstream is not None:
+            await self._upstream.close()
+        if self.subscriber is not None:
+            await asyncio.to_thread(self.subscriber.close)
+
+    async def _consume(self, subscriber: Subscriber) -> None:
+        """Apply the subscriber's items, giving the loop a turn every
+        :data:`APPLY_SLICE_S` of work: between items and inside long batches."""
+        handle_steps, clock = self.router.handle_steps, time.perf_counter
+        since = clock()
+        while not self._stopping.is_set():
+            try:
+                item = await subscriber.aget(timeout=0.5)  # returns at once when items wait
+            except SubscriberStateError:
+                return
+            if item is None:
+                continue
+            async with self.applying:
+                for _ in handle_steps(item, APPLY_STEP_BLOCKS):
+                    if clock() - since >= APPLY_SLICE_S:
+                        await asyncio.sleep(0)
+                        since = clock()
+            if clock() - since >= APPLY_SLICE_S:
+                await asyncio.sleep(0)
+                since = clock()
+
+    async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[Sequence[int], TokensBody]:
+        """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
+        refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
+        tokens, body = decode_tokens_body(raw, chat=chat)
+        if tokens is not None:
+            return tokens, body
+        try:
+            if body.text is not None:
+                return await self.text_tokenizer.encode(body.text), body
+            whole = msgspec.json.decode(raw)  # an object: it decoded as a TokensBody
+            return await self.text_tokenizer.encode_chat(whole), body
+        except ChatError as exc:
+            raise BadRequest(str(exc)) from None
+        except TokenizeError as exc:
+            raise TokenizeFailed(exc) from None
+
+    async def forward(self, worker: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """POST ``body`` to the engine's ``/generate``: its status and answer bytes.
+
+        Raises :data:`FORWARD_ERRORS` when the engine cannot be reached or answer in time.
+        """
+        answer = await self.upstream.post(
+            self.spec(worker).url, "/generate", msgspec.json.encode(body), _JSON_BODY
+        )
+        try:
+            return answer.status, await answer.read()
+        finally:
+            answer.release()
