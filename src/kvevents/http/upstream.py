@@ -39,6 +39,11 @@ What it does and does not do:
   (:meth:`Upstream.post_safe`: ``/tokenize``), that failed on a kept-alive connection
   before its answer began is sent once more, on a new connection.
 * A stream is read as the reader takes it: past 256 KiB unread, the socket is paused.
+* An answer's head is bounded apart from the body: at most ``max_head_bytes`` (256 KiB;
+  an engine's real heads are a few hundred bytes) and ``head_timeout`` seconds from its
+  first byte to its end. Past either, :class:`HeadTooLarge` or :class:`TimeoutError`
+  and the connection is closed: a head is parsed as it arrives, so an unbounded one
+  would hold the event loop and the memory of every other request.
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ from kvevents.errors import KVEventsError
 from kvevents.http.auth import ClientCredentials
 from kvevents.http.deadlines import Deadlines
 
-__all__ = ["FullResponse", "MidwayError", "Response", "Upstream", "UpstreamError"]
+__all__ = ["FullResponse", "HeadTooLarge", "MidwayError", "Response", "Upstream", "UpstreamError"]
+
+DEFAULT_MAX_HEAD_BYTES = 256 * 1024
+DEFAULT_HEAD_TIMEOUT_S = 30.0
 
 _PAUSE_AT = 256 * 1024
 _RESUME_AT = 64 * 1024
@@ -65,6 +73,10 @@ _RESUME_AT = 64 * 1024
 
 class UpstreamError(KVEventsError, ConnectionError):
     """The engine could not be reached, or did not answer in HTTP to its end."""
+
+
+class HeadTooLarge(UpstreamError):
+    """The engine's answer head went past the client's bound (``max_head_bytes``)."""
 
 
 class MidwayError(UpstreamError):
@@ -184,6 +196,10 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = False
         self._error: BaseException | None = None
         self.closed = False
+        self._head_bytes = 0
+        """Bytes of the answer read while its final head is not yet whole."""
+        self._deadline = 0.0
+        """The exchange's own deadline (loop time); the head's may be earlier."""
 
     # --- asyncio.Protocol ---
 
@@ -201,8 +217,29 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("the engine answered with a protocol upgrade"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"the engine's answer is not HTTP: {exc}"))
+            return
+        if not self._status and self._head is not None:  # the head is still coming
+            self._head_growing(len(data))
+
+    def _head_growing(self, more: int) -> None:
+        """Every byte read so far is head: bound its size, and its time from its first byte."""
+        upstream = self._upstream
+        first = self._head_bytes == 0
+        self._head_bytes += more
+        if self._head_bytes > upstream.max_head_bytes:
+            self._fail(
+                HeadTooLarge(
+                    f"the engine's answer head is larger than {upstream.max_head_bytes} bytes"
+                    " (the router's bound on an engine answer's head)"
+                )
+            )
+        elif first:
+            at = self.loop.time() + upstream.head_timeout
+            if at < self._deadline:
+                upstream.deadlines.watch(self, at, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -235,6 +272,9 @@ class _Connection(asyncio.Protocol):
             return
         headers = self._headers
         self._status = status
+        if self._head_bytes:  # the head came in pieces: the exchange's deadline again
+            self._head_bytes = 0
+            self._upstream.deadlines.watch(self, self._deadline, self.loop)
         on_head, self._on_head = self._on_head, None
         if on_head is not None:
             on_head()
@@ -298,6 +338,8 @@ class _Connection(asyncio.Protocol):
         self._on_head = on_head
         self._on_end = None
         self._head = loop.create_future()
+        self._head_bytes = 0
+        self._deadline = deadline
         self._upstream.deadlines.watch(self, deadline, loop)
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -357,7 +399,15 @@ class _Connection(asyncio.Protocol):
         self._upstream.deadlines.forget(self)
 
     def _timed_out(self) -> None:
-        """The exchange's deadline passed before it ended."""
+        """The exchange's deadline, or its head's, passed before it ended."""
+        if self._head_bytes and not self._status:
+            self._fail(
+                TimeoutError(
+                    f"the engine's answer head did not arrive whole within"
+                    f" {self._upstream.head_timeout:g} s of its first byte"
+                )
+            )
+            return
         self._fail(TimeoutError())
 
     def _wake(self) -> None:
@@ -394,8 +444,16 @@ class Upstream:
         headers: Mapping[str, str] | None = None,
         tls: ssl.SSLContext | None = None,
         idle_s: float = 2.0,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        head_timeout: float = DEFAULT_HEAD_TIMEOUT_S,
     ) -> None:
+        if max_head_bytes < 1:
+            raise ValueError(f"max_head_bytes={max_head_bytes}: give a positive number of bytes")
+        if not head_timeout > 0:
+            raise ValueError(f"head_timeout={head_timeout}: give a positive number of seconds")
         self.timeout = timeout
+        self.max_head_bytes = max_head_bytes
+        self.head_timeout = head_timeout
         self.connect_timeout = connect_timeout
         self.idle_s = idle_s
         self._tls = tls

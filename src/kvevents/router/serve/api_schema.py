@@ -113,9 +113,9 @@ _OPENAI_ERRORS = {
     413: _TOO_LARGE + ", or the engine's own 413",
     422: "The engine's /tokenize refused the input",
     501: "A chat the configured tokenizer has no template for (--tokenizer FILE)",
-    502: "Tokenizing failed, or the engine could not be reached",
+    502: "Tokenizing failed, the engine could not be reached, or its answer's head was too large",
     503: "No rank available, or the engine's own 503",
-    504: "The engine's rank did not answer in time",
+    504: "The engine did not answer in time (--forward-timeout), or its head came too slowly",
 }
 
 
@@ -161,7 +161,11 @@ OPERATIONS: tuple[Operation, ...] = (
         description="The body goes to the chosen engine's /generate with `routed_dp_rank` "
         "set; any status the engine answers is relayed. Chats go to /v1/chat/completions.",
         request=_TOKENS,
-        errors={**_NATIVE_ERRORS, 502: _TOKENIZE + ", or the engine could not be reached"},
+        errors={
+            **_NATIVE_ERRORS,
+            502: _TOKENIZE + ", or the engine could not be reached",
+            504: "The engine did not answer in time (--forward-timeout)",
+        },
         error_type=ErrorAnswer,
     ),
     Operation(

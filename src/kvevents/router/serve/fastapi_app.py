@@ -22,7 +22,13 @@ from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES, keyed
 from kvevents.router.serve.metrics import render
 from kvevents.router.serve.openai import add_openai_routes
 from kvevents.router.serve.request_stats import engine_usage
-from kvevents.router.serve.service import FORWARD_ERRORS, BadRequest, RouterService, TokenizeFailed
+from kvevents.router.serve.service import (
+    FORWARD_ERRORS,
+    BadRequest,
+    RouterService,
+    TokenizeFailed,
+    gateway_status,
+)
 from kvevents.router.serve.status import HEALTHY, workers_document
 
 __all__ = ["create_fastapi_app"]
@@ -87,10 +93,11 @@ def create_fastapi_app(
         try:
             status, content = await service.forward(decision.worker, payload)
         except FORWARD_ERRORS as exc:
-            service.requests.record("generate", decision, len(tokens), 502)
+            failed, _ = gateway_status(exc)
+            service.requests.record("generate", decision, len(tokens), failed)
             return JSONResponse(
                 {"error": f"forwarding to {decision.worker} failed: {type(exc).__name__}: {exc}"},
-                status_code=502,
+                status_code=failed,
             )
         finally:
             router.finish(ticket, failed=status != 200)

@@ -53,7 +53,12 @@ from kvevents.router.serve.bodies import (
     read_rsgi_body,
 )
 from kvevents.router.serve.request_stats import engine_usage, engine_usage_of_json
-from kvevents.router.serve.service import FORWARD_ERRORS, BadRequest, RouterService
+from kvevents.router.serve.service import (
+    FORWARD_ERRORS,
+    BadRequest,
+    RouterService,
+    gateway_status,
+)
 
 __all__ = [
     "RANK_HEADER",
@@ -458,7 +463,8 @@ class OpenAIRelay:
                     yield chunk
             except FORWARD_ERRORS as exc:
                 midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
-                yield b"event: error\ndata: " + OpenAIError(502, midway, "bad_gateway").body()
+                code, kind = gateway_status(exc)
+                yield b"event: error\ndata: " + OpenAIError(code, midway, kind).body()
                 yield b"\n\n"
             finally:
                 upstream.release()
@@ -523,18 +529,22 @@ class OpenAIRelay:
             answered.set_result(inline)
 
     def _unreachable(self, fwd: _Forward, exc: BaseException) -> Answer:
-        """No answer came from the engine (``exc`` says why): a 502, the request ended."""
+        """No answer came from the engine (``exc`` says why): a 502, or a 504 when its
+        deadline passed; the request ended."""
         service = self.service
         service.router.finish(fwd.ticket, failed=True)
-        service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, 502)
+        status, kind = gateway_status(exc)
+        service.requests.record(fwd.endpoint, fwd.decision, fwd.prompt_tokens, status)
         failed = f"forwarding to {fwd.url} failed: {_describe(exc)}"
-        return Answer.error(OpenAIError(502, failed, "bad_gateway"), fwd.shown)
+        return Answer.error(OpenAIError(status, failed, kind), fwd.shown)
 
     def _midway(self, fwd: _Forward, status: int, exc: BaseException) -> Answer:
-        """The engine's answer (``status``) began and broke off: a 502, the request ended."""
+        """The engine's answer (``status``) began and broke off: a 502, or a 504 when its
+        deadline passed; the request ended."""
         self.service.router.finish(fwd.ticket, failed=status != 200)
         midway = f"the engine {fwd.url} failed midway: {_describe(exc)}"
-        return Answer.error(OpenAIError(502, midway, "bad_gateway"), fwd.shown)
+        code, kind = gateway_status(exc)
+        return Answer.error(OpenAIError(code, midway, kind), fwd.shown)
 
     def _answered(
         self, fwd: _Forward, status: int, passed: list[tuple[bytes, bytes]], payload: bytes

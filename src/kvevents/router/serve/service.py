@@ -29,7 +29,7 @@ import msgspec
 from kvevents import kernels
 from kvevents.errors import KVEventsError, SubscriberStateError
 from kvevents.http.auth import ClientCredentials
-from kvevents.http.upstream import Upstream, UpstreamError
+from kvevents.http.upstream import MidwayError, Upstream, UpstreamError
 from kvevents.kernels import native
 from kvevents.router.decide.router import POLICIES, Policy, Router
 from kvevents.router.fleet.engines import MODELS_RECHECK_S, EngineState, watch_engine
@@ -57,6 +57,16 @@ from kvevents.types import Holder
 FORWARD_ERRORS = (UpstreamError, TimeoutError)
 """What forwarding to an engine raises when the engine cannot be reached or answer in time."""
 
+
+def gateway_status(exc: BaseException) -> tuple[int, str]:
+    """The status and error type a client gets for a forward that failed with ``exc``:
+    504 ``gateway_timeout`` when a deadline passed, else 502 ``bad_gateway``."""
+    cause = exc.cause if isinstance(exc, MidwayError) else exc
+    if isinstance(cause, TimeoutError):
+        return 504, "gateway_timeout"
+    return 502, "bad_gateway"
+
+
 APPLY_STEP_BLOCKS = 256
 """Blocks of a long stored or removed chain applied between two checks of the clock."""
 APPLY_SLICE_S = 0.0005
@@ -73,6 +83,7 @@ __all__ = [
     "RouterService",
     "TokenizeFailed",
     "TokensBody",
+    "gateway_status",
 ]
 
 log = logging.getLogger("kvevents.router")
