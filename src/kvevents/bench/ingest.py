@@ -31,13 +31,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import zmq
 
 from kvevents.demo.procs import Child
 from kvevents.engine.cache import PrefixCache
 from kvevents.errors import KVEventsError
+from kvevents.http.upstream import Upstream
 from kvevents.traces import iter_trace, request_tokens
 from kvevents.wire.codec import encode_batch
 from kvevents.wire.events import KVEventBatch
@@ -115,6 +115,9 @@ def _feed(engines: int, block_ops: float, ready: Any, go: Any, stop: Any, publis
     ctx.term()
 
 
+_JSON = {"content-type": "application/json"}
+
+
 async def _route_at_rate(url: str, rate: float, seconds: float) -> list[float]:
     """POST /route with fresh 2,048-token prompts at ``rate`` per second; latencies in ms."""
     rng = random.Random(11)
@@ -125,26 +128,28 @@ async def _route_at_rate(url: str, rate: float, seconds: float) -> list[float]:
     latencies: list[float] = []
     errors = 0
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    client = Upstream(timeout=60.0)  # the router's own engine client, kept-alive connections
 
-        async def one(body: bytes) -> None:
-            nonlocal errors
-            t0 = time.perf_counter()
-            async with session.post(f"{url}/route", data=body) as r:
-                await r.read()
-                if r.status != 200:
-                    errors += 1
-            latencies.append((time.perf_counter() - t0) * 1000)
+    async def one(body: bytes) -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        answer = await client.post_whole(url, "/route", body, _JSON)
+        if answer.status != 200:
+            errors += 1
+        latencies.append((time.perf_counter() - t0) * 1000)
 
-        tasks = []
-        start = time.perf_counter()
-        n = int(rate * seconds)
+    tasks = []
+    start = time.perf_counter()
+    n = int(rate * seconds)
+    try:
         for k in range(n):
             delay = start + k / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(bodies[k % len(bodies)])))
         await asyncio.gather(*tasks)
+    finally:
+        await client.close()
     if errors:
         raise KVEventsError(f"/route answered {errors} of {n} requests with an error")
     return latencies

@@ -4,17 +4,20 @@ Left panel: cumulative hit rate (cached prompt tokens so far / prompt tokens so 
 against the request's position in the trace, per policy and for the pooled upper
 bound, with a thinner rolling line (a window of ``window`` requests) per policy.
 Right panel: prompt tokens served by each rank per policy (the load balance).
-Drawn with matplotlib's Agg backend: no display needed.
+Drawn with matplotlib's Agg backend: no display needed. matplotlib is the ``demo``
+extra (``pip install 'kvevents[demo]'``), not a dependency of the router:
+:func:`chart_available` says whether it is there.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvevents.demo.replay import Outcome, PolicyRun
 
-__all__ = ["cumulative", "draw_chart", "rolling"]
+__all__ = ["chart_available", "cumulative", "draw_chart", "rolling"]
 
 _COLORS = {
     "kv_aware": "#1f77b4",
@@ -23,6 +26,11 @@ _COLORS = {
     "round_robin": "#ff7f0e",
     "upper_bound": "#2ca02c",
 }
+
+
+def chart_available() -> bool:
+    """Whether matplotlib can be imported (the ``demo`` extra is installed)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def cumulative(pairs: Sequence[tuple[int, int]]) -> list[float]:

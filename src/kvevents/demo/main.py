@@ -40,6 +40,7 @@ import json
 import multiprocessing
 import shlex
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvevents.demo.chart import chart_available
 from kvevents.demo.plane import EventCounts, Plane, Settled
 from kvevents.demo.procs import Child
 from kvevents.demo.replay import Outcome, PolicyRun, Workload, pooled_upper_bound, replay
@@ -343,7 +345,13 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     policies = {name: summarize(r, args.dp_size) for name, r in runs.items()}
     upper_rate = sum(c for _, c in upper) / max(1, sum(p for p, _ in upper))
     chart = None
-    if not args.no_chart:
+    if not args.no_chart and not chart_available():
+        print(
+            "kvevents demo: no chart: matplotlib is not installed"
+            " (pip install 'kvevents[demo]'; --no-chart skips it)",
+            file=sys.stderr,
+        )
+    elif not args.no_chart:
         from kvevents.demo.chart import draw_chart
 
         chart = draw_chart(
