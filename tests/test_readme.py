@@ -53,23 +53,27 @@ def test_library_example_runs() -> None:
 
 def _layout_modules() -> set[str]:
     """Module paths the README's Layout map names: `name.py` at the top, `pkg/` then its
-    indented `module.py` lines (several may share a line, comma-separated)."""
+    indented `module.py` lines (several may share a line, comma-separated), packages
+    nested by indentation (`router/` then `  serve/` then `    app.py`)."""
     text = README.read_text()
     block = re.search(r"## Layout\n.*?```\n(.*?)```", text, flags=re.S)
     assert block is not None
     named: set[str] = set()
-    package = ""
+    packages: list[tuple[int, str]] = []  # (indent, path) of the packages enclosing a line
     for line in block.group(1).splitlines():
         if not line.startswith("  ") or line.startswith("src/"):
             continue
         indent = len(line) - len(line.lstrip())
         head = line.strip().split("  ")[0]
-        if indent == 2:
-            package = head[:-1] if head.endswith("/") else ""
-            if head.endswith(".py"):
-                named.add(head)
-        elif indent == 4 and package:
-            named.update(f"{package}/{n.strip()}" for n in head.split(",") if n.strip())
+        if not head.endswith((".py", "/")) and "," not in head:
+            continue  # a description carried over to its own line
+        while packages and packages[-1][0] >= indent:
+            packages.pop()
+        prefix = packages[-1][1] + "/" if packages else ""
+        if head.endswith("/"):
+            packages.append((indent, prefix + head[:-1]))
+        else:
+            named.update(prefix + n.strip() for n in head.split(",") if n.strip())
     return named
 
 
