@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-__all__ = ["LOG_LEVELS", "HelpFormatter", "add_log_level", "configure_logging"]
+__all__ = ["LOG_FORMAT", "LOG_LEVELS", "HelpFormatter", "add_log_level", "configure_logging"]
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -44,8 +44,10 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
     )
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"
+"""One line per message, naming the process: the same for one router process or several."""
+
+
 def configure_logging(level: str) -> None:
     """Log to stderr at ``level`` (one of :data:`LOG_LEVELS`), one line per message."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)

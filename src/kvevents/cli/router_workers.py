@@ -41,11 +41,13 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from kvevents.cli.options import configure_logging
 from kvevents.cli.security import RouterSecurity
 from kvevents.errors import EndpointError, KVEventsError
 from kvevents.http.serving import bind_http, run_event_loop, serve_app
 from kvevents.router.fleet.peers import PeerNotes, machine_seat, sender_id
 from kvevents.router.serve.app import create_app
+from kvevents.router.serve.group_metrics import GroupMetrics
 from kvevents.router.serve.service import RouterService
 
 __all__ = ["serve_workers"]
@@ -57,6 +59,8 @@ _STOP_TIMEOUT = 10.0
 _RESTART_DELAY = 1.0
 """Seconds before a dead worker is started again; doubled while it keeps dying young."""
 _RESTART_DELAY_MAX = 30.0
+_SNAPSHOT_S = 1.0
+"""Seconds between two metrics snapshots of a worker (router/serve/group_metrics.py)."""
 _STABLE_AFTER = 60.0
 """A worker that ran this long before it died is restarted after the first delay again."""
 
@@ -77,7 +81,10 @@ def _worker_main(
 ) -> None:
     """One worker process: build the router from the same options, serve the shared port."""
 
-    logging.basicConfig(level=str(getattr(args, "log_level", "WARNING")).upper())
+    configure_logging(str(getattr(args, "log_level", None) or "warning"))
+    if index > 0:  # what every process sees alike is told once, by process 0
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_told_by_process_zero)
     try:
         service = build_service(args)
     except (KVEventsError, ValueError) as exc:
@@ -85,6 +92,7 @@ def _worker_main(
         raise SystemExit(2) from None
     service.process_index = index
     service.process_count = workers
+    service.group_metrics = GroupMetrics(service.registry, os.path.join(folder, "metrics"), index)
 
     # The group's seat, this machine and port (machine_seat): the same when the router restarts, so a
     # restarted worker (or group) supersedes what its previous run left in flight at its
@@ -105,6 +113,7 @@ def _worker_main(
         )
         peers.start()
         service.peers = peers
+        snapshots = asyncio.get_running_loop().create_task(_snapshots(service))
 
         def announce(url: str) -> None:
             with contextlib.suppress(OSError):  # the parent reads it; gone, it stops us
@@ -144,10 +153,31 @@ def _worker_main(
                 server=args.http_server,
             )
         finally:
+            snapshots.cancel()
             await peers.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         run_event_loop(main())
+
+
+_SHARED_LOGGERS = ("kvevents.subscribe", "kvevents.index", "kvevents.router.fleet.engines")
+"""Loggers of what every worker sees alike (the engines, their streams and events)."""
+
+
+def _told_by_process_zero(record: logging.LogRecord) -> bool:
+    """False for a warning every worker would log alike: process 0 logs it for the group."""
+    return record.levelno < logging.WARNING or not record.name.startswith(_SHARED_LOGGERS)
+
+
+async def _snapshots(service: RouterService) -> None:
+    """This worker's metrics snapshot for the group's ``/metrics``, once a second."""
+    group = service.group_metrics
+    while group is not None:
+        await asyncio.sleep(_SNAPSHOT_S)
+        try:
+            group.write()
+        except OSError as exc:  # the folder is gone: the group is stopping
+            log.debug("router worker %d: metrics snapshot not written: %s", group.index, exc)
 
 
 def serve_workers(

@@ -19,7 +19,6 @@ from kvevents.router.fleet.warm_start import dump_bytes
 from kvevents.router.serve.api_schema import OPERATIONS, RoutedTo
 from kvevents.router.serve.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES, keyed
-from kvevents.router.serve.metrics import render
 from kvevents.router.serve.openai import add_openai_routes
 from kvevents.router.serve.request_stats import engine_usage
 from kvevents.router.serve.service import (
@@ -134,7 +133,7 @@ def create_fastapi_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render(service.registry), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/dump")
     async def dump() -> Response:

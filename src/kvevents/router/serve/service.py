@@ -48,7 +48,8 @@ from kvevents.router.prompts.tokenize import (
     TextTokenizer,
     TokenizeError,
 )
-from kvevents.router.serve.metrics import make_registry
+from kvevents.router.serve.group_metrics import GroupMetrics
+from kvevents.router.serve.metrics import make_registry, render
 from kvevents.router.serve.request_stats import RequestStats
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
@@ -199,6 +200,8 @@ class RouterService:
         self.process_count = 1
         self.peers: LoadNotes | None = None
         """Load notes to and from the other processes and routers, when there are any."""
+        self.group_metrics: GroupMetrics | None = None
+        """The group's metrics when this is one of several processes (``--workers``)."""
         self.sync: SyncTransport | None = None
         """The NATS transport of those notes (``--sync``), for ``/workers`` and ``/metrics``."""
         self.warm_start: WarmStart | None = None
@@ -215,6 +218,12 @@ class RouterService:
         self._deferred: list[Callable[[], Awaitable[object]]] = []
         self.settled = False
         """True once start-up's deferred work is done and the heap frozen (``/workers``)."""
+
+    def metrics_text(self) -> bytes:
+        """``/metrics``: this process's registry, or its group's (``--workers``)."""
+        if self.group_metrics is not None:
+            return self.group_metrics.render()
+        return render(self.registry)
 
     def spec(self, worker: str) -> EngineSpec:
         """The engine a holder's worker name belongs to."""
