@@ -84,7 +84,12 @@ from kvevents.index.types import TierCredits
 from kvevents.router.decide.router import POLICIES, Router
 from kvevents.router.decide.scoring import ScoringWeights
 from kvevents.router.fleet.peers import LoadNotes, SyncTransport, machine_seat, sender_id
-from kvevents.router.fleet.warm_start import load_from_peers, peer_url_problem
+from kvevents.router.fleet.warm_start import (
+    DEFAULT_TOTAL_TIMEOUT_S,
+    load_from_peers,
+    peer_url_problem,
+    snapshot_bytes_bound,
+)
 from kvevents.router.prompts.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES
@@ -232,6 +237,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "difference; none reachable: start empty",
     )
     parser.add_argument(
+        "--peer-max-bytes",
+        type=bounded(PositiveInt),
+        default=None,
+        metavar="BYTES",
+        help="the largest --peer snapshot read, claimed or received; a larger one is skipped "
+        "(default: what --max-entries entries take)",
+    )
+    parser.add_argument(
+        "--peer-timeout",
+        type=bounded(PositiveFiniteFloat),
+        default=DEFAULT_TOTAL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="the time a --peer snapshot's whole download may take; a slower peer is skipped",
+    )
+    parser.add_argument(
         "--sync",
         metavar="NATS_URL",
         help="share in-flight load with router replicas on other machines over NATS, e.g. "
@@ -314,6 +334,8 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
                 client=client,
                 block_size=_known_block_size(router, specs),
                 follows=_follows(specs),
+                max_bytes=args.peer_max_bytes or snapshot_bytes_bound(args.max_entries),
+                total_timeout=args.peer_timeout,
             )
         if index is not None:
             router.restore_index(index)

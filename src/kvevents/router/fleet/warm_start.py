@@ -25,6 +25,13 @@ URL with credentials in it (``http://user:password@host``) is refused, as an eng
 is (:func:`peer_url_problem`): a peer is asked with the router's own ``--api-key``, and
 the URL is shown in ``/workers`` and the log.
 
+A peer's answer is bounded before it is trusted: its size (``max_bytes``, by default
+what ``--max-entries`` entries can take, :func:`snapshot_bytes_bound`) is checked against
+the ``Content-Length`` it claims before a byte of the body is read, and against what
+arrived while it is read; the whole download has a deadline (``total_timeout``) beside
+the per-read timeout. A peer past a bound is skipped with a log line naming the bound,
+and the next peer is asked (or the router starts from the engines' replay).
+
 The limit: batches published between the peer's snapshot and this router's
 subscription reaching the publisher come back only through replay; without a replay
 endpoint they are reported as a ``Loss`` (and the router clears that holder, as for
@@ -42,10 +49,32 @@ import httpx
 import msgspec
 
 from kvevents.http.auth import masked_url
-from kvevents.index.prefix_index import PrefixIndex
+from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
 from kvevents.types import Holder
 
-__all__ = ["WarmStart", "dump_bytes", "load_from_peers", "peer_url_problem"]
+__all__ = [
+    "BYTES_PER_ENTRY",
+    "WarmStart",
+    "dump_bytes",
+    "load_from_peers",
+    "peer_url_problem",
+    "snapshot_bytes_bound",
+]
+
+BYTES_PER_ENTRY = 64
+"""Snapshot bytes allowed per index entry: a block's key, mask number, engine hash and its
+key take about 30 in msgpack; twice that leaves room for copies and side groups."""
+DEFAULT_TOTAL_TIMEOUT_S = 60.0
+
+
+def snapshot_bytes_bound(max_entries: int) -> int:
+    """The most bytes a peer's snapshot of an index of ``max_entries`` entries may take."""
+    return max_entries * BYTES_PER_ENTRY + (1 << 20)
+
+
+class _PastBound(Exception):
+    """A peer's answer broke one of the bounds (the message names it)."""
+
 
 log = logging.getLogger("kvevents.router")
 
@@ -94,6 +123,8 @@ def load_from_peers(
     client: httpx.Client | None = None,
     block_size: int | None = None,
     follows: Callable[[Holder], bool] | None = None,
+    max_bytes: int | None = None,
+    total_timeout: float = DEFAULT_TOTAL_TIMEOUT_S,
 ) -> tuple[PrefixIndex | None, WarmStart]:
     """The first peer's index that loads, and what happened; ``(None, ...)`` when none did.
 
@@ -101,7 +132,11 @@ def load_from_peers(
     another is skipped, and the next peer tried. ``follows``: whether this router follows
     a holder; the others are dropped from each snapshot, and one left with none is
     skipped too (:func:`_fit`). What is reported (blocks, streams) is what is left.
+    ``max_bytes`` (default: :func:`snapshot_bytes_bound` of the default ``--max-entries``)
+    and ``total_timeout`` bound each peer's answer (module docstring).
     """
+    if max_bytes is None:
+        max_bytes = snapshot_bytes_bound(DEFAULT_MAX_ENTRIES)
     started = time.monotonic()
     errors: list[str] = []
     own = client is None
@@ -115,10 +150,11 @@ def load_from_peers(
             base = url.rstrip("/")
             try:
                 asked = time.monotonic()
-                r = http.get(f"{base}/dump")
-                r.raise_for_status()
+                content = _download(http, f"{base}/dump", max_bytes, asked + total_timeout)
                 fetched = time.monotonic()
-                index = PrefixIndex.from_bytes(r.content)
+                index = PrefixIndex.from_bytes(content)
+            except _PastBound as exc:
+                errors.append(f"{base}: {exc}")
             except httpx.HTTPError as exc:
                 errors.append(f"{base}: {type(exc).__name__}: {exc}")
             except ValueError as exc:
@@ -136,7 +172,7 @@ def load_from_peers(
                     seconds=loaded - started,
                     fetch_seconds=fetched - asked,
                     load_seconds=loaded - fetched,
-                    snapshot_bytes=len(r.content),
+                    snapshot_bytes=len(content),
                     errors=errors,
                 )
                 log.info(
@@ -158,6 +194,35 @@ def load_from_peers(
     if peers:
         log.warning("no peer answered with an index snapshot: starting with an empty index")
     return None, WarmStart(peer=None, seconds=time.monotonic() - started, errors=errors)
+
+
+def _download(http: httpx.Client, url: str, max_bytes: int, deadline: float) -> bytes:
+    """``GET url``'s body, within ``max_bytes`` (claimed and received) and by ``deadline``
+    (monotonic); :class:`_PastBound` names the bound a peer broke."""
+    with http.stream("GET", url) as r:
+        r.raise_for_status()
+        claimed = r.headers.get("content-length")
+        if claimed is not None and claimed.isdigit() and int(claimed) > max_bytes:
+            raise _PastBound(
+                f"its snapshot claims {int(claimed)} bytes, past the bound of {max_bytes} "
+                "(--peer-max-bytes; by default what --max-entries entries take): not read"
+            )
+        chunks: list[bytes] = []
+        received = 0
+        for chunk in r.iter_bytes():
+            received += len(chunk)
+            if received > max_bytes:
+                raise _PastBound(
+                    f"its snapshot went past the bound of {max_bytes} bytes (--peer-max-bytes)"
+                    " while it was read: dropped"
+                )
+            if time.monotonic() > deadline:
+                raise _PastBound(
+                    f"its snapshot did not arrive whole within the download's deadline "
+                    f"({received} bytes read): dropped"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def _fit(
