@@ -3,11 +3,6 @@ interleaved wrk rounds' summary and headline rows."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "router"))
-
 from nats_support import NatsServer
 
 from kvevents.bench.note_cost import _summary, note_cpu_in_process

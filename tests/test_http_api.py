@@ -15,9 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "router"))
-
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents.api import document

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from kvevents.wire.frames import parse_live_frames, parse_replay_reply, replay_request_frames

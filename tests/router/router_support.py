@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from engine_support import Engine
 
 from process_support import KVEventsProcess

@@ -9,18 +9,14 @@ routing decision right.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from engine_support import stream_events
 from router_support import Engine, RouterProc, wait_until
 
 from kvevents.text.chat import render_chat
 from kvevents.transport.endpoints import free_port_range
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
-from engine_support import stream_events
 
 PAGE = 4
 

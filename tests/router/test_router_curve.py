@@ -10,9 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 PAGE = 4

@@ -6,17 +6,12 @@ Answers, errors and limits are checked on both HTTP servers the router offers
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
