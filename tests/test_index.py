@@ -130,11 +130,13 @@ def test_sglang_sample_tiers_and_namespaces() -> None:
     assert isinstance(salted, BlockStored)
     for seq in (0, 1, 2):
         index.apply(rank3, batches[seq])
-    prompt = chain.token_ids + child.token_ids
+    # each request goes on past the stored pages: an engine recomputes the last page of
+    # a page-aligned prompt (kvevents.index.reusable), one more token keeps them all
+    prompt = [*chain.token_ids, *child.token_ids, 0]
     assert index.match(prompt).by_holder() == {rank3: HolderMatch(4, 0, 0)}
     # The salted LoRA block matches only under its own namespace.
-    assert index.match(salted.token_ids).by_holder() == {}
-    ns = index.match(salted.token_ids, lora=salted.lora_name, cache_salt=salted.cache_salt)
+    assert index.match([*salted.token_ids, 0]).by_holder() == {}
+    ns = index.match([*salted.token_ids, 0], lora=salted.lora_name, cache_salt=salted.cache_salt)
     assert ns.by_holder() == {rank3: HolderMatch(1, 0, 0)}
 
     index.apply(rank3, batches[3])  # first page copied to host
@@ -156,11 +158,12 @@ def test_offloaded_tiers_give_nested_lengths_and_removal_by_medium() -> None:
     index.apply(A, batch(stored([1, 2, 3], [1, 2, 3, 4, 5, 6])))
     index.apply(A, batch(stored([2, 3], [], medium="CPU_PINNED"), stored([3], [], medium="DISK")))
     index.apply(A, batch(BlockRemoved(block_hashes=[2, 3], medium="GPU")))
-    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 2, 0)}
+    request = [1, 2, 3, 4, 5, 6, 0]  # past the 3 blocks: none is recomputed
+    assert index.match(request).by_holder() == {A: HolderMatch(1, 2, 0)}
     index.apply(A, batch(BlockRemoved(block_hashes=[3], medium="CPU")))
-    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 1, 1)}
+    assert index.match(request).by_holder() == {A: HolderMatch(1, 1, 1)}
     index.apply(A, batch(BlockRemoved(block_hashes=[3])))
-    assert index.match([1, 2, 3, 4, 5, 6]).by_holder() == {A: HolderMatch(1, 1, 0)}
+    assert index.match(request).by_holder() == {A: HolderMatch(1, 1, 0)}
     assert len(index) == 2
 
 
@@ -183,7 +186,7 @@ def test_silent_miss_paths_are_counted() -> None:
     index.apply(A, batch(BlockRemoved(block_hashes=[7])))
     assert index.stats.unknown_hash == 1
     # The unknown medium is kept at the lowest tier.
-    assert index.match([5, 5]).by_holder() == {A: HolderMatch(0, 0, 1)}
+    assert index.match([5, 5, 0]).by_holder() == {A: HolderMatch(0, 0, 1)}
 
 
 def test_duplicate_store_needs_two_removals() -> None:
@@ -227,7 +230,7 @@ def test_more_than_64_holders() -> None:
     for r, h in enumerate(holders):
         index.store_keys(h, index.keys_for(list(range(r % 5 + 1))))
     index.store_keys(holders[129], index.keys_for([0, 1, 2, 3, 4, 5])[5:], tier=Tier.CPU)
-    result = index.match(list(range(6))).by_holder()
+    result = index.match(list(range(7))).by_holder()  # a 7th token: the 6 blocks count
     assert len(result) == 130
     assert result[holders[3]] == HolderMatch(4, 0, 0)
     assert result[holders[129]] == HolderMatch(5, 1, 0)
@@ -241,12 +244,12 @@ def test_pruning_drops_least_recently_used_leaves_first() -> None:
     new = index.keys_for([7, 8, 9])
     index.store_keys(A, old)
     index.store_keys(A, new)
-    index.match([1, 2])  # touches the first two blocks of the old chain
+    index.match([1, 2, 0])  # touches the first two blocks of the old chain
     index.store_keys(B, index.keys_for([4]))
     assert len(index) <= 6
     assert index.stats.pruned_entries >= 1
     # The old chain's leaf (never matched) went first; its matched prefix stayed.
-    assert index.match([1, 2, 3]).by_holder()[A] == HolderMatch(2, 0, 0)
+    assert index.match([1, 2, 3, 0]).by_holder()[A] == HolderMatch(2, 0, 0)
 
 
 def test_snapshot_round_trip_and_bad_bytes() -> None:
@@ -383,15 +386,16 @@ def test_sglang_hashes_shared_by_two_namespaces_resolve_per_holder(
     index.apply(B, batch(stored(hashes, tokens)))
     index.apply(A, batch(stored(child, [5, 6], parent=hashes[-1])))
     lora, salt = namespace.get("lora_name"), namespace.get("cache_salt")
-    assert index.holder_match(index.match([*tokens, 5, 6], lora=lora, cache_salt=salt), A).gpu == 3
-    assert index.holder_match(index.match([*tokens, 5, 6]), A).gpu == 0
+    request = [*tokens, 5, 6, 0]  # past the 3 pages: none is recomputed
+    assert index.holder_match(index.match(request, lora=lora, cache_salt=salt), A).gpu == 3
+    assert index.holder_match(index.match(request), A).gpu == 0
     assert index.stats.unknown_parent == 0
     assert index.holder_hashes(A) == {*hashes, *child} and index.holder_hashes(B) == set(hashes)
     copy = PrefixIndex.from_bytes(index.to_bytes())
     for idx in (index, copy):
         idx.apply(A, batch(BlockRemoved(block_hashes=[*hashes, *child], medium="GPU")))
         assert (idx.holder_size(A), idx.stats.unknown_hash) == (0, 0)
-        assert idx.holder_match(idx.match(tokens), B).gpu == 2
+        assert idx.holder_match(idx.match([*tokens, 0]), B).gpu == 2
         idx.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
         assert len(idx) == 0 and not idx._slot_keys and not idx._hashes
 
@@ -405,8 +409,11 @@ def test_sglang_host_store_of_tokens_held_under_a_salt_is_keyed_from_its_own_fie
     index = PrefixIndex(block_size=2)
     salted = msgspec.structs.replace(stored(hashes, tokens, medium="GPU"), cache_salt="tenant-a")
     index.apply(A, batch(salted, stored(hashes, tokens, medium="CPU_PINNED")))
-    assert index.holder_match(index.match(tokens), A) == HolderMatch(0, 2, 0)
-    assert index.holder_match(index.match(tokens, cache_salt="tenant-a"), A) == HolderMatch(2, 0, 0)
+    request = [*tokens, 0]  # past the 2 pages: none is recomputed
+    assert index.holder_match(index.match(request), A) == HolderMatch(0, 2, 0)
+    assert index.holder_match(index.match(request, cache_salt="tenant-a"), A) == HolderMatch(
+        2, 0, 0
+    )
 
 
 def test_a_holders_own_key_goes_with_its_last_copy_though_another_rank_holds_it() -> None:
@@ -425,4 +432,4 @@ def test_a_holders_own_key_goes_with_its_last_copy_though_another_rank_holds_it(
     index.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
     index.apply(B, batch(BlockRemoved(block_hashes=hashes, medium="GPU")))
     assert (index.holder_size(B), index.stats.unknown_hash) == (0, 0)
-    assert index.holder_match(index.match(tokens), c).gpu == 2
+    assert index.holder_match(index.match([*tokens, 0]), c).gpu == 2

@@ -19,6 +19,9 @@ from kvevents.wire.hashing import content_keys
 BS = 4
 H = Holder("vllm", 0)
 TOKENS = list(range(10, 10 + 3 * BS))
+REQUEST = [*TOKENS, 0]
+"""A request for the stored blocks and one token more (an engine recomputes a block-aligned
+prompt's last block, :mod:`kvevents.index.reusable`: with one more token all 3 count)."""
 
 
 def store(extra: list[object] | None, *, lora_name: str | None = None, **kw: object) -> BlockStored:
@@ -45,7 +48,7 @@ def indexed(event: BlockStored) -> PrefixIndex:
 
 
 def blocks(index: PrefixIndex, **kw: object) -> int:
-    return index.holder_match(index.match(TOKENS, **kw), H).gpu  # type: ignore[arg-type]
+    return index.holder_match(index.match(REQUEST, **kw), H).gpu  # type: ignore[arg-type]
 
 
 def test_vllm_salt_on_the_first_block_keys_the_chain_under_the_salt() -> None:
@@ -143,11 +146,11 @@ def test_an_offload_copy_with_tokens_but_no_extra_keys_is_keyed_as_the_blocks_it
     index = indexed(store([["salty"], None, None]))
     copy = msgspec.structs.replace(store(None), medium="CPU")
     index.apply(H, KVEventBatch(ts=0.0, events=[copy], data_parallel_rank=0))
-    assert blocks(index) == 0 and index.holder_match(index.match(TOKENS), H).cpu == 0
+    assert blocks(index) == 0 and index.holder_match(index.match(REQUEST), H).cpu == 0
     evicted = BlockRemoved(block_hashes=[101, 102, 103], medium="GPU")
     index.apply(H, KVEventBatch(ts=0.0, events=[evicted], data_parallel_rank=0))
-    salted = index.holder_match(index.match(TOKENS, cache_salt="salty"), H)
+    salted = index.holder_match(index.match(REQUEST, cache_salt="salty"), H)
     assert (salted.gpu, salted.cpu, index.stats.unknown_hash) == (0, 3, 0)
     # a store into another tier of blocks the holder does not have is keyed from its tokens
     other = indexed(msgspec.structs.replace(store(None), medium="CPU"))
-    assert other.holder_match(other.match(TOKENS), H).cpu == 3
+    assert other.holder_match(other.match(REQUEST), H).cpu == 3

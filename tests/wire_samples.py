@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Copies of ../shared/wire-samples (real SGLang 0.5.23 and vLLM 0.32 captures), kept in
-# the repository so the tests run on a fresh machine.
+# Copies of ../shared/wire-samples (real SGLang 0.5.23 and vLLM 0.32 captures, one of them
+# of a hybrid-attention Gemma3), kept in the repository so the tests run on a fresh machine.
 WIRE_SAMPLES = Path(__file__).resolve().parent / "data" / "wire-samples"
 SAMPLE_FILES = (
     "sglang-0.5.23.jsonl",
     "vllm-0.32.0-cpu-int-hashes.jsonl",
     "vllm-0.32.0-cpu-bytes-hashes.jsonl",
+    "vllm-0.32.0-cpu-hybrid-gemma3.jsonl",
 )
 
 

@@ -7,6 +7,8 @@
 * :mod:`~kvevents.index.predictions`: predicted entries, a side table of blocks a
   holder is expected to store soon (the router's sibling bursts);
 * :mod:`~kvevents.index.types`: tiers, credits, counters and match results;
+* :mod:`~kvevents.index.reusable`: the most blocks an engine reuses of a prompt (a
+  block-aligned prompt's last block is recomputed);
 * :mod:`~kvevents.index.snapshot`: the index's state as bytes and back (``/dump``).
 
 The index knows events and holders, never sockets: it imports ``wire`` and ``types``

@@ -44,7 +44,11 @@ the current candidate, full attention first, and repeats until no group shortens
 
 :func:`reuse_length` applies the same fixed point per holder on the index's masks, per
 tier set (GPU; GPU or CPU; any tier). It is what the index reports for a holder with
-side groups; holders without any keep the plain full-attention match.
+side groups; holders without any keep the plain full-attention match. vLLM starts the
+fixed point from the longest hit the request allows, never its last token
+(:mod:`kvevents.index.reusable`: a block-aligned prompt's last block is recomputed), so
+a window must be held before that end; the index starts from the same cap when the
+caller gives it (``match_keys(..., reusable=)``; :meth:`PrefixIndex.match` always does).
 
 Kinds are read by their reuse rule (:data:`REUSE_RULES`): MLA and sink full attention
 are full attention, sliding-window MLA is a sliding window. A side group's offload copy

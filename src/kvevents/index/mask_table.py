@@ -356,12 +356,19 @@ class MaskTable:
 
     # --- matching ---------------------------------------------------------------------
 
-    def match_keys(self, keys: Sequence[int]) -> PrefixMatch:
+    def match_keys(self, keys: Sequence[int], *, reusable: int | None = None) -> PrefixMatch:
         """Every holder's longest cached prefix of a request given as content keys.
+
+        ``reusable``: the most blocks an engine reuses of the request
+        (:func:`~kvevents.index.reusable.reusable_blocks` of its token count: a
+        block-aligned prompt's last block is recomputed); only that many leading keys are
+        matched, before hybrid holders' groups shorten their lengths. None: every key.
 
         One dict lookup per block, all of them in C (no Python step per block), then
         O(distinct matched lengths); the tiered match stops at the first block no holder has.
         """
+        if reusable is not None and reusable < len(keys):
+            keys = keys[: max(0, reusable)]
         self.stats.lookups += 1
         if self._offloaded:
             return self._match_tiered(keys)

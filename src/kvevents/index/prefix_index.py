@@ -46,7 +46,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import or_
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import xxhash
@@ -61,6 +61,7 @@ from kvevents.index.groups import (
 )
 from kvevents.index.mask_table import MaskTable
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S, Predictions
+from kvevents.index.reusable import reusable_blocks
 from kvevents.index.snapshot import (
     SNAPSHOT_VERSION,
     GroupSnapshot,
@@ -496,11 +497,16 @@ class PrefixIndex(GroupedMaskTable):
     def _apply_side_stored(self, slot: int, ev: BlockStored) -> None:
         """A chain of a side group: a second full-attention group, or a sliding window.
 
-        A sliding-window chain carries the tokens of every block from its start but the
-        hashes of the blocks still inside the window only: they are its *last* blocks
-        (vLLM skips the blocks it already dropped from the window). Their keys come from
-        the main group's stores of the same hashes when known (those also saw the salt
-        on the sequence's first block), else from the tokens.
+        A sliding-window chain carries the tokens of every block it covers but hashes only
+        for the blocks vLLM caches in that group: its block pool skips null blocks (those
+        that left the window) and those the window's mask leaves out (no hit could use
+        them, a block-aligned prompt's recomputed last block among them). So a store may
+        name fewer blocks than its tokens cover, or none at all: a valid store of nothing
+        new in that group (counted ``ok``). Where the named blocks sit in the chain is not
+        on the wire: their keys come from the main group's stores of the same hashes (one
+        hash names one block in every group, and those stores also saw the salt on the
+        sequence's first block); only hashes never seen are keyed from the tokens, taken
+        as the chain's last blocks.
         """
         stats = self.stats
         spec = ev.kv_cache_spec_kind
@@ -522,8 +528,6 @@ class PrefixIndex(GroupedMaskTable):
         hashes = ev.block_hashes
         size = ev.block_size
         n = len(hashes)
-        if kind == SLIDING_WINDOW and (window is None or window <= 0):
-            n = 0  # a sliding window must say how wide it is
         table: GroupTable
         if not ev.token_ids:
             keys = []
@@ -538,7 +542,11 @@ class PrefixIndex(GroupedMaskTable):
             stats.count_event("BlockStored", outcome)
             return
         m = len(ev.token_ids) // size if size > 0 else 0
-        if n == 0 or m * size != len(ev.token_ids) or m < n or (kind == FULL_ATTENTION and m != n):
+        # a sliding window must say how wide it is, and may name no block
+        bad = (
+            (window is None or window <= 0 or m < n) if kind == SLIDING_WINDOW else n == 0 or m != n
+        )
+        if bad or m == 0 or m * size != len(ev.token_ids):
             stats.malformed += 1
             stats.count_event("BlockStored", "malformed")
             return
@@ -548,6 +556,10 @@ class PrefixIndex(GroupedMaskTable):
         elif size != advertised:
             stats.block_size_mismatch += 1
             outcome = "block_size_mismatch"
+        if not n:  # every block skipped in this group: its tokens store nothing here
+            self._side_table(slot, (kind, ev.group_idx, window))
+            stats.count_event("BlockStored", outcome)
+            return
         keys = self._keys_of(slot, hashes)  # type: ignore[assignment]
         if None in keys:
             try:
@@ -669,10 +681,14 @@ class PrefixIndex(GroupedMaskTable):
         cache_salt: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> PrefixMatch:
-        """Every holder's longest cached prefix of a request given as token ids."""
-        return self.match_keys(
-            self.request_keys(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
-        )
+        """Every holder's longest cached prefix of a request given as token ids.
+
+        At most the blocks an engine reuses of it count: a block-aligned prompt's last
+        block is recomputed (:mod:`kvevents.index.reusable`).
+        """
+        keys = self.request_keys(token_ids, lora=lora, cache_salt=cache_salt, extra_keys=extra_keys)
+        size = cast(int, self.block_size)  # known: request_keys raised otherwise
+        return self.match_keys(keys, reusable=reusable_blocks(len(token_ids), size))
 
     # --- predictions (kvevents.index.predictions) ------------------------------------
 
@@ -706,11 +722,15 @@ class PrefixIndex(GroupedMaskTable):
 
         A holder's prefix with predictions is the longest run of leading blocks each held
         in some tier *or* predicted; the answer is that length minus the confirmed one,
-        for holders where it is positive. Expires predictions first; ``{}`` at once when
-        there are none. O(blocks matched).
+        for holders where it is positive. Only the blocks ``confirmed`` looked at count
+        (a match capped at what an engine reuses, ``match_keys(..., reusable=)``, does not
+        count a recomputed last block as predicted). Expires predictions first; ``{}`` at
+        once when there are none. O(blocks matched).
         """
         if not self._predicted or not keys:
             return {}
+        if len(keys) > confirmed.n_blocks:
+            keys = keys[: confirmed.n_blocks]
         self.predictions.expire()
         if not self._predicted:
             return {}

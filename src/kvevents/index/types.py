@@ -138,8 +138,9 @@ class IndexStats(msgspec.Struct, kw_only=True):
     unknown_medium: int = 0
     """Events naming a medium :func:`normalize_medium` does not know."""
     malformed: int = 0
-    """Stored chains whose token count is not ``len(block_hashes) * block_size`` (or, in a
-    sliding-window group, covers fewer blocks than its hashes)."""
+    """Stored chains whose token count is not ``len(block_hashes) * block_size`` (a
+    sliding-window group's chain may name fewer blocks than its tokens cover, even none,
+    but not more; it must say its window)."""
     pruned_entries: int = 0
     """(block, holder, tier) entries dropped by the memory bound."""
     unsupported_group: int = 0
@@ -181,7 +182,8 @@ class PrefixMatch(msgspec.Struct, gc=False):
     """The index's slot table (slot -> holder), shared, not copied."""
     segments: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
     n_blocks: int
-    """Full blocks in the request."""
+    """Blocks of the request the match looked at: its full blocks, or as many as an engine
+    reuses of it when the caller said (``match_keys(..., reusable=)``)."""
     block_size: int | None
 
     def _cumulative(self, tier: int, slot: int) -> int:
