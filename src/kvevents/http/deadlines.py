@@ -77,6 +77,11 @@ class Deadlines(Generic[T]):
         if self._timer is None or deadline < self._at:
             self._arm(loop, deadline)
 
+    def oldest(self) -> T | None:
+        """The item watched longest (the first of the dict: its order is the watches'), or
+        None when none is."""
+        return next(iter(self._due), None)
+
     def forget(self, item: T) -> None:
         """``item`` ended in time: no longer watched (nothing when it was not)."""
         due = self._due

@@ -29,6 +29,14 @@ uvicorn's plain 500, logged, and the connection closes, as when an ASGI app rais
 An inline answer arms uvicorn's keep-alive timer from inside the parser; a request that
 begins in the same data stops it again, as new data does.
 
+Slow and idle clients are bounded (:class:`HttpLimits`, values from the command's
+options): a request's head and body must arrive within ``request_timeout`` seconds of
+its first byte (else 408 and the connection closes: uvicorn itself waits forever for a
+body that trickles), a connection that has not sent a byte of its first request counts
+as idle and is closed at the keep-alive timeout like one between requests (uvicorn
+keeps it forever), and past ``max_idle_connections`` idle connections in a process the
+oldest idle one is closed as a new one arrives.
+
 An :class:`AsyncInlineApp` may also answer some paths later: with a coroutine, which
 the protocol runs as a task, or with a future (the router's relay, resolved from its
 engine connection's callbacks: no task at all); the answer is written the same way,
@@ -56,9 +64,36 @@ from typing import Any, Protocol, runtime_checkable
 from kvevents.http.deadlines import Deadlines
 from kvevents.http.held_writes import HeldWrites, holding_enabled
 
-__all__ = ["AsyncInlineApp", "InlineAnswer", "InlineApp", "protocol_for"]
+__all__ = ["AsyncInlineApp", "HttpLimits", "InlineAnswer", "InlineApp", "protocol_for"]
 
 log = logging.getLogger(__name__)
+
+
+class HttpLimits:
+    """Bounds on slow and idle clients, per server process (module docstring)."""
+
+    __slots__ = ("max_idle_connections", "request_timeout")
+
+    def __init__(self, *, request_timeout: float = 30.0, max_idle_connections: int = 4096) -> None:
+        if not request_timeout > 0:
+            raise ValueError(
+                f"request_timeout={request_timeout}: give a positive number of seconds"
+            )
+        if max_idle_connections < 1:
+            raise ValueError(f"max_idle_connections={max_idle_connections}: give a positive number")
+        self.request_timeout = request_timeout
+        self.max_idle_connections = max_idle_connections
+
+    def __repr__(self) -> str:
+        return (
+            f"HttpLimits(request_timeout={self.request_timeout!r}, "
+            f"max_idle_connections={self.max_idle_connections!r})"
+        )
+
+
+DEFAULT_LIMITS = HttpLimits()
+
+_TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 @runtime_checkable
@@ -145,6 +180,8 @@ def _subclass() -> type[Any] | None:
         "_unset_keepalive_if_required",
         "_start_asgi_task",
         "timeout_keep_alive_handler",
+        "connection_made",
+        "connection_lost",
     )
     if not all(hasattr(HttpToolsProtocol, name) for name in needed):  # pragma: no cover
         log.warning("this uvicorn's httptools protocol lacks %s: no inline path", needed)
@@ -178,11 +215,35 @@ def _subclass() -> type[Any] | None:
             self._close_after = False
             self._held: HeldWrites | None = None
             self._idle = _idle_deadlines(self.server_state)
+            self._reading = _request_deadlines(self.server_state)
+            self._limits: HttpLimits = getattr(self.config, "kvevents_limits", DEFAULT_LIMITS)
 
         def connection_made(self, transport: Any) -> None:
             if holding_enabled():  # uvicorn's own writes and closes go through it too
                 transport = self._held = HeldWrites(transport, self.loop)
             super().connection_made(transport)
+            # idle until its first request begins, as between two requests
+            loop = self.loop
+            idle = self._idle
+            idle.watch(self, loop.time() + self.timeout_keep_alive, loop)
+            if len(idle) > self._limits.max_idle_connections:
+                oldest = idle.oldest()
+                if oldest is not None and oldest is not self:
+                    idle.forget(oldest)
+                    oldest.timeout_keep_alive_handler()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._idle.forget(self)
+            self._reading.forget(self)
+            super().connection_lost(exc)
+
+        def _request_timed_out(self) -> None:
+            """The request's head and body did not arrive within the request timeout."""
+            if self.transport.is_closing():
+                return
+            if not self.pipeline and (self.cycle is None or self.cycle.response_complete):
+                self.transport.write(_TIMED_OUT)  # nothing else is being answered: say why
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             # What uvicorn does once an answer is out (count it, read again, start the
@@ -220,6 +281,8 @@ def _subclass() -> type[Any] | None:
             # so a request read from the same data would otherwise run under that timer,
             # and a slow body or a relayed answer be cut off when it fires.
             self._unset_keepalive_if_required()
+            loop = self.loop
+            self._reading.watch(self, loop.time() + self._limits.request_timeout, loop)
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
@@ -266,6 +329,7 @@ def _subclass() -> type[Any] | None:
                 self._inline_body.append(body)
 
         def on_message_complete(self) -> None:
+            self._reading.forget(self)  # all of it is in
             path = self._inline_path
             if path is None:
                 super().on_message_complete()
@@ -373,9 +437,19 @@ def _subclass() -> type[Any] | None:
             _IDLE_BY_SERVER[server_state] = deadlines
         return deadlines
 
+    def _request_deadlines(server_state: Any) -> Deadlines[InlineHttpToolsProtocol]:
+        """The deadlines of one server's requests still arriving (head and body)."""
+        deadlines = _READING_BY_SERVER.get(server_state)
+        if deadlines is None:
+            deadlines = Deadlines(InlineHttpToolsProtocol._request_timed_out)
+            _READING_BY_SERVER[server_state] = deadlines
+        return deadlines
+
     return InlineHttpToolsProtocol
 
 
+_READING_BY_SERVER: weakref.WeakKeyDictionary[Any, Deadlines[Any]] = weakref.WeakKeyDictionary()
+"""Per uvicorn server, the deadlines of its inline connections' requests being read."""
 _IDLE_BY_SERVER: weakref.WeakKeyDictionary[Any, Deadlines[Any]] = weakref.WeakKeyDictionary()
 """Per uvicorn server (its ``ServerState``, shared by its connections), the keep-alive
 deadlines of its inline connections: dropped with the server, and the loop with it."""

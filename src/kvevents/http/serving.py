@@ -22,7 +22,7 @@ import uvicorn
 
 from kvevents.errors import ConfigError, EndpointError
 from kvevents.http.auth import ServerTLS
-from kvevents.http.inline import protocol_for
+from kvevents.http.inline import HttpLimits, protocol_for
 from kvevents.transport.endpoints import WILDCARD_HOSTS
 
 __all__ = [
@@ -120,12 +120,15 @@ async def start_http(
     lifespan: Literal["auto", "on", "off"] = "auto",
     graceful_timeout: float | None = None,
     tls: ServerTLS | None = None,
+    limits: HttpLimits | None = None,
 ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     """Start serving ``app`` on ``sock`` (HTTPS with ``tls``); returns once it accepts requests.
 
     Stop it with ``server.should_exit = True`` and ``await task``; requests in flight
     then get ``graceful_timeout`` seconds (None: no limit) before they are cancelled. Raises
-    :class:`EndpointError` if the server ends before it started.
+    :class:`EndpointError` if the server ends before it started. ``limits``: the bounds on
+    slow and idle clients (:class:`~kvevents.http.inline.HttpLimits`; its defaults when None),
+    for apps served by the inline protocol.
     """
     config = uvicorn.Config(
         app,
@@ -140,6 +143,8 @@ async def start_http(
         ssl_certfile=None if tls is None else tls.certfile,
         ssl_keyfile=None if tls is None else tls.keyfile,
     )
+    if limits is not None:
+        config.kvevents_limits = limits  # type: ignore[attr-defined]  # the protocol reads it
     server = _QuietServer(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(_STARTUP_POLLS):
@@ -176,6 +181,7 @@ async def serve_app(
     announce: Callable[[str], None] | None = None,
     tls: ServerTLS | None = None,
     server: HttpServer = "uvicorn",
+    limits: HttpLimits | None = None,
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0.
 
@@ -195,7 +201,7 @@ async def serve_app(
             if server == "granian":
                 finished, halt = await _start_granian(app, sock, tls)
             else:
-                finished, halt = await _start_uvicorn(app, sock, tls)
+                finished, halt = await _start_uvicorn(app, sock, tls, limits)
             url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
@@ -211,10 +217,10 @@ async def serve_app(
 
 
 async def _start_uvicorn(
-    app: Any, sock: socket.socket, tls: ServerTLS | None
+    app: Any, sock: socket.socket, tls: ServerTLS | None, limits: HttpLimits | None
 ) -> tuple[asyncio.Future[Any], Callable[[], Awaitable[None]]]:
     """Serve on uvicorn: what ends when it stops, and how to stop it."""
-    server, serving = await start_http(app, sock, tls=tls)
+    server, serving = await start_http(app, sock, tls=tls, limits=limits)
 
     async def halt() -> None:
         server.should_exit = True
