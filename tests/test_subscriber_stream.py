@@ -408,7 +408,7 @@ def test_timed_out_replay_that_made_progress_is_asked_again() -> None:
     publisher_drop=st.sets(st.integers(0, 39), max_size=4),
     buffer_steps=st.integers(1, 60),
     ops=st.lists(
-        st.sampled_from(["publish", "live", "live", "answer", "timeout", "reconnect"]),
+        st.sampled_from(["publish", "live", "live", "answer", "timeout", "reconnect", "connect"]),
         max_size=150,
     ),
     has_replay=st.booleans(),
@@ -421,7 +421,7 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
     ops: list[str],
     has_replay: bool,
 ) -> None:
-    """Under any live drops, publisher drops, buffer size, replay timeouts, reconnects to the same publisher and interleaving of live and replay traffic, delivered and lost seqs partition 0..last in order, and nothing is taken for a restart."""
+    """Under any live drops, publisher drops, buffer size, replay timeouts, (re)connections to the same publisher and interleaving of live and replay traffic, delivered and lost seqs partition 0..last in order, and nothing is taken for a restart."""
     t = StreamTracker("w", 0, has_replay=has_replay)
     buffered: list[int] = []  # seqs the publisher's replay buffer received, in order
     in_flight: list[int] = []  # live messages sent, not yet received
@@ -471,6 +471,9 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
         t.on_disconnected()
         run(t.on_connected())
 
+    def connect() -> None:  # a connection with no drop before it (the first one)
+        run(t.on_connected())
+
     def answer() -> None:
         if request:
             start = request.pop()
@@ -488,6 +491,7 @@ def test_delivered_and_lost_cover_every_seq_exactly_once(
             "answer": answer,
             "timeout": timeout,
             "reconnect": reconnect,
+            "connect": connect,
         }[op]()
     while next_seq < n:
         publish()
@@ -584,3 +588,66 @@ def test_a_verification_retried_once_keeps_two_retries_for_its_answer() -> None:
     assert t.on_replay_timeout() == [RequestReplay(5)]
     assert delivered(t.on_replay_reply(5, p(5))) == [5]  # that one made progress too
     assert t.on_replay_timeout() == [RequestReplay(6)]  # the second retry (it was refused)
+
+
+def test_a_connection_asks_for_what_follows_the_last_seq() -> None:
+    """A connection coming up with no replay out asks from the next expected seq, and a
+    batch the SUB missed before it (no gap shows it) is delivered from the answer."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()  # the join found nothing: the publisher was not up yet
+    assert t.on_connected() == [RequestReplay(0)]
+    out = t.on_replay_reply(0, p(0)) + t.on_replay_end()
+    assert delivered(out) == [0] and t.lost == 0
+    assert t.on_live(0, p(0)) == []  # its live copy, late: not delivered twice
+    assert t.accept_in_order(1, p(1))
+
+
+def test_a_connection_with_nothing_new_costs_one_round_trip() -> None:
+    """After batches delivered live, a connection asks from last + 1; the end marker
+    alone delivers nothing, signals nothing and asks nothing more."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_replay_end()
+    for s in range(3):
+        assert t.accept_in_order(s, p(s))
+    assert t.on_connected() == [RequestReplay(3)]
+    assert t.on_replay_end() == []
+    assert not t.replaying and t.gaps == t.lost == 0
+    assert t.accept_in_order(3, p(3))
+
+
+def test_a_connection_during_a_replay_rechecks_once_if_that_replay_times_out() -> None:
+    """A replay already out when the connection comes up stands for the connection's
+    check; if it times out with nothing waiting it is asked once more from the next
+    expected seq, and then the stream waits for its quiet checks."""
+    t = StreamTracker("w", 0, has_replay=True)
+    assert t.start() == [RequestReplay(0)]
+    assert t.on_connected() == []  # the join covers seq 0 already
+    assert t.on_replay_timeout() == [RequestReplay(0)]
+    assert t.on_replay_timeout() == []
+    assert not t.replaying and t.lost == 0
+
+
+def test_an_answered_replay_ends_the_connections_check() -> None:
+    """A connection's replay that was answered is not asked again when a later replay times out."""
+    t = StreamTracker("w", 0, has_replay=True)
+    t.start()
+    t.on_connected()
+    t.on_replay_end()
+    assert t.probe() == [RequestReplay(0)]
+    assert t.on_replay_timeout() == []  # an ordinary probe: no recheck
+
+
+def test_without_replay_or_verifiable_anchor_a_connection_asks_nothing() -> None:
+    """A stream without a replay endpoint cannot ask; a reconnect whose publisher cannot
+    be verified (no delivered payload to compare) asks nothing either, as before: its
+    next live seq is judged alone."""
+    t = StreamTracker("w", 0, has_replay=False)
+    assert t.on_connected() == []
+    t = StreamTracker("w", 0, has_replay=True)
+    assert t.start(after=9) == [RequestReplay(10)]
+    t.on_replay_end()
+    t.on_disconnected()
+    assert t.on_connected() == []
+    assert t.suspect

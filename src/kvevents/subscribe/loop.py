@@ -5,7 +5,10 @@ monitor socket, replay client, tracker, counters). What arrives is fed to the st
 :class:`~kvevents.subscribe.stream.StreamTracker`; what the tracker answers is carried out here:
 payloads are decoded into :class:`~kvevents.subscribe.items.Delivery` items, signals passed on,
 replays requested. Everything one poll produced goes to the consumer as one chunk
-through a :class:`~kvevents.subscribe.handoff.Handoff`.
+through a :class:`~kvevents.subscribe.handoff.Handoff`. The loop also keeps each stream's
+quiet clock (``check_at``): a stream with a replay endpoint asks what follows its last
+seq ``tail_probe`` seconds after its last batch or connection, then every ``idle_check``
+seconds of quiet (why: :mod:`kvevents.subscribe.subscriber`).
 
 Other threads talk to the loop only through :meth:`SubscriberLoop.submit` (a command
 deque plus a wake-up byte on a socketpair the poller watches); every ZMQ socket is
@@ -101,6 +104,7 @@ class SubscriberLoop:
         max_pending: int,
         reconnect_max_ms: int,
         tail_probe: float | None,
+        idle_check: float | None = None,
         max_message_size: int = -1,
         curve_key_pair: CurveKeyPair | None = None,
         curve_server_key: str | None = None,
@@ -115,7 +119,12 @@ class SubscriberLoop:
         self.rcvhwm = rcvhwm
         self.max_pending = max_pending
         self.reconnect_max_ms = reconnect_max_ms
-        self.tail_probe = tail_probe
+        # seconds of quiet before a stream with a replay endpoint first asks what follows
+        # its last seq, then between further asks while it stays quiet (inf: never)
+        inf = float("inf")
+        first = tail_probe if tail_probe is not None else idle_check
+        self._first_check = inf if first is None else first
+        self._next_check = inf if idle_check is None else idle_check
         self.clock = clock
         self.streams: dict[Holder, StreamSockets] = {}
         self.refused: dict[Holder, StreamStats] = {}
@@ -183,7 +192,6 @@ class SubscriberLoop:
 
     def _next_deadline(self, now: float) -> float:
         deadline = self._next_sample
-        probe = self.tail_probe
         for st in self.streams.values():
             if st.retry_at is not None:
                 deadline = min(deadline, st.retry_at)
@@ -191,12 +199,11 @@ class SubscriberLoop:
                 continue
             if st.replay.deadline is not None:
                 deadline = min(deadline, st.replay.deadline)
-            elif probe is not None and not st.probed:
-                deadline = min(deadline, st.activity + probe)
+            else:
+                deadline = min(deadline, st.check_at)
         return deadline
 
     def _check_deadlines(self, now: float, out: list[Item]) -> None:
-        probe = self.tail_probe
         for st in self.streams.values():
             if st.retry_at is not None and now >= st.retry_at:
                 st.retry()
@@ -206,18 +213,14 @@ class SubscriberLoop:
                 self._apply(st, st.tracker.on_replay_timeout(), now, out)
                 if st.tracker.suspect and not st.tracker.replaying:
                     # A reconnect still unverified (the publisher's replay did not answer
-                    # yet): verify again after another quiet spell. The tail probe alone
-                    # fires once per quiet spell, so a restarted publisher whose first
-                    # live batches were missed (the SUB was still reconnecting) would
-                    # otherwise never be noticed until it published again.
-                    st.activity, st.probed = now, False
-            elif (
-                probe is not None
-                and not st.probed
-                and not st.tracker.replaying
-                and now >= st.activity + probe
-            ):
-                st.probed = True
+                    # yet): verify again after a first quiet spell, not the longer
+                    # interval between idle checks.
+                    st.check_at = now + self._first_check
+            elif not st.tracker.replaying and now >= st.check_at:
+                # Quiet for a while: ask what follows the last seq, and again every
+                # idle check while the quiet lasts. A lone batch the SUB missed (it was
+                # still connecting, or a slow joiner) shows no gap: only this finds it.
+                st.check_at = now + self._next_check
                 self._apply(st, st.tracker.probe(), now, out)
         if now >= self._next_sample:
             for st in self.streams.values():
@@ -289,7 +292,7 @@ class SubscriberLoop:
         self._register(st.monitor, lambda now, out: self._on_monitor(st, now, out))
         self._register(st.sub, lambda now, out: self._on_live(st, now, out))
         st.counters.sample(now)
-        st.activity = now
+        st.check_at = now + self._first_check
         self._apply(st, st.tracker.start(after), now, out)
 
     def _drop_stream(self, holder: Holder) -> StreamSockets | None:
@@ -339,7 +342,7 @@ class SubscriberLoop:
     def _on_live(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         sock, tracker = st.sub, st.tracker
         recv, unpack = sock.recv, _SEQ.unpack
-        st.activity, st.probed = now, False
+        st.check_at = now + self._first_check
         if st.counters.status is StreamStatus.CONNECTING:
             # data came, so a handshake happened (a ZMTP 1.0/2.0 publisher reports none)
             self._apply(st, st.handshake_done(), now, out)
@@ -396,7 +399,7 @@ class SubscriberLoop:
         client = st.replay
         assert client is not None
         sock = client.socket
-        st.activity, st.probed = now, False
+        last = st.tracker.last
         skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
             if client.socket is not sock:  # the tracker asked for a new replay meanwhile
@@ -424,9 +427,19 @@ class SubscriberLoop:
             self._apply(st, actions, now, out)
         if skipped:
             self._malformed(st, "replay", skipped, first_reason, out)
+        if st.tracker.last != last:
+            # batches came: quiet from now on. An answer that brought nothing keeps the
+            # schedule, or the checks of a quiet stream would come every ``tail_probe``.
+            st.check_at = now + self._first_check
 
     def _on_monitor(self, st: StreamSockets, now: float, out: list[Item]) -> None:
+        connections = st.connections
         actions, signals = st.read_monitor(now)
+        if st.connections != connections:
+            # The tracker asks what was missed while connecting; a batch sent just after
+            # its answer, before the subscription reached the publisher (slow joiner),
+            # is found by the first quiet check, as after a last message.
+            st.check_at = now + self._first_check
         out.extend(signals)
         self._apply(st, actions, now, out)
 

@@ -103,6 +103,16 @@ class ReplayClient:
             self.deadline = None if reply.is_end else now + self.timeout
         return reply
 
+    def refresh(self) -> None:
+        """Replace the socket by a fresh one unless a request is in flight.
+
+        A DEALER whose publisher was down has been reconnecting with backoff, up to
+        ``reconnect_max_ms`` apart; a request sent on it waits for the next attempt,
+        which may come after the timeout. A fresh socket connects at once.
+        """
+        if not self.in_flight:
+            self._reopen()
+
     def cancel(self) -> None:
         """Forget the request in flight: its socket goes, so late replies are never read."""
         if self.in_flight:

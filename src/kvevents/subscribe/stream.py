@@ -21,9 +21,15 @@ Invariants
   a verifying one (see below). A gap is signalled once, however often it is asked for.
 * A gap at the very end of a burst shows no symptom until the next message. With a
   replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
-  a while: a replay from ``last + 1`` that returns only the end marker when nothing
-  was missed. A live message arriving meanwhile cancels the probe (it reveals any gap
-  itself), so probing never holds live messages back.
+  a while (and again while it stays quiet): a replay from ``last + 1`` that returns
+  only the end marker when nothing was missed. A live message arriving meanwhile
+  cancels the probe (it reveals any gap itself), so probing never holds live messages
+  back.
+* A live connection that comes up (:meth:`on_connected`, the first one included) is
+  checked the same way: batches published before the SUB's subscription took effect
+  (ZMQ's reconnect backoff, the slow joiner) reach nobody live, and a lone one would
+  show no symptom. A replay already out when the connection comes up is taken as the
+  check; if it times out with nothing waiting, the check is asked once more.
 
 Restart detection
 -----------------
@@ -151,6 +157,8 @@ class StreamTracker:
         self._verified = False
         self._progress = False
         self._fruitless_start: int | None = None  # start of the last replay that gave nothing
+        # the replay out is a new connection's check: asked again once if it times out
+        self._recheck = False
         self._timeout_retries = 0  # timed-out replays re-asked in a row
         # counters, read by the stats
         self.gaps = 0
@@ -316,6 +324,12 @@ class StreamTracker:
             self._begin_replay(purpose, self.last + 1, out)
             return out
         self._timeout_retries = 0
+        if self._recheck and not self.pending and not unverified:
+            # The connection's check went unanswered: its request waited on a replay
+            # socket still backing off from a publisher that was down, or went to the
+            # old publisher. Ask once more (the socket loop gives it a fresh socket).
+            self._begin_replay(Purpose.PROBE, self.last + 1, out)
+            return out
         if self.purpose is Purpose.PROBE and not self.pending:
             self.replaying = False
             return out
@@ -343,16 +357,28 @@ class StreamTracker:
             self.suspect = True
 
     def on_connected(self) -> list[TrackerAction]:
-        """The live connection is up; after a drop, verify the publisher with a replay.
+        """The live connection is up (the first time, or again): with a replay endpoint,
+        ask for what was published after ``last``.
 
-        The verifying replay starts at the anchor (the last batch delivered with its
-        payload) and also fills anything after ``last``; a replay still in flight went to
-        the old connection, and this one replaces it.
+        After a drop the replay verifies the publisher: it starts at the anchor (the last
+        batch delivered with its payload) and also fills anything after ``last``; a
+        replay still in flight went to the old connection, and this one replaces it.
+        Otherwise it is a probe from ``last + 1`` (the end marker alone when nothing is
+        new), or, when a replay is already out, that replay: it covers ``last + 1`` too.
+        A drop whose publisher cannot be verified asks nothing: its next live seq is
+        judged alone (see "Restart detection").
         """
         out: list[TrackerAction] = []
-        if self.suspect and self.can_verify:
-            self.suspect = False
-            self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
+        if not self.has_replay:
+            return out
+        if self.suspect:
+            if self.can_verify:
+                self.suspect = False
+                self._begin_replay(Purpose.VERIFY, self.anchor_seq, out)
+        elif self.replaying:
+            self._recheck = True
+        else:
+            self._begin_replay(Purpose.PROBE, self.last + 1, out, recheck=True)
         return out
 
     # --- internals -----------------------------------------------------------------------
@@ -431,12 +457,15 @@ class StreamTracker:
         pending, self.pending = self.pending, []
         self._flush(pending, out, False, reason)
 
-    def _begin_replay(self, purpose: Purpose, start: int, out: list[TrackerAction]) -> None:
+    def _begin_replay(
+        self, purpose: Purpose, start: int, out: list[TrackerAction], *, recheck: bool = False
+    ) -> None:
         self.replaying = True
         self.purpose = purpose
         self.replay_start = start
         self._verified = False
         self._progress = False
+        self._recheck = recheck
         out.append(RequestReplay(start))
 
     def _reset(self, new_seq: int | None, reason: str, out: list[TrackerAction]) -> None:

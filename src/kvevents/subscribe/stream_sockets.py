@@ -92,10 +92,10 @@ class StreamSockets:
             max_pending=max_pending,
         )
         self.counters = StreamCounters()
-        # when anything last arrived, the stream was added, or an unverified reconnect's
-        # replay timed out: the tail probe's quiet clock
-        self.activity = 0.0
-        self.probed = False  # a tail probe was sent since then
+        # when the stream, quiet until then, next asks the publisher what follows its
+        # last seq (the socket loop sets it: inf when it never asks)
+        self.check_at = float("inf")
+        self.connections = 0  # connections established (handshakes done)
         self._reconnect_max_ms = reconnect_max_ms
         self._unreachable_reported = False
         self.replay: ReplayClient | None = None
@@ -192,13 +192,19 @@ class StreamSockets:
         """The stream is connected: its handshake succeeded, or (a publisher whose ZMQ
         protocol predates handshake events) a message arrived while connecting. The
         tracker hears of the connection now, not at the TCP connection: a refused
-        attempt is no reconnection to verify."""
+        attempt is no reconnection to verify. It answers with a replay request from the
+        next expected seq (:meth:`~kvevents.subscribe.stream.StreamTracker.on_connected`)."""
+        self.connections += 1
         self.counters.status = StreamStatus.CONNECTED
         self.counters.handshake_error = None
         self._refused = self._handshaking = False
         # libzmq may have reconnected by itself after a refusal: no reconnect of ours
         # later, which would drop this working connection
         self.retry_at = None
+        if self.replay is not None:
+            # the tracker asks what was missed while connecting: on a socket that
+            # connects now, not one deep in reconnect backoff from a publisher that was down
+            self.replay.refresh()
         return self.tracker.on_connected()
 
     def _on_refused(self, kind: int, value: int) -> list[Signal]:

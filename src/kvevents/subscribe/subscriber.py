@@ -33,13 +33,27 @@ stream per holder ``(worker, dp_rank)``. Items are :class:`~kvevents.subscribe.i
 Guarantees, per stream: each seq is delivered at most once, in increasing order; a seq
 that is never delivered is covered by a ``Loss``; a gap is replayed (when the stream has
 a replay endpoint) and its batches are delivered before anything newer; a new stream
-with a replay endpoint first replays from seq 0 (slow joiner), and one that goes quiet
-is probed for batches lost at the end of a burst; a restarted publisher gives ``Reset``
-before its first batch, and so does an engine that comes back on new endpoints (its
-``/server_info`` is read again every ``rediscover_interval`` seconds). Malformed frames are counted and skipped. An engine that is not
-up yet is retried with backoff and reported (``Unreachable``, :meth:`Subscriber.engines`),
-never blocking the other streams. The limits of restart detection are in
-:mod:`kvevents.subscribe.stream`.
+with a replay endpoint first replays from seq 0 (slow joiner); a restarted publisher
+gives ``Reset`` before its first batch, and so does an engine that comes back on new
+endpoints (its ``/server_info`` is read again every ``rediscover_interval`` seconds).
+Malformed frames are counted and skipped. An engine that is not up yet is retried with
+backoff and reported (``Unreachable``, :meth:`Subscriber.engines`), never blocking the
+other streams. The limits of restart detection are in :mod:`kvevents.subscribe.stream`.
+
+With a replay endpoint, a batch published while a stream's SUB was not listening yet
+is not lost. Pods start in any order: a SUB started before its engine connects only at
+its next reconnect attempt (ZMQ backs off up to ``retry_max`` seconds), and its
+subscription then takes a moment to reach the publisher (slow joiner). Live messages
+sent before that reach nobody, and a lone one leaves no gap to notice. So whenever a
+stream's connection is established (the first time or again), it asks the replay
+socket for everything after the last seq it has (one round trip, the end marker alone,
+when nothing is new); and a quiet stream asks the same ``tail_probe`` seconds after its
+last batch or connection, then every ``idle_check`` seconds while the quiet lasts. A
+batch is thus delivered while the engine's replay buffer still holds it (its last
+``buffer_steps`` batches), and once: replayed seqs the stream has are skipped, and an
+answer from a restarted publisher is a ``Reset`` as above. A stream without a replay
+endpoint cannot ask: a batch its SUB missed is a ``Loss`` when a later one arrives, and
+until then (a lone batch, an idle engine) it is missing without a signal.
 
 When the consumer falls behind by ``max_buffered`` items, the socket thread pauses;
 ZMQ's high-water marks then drop live messages, which come back through replay (or are
@@ -100,7 +114,11 @@ class Subscriber:
     * ``replay_timeout``: seconds without a replay reply before the rest of that replay
       counts as lost (asked again, at most twice, when it stopped midway).
     * ``tail_probe``: seconds of quiet after which a stream with a replay endpoint asks
-      for anything it may have missed at the end of a burst (None: never).
+      for anything it may have missed (the end of a burst, a batch published while it
+      connected); ``idle_check``: seconds between further asks while it stays quiet,
+      each one round trip to the publisher's replay socket (None: never; with
+      ``tail_probe`` None too, a quiet stream never asks). A stream also asks each time
+      its connection is established, whatever these are.
     * ``rcvhwm``: live receive high-water mark per stream (0: unlimited).
     * ``max_buffered``: items waiting for the consumer before the socket thread pauses.
     * ``max_pending``: live messages buffered per stream while a replay runs.
@@ -143,6 +161,7 @@ class Subscriber:
         *,
         replay_timeout: float = 2.0,
         tail_probe: float | None = 1.0,
+        idle_check: float | None = 5.0,
         rcvhwm: int = 100_000,
         max_buffered: int = 100_000,
         max_pending: int = 50_000,
@@ -175,6 +194,12 @@ class Subscriber:
                 raise ValueError(
                     f"Subscriber: {name}={value!r} must be a positive number of seconds"
                 )
+        for name, quiet in (("tail_probe", tail_probe), ("idle_check", idle_check)):
+            if quiet is not None and not quiet > 0:
+                raise ValueError(
+                    f"Subscriber: {name}={quiet!r} must be a positive number of seconds, "
+                    "or None to turn it off"
+                )
         if max_message_size != -1 and not max_message_size > 0:
             raise ValueError(
                 f"Subscriber: max_message_size={max_message_size!r} must be a positive number "
@@ -203,6 +228,7 @@ class Subscriber:
             max_message_size=max_message_size,
             reconnect_max_ms=int(retry_max * 1000),
             tail_probe=tail_probe,
+            idle_check=idle_check,
             curve_key_pair=curve_key_pair,
             curve_server_key=curve_server_key,
             clock=clock,
