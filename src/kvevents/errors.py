@@ -34,6 +34,8 @@ Hierarchy (HTTP status where a service answers with it)::
     │   ├── BadRequest                 router.service: the router's
     │   └── BadRequest                 engine.server: the simulated engine's
     ├── QueueFullError (RuntimeError)  engine.scheduler: a rank's waiting queue is full: 503
+    ├── DisaggregationError            engine.transfer_registry: a P/D leg refused or failed:
+    │                                  own status
     └── EngineRankError (RuntimeError) engine.supervisor: a rank failed or is busy: own status
 
 Argument checks of constructors and functions (a negative size, an unknown scheme

@@ -185,7 +185,7 @@ def test_dead_rank_shows_in_health_then_engine_exits_nonzero() -> None:
 
 def test_null_publisher_has_no_kv_events_block() -> None:
     """With publishing off, /server_info has dp_size and page_size but no kv_events block."""
-    eng = Engine(["--dp-size", "2", "--page-size", "8"], None)
+    eng = Engine(["--dp-size", "2", "--page-size", "8"], {"publisher": "null"})
     try:
         info = eng.server_info()
         assert (info["dp_size"], info["page_size"]) == (2, 8)

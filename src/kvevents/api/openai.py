@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Samples = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Room = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 _IDS = {
     "type": "array",
@@ -96,6 +99,22 @@ class CompletionRequest(msgspec.Struct):
     routed_dp_rank: NonNegative | None = None
     """SGLang's: the data-parallel rank to run on (the router sets it)."""
     data_parallel_rank: NonNegative | None = None
+    n: Samples | None = None
+    """Samples per prompt. The simulated engine generates one; on a disaggregated engine
+    ``n`` sizes the list of SGLang rooms (one per sample)."""
+    bootstrap_host: str | list[str] | None = None
+    """SGLang's P/D hand-off (the router sets it on both legs): the prefill engine's host."""
+    bootstrap_port: Port | list[Port] | None = None
+    """SGLang's P/D hand-off: the prefill engine's bootstrap port."""
+    bootstrap_room: Room | list[Room] | None = None
+    """SGLang's P/D hand-off: a random room, new per request; a list holds one per item
+    (prompt × sample, SGLang's order)."""
+    disagg_prefill_dp_rank: NonNegative | None = None
+    """SGLang's P/D hand-off, decode leg: the rank the prefill leg runs on."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's P/D hand-off: ``do_remote_decode: true`` on the prefill leg; on the decode
+    leg what the prefill's answer carried (``do_remote_prefill``, ``remote_host``,
+    ``remote_port``, ``remote_request_id``, ...)."""
 
 
 class ChatRequest(msgspec.Struct):
@@ -115,6 +134,22 @@ class ChatRequest(msgspec.Struct):
     cache_salt: str | None = None
     routed_dp_rank: NonNegative | None = None
     data_parallel_rank: NonNegative | None = None
+    n: Samples | None = None
+    """Samples per prompt. The simulated engine generates one; on a disaggregated engine
+    ``n`` sizes the list of SGLang rooms (one per sample)."""
+    bootstrap_host: str | list[str] | None = None
+    """SGLang's P/D hand-off (the router sets it on both legs): the prefill engine's host."""
+    bootstrap_port: Port | list[Port] | None = None
+    """SGLang's P/D hand-off: the prefill engine's bootstrap port."""
+    bootstrap_room: Room | list[Room] | None = None
+    """SGLang's P/D hand-off: a random room, new per request; a list holds one per item
+    (prompt × sample, SGLang's order)."""
+    disagg_prefill_dp_rank: NonNegative | None = None
+    """SGLang's P/D hand-off, decode leg: the rank the prefill leg runs on."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's P/D hand-off: ``do_remote_decode: true`` on the prefill leg; on the decode
+    leg what the prefill's answer carried (``do_remote_prefill``, ``remote_host``,
+    ``remote_port``, ``remote_request_id``, ...)."""
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -162,6 +197,8 @@ class CompletionAnswer(msgspec.Struct):
     usage: Usage | None = None
     dp_rank: int | None = None
     """Not OpenAI's: the rank that answered (the simulated engine's)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's P/D hand-off: a prefill leg's answer names the prefill for the decode leg."""
 
 
 class AssistantMessage(msgspec.Struct):
@@ -184,6 +221,8 @@ class ChatAnswer(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage | None = None
     dp_rank: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's P/D hand-off: a prefill leg's answer names the prefill for the decode leg."""
 
 
 class OpenAIErrorDetail(msgspec.Struct):

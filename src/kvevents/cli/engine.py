@@ -2,6 +2,7 @@
 
 ::
 
+    kvevents engine --dp-size 4
     kvevents engine --dp-size 4 --kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557"}'
 
 Everything is checked before any process starts: the scheduler topology
@@ -13,12 +14,27 @@ one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
+The engine publishes KV events by default (:data:`DEFAULT_KV_EVENTS_CONFIG`): every rank
+on its own OS-chosen live and replay port, so engines on one machine never collide, and
+``/server_info`` lists each rank's endpoints (``publishers``), which is what discovery
+reads: ``kvevents engine`` and ``kvevents router --engine URL`` route with no other flag.
+``--kv-events-config '{"publisher": "null"}'`` (or ``'{}'``) turns publishing off.
 Publishers bind a wildcard host in ``--kv-events-config`` as ``--kv-events-host``
 (default 127.0.0.1) and ``/server_info`` advertises what they bound; ``--api-key`` closes
-every endpoint but ``/health``, ``--ssl-certfile`` serves HTTPS (README, "Security").
+every endpoint but ``/health`` and ``/ready``, ``--ssl-certfile`` serves HTTPS (README,
+"Security").
 
-Just over 300 lines: the settings, the options that fill them and the serving loop of
-one command read best together.
+``GET /health`` is liveness (503 while a rank is dead), ``GET /ready`` readiness (503
+while a rank is starting, restarting or dead, or has no bound publisher); in Kubernetes,
+``livenessProbe`` on ``/health`` and ``readinessProbe`` on ``/ready``
+(:mod:`kvevents.engine.readiness`).
+
+``--disaggregation-mode prefill|decode`` makes the engine one half of a disaggregated
+pair (:mod:`kvevents.engine.disaggregation`); a prefill binds its bootstrap server
+(``--disaggregation-bootstrap-port``, on ``--host``) before any rank starts.
+
+Over 300 lines on purpose: the settings, the options that fill them and the serving
+loop of one command read best together.
 
 Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
 still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
@@ -38,6 +54,11 @@ from typing import Any
 
 from kvevents.cli.options import add_log_level
 from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
+from kvevents.engine.disaggregation import (
+    Disaggregation,
+    DisaggregationConfig,
+    DisaggregationMode,
+)
 from kvevents.engine.models import (
     DEFAULT_MODEL_NAME,
     ServedModels,
@@ -63,12 +84,27 @@ from kvevents.types import (
 )
 from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
 
-__all__ = ["OPEN_PATHS", "EngineSettings", "add_arguments", "run", "serve_engine"]
+__all__ = [
+    "DEFAULT_KV_EVENTS_CONFIG",
+    "OPEN_PATHS",
+    "EngineSettings",
+    "add_arguments",
+    "run",
+    "serve_engine",
+]
 
 READY_PREFIX = "kvevents engine ready "
-OPEN_PATHS = frozenset({"/health"})
-"""What an engine with an API key answers without it: health, for probes and SGLang-style
-routers. ``/server_info`` and ``/load`` need the key (the router sends its engine key)."""
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""What an engine with an API key answers without it: health and readiness, for probes and
+SGLang-style routers. ``/server_info`` and ``/load`` need the key (the router sends its
+engine key)."""
+
+DEFAULT_KV_EVENTS_CONFIG = (
+    '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
+)
+"""``--kv-events-config`` when none is given: publish, with replay, every rank on ports the
+OS picks (bound on ``--kv-events-host``, loopback by default). Port 0, not SGLang's
+5557: a second engine on the machine would collide with the first on a fixed base."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +133,10 @@ class EngineSettings:
     tls: ServerTLS | None = None
     sliding_window: int | None = None
     models: ServedModels = field(default_factory=ServedModels)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
+        pd = self.disaggregation
         # the bounds are the ones the command line parses these options with
         for flag, value, bound in (
             ("--block-size", self.page_size, PositiveInt),
@@ -113,6 +151,9 @@ class EngineSettings:
             ("--max-body-bytes", self.max_body_bytes, PositiveInt),
             ("--request-timeout", self.request_timeout, PositiveFloat),
             ("--shutdown-timeout", self.shutdown_timeout, NonNegativeFloat),
+            ("--disaggregation-bootstrap-port", pd.bootstrap_port, Port),
+            ("--transfer-us-per-block", pd.transfer_us_per_block, NonNegativeFloat),
+            ("--disaggregation-timeout", pd.timeout, PositiveFloat),
             *(
                 [("--sliding-window", self.sliding_window, PositiveInt)]
                 if self.sliding_window is not None
@@ -135,9 +176,9 @@ class EngineSettings:
     def from_args(cls, args: argparse.Namespace) -> EngineSettings:
         return cls(
             topology=plan_topology(args.dp_size, args.tp_size, args.enable_dp_attention),
-            kv_events_config=KVEventsConfig.from_json(args.kv_events_config).bound_to(
-                args.kv_events_host
-            ),
+            kv_events_config=KVEventsConfig.from_json(
+                DEFAULT_KV_EVENTS_CONFIG if args.kv_events_config is None else args.kv_events_config
+            ).bound_to(args.kv_events_host),
             page_size=args.page_size,
             max_blocks=args.max_blocks,
             host=args.host,
@@ -160,6 +201,12 @@ class EngineSettings:
                 names=parse_served_model_names(args.served_model_name),
                 loras=parse_lora_modules(args.lora_modules),
                 configured=bool(args.served_model_name or args.lora_modules),
+            ),
+            disaggregation=DisaggregationConfig(
+                mode=DisaggregationMode(args.disaggregation_mode),
+                bootstrap_port=args.disaggregation_bootstrap_port,
+                transfer_us_per_block=args.transfer_us_per_block,
+                timeout=args.disaggregation_timeout,
             ),
         )
 
@@ -207,7 +254,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulate a hybrid model: a sliding-window KV-cache group (group 0, this "
         "window) beside the full-attention one (group 1), with vLLM's events",
     )
-    add("--kv-events-config", default=None, metavar="JSON", help="SGLang's KV-events config")
+    add(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="SGLang's KV-events config (default: publish with replay on ports the OS picks, "
+        'advertised in /server_info; \'{"publisher": "null"}\' turns publishing off)',
+    )
     add(
         "--kv-events-host",
         default="127.0.0.1",
@@ -270,6 +323,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_server_arguments(parser)
     add(
+        "--disaggregation-mode",
+        choices=[str(m) for m in DisaggregationMode],
+        default="null",
+        help="disaggregated serving, SGLang's flag: prefill (serve prefill legs, KV handed "
+        "over by the bootstrap server) or decode (take the KV, then decode); null: neither",
+    )
+    add(
+        "--disaggregation-bootstrap-port",
+        type=bounded(Port),
+        default=8998,
+        metavar="PORT",
+        help="a prefill's bootstrap server port, on --host (0: the OS picks; /server_info "
+        "tells disaggregation_bootstrap_port)",
+    )
+    add(
+        "--transfer-us-per-block",
+        type=bounded(NonNegativeFloat),
+        default=10.0,
+        metavar="US",
+        help="simulated time a decode spends receiving one KV block",
+    )
+    add(
+        "--disaggregation-timeout",
+        type=bounded(PositiveFloat),
+        default=30.0,
+        metavar="S",
+        help="seconds a decode waits for its room; a prefill drops a registration nobody "
+        "took after as long",
+    )
+    add(
         "--served-model-name",
         action="append",
         metavar="NAME[,NAME]",
@@ -300,6 +383,16 @@ async def serve_engine(settings: EngineSettings) -> int:
 
 async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) -> int:
     sock = bind_http(settings.host, settings.port, "engine")
+    try:
+        pd = Disaggregation.create(
+            settings.disaggregation,
+            host=settings.host,
+            page_size=settings.page_size,
+            api_key=settings.api_key,
+        )
+    except BaseException:
+        sock.close()
+        raise
     supervisor = RankSupervisor(settings.rank_specs(), startup_timeout=settings.startup_timeout)
     stop_wait = asyncio.create_task(stop.wait())
     try:
@@ -323,7 +416,8 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             request_timeout=settings.request_timeout,
             max_body_bytes=settings.max_body_bytes,
         )
-        app: Any = create_app(supervisor, info, limits)
+        await pd.start()
+        app: Any = create_app(supervisor, info, limits, pd)
         if settings.api_key is not None:
             app = ApiKeyGate(app, ApiKey(settings.api_key), OPEN_PATHS)
         server, serving = await start_http(
@@ -348,6 +442,7 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
         return code
     finally:
         stop_wait.cancel()
+        await pd.stop()
         await supervisor.stop()
         sock.close()
 

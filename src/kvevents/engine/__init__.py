@@ -9,7 +9,12 @@ Modules, one concept each:
   their parent-side control;
 * :mod:`~kvevents.engine.server`, :mod:`~kvevents.engine.openai_api`,
   :mod:`~kvevents.engine.server_info`: the HTTP API and its ``/server_info`` discovery
-  block (a :class:`~kvevents.wire.server_info.KVEventsBlock`).
+  block (a :class:`~kvevents.wire.server_info.KVEventsBlock`);
+* :mod:`~kvevents.engine.disaggregation`: the prefill and decode roles of disaggregated
+  serving, over :mod:`~kvevents.engine.handoff` (a request's P/D fields),
+  :mod:`~kvevents.engine.transfer_registry` (what a prefill holds for its decodes) and
+  :mod:`~kvevents.engine.bootstrap` (the prefill's bootstrap server and the decode's
+  client).
 
 ``kvevents engine`` itself is :mod:`kvevents.cli.engine`; tokenizing text is
 :mod:`kvevents.text`, reading traces :mod:`kvevents.traces`. The engine imports nothing

@@ -6,6 +6,10 @@ decodes its body with; the OpenAI bodies, checked by hand in
 :mod:`kvevents.engine.openai_api`, are the structs of :mod:`kvevents.api.openai`; the
 answers are what :mod:`kvevents.engine.server` sends, checked against the live
 engine by the tests.
+
+For Kubernetes: the ``livenessProbe`` goes to ``/health`` (no rank dead), the
+``readinessProbe`` to ``/ready`` (every rank running, its publisher bound; 503 with the
+reasons otherwise); both are open without ``--api-key``.
 """
 
 from __future__ import annotations
@@ -25,15 +29,21 @@ from kvevents.api.openai import (
     TokenizeAnswer,
     TokenizeRequest,
 )
+from kvevents.engine.readiness import EngineReadiness
 
 __all__ = ["OPERATIONS", "GenerateRequest"]
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 NewTokens = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Room = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class SamplingParams(msgspec.Struct):
     max_new_tokens: NewTokens | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    """Samples per prompt: the simulated engine generates one; on a disaggregated engine
+    ``n`` sizes the list of rooms (one per sample)."""
 
 
 class GenerateRequest(msgspec.Struct):
@@ -56,6 +66,15 @@ class GenerateRequest(msgspec.Struct):
     """vLLM's cache salt: the request's blocks are cached (and published) under it."""
     extra_keys: list[list[Any] | None] | None = None
     """Per block, the extra keys vLLM would hash in (an image's ``[identifier, offset]``)."""
+    bootstrap_host: str | list[str] | None = None
+    """SGLang's P/D hand-off (``--disaggregation-mode``): the prefill engine's host."""
+    bootstrap_port: Port | list[Port] | None = None
+    """SGLang's P/D hand-off: the prefill engine's ``disaggregation_bootstrap_port``."""
+    bootstrap_room: Room | list[Room] | None = None
+    """SGLang's P/D hand-off: a random room, new per request, sent on both legs (a list:
+    one per sample with ``sampling_params.n``). Ignored by a non-disaggregated engine."""
+    disagg_prefill_dp_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """SGLang's P/D hand-off, decode leg: the rank the prefill ran on (checked)."""
 
 
 class FinishReason(msgspec.Struct):
@@ -139,6 +158,10 @@ class ServerInfoAnswer(msgspec.Struct):
     schedulers: list[dict[str, Any]]
     kv_events: dict[str, Any] | None = None
     """The discovery block (kvevents.wire.server_info); absent when not publishing on TCP."""
+    disaggregation_mode: str = "null"
+    """``null``, ``prefill`` or ``decode`` (``--disaggregation-mode``, SGLang's values)."""
+    disaggregation_bootstrap_port: int | None = None
+    """A prefill engine's bootstrap server port, as bound (null on other engines)."""
 
 
 _RANK = Query("dp_rank", {"type": "integer", "minimum": 0}, "The data-parallel rank")
@@ -146,7 +169,24 @@ _BAD = "A malformed body or parameter; the message names it and how to fix it"
 _TOO_LARGE = "The body is over kvevents engine --max-body-bytes (refused before it is read whole)"
 _UNAVAILABLE = "The rank is not running (dead or restarting), or its queue is full"
 _TIMEOUT = "The rank did not answer within --request-timeout"
-_GENERATE_ERRORS = {400: _BAD, 413: _TOO_LARGE, 503: _UNAVAILABLE, 504: _TIMEOUT}
+_PD_TWICE = "A P/D room registered twice (two prefills) or taken twice (two decodes)"
+_PD_FAILED = "A P/D hand-off failed: its prefill failed, or its bootstrap server is out of reach"
+_PD_TIMEOUT = "The rank did not answer within --request-timeout, or (a P/D decode leg) its room "
+_PD_TIMEOUT += "was not prefilled within --disaggregation-timeout"
+_GENERATE_ERRORS = {
+    400: _BAD,
+    409: _PD_TWICE,
+    413: _TOO_LARGE,
+    502: _PD_FAILED,
+    503: _UNAVAILABLE,
+    504: _PD_TIMEOUT,
+}
+_PD = (
+    " On an engine run with --disaggregation-mode prefill|decode, a request carrying "
+    "SGLang's bootstrap_room (or, on the OpenAI routes, vLLM's kv_transfer_params) is one "
+    "leg of a disaggregated request: the prefill registers the prompt's KV with its "
+    "bootstrap server, the decode takes it from there and decodes."
+)
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
@@ -160,6 +200,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "/generate",
         "Generate tokens for a prompt (SGLang's API)",
         Body(GenerateAnswer),
+        description="The rank is `routed_dp_rank` (or `data_parallel_rank`); without one, "
+        "round-robin." + _PD,
         request=Body(GenerateRequest, example={"input_ids": [1, 2, 3, 4], "max_new_tokens": 4}),
         errors=_GENERATE_ERRORS,
         error_type=ErrorAnswer,
@@ -170,7 +212,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "OpenAI completions (vLLM-style)",
         Body(CompletionAnswer, also=("text/event-stream",)),
         description="The rank is the header X-data-parallel-rank (vLLM's) or "
-        "`routed_dp_rank` in the body; without one, round-robin.",
+        "`routed_dp_rank` in the body; without one, round-robin." + _PD,
         request=Body(CompletionRequest, example={"prompt": "Hello", "max_tokens": 4}),
         errors=_GENERATE_ERRORS,
         error_type=OpenAIErrorAnswer,
@@ -180,6 +222,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "/v1/chat/completions",
         "OpenAI chat completions (vLLM-style)",
         Body(ChatAnswer, also=("text/event-stream",)),
+        description="The messages are rendered with the engine's chat template; the rank "
+        "as for /v1/completions." + _PD,
         request=Body(
             ChatRequest,
             example={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
@@ -214,7 +258,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "get",
         "/server_info",
-        "Topology, block size and the KV-events discovery block",
+        "Topology, block size, the KV-events discovery block and the P/D role",
         Body(ServerInfoAnswer),
     ),
     Operation(
@@ -251,6 +295,18 @@ OPERATIONS: tuple[Operation, ...] = (
         "/health",
         "Whether every rank is running",
         Body(HealthAnswer),
+        description="Liveness: 503 only while a rank is dead (the engine then exits). "
+        "For Kubernetes: livenessProbe on /health, readinessProbe on /ready.",
         other={503: ("A rank is dead", Body(HealthAnswer))},
+    ),
+    Operation(
+        "get",
+        "/ready",
+        "Whether the engine can serve now, and why not",
+        Body(EngineReadiness, description="Every rank is running and, publishing, bound"),
+        description="Readiness: 200 when every rank is running and, when KV events are "
+        "published, its publisher is bound; 503 with the reasons otherwise (a rank starting, "
+        "restarting or dead). Open even with --api-key.",
+        other={503: ("A rank cannot serve; `reasons` say which and why", Body(EngineReadiness))},
     ),
 )

@@ -22,6 +22,11 @@ Enough of vLLM's surface for a router to treat the simulated engine like a real 
 * ``POST /tokenize``: ``{"prompt": text}`` or, as vLLM takes it, ``{"messages": [...],
   "add_generation_prompt": true}`` -> ``{"tokens", "count", "max_model_len"}``.
 
+On a disaggregated engine both routes also take SGLang's ``bootstrap_*`` fields and vLLM's
+``kv_transfer_params`` (:mod:`kvevents.engine.disaggregation`); a vLLM prefill leg's
+answer carries ``kv_transfer_params`` for the decode leg, and ``n`` sizes a list of
+rooms (one sample per prompt is generated all the same).
+
 The byte tokenizer has no special tokens, so ``add_special_tokens`` changes nothing.
 Each body is checked against its struct in :mod:`kvevents.api.openai` (the one the
 OpenAPI document shows) before the checks above. Errors answer OpenAI's
@@ -45,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvevents.api.openai import ChatRequest, CompletionRequest, TokenizeRequest
 from kvevents.engine.bodies import BodyError, parse_json, read_body
+from kvevents.engine.disaggregation import Disaggregation, DisaggregationError
 from kvevents.engine.models import DEFAULT_MODEL_NAME, ServedModels, UnknownModel, lora_keys
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
@@ -195,10 +201,11 @@ def add_openai_routes(
     max_new_tokens: int = 1_000_000,
     max_body_bytes: int = 8 << 20,
     models: ServedModels | None = None,
+    disaggregation: Disaggregation | None = None,
 ) -> None:
     """Serve the endpoints of the module docstring on ``app``; ``max_new_tokens`` caps
     ``max_tokens`` / ``max_completion_tokens`` (more is a 400), ``max_body_bytes`` the
-    body (more is a 413)."""
+    body (more is a 413); ``disaggregation`` is the engine's P/D role, if any."""
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
@@ -259,22 +266,42 @@ def add_openai_routes(
             if salt is not None and not isinstance(salt, str):
                 raise _Invalid(f"cache_salt must be a string, not {type(salt).__name__}")
             lora = served.resolve(body.get("model"))
+            handoff = None
+            if disaggregation is not None:
+                n = 1 if body.get("n") is None else body["n"]
+                handoff = disaggregation.handoff(
+                    body, len(prompts), n, stream=body.get("stream") is True
+                )
         except _Invalid as exc:
             return _error(400, str(exc))
         except _Refused as exc:
             return _error(exc.status, str(exc))
         except UnknownModel as exc:
             return _error(404, str(exc), "NotFoundError", "model")
+        except DisaggregationError as exc:
+            return _error(exc.status, str(exc))
         keys: dict[str, Any] = {} if salt is None else {"cache_salt": salt}
         if lora is not None:
             keys |= lora_keys(lora)
-        # A batch runs on one rank, as one vLLM request does: the first prompt picks it
-        # when the request names none.
-        rank, first = await generate(prompts[0], rank, max_new, keys or None)
-        rest = await asyncio.gather(
-            *(generate(p, rank, max_new, keys or None) for p in prompts[1:])
-        )
-        results = [first, *(r for _, r in rest)]
+        kv_transfer_params = None
+        if handoff is None:
+            # A batch runs on one rank, as one vLLM request does: the first prompt picks
+            # it when the request names none.
+            rank, first = await generate(prompts[0], rank, max_new, keys or None)
+            rest = await asyncio.gather(
+                *(generate(p, rank, max_new, keys or None) for p in prompts[1:])
+            )
+            results = [first, *(r for _, r in rest)]
+        else:
+            assert disaggregation is not None
+            try:
+                leg = await disaggregation.run(
+                    handoff, generate, prompts, rank, max_new, keys or None, request.url.hostname
+                )
+            except DisaggregationError as exc:
+                kind = "invalid_request_error" if exc.status < 500 else "disaggregation_error"
+                return _error(exc.status, str(exc), kind)
+            rank, results, kv_transfer_params = leg.rank, leg.results, leg.kv_transfer_params
         outputs: list[list[int]] = [r["output_ids"] for r in results]
         prompt_tokens = sum(r["prompt_tokens"] for r in results)
         completion_tokens = sum(map(len, outputs))
@@ -302,7 +329,10 @@ def add_openai_routes(
                     choice["text"] = text
                 choice.update(logprobs=None, finish_reason="length")
                 choices.append(choice)
-            return JSONResponse({**head, "choices": choices, "usage": usage})
+            answer = {**head, "choices": choices, "usage": usage}
+            if kv_transfer_params is not None:  # a vLLM prefill leg's, for the decode leg
+                answer["kv_transfer_params"] = kv_transfer_params
+            return JSONResponse(answer)
         options = body.get("stream_options")
         with_usage = isinstance(options, dict) and options.get("include_usage") is True
         if chat:

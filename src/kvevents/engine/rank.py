@@ -14,7 +14,9 @@ loopback. Every message is one msgpack frame holding a map:
   "endpoint", "replay_endpoint"}`` with the endpoints as bound (port 0 resolved), or
   ``{"op": "failed", "token", "dp_rank", "error"}`` when the publisher cannot start;
 * parent -> rank: ``{"id", "op", ...}`` with op ``generate`` (``input_ids``,
-  ``max_new_tokens``, optional ``lora_name`` and ``lora_id``), ``flush``, ``load``, ``kv_blocks``, ``shutdown``;
+  ``max_new_tokens``, optional ``lora_name`` and ``lora_id``, ``cache_salt``,
+  ``extra_keys``, and ``received_blocks``: leading blocks a prefill engine sent, for a
+  disaggregated decode), ``flush``, ``load``, ``kv_blocks``, ``shutdown``;
 * rank -> parent: ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error",
   "status"}``. A ``generate`` is answered when the request finishes, at the end of the
   simulated step that finished it.
@@ -198,6 +200,7 @@ class _RankServer:
                     extra_keys=message.get("extra_keys"),
                     lora_name=message.get("lora_name"),
                     lora_id=message.get("lora_id"),
+                    received_blocks=int(message.get("received_blocks", 0)),
                 )
             except QueueFullError as exc:
                 self.send({"id": rid, "ok": False, "error": str(exc), "status": 503})

@@ -18,6 +18,11 @@ mean no waiting. The scheduler itself never sleeps and reads no clock except ``c
 
 Only prompt pages are cached: simulated output tokens are not the text a real model
 would produce, so caching them would only invent reuse that a trace does not have.
+
+A disaggregated decode submits its request with ``received_blocks``: the leading full
+blocks whose KV a prefill engine sent. Admission stores them like any prompt page (one
+``BlockStored`` for those the cache lacked) but they are not prefilled here: the
+request's cached tokens are the larger of its own cache hit and the received blocks.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Completion:
     dp_rank: int
     prompt_tokens: int
     cached_tokens: int
+    """Prompt tokens not prefilled: found in the cache, or received from a prefill engine."""
     output_ids: list[int]
 
     @property
@@ -73,6 +79,10 @@ class _Request:
     keys: dict[str, Any] = field(default_factory=dict)
     """``cache_salt`` / ``extra_keys`` / ``lora_name`` / ``lora_id`` for
     :meth:`PrefixCache.admit`, when given."""
+    received_blocks: int = 0
+    """Leading full blocks whose KV came from a prefill engine (not prefilled here)."""
+    reused_tokens: int = 0
+    """Prompt tokens not prefilled here: the cache hit or the received blocks, the larger."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,20 +156,26 @@ class Scheduler:
         extra_keys: Sequence[Any] | None = None,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        received_blocks: int = 0,
     ) -> None:
         """Queue a request; it is admitted by a later :meth:`step`.
 
         ``cache_salt`` and ``extra_keys`` (per block) name its blocks as vLLM's do, and
         ``lora_name`` runs it under that adapter (:meth:`PrefixCache.admit`).
+        ``received_blocks``: leading full blocks a prefill engine sent (module docstring).
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+        if received_blocks < 0:
+            raise ValueError(f"received_blocks={received_blocks} must be >= 0")
         if len(self._waiting) >= self.max_waiting:
             raise QueueFullError(
                 f"dp_rank {self.dp_rank}: {len(self._waiting)} requests waiting "
                 f"(max_waiting={self.max_waiting}); retry later"
             )
-        req = _Request(request_id, tokens_to_array(token_ids), max_new_tokens)
+        req = _Request(
+            request_id, tokens_to_array(token_ids), max_new_tokens, received_blocks=received_blocks
+        )
         given = {
             "cache_salt": cache_salt,
             "extra_keys": extra_keys,
@@ -184,8 +200,10 @@ class Scheduler:
             self._waiting and len(still_running) < self.max_running and admitted < self.max_running
         ):
             req = self._waiting.popleft()
-            req.admission = self.cache.admit(req.tokens, **req.keys)
-            prefill_tokens += req.admission.prompt_tokens - req.admission.cached_tokens
+            req.admission = admission = self.cache.admit(req.tokens, **req.keys)
+            received = min(req.received_blocks * self.cache.page_size, admission.prompt_tokens)
+            req.reused_tokens = max(admission.cached_tokens, received)
+            prefill_tokens += admission.prompt_tokens - req.reused_tokens
             admitted += 1
             if req.max_new_tokens > 0:
                 req.generated = 1
@@ -253,6 +271,6 @@ class Scheduler:
             req.request_id,
             self.dp_rank,
             req.admission.prompt_tokens,
-            req.admission.cached_tokens,
+            req.reused_tokens,
             output,
         )

@@ -15,11 +15,20 @@ Endpoints (JSON in and out):
   ``dp_rank``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
   ``output_ids``, ``text`` and SGLang's ``meta_info``. Without a rank, requests go
   round-robin over the live ranks.
-* ``POST /flush_cache[?dp_rank=r]``, ``GET /health``, ``GET /load``,
+* ``GET /health`` (liveness: 503 while a rank is dead) and ``GET /ready`` (readiness: 200
+  when every rank runs and, publishing, has bound its publisher; 503 with the reasons
+  otherwise: :mod:`kvevents.engine.readiness`). In Kubernetes: ``livenessProbe`` on
+  ``/health``, ``readinessProbe`` on ``/ready``.
+* ``POST /flush_cache[?dp_rank=r]``, ``GET /load``,
   ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
   consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
 * ``GET /v1/models``, ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
   ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
+* Disaggregated serving (``--disaggregation-mode prefill|decode``): ``/generate`` and the
+  OpenAI routes take SGLang's ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``
+  and ``disagg_prefill_dp_rank``, the OpenAI routes also vLLM's ``kv_transfer_params``
+  (:mod:`kvevents.engine.disaggregation`); ``/server_info`` tells ``disaggregation_mode``
+  and ``disaggregation_bootstrap_port``.
 
 Every endpoint, its body and its answers, is described in ``/openapi.json`` and
 ``/docs`` (:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400
@@ -47,8 +56,10 @@ from fastapi.responses import JSONResponse
 from kvevents.api import install
 from kvevents.engine.api_schema import OPERATIONS, GenerateRequest
 from kvevents.engine.bodies import BodyError, diagnose, read_body
+from kvevents.engine.disaggregation import Disaggregation, DisaggregationError
 from kvevents.engine.models import ServedModels, lora_keys
 from kvevents.engine.openai_api import add_openai_routes
+from kvevents.engine.readiness import engine_readiness
 from kvevents.engine.server_info import build_kv_events_block
 from kvevents.engine.supervisor import EngineRankError, RankSupervisor
 from kvevents.engine.topology import Topology
@@ -125,7 +136,7 @@ def _query_rank(request: Request, dp_size: int, required: bool) -> int | None:
 
 def _parse_generate(
     body: bytes, dp_size: int, tokenizer: ByteTokenizer, limit: int, models: ServedModels
-) -> tuple[list[int], int | None, int, dict[str, Any]]:
+) -> tuple[list[int], int | None, int, dict[str, Any], GenerateRequest]:
     try:
         req = _GENERATE_DECODER.decode(body)
     except msgspec.ValidationError as exc:
@@ -179,13 +190,17 @@ def _parse_generate(
         keys |= lora_keys(lora)
     if max_new is None:
         max_new = min(DEFAULT_MAX_NEW_TOKENS, limit)  # the default never passes the limit
-    return tokens, rank, max_new, keys
+    return tokens, rank, max_new, keys, req
 
 
 def create_app(
-    supervisor: RankSupervisor, info: EngineInfo, limits: EngineLimits | None = None
+    supervisor: RankSupervisor,
+    info: EngineInfo,
+    limits: EngineLimits | None = None,
+    disaggregation: Disaggregation | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving the endpoints in the module docstring."""
+    """The FastAPI application serving the endpoints in the module docstring;
+    ``disaggregation`` is the engine's P/D role (None: an ordinary engine)."""
     limits = limits or EngineLimits()
     app = FastAPI(title="kvevents simulated engine", redoc_url=None)
     tokenizer = ByteTokenizer()
@@ -204,6 +219,10 @@ def create_app(
     async def _rank_error(request: Request, exc: EngineRankError) -> JSONResponse:
         return _error(exc.status, str(exc))
 
+    @app.exception_handler(DisaggregationError)
+    async def _disaggregation_error(request: Request, exc: DisaggregationError) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
         topo = info.topology
@@ -217,7 +236,11 @@ def create_app(
             "kv_events_config": info.kv_events_config.to_public_json(),
             "schedulers": [s.to_dict() for s in topo.schedulers],
             **info.models.server_info(),
+            "disaggregation_mode": "null",
+            "disaggregation_bootstrap_port": None,
         }
+        if disaggregation is not None:
+            body |= disaggregation.server_info()
         block = build_kv_events_block(
             info.kv_events_config, supervisor.bound_publishers(), dp_size, info.page_size
         )
@@ -251,18 +274,30 @@ def create_app(
         models=info.models,
         max_new_tokens=limits.max_new_tokens,
         max_body_bytes=limits.max_body_bytes,
+        disaggregation=disaggregation,
     )
 
     @app.post("/generate")
     async def generate(request: Request) -> JSONResponse:
-        tokens, rank, max_new, keys = _parse_generate(
+        tokens, rank, max_new, keys, req = _parse_generate(
             await read_body(request, limits.max_body_bytes),
             dp_size,
             tokenizer,
             limits.max_new_tokens,
             info.models,
         )
-        rank, result = await run_generate(tokens, rank, max_new, keys)
+        handoff = None
+        if disaggregation is not None:
+            n = 1 if req.sampling_params is None else req.sampling_params.n
+            handoff = disaggregation.handoff(msgspec.structs.asdict(req), 1, n)
+        if handoff is None:
+            rank, result = await run_generate(tokens, rank, max_new, keys)
+        else:
+            assert disaggregation is not None
+            leg = await disaggregation.run(
+                handoff, run_generate, [tokens], rank, max_new, keys, request.url.hostname
+            )
+            rank, result = leg.rank, leg.results[0]
         output_ids = result["output_ids"]
         meta = {
             "prompt_tokens": result["prompt_tokens"],
@@ -287,6 +322,11 @@ def create_app(
         dead = supervisor.dead_ranks()
         body = {"status": "ok" if not dead else "unhealthy", "dead_ranks": dead, "ranks": ranks}
         return JSONResponse(body, status_code=200 if not dead else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        state = engine_readiness(supervisor.status(), publishing=info.kv_events_config.enabled)
+        return JSONResponse(msgspec.to_builtins(state), status_code=200 if state.ok else 503)
 
     @app.get("/load")
     async def load() -> JSONResponse:
