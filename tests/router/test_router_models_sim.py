@@ -169,14 +169,16 @@ def test_generate_keys_its_request_as_the_engine_runs_it(
         assert router.post("/generate", base).status_code == 200  # cached as plain text
         wait_until(lambda p=prompt: matched(router, p, "alpha") != {}, 10, "the base prompt")
         body = base | extra
+        # /query takes the router's members only (max_new_tokens is the engine's)
+        asked = {k: v for k, v in body.items() if k != "max_new_tokens"}
         for expected in (0, len(prompt)):  # first nothing cached, then all of it
             answer = router.post("/generate", body)
             assert answer.status_code == 200, answer.text
             routed, engine_cached = answer.json()["router"], answer.json()["cached_tokens"]
             assert routed["cached_blocks"] * PAGE == engine_cached == expected, (extra, routed)
             wait_until(
-                lambda body=body: (
-                    max(m["matched_tokens"] for m in router.post("/query", body).json()["matches"])
+                lambda asked=asked: (
+                    max(m["matched_tokens"] for m in router.post("/query", asked).json()["matches"])
                     == PAGE * 6
                 ),
                 10,

@@ -322,9 +322,9 @@ def test_notes_with_out_of_range_numbers_are_counted_malformed_and_change_nothin
     for ticket, change in enumerate(bad, 1):
         for kind in ("begin", "finish"):
             note = msgspec.structs.replace(_note(kind, ticket=ticket), **change)
-            notes._on_raw(msgspec.msgpack.encode(note), wire)
+            notes._on_raw(msgspec.msgpack.encode(note), transport=wire)
     routed = msgspec.structs.replace(_note("routed", ticket=-1), n_blocks=-(10**6))
-    notes._on_raw(msgspec.msgpack.encode(routed), wire)
+    notes._on_raw(msgspec.msgpack.encode(routed), transport=wire)
     after = router.loads[H]
     assert (notes.malformed, notes.received, notes.remote_inflight) == (11, 0, 0)
     assert (after.inflight_requests, after.inflight_blocks) == (

@@ -145,7 +145,7 @@ def test_duplicated_and_late_notes_change_nothing_twice(engine: Engine, server: 
     """A begin sent twice counts once; its finish sent twice removes it once; a begin
     arriving after its finish, and a routed note sent twice, change nothing more."""
     router = RouterProc([engine.url], "--sync", server.url)
-    subject = default_subject([engine.url])
+    subject = default_subject([engine.url]) + ".tester"  # the sender's own subject
     holder = (engine.url, 0)
 
     def note(kind: str, ticket: int) -> bytes:
@@ -183,7 +183,7 @@ def test_a_batch_of_notes_in_one_message_counts_note_by_note(
     """Replicas publish the notes of a burst as one NATS message: each note in it is
     applied (and deduplicated) on its own, and a garbage element is counted malformed."""
     router = RouterProc([engine.url], "--sync", server.url)
-    subject = default_subject([engine.url])
+    subject = default_subject([engine.url]) + ".batcher"  # the sender's own subject
 
     def note(kind: str, ticket: int) -> bytes:
         return msgspec.msgpack.encode(
@@ -254,7 +254,8 @@ def test_a_silent_partition_from_nats_is_noticed_within_seconds(server: NatsServ
         proxy = NatsProxy(server.port)
         await proxy.start()
         transport = NatsNoteTransport(proxy.url, "t.partition", reconnect_wait=0.2)
-        transport.start(lambda raw: None)
+        transport.publish_as("t")
+        transport.start(lambda raw, origin: None)
         try:
             await until(lambda: transport.connected, 10, "the transport to join NATS")
             proxy.partition()
@@ -313,7 +314,8 @@ def test_a_failure_nats_py_raises_is_shown_and_retried_and_close_does_not_raise(
     async def main() -> None:
         transport = NatsNoteTransport(server.url, "t.retry", reconnect_wait=0.1)
         transport._connect_url = "nats://127.0.0.1:42x2"  # what nats-py refuses
-        transport.start(lambda raw: None)
+        transport.publish_as("t")
+        transport.start(lambda raw, origin: None)
         try:
             await until(lambda: transport.last_error is not None, 10, "the failure shown")
             assert not transport.connected and "invalid" in str(transport.last_error)
@@ -462,17 +464,17 @@ def test_notes_nats_drops_on_the_way_in_are_counted_and_followed_by_a_resync(
         async def on_message(msg: Any) -> None:
             for raw in split_notes(msg.data):
                 if msgspec.msgpack.decode(raw, type=LoadNote).kind == "hello":
-                    await nc.publish(subject, note("begin", 2))  # what A has in flight
+                    await nc.publish(f"{subject}.A", note("begin", 2))  # what A has in flight
 
-        await nc.subscribe(subject, cb=on_message)
+        await nc.subscribe(f"{subject}.*", cb=on_message)
         for ticket in (1, 2):
-            await nc.publish(subject, note("begin", ticket))
+            await nc.publish(f"{subject}.A", note("begin", ticket))
         await nc.flush()
         ready.set()
         await asyncio.to_thread(flood.wait, 10)
         for ticket in range(100, 150):  # another peer's notes of nothing in flight
-            await nc.publish(subject, note("finish", ticket, sender="C"))
-        await nc.publish(subject, note("finish", 1))
+            await nc.publish(f"{subject}.C", note("finish", ticket, sender="C"))
+        await nc.publish(f"{subject}.A", note("finish", 1))
         await nc.flush()
         flooded.set()
         await asyncio.to_thread(done.wait, 30)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from nats_support import NatsServer
+from prometheus_client.parser import text_string_to_metric_families
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 DP = 2
@@ -64,6 +65,23 @@ def record(url: str, times: int) -> None:
             assert answer.status_code == 200, answer.text
 
 
+def samples(text: str, name: str, **labels: str) -> list[float]:
+    """The values of metric ``name`` with ``labels`` in a scrape: one per process of the
+    group, as its ``/metrics`` shows them (``process`` and ``pid`` labels)."""
+    return [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def scraped(url: str, check: Any) -> bool:
+    """True when both processes answered ``/metrics`` and ``check(text)`` holds for each."""
+    metrics = per_process(url, "/metrics")
+    return len(metrics) == 2 and all(check(text) for text in metrics.values())
+
+
 def notes(info: dict[str, Any]) -> dict[str, int]:
     counts: dict[str, int] = info["process"]["notes"]
     return counts
@@ -105,12 +123,19 @@ def test_notes_from_another_router_reach_every_worker_process(
             assert notes(info)["duplicates"] == 0
             routed = sum(h["load"]["recent_blocks"] for h in info["holders"])
             assert routed > 0  # the other router's decisions count in this process's cost
-        metrics = per_process(group.url, "/metrics")
-        assert len(metrics) == 2
-        for text in metrics.values():
-            assert "kvevents_router_sync_connected 1.0" in text
-            assert 'kvevents_router_peer_notes_total{direction="received"} 4.0' in text
-            assert 'kvevents_router_peer_notes_total{direction="reset"} 0.0' in text
+        notes_total = "kvevents_router_peer_notes_total"
+        wait_until(  # each process's figures reach the group's /metrics within a second
+            lambda: scraped(
+                group.url,
+                lambda text: (
+                    samples(text, "kvevents_router_sync_connected") == [1.0, 1.0]
+                    and samples(text, notes_total, direction="received") == [4.0, 4.0]
+                    and samples(text, notes_total, direction="reset") == [0.0, 0.0]
+                ),
+            ),
+            20,
+            "both processes connected, with the 4 notes, in the group's /metrics",
+        )
 
         # the group's own notes: each process hears the other's once (over ipc; the
         # NATS copy of a sibling's note is dropped), and the other router hears all
@@ -139,8 +164,14 @@ def test_notes_from_another_router_reach_every_worker_process(
             20,
             "both processes to see NATS gone",
         )
-        for text in per_process(group.url, "/metrics").values():
-            assert "kvevents_router_sync_connected 0.0" in text
+        wait_until(
+            lambda: scraped(
+                group.url,
+                lambda text: samples(text, "kvevents_router_sync_connected") == [0.0, 0.0],
+            ),
+            20,
+            "both processes unconnected in the group's /metrics",
+        )
         seen = per_process(group.url)
         assert len(seen) == 2
         before = {i: notes(info) for i, info in seen.items()}

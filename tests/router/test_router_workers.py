@@ -14,8 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -248,3 +250,37 @@ def test_a_router_without_workers_starts_the_default_count(engine: Engine, serve
         proc.stop()
     shown = run_kvevents("router", "--help").stdout
     assert f"here {default_workers('granian')}: each granian process" in " ".join(shown.split())
+
+
+def _claim_files(port: str) -> tuple[Path, Path]:
+    stem = Path(tempfile.gettempdir()) / f"kvevents-router-127.0.0.1-{port}"
+    return stem.with_name(stem.name + ".lock"), stem.with_name(stem.name + ".d")
+
+
+def test_a_killed_groups_leftovers_are_removed_by_the_next_start_and_a_clean_stop(
+    engine: Engine,
+) -> None:
+    """A group SIGKILLed leaves its claim and folder; the next group on that port removes
+    what was in the folder, a stale claim of another port is swept, and a clean stop
+    leaves nothing behind."""
+    first = RouterProc([engine.url], "--workers", "2", "--host", "127.0.0.1")
+    port = first.url.rsplit(":", 1)[1]
+    lock, folder = _claim_files(port)
+    assert lock.exists() and folder.is_dir()
+    workers = _workers_seen(first.url)
+    first.stop(signal.SIGKILL, expect=None)  # no cleanup: as a killed pod's
+    wait_until(lambda: not any(_alive(p) for p in workers.values()), 20, "the workers to stop")
+    assert lock.exists() and folder.is_dir()
+    (folder / "left-behind").write_text("from the killed group")
+    other_lock, other_folder = _claim_files("1")  # a killed group's on another port
+    other_lock.write_text("")
+    other_folder.mkdir(exist_ok=True)
+    second = RouterProc(
+        [engine.url], "--workers", "2", "--host", "127.0.0.1", "--port", port, timeout=60
+    )
+    try:
+        assert folder.is_dir() and not (folder / "left-behind").exists()
+        assert not other_lock.exists() and not other_folder.exists()
+    finally:
+        second.stop()
+    assert not lock.exists() and not folder.exists()

@@ -12,6 +12,9 @@
                                    public key; before any: the default for every stream
                                    that has none (an engine's advertised key wins)
     --curve-secret-key-file FILE   this subscriber's CURVE key pair (kvevents keygen)
+    --prefill URL [BOOTSTRAP_PORT], --decode URL
+                                   (router only: disaggregated serving's two pools;
+                                   each takes the options an --engine takes)
 
 Each ``--engine`` (or ``--endpoint``) opens an entry; the options after it, up to the
 next opener, amend that entry, so any number of engines can be given. An amending
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from kvevents.errors import ConfigError
 from kvevents.subscribe.discovery import StreamSpec
@@ -36,21 +39,25 @@ from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineSpec, load_engine
 from kvevents.transport.curve_keys import CurveKeyPair, parse_public_key
 from kvevents.types import NonNegativeInt, PositiveInt, bounded
 
-__all__ = ["add_engine_arguments", "curve_options", "endpoint_specs", "engine_specs"]
+__all__ = ["add_engine_arguments", "curve_options", "endpoint_specs", "engine_specs", "pool_specs"]
 
-_OPENERS = ("engine", "endpoint")
+PoolName = Literal["prefill", "decode"]
+"""Disaggregated serving's pools (``--prefill``, ``--decode``)."""
+_OPENERS = ("engine", "endpoint", "prefill", "decode")
+_ENGINES = ("engine", "prefill", "decode")
+"""Openers of an engine: one-pool, or a pool of disaggregated serving."""
 # option dest -> the openers it may amend
 _AMENDS: dict[str, tuple[str, ...]] = {
-    "kv_endpoint": ("engine",),
-    "replay_endpoint": ("engine", "endpoint"),
-    "dp_size": ("engine",),
-    "topic": ("engine", "endpoint"),
-    "block_size": ("engine", "endpoint"),
-    "kind": ("engine",),
-    "name": ("engine", "endpoint"),
-    "model": ("engine",),
+    "kv_endpoint": _ENGINES,
+    "replay_endpoint": (*_ENGINES, "endpoint"),
+    "dp_size": _ENGINES,
+    "topic": (*_ENGINES, "endpoint"),
+    "block_size": (*_ENGINES, "endpoint"),
+    "kind": _ENGINES,
+    "name": (*_ENGINES, "endpoint"),
+    "model": _ENGINES,
     "dp_rank": ("endpoint",),
-    "curve_server_key": ("engine", "endpoint"),
+    "curve_server_key": (*_ENGINES, "endpoint"),
 }
 
 
@@ -70,7 +77,10 @@ class _EntryAction(argparse.Action):
     ) -> None:
         entries: list[dict[str, Any]] = list(getattr(namespace, "entries", None) or [])
         if self.dest in _OPENERS:
-            entries.append({"opener": self.dest, self.dest: values, "flag": option_string})
+            entry = {"opener": self.dest, self.dest: values, "flag": option_string}
+            if self.dest == "prefill":  # URL [BOOTSTRAP_PORT], as SGLang's router takes it
+                entry["prefill"], entry["bootstrap_port"] = _prefill_values(parser, values)
+            entries.append(entry)
             namespace.entries = entries
             return
         if not entries:
@@ -82,9 +92,10 @@ class _EntryAction(argparse.Action):
         last = entries[-1]
         opener = last["opener"]
         if opener not in _AMENDS[self.dest]:
+            openers = " or ".join(f"--{o}" for o in _AMENDS[self.dest] if o in self.openers)
             parser.error(
                 f"{option_string} does not apply to {last['flag']} {last[opener]}; it belongs "
-                f"to an {' or '.join('--' + o for o in _AMENDS[self.dest])}"
+                f"to an {openers}"
             )
         if self.dest in last:
             parser.error(f"{option_string} given twice for {last['flag']} {last[opener]}")
@@ -99,15 +110,21 @@ def add_engine_arguments(
     *,
     endpoints: bool = False,
     global_block_size: bool = False,
+    pools: bool = False,
 ) -> None:
-    """Add the options of the module docstring; ``endpoints`` adds ``--endpoint`` streams.
+    """Add the options of the module docstring; ``endpoints`` adds ``--endpoint`` streams,
+    ``pools`` the ``--prefill`` and ``--decode`` engines of disaggregated serving.
 
     ``global_block_size``: ``--block-size`` before any ``--engine`` sets ``global_block_size``.
     """
 
     class Action(_EntryAction):
         global_dests = ("curve_server_key",) + (("block_size",) if global_block_size else ())
-        openers = _OPENERS if endpoints else ("engine",)
+        openers = (
+            ("engine",)
+            + (("endpoint",) if endpoints else ())
+            + (("prefill", "decode") if pools else ())
+        )
 
     group = parser.add_argument_group(
         "engines (repeatable; the options after --engine describe that engine)"
@@ -177,6 +194,22 @@ def add_engine_arguments(
         metavar="FILE",
         help="engines listed in a JSON or TOML file (see kvevents.subscribe.engine_spec)",
     )
+    if pools:
+        group.add_argument(
+            "--prefill",
+            action=Action,
+            nargs="+",
+            metavar=("URL", "BOOTSTRAP_PORT"),
+            help="a prefill engine of disaggregated serving (repeatable); BOOTSTRAP_PORT: "
+            "its KV hand-off port (default: its /server_info's disaggregation_bootstrap_port, "
+            "else SGLang's default, 8998)",
+        )
+        group.add_argument(
+            "--decode",
+            action=Action,
+            metavar="URL",
+            help="a decode engine of disaggregated serving (repeatable; give --prefill too)",
+        )
     if endpoints:
         group.add_argument(
             "--endpoint",
@@ -234,6 +267,37 @@ def engine_specs(args: argparse.Namespace, urls: Sequence[str] = ()) -> list[Eng
             )
         seen[spec.worker] = spec.url
     return specs
+
+
+def pool_specs(args: argparse.Namespace) -> list[tuple[PoolName, EngineSpec, int | None]]:
+    """The engines of ``--prefill`` and ``--decode`` entries, in order: each one's pool
+    (``"prefill"`` or ``"decode"``), spec and bootstrap port as given (None: not given)."""
+    pooled: list[tuple[PoolName, EngineSpec, int | None]] = []
+    for entry in args.entries:
+        pool = entry["opener"]
+        if pool != "prefill" and pool != "decode":
+            continue
+        skip = ("opener", "flag", "prefill", "decode", "bootstrap_port")
+        fields = {k: v for k, v in entry.items() if k not in skip}
+        pooled.append((pool, EngineSpec.create(entry[pool], **fields), entry.get("bootstrap_port")))
+    return pooled
+
+
+def _prefill_values(parser: argparse.ArgumentParser, values: list[str]) -> tuple[str, int | None]:
+    """``--prefill URL [BOOTSTRAP_PORT]``'s URL and port."""
+    if len(values) > 2:
+        parser.error(
+            f"--prefill takes a URL and, optionally, its bootstrap port: {' '.join(values)!r} "
+            "is more (one --prefill per engine)"
+        )
+    if len(values) == 1:
+        return values[0], None
+    port = values[1]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(
+            f"--prefill {values[0]} {port}: the bootstrap port must be a number in 1..65535"
+        )
+    return values[0], int(port)
 
 
 def curve_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@
     kvevents router --engine http://10.0.0.5:8000 --kv-endpoint tcp://*:5557 \\
         --replay-endpoint tcp://*:5600 --dp-size 2 --topic kv --tokenizer MODEL_DIR
     kvevents router --engines-file engines.toml
+    kvevents router --prefill http://10.0.0.5:30000 [8998] --decode http://10.0.0.6:30001
 
 An engine is discovered through its ``/server_info`` (a vLLM through its
 ``/kv_event_sources``), or described by the options after
@@ -27,8 +28,21 @@ engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every r
 * ``POST /generate``: an engine ``/generate`` body, forwarded to the chosen engine with
   ``routed_dp_rank`` set (any rank in the body is replaced); the engine's answer comes
   back with a ``router`` field saying where it went and why.
-* ``GET /workers``: engines, streams and holders with their health, load and block sizes.
+* ``GET /workers``: engines, streams and holders with their health, load and block sizes,
+  and ``ready``: what ``/ready`` answers.
+* ``GET /health``: 200 while the process serves (liveness). ``GET /ready``: 200 when it
+  can route now (at least one engine rank known, available, its event stream connected,
+  at the router's block size), else 503 with the reasons as JSON (readiness:
+  :mod:`kvevents.router.serve.readiness`). In Kubernetes: ``livenessProbe`` on
+  ``/health``, ``readinessProbe`` on ``/ready``; both are open without the API key.
 * ``GET /metrics``: Prometheus text (:mod:`kvevents.router.serve.metrics`).
+* With ``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` engines (each taking the
+  options an ``--engine`` takes; never mixed with ``--engine``) the router serves
+  disaggregated prefill/decode: the OpenAI routes and ``/generate`` go to a decode
+  instance, through a prefill one unless the decode holds all but
+  ``--max-local-prefill-tokens`` of the prompt, by the engines' hand-off protocol
+  (``--pd-protocol``), and ``/route`` answers both holders. See
+  :mod:`kvevents.router.decide.pd` and :mod:`kvevents.router.serve.pd_relay`.
 * ``GET /dump``: the index snapshot (``application/octet-stream``, see
   :meth:`kvevents.PrefixIndex.to_bytes`), with each stream's last applied seq: what a
   replica started with ``--peer URL`` begins from (:mod:`kvevents.router.fleet.warm_start`).
@@ -43,7 +57,7 @@ but no block stored anywhere yet (so no block size known), requests are routed b
 alone, and ``/query`` answers 503 until the block size is known.
 
 Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
-``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/docs``, ``/redoc`` and
+``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/ready``, ``/docs``, ``/redoc`` and
 ``/openapi.json`` (and ``/metrics`` unless ``--metrics-auth``) answer 401 without
 ``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
 ``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
@@ -53,7 +67,9 @@ header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` ver
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests, which is
 after each engine's first poll (its ranks, block size, load and models; at most 2 s for
-an engine that hangs), so the first request is routed with them.
+an engine that hangs), so the first request is routed with them. One more line follows
+within 3 s: ``kvevents router: ready to route: N of M holders``, or ``kvevents router:
+not ready to route ...`` with the reasons ``/ready`` gives.
 
 Over 300 lines: the command's options, the checks between them and the service they
 build are one list a user reads top to bottom (``kvevents router --help`` follows it).
@@ -62,28 +78,42 @@ build are one list a user reads top to bottom (``kvevents router --help`` follow
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 
 import httpx
 
-from kvevents.cli.engine_args import add_engine_arguments, curve_options, engine_specs
+from kvevents.cli.engine_args import (
+    add_engine_arguments,
+    curve_options,
+    engine_specs,
+    pool_specs,
+)
 from kvevents.cli.options import add_log_level
 from kvevents.cli.router_workers import serve_workers
-from kvevents.cli.security import RouterSecurity, add_router_arguments, router_security
+from kvevents.cli.security import (
+    SYNC_OPTIONS,
+    RouterSecurity,
+    add_router_arguments,
+    add_sync_arguments,
+    router_security,
+    sync_security,
+)
 from kvevents.errors import ConfigError
 from kvevents.http.granian_serving import require_granian
 from kvevents.http.serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
+from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from kvevents.router.decide.router import POLICIES, Router
 from kvevents.router.decide.scoring import ScoringWeights
-from kvevents.router.fleet.peers import LoadNotes, SyncTransport, machine_seat, sender_id
+from kvevents.router.fleet.peers import LoadNotes, SyncTransport
+from kvevents.router.fleet.senders import process_sender
 from kvevents.router.fleet.warm_start import (
     DEFAULT_TOTAL_TIMEOUT_S,
     load_from_peers,
@@ -93,12 +123,16 @@ from kvevents.router.fleet.warm_start import (
 from kvevents.router.prompts.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES
+from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
+from kvevents.router.serve.pd_mode import DEFAULT_PREFILL_TIMEOUT_S, PDEngine, PDMode
+from kvevents.router.serve.readiness import Readiness, print_readiness, report_readiness
 from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
     Holder,
     NonNegativeFloat,
+    NonNegativeInt,
     Port,
     PositiveFiniteFloat,
     PositiveFloat,
@@ -126,7 +160,7 @@ READY_PREFIX = "kvevents router ready "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, global_block_size=True)
+    add_engine_arguments(parser, global_block_size=True, pools=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     parser.add_argument(
         "--port", type=bounded(Port), default=8100, help="port (0: the OS picks one)"
@@ -261,8 +295,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sync-subject",
         metavar="SUBJECT",
         help="the NATS subject of this router group (default: derived from the engines "
-        "followed, so replicas of the same engines meet)",
+        "followed, so replicas of the same engines meet); each replica publishes on "
+        "SUBJECT.NAME and hears SUBJECT.*",
     )
+    parser.add_argument(
+        "--sync-name",
+        metavar="NAME",
+        help="this replica's name on the NATS bus, unique in the group (letters, digits, _ "
+        "and -): the last token of the subject it publishes on, which NATS permissions "
+        "can reserve to its credentials (default: host name, port and boot id)",
+    )
+    add_sync_arguments(parser)
     parser.add_argument(
         "--max-body-bytes",
         type=bounded(PositiveInt),
@@ -270,6 +313,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="largest /route or /query body; larger ones answer 413 "
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
+    )
+    pd = parser.add_argument_group(
+        "disaggregated prefill/decode (with --prefill and --decode; README, Disaggregated serving)"
+    )
+    pd.add_argument(
+        "--pd-protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help="the KV hand-off between a prefill and a decode instance: sglang (both legs at "
+        "once, joined by a bootstrap_room) or vllm (prefill first, its kv_transfer_params to "
+        "the decode); default: the engines' kind (vllm for vllm engines, else sglang)",
+    )
+    pd.add_argument(
+        "--max-local-prefill-tokens",
+        type=bounded(NonNegativeInt),
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        metavar="N",
+        help="a decode instance that lacks at most N of the prompt's tokens prefills them "
+        f"itself, with no prefill hop (default {DEFAULT_MAX_LOCAL_PREFILL_TOKENS}; 0: always "
+        "a prefill hop)",
+    )
+    pd.add_argument(
+        "--prefill-timeout",
+        type=bounded(PositiveFloat),
+        default=DEFAULT_PREFILL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds the prefill leg may take in all; past them the request fails (504) and "
+        f"its decode leg is cancelled (default {DEFAULT_PREFILL_TIMEOUT_S:g})",
     )
     add_router_arguments(parser)
     parser.add_argument(
@@ -359,6 +430,7 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         tokenizer=tokenizer,
         policy=args.policy,
         engine_credentials=secure.engines,
+        pd=_pd_mode(args),
     )
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
@@ -389,11 +461,15 @@ def _known_block_size(router: Router, specs: list[EngineSpec]) -> int | None:
     return next((spec.block_size for spec in specs if spec.block_size is not None), None)
 
 
-def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:
-    """The NATS transport of ``--sync``, or None; ConfigError when nats-py is missing."""
+def _sync(
+    args: argparse.Namespace, engines: list[str], *, warn: bool = False
+) -> SyncTransport | None:
+    """The NATS transport of ``--sync``, or None; ConfigError when nats-py is missing.
+    ``warn``: log what the link leaves open (no credentials, no TLS)."""
     if args.sync is None:
-        if args.sync_subject is not None:
-            raise ConfigError("--sync-subject needs --sync NATS_URL")
+        for option in ("--sync-subject", "--sync-name", *SYNC_OPTIONS):
+            if getattr(args, option.lstrip("-").replace("-", "_")) is not None:
+                raise ConfigError(f"{option} needs --sync NATS_URL")
         return None
     try:
         from kvevents.router.fleet.nats_sync import NatsNoteTransport, default_subject
@@ -401,7 +477,15 @@ def _sync(args: argparse.Namespace, engines: list[str]) -> SyncTransport | None:
         raise ConfigError(
             "--sync needs the nats-py package: pip install 'kvevents[sync]'"
         ) from None
-    return NatsNoteTransport(args.sync, args.sync_subject or default_subject(engines))
+    transport = NatsNoteTransport(
+        args.sync,
+        args.sync_subject or default_subject(engines),
+        security=sync_security(args),
+        name=args.sync_name,
+    )
+    for warning in transport.warnings() if warn else ():
+        log.warning("%s", warning)
+    return transport
 
 
 def _check(
@@ -421,10 +505,10 @@ def _check(
         max_entries=args.max_entries,
         prediction_ttl_s=args.prediction_ttl or None,
     )
-    specs = engine_specs(args)
-    if not specs:
-        raise ConfigError("give at least one --engine URL (or --engines-file FILE)")
-    _sync(args, [s.url for s in specs])  # refuse bad --sync options before any process starts
+    specs = _engines(args)
+    _pd_mode(args)  # refuse bad disaggregation options before any process starts
+    # refuse bad --sync options before any process starts
+    _sync(args, [s.url for s in specs], warn=warn)
     for url in args.peer:  # and --peer URLs with credentials, which it would show
         problem = peer_url_problem(url)
         if problem is not None:
@@ -445,6 +529,73 @@ def _check(
                     spec.url,
                 )
     return router, specs, tokenizer
+
+
+def _engines(args: argparse.Namespace) -> list[EngineSpec]:
+    """Every engine: ``--engine`` ones, or the pools' (``--prefill``, ``--decode``)."""
+    specs = engine_specs(args)
+    pooled = pool_specs(args)
+    if not pooled:
+        if not specs:
+            raise ConfigError(
+                "give at least one --engine URL (or --engines-file FILE), or --prefill URL "
+                "and --decode URL for disaggregated serving"
+            )
+        return specs
+    if specs:
+        raise ConfigError(
+            f"--engine {specs[0].url} (or --engines-file) cannot be mixed with --prefill and "
+            "--decode: in disaggregated serving every engine is in a pool; give it as "
+            "--prefill URL or --decode URL"
+        )
+    given = {pool for pool, _, _ in pooled}
+    for pool, other in (("prefill", "decode"), ("decode", "prefill")):
+        if pool not in given:
+            raise ConfigError(
+                f"--{other} needs at least one --{pool} engine: disaggregated serving sends "
+                f"every request to a decode instance and, when the prompt is not cached, "
+                f"a prefill one"
+            )
+    pooled_specs = [spec for _, spec, _ in pooled]
+    seen: set[str] = set()
+    for spec in pooled_specs:
+        if spec.worker in seen:
+            raise ConfigError(
+                f"engine {spec.worker} is given twice; give each engine once, in one pool"
+            )
+        seen.add(spec.worker)
+    return pooled_specs
+
+
+def _pd_mode(args: argparse.Namespace) -> PDMode | None:
+    """Disaggregated serving's settings from ``--prefill``/``--decode`` and their options,
+    or None for one pool; ConfigError for options that do not fit together."""
+    pooled = pool_specs(args)
+    if not pooled:
+        if args.pd_protocol is not None:
+            raise ConfigError("--pd-protocol needs --prefill and --decode engines")
+        return None
+    kinds = {spec.engine_kind for _, spec, _ in pooled}
+    protocol: PDProtocol
+    if args.pd_protocol is not None:
+        protocol = args.pd_protocol
+    elif kinds == {"vllm"}:
+        protocol = "vllm"
+    elif "vllm" not in kinds:
+        protocol = "sglang"
+    else:
+        raise ConfigError(
+            "the --prefill and --decode engines mix vllm engines with "
+            f"{' and '.join(sorted(kinds - {'vllm'}))} ones, which hand the KV over "
+            "differently: give --engine-kind after each, or --pd-protocol sglang|vllm"
+        )
+    engines = [PDEngine(spec.url, spec.worker, pool, port) for pool, spec, port in pooled]
+    return PDMode(
+        engines,
+        protocol,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        prefill_timeout=args.prefill_timeout,
+    )
 
 
 def default_workers(http_server: str, cores: int | None = None) -> int:
@@ -521,19 +672,22 @@ async def serve(
     )
     notes = None
     if service.sync is not None and service.peers is None:
-        run = f"{os.getpid()}-{time.time_ns()}"
-        # seated at this machine and port when the port is fixed: a restarted replica's
-        # first note (its hello) makes its peers drop what its previous run left in flight
-        sender = sender_id(machine_seat(port), run) if port else f"{socket.gethostname()}-{run}"
+        sender = process_sender(service.sync.name, port, f"{os.getpid()}-{time.time_ns()}")
         notes = service.peers = LoadNotes(
-            service.router, sender, [service.sync], follows=service.workers.__contains__
+            service.router,
+            sender,
+            [service.sync],
+            follows=service.workers.__contains__,
+            max_request_tokens=max_body_bytes,
         )
         notes.start()
+    reported: list[asyncio.Task[Readiness]] = []  # held: a task only weakly referenced may vanish
     try:
 
         def announce(url: str) -> None:
             print(READY_PREFIX + url, flush=True)
             service.serving()
+            reported.append(asyncio.create_task(report_readiness(service, print_readiness)))
 
         return await serve_app(
             app,
@@ -546,5 +700,7 @@ async def serve(
             server=http_server,
         )
     finally:
+        for task in reported:
+            task.cancel()
         if notes is not None:
             await notes.close()

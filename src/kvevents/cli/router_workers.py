@@ -10,7 +10,10 @@ the balance and in-flight terms of each one's cost see all N processes' traffic.
 The parent process only supervises: it reserves the port (bound, never listening, so
 it receives no connection; with ``--port 0`` this is where the OS picks it; a given port
 must be free, for ``SO_REUSEPORT`` would let a second group share it with the first, and
-a lock file named after the host and port marks it as this group's from the start),
+a lock file named after the host and port marks it as this group's from the start; its
+private folder, for the ipc sockets and the metrics snapshots, is named after it too, so
+what a killed group leaves is removed by the next group on that port, and a claim no
+process holds is swept at any group's start),
 starts the workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL``
 once every worker accepts requests, restarts a worker that dies (1 s later, doubling up
 to 30 s while it keeps dying within a minute of its start) or that is not ready 120 s
@@ -28,12 +31,14 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import glob
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -48,6 +53,12 @@ from kvevents.http.serving import bind_http, run_event_loop, serve_app
 from kvevents.router.fleet.peers import PeerNotes, machine_seat, sender_id
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.group_metrics import GroupMetrics
+from kvevents.router.serve.readiness import (
+    READINESS_PREFIX,
+    READY_REPORT_WAIT_S,
+    Readiness,
+    report_readiness,
+)
 from kvevents.router.serve.service import RouterService
 
 __all__ = ["serve_workers"]
@@ -98,7 +109,7 @@ def _worker_main(
     # restarted worker (or group) supersedes what its previous run left in flight at its
     # peers. With --sync, the group's own notes arrive over ipc, so the NATS copies of
     # them are ignored.
-    group = machine_seat(port)
+    group = (service.sync.name if service.sync is not None else None) or machine_seat(port)
     if service.sync is not None:
         service.sync.ignore_prefix = f"{group}/"
 
@@ -110,16 +121,28 @@ def _worker_main(
             peers=[_endpoint(folder, j) for j in range(workers) if j != index],
             extra=[] if service.sync is None else [service.sync],
             follows=service.workers.__contains__,
+            max_request_tokens=args.max_body_bytes,
         )
         peers.start()
         service.peers = peers
         snapshots = asyncio.get_running_loop().create_task(_snapshots(service))
 
+        reported: list[asyncio.Task[Readiness]] = []  # held: a bare task may vanish
+
+        def say_readiness(line: str) -> None:
+            """Worker 0's readiness line, to the parent, which prints it after its ready line."""
+            with contextlib.suppress(OSError):  # a restarted worker's: the parent no longer reads
+                ready.send(READINESS_PREFIX + line)
+            ready.close()
+
         def announce(url: str) -> None:
             with contextlib.suppress(OSError):  # the parent reads it; gone, it stops us
                 ready.send(url)
-            ready.close()
             service.serving()
+            if index == 0:
+                reported.append(asyncio.create_task(report_readiness(service, say_readiness)))
+            else:
+                ready.close()
 
         # The parent gone (killed: it stops its workers itself otherwise), nothing would
         # stop this worker, which would go on serving the port: stop as on SIGTERM.
@@ -206,7 +229,7 @@ def serve_workers(
     except BaseException:
         reserve.close()
         raise
-    folder = tempfile.mkdtemp(prefix="kvevents-router-")
+    folder = _group_folder(args.host, port)
     ctx = multiprocessing.get_context("spawn")
     procs: dict[int, BaseProcess] = {}
     stopping = False
@@ -262,9 +285,11 @@ def serve_workers(
                     f"router worker {index} exited with code {proc.exitcode} before it "
                     "was ready (its error is above)"
                 ) from None
-            conn.close()
+            if index:
+                conn.close()
         reserve.close()
         print(ready_prefix + url, flush=True)
+        _print_readiness(started[0][1], lambda: stopping)
         _supervise(procs, start, lambda: stopping)
         return 0
     finally:
@@ -274,15 +299,92 @@ def serve_workers(
             signal.signal(sig, handler)
         shutil.rmtree(folder, ignore_errors=True)
         if claim is not None:
+            with contextlib.suppress(OSError):  # ours while we hold it: nobody else's
+                os.unlink(_claim_path(args.host, port))
             os.close(claim)
+
+
+def _print_readiness(conn: Any, stopping: Callable[[], bool]) -> None:
+    """Print worker 0's readiness line (:func:`report_readiness`) once it comes, at most
+    a little after the worker's own wait for it, unless stopping; then close its pipe."""
+    deadline = time.monotonic() + READY_REPORT_WAIT_S + 2.0
+    try:
+        while not stopping() and time.monotonic() < deadline:
+            if conn.poll(0.1):
+                print(conn.recv(), flush=True)
+                return
+    except (EOFError, OSError):  # worker 0 died meanwhile: the supervisor restarts it
+        pass
+    finally:
+        conn.close()
+
+
+_IPC_FOLDER_MAX = 80
+"""The longest group folder used: an ipc socket's path (folder + ``/worker-N``) must fit
+the 107 bytes of a Unix socket address."""
+
+
+def _claim_path(host: str, port: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"kvevents-router-{host}-{port}.lock")
+
+
+def _group_folder(host: str, port: int) -> str:
+    """The group's private folder (its ipc sockets, its metrics snapshots), named after
+    its claim: what a killed group left there is removed first (the claim, held now, says
+    no group uses it). A name taken by something that is not our own folder gets a fresh
+    one instead."""
+    path = _claim_path(host, port)[: -len(".lock")] + ".d"
+    if len(path) > _IPC_FOLDER_MAX:  # its ipc socket paths must stay under the OS's limit
+        return tempfile.mkdtemp(prefix="kvevents-router-")
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        found = None
+    if found is not None:
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+            return tempfile.mkdtemp(prefix="kvevents-router-")
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.mkdir(path, 0o700)
+    except OSError:
+        return tempfile.mkdtemp(prefix="kvevents-router-")
+    return path
+
+
+def _sweep_stale_claims() -> None:
+    """Remove the claims (and folders) of groups that were killed: a claim file no
+    process holds a lock on. Ours and live groups' are left alone."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "kvevents-router-*.lock")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held: a live group's
+        try:
+            if os.fstat(fd).st_uid == os.getuid():
+                os.unlink(path)
+                folder = path[: -len(".lock")] + ".d"
+                if os.path.isdir(folder) and not os.path.islink(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _claim_port(host: str, port: int) -> int | None:
     """The group's claim on ``host:port``, held for its life: a lock on a file named
     after them. Until its workers listen, the port is held only by the parent's reserve
     socket, which a second group's bind does not see as taken; the lock does. None when
-    the file is another user's (the kernel keeps users' SO_REUSEPORT groups apart)."""
-    path = os.path.join(tempfile.gettempdir(), f"kvevents-router-{host}-{port}.lock")
+    the file is another user's (the kernel keeps users' SO_REUSEPORT groups apart).
+    Claims of killed groups are swept first (:func:`_sweep_stale_claims`), and the claim
+    file is removed when the group stops."""
+    _sweep_stale_claims()
+    path = _claim_path(host, port)
     try:
         claim = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     except OSError:

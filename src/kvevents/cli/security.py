@@ -7,6 +7,8 @@
 * :func:`add_engine_client_arguments`: what a consumer sends engines and trusts them
   with, ``--engine-api-key`` and ``--ssl-ca-certs`` (:func:`engine_credentials`).
 * :func:`add_router_arguments` and :func:`router_security`: the router's whole set.
+* :func:`add_sync_arguments` and :func:`sync_security`: the credentials and TLS of the
+  router's NATS link (``--sync``), secrets from files or the environment only.
 
 The values are checked by :mod:`kvevents.http.auth`; every error is a
 :class:`~kvevents.errors.ConfigError` naming the option, and no message holds a key.
@@ -20,20 +22,26 @@ from dataclasses import dataclass, field
 
 from kvevents.errors import ConfigError
 from kvevents.http.auth import ApiKey, ClientCredentials, ServerTLS, resolve_secret
+from kvevents.router.fleet.sync_security import SyncSecurity, read_secret
 
 __all__ = [
     "API_KEY_ENV",
     "ENGINE_API_KEY_ENV",
+    "SYNC_OPTIONS",
+    "SYNC_PASSWORD_ENV",
+    "SYNC_TOKEN_ENV",
     "RouterSecurity",
     "add_api_key_arguments",
     "add_engine_client_arguments",
     "add_engine_server_arguments",
     "add_router_arguments",
+    "add_sync_arguments",
     "add_tls_arguments",
     "api_key_of",
     "engine_api_key",
     "engine_credentials",
     "router_security",
+    "sync_security",
     "tls_of",
 ]
 
@@ -171,4 +179,77 @@ def router_security(args: argparse.Namespace) -> RouterSecurity:
         tls=tls_of(args),
         engines=engine_credentials(args),
         peers=ClientCredentials(api_key=own, ca_certs=args.ssl_ca_certs),
+    )
+
+
+SYNC_PASSWORD_ENV = "KVEVENTS_SYNC_PASSWORD"
+"""The NATS password of ``--sync-user`` when ``--sync-password-file`` is not given."""
+SYNC_TOKEN_ENV = "KVEVENTS_SYNC_TOKEN"
+"""The NATS token when ``--sync-token-file`` is not given."""
+SYNC_OPTIONS = (
+    "--sync-user",
+    "--sync-password-file",
+    "--sync-token-file",
+    "--sync-nkey-seed-file",
+    "--sync-creds-file",
+    "--sync-ca-certs",
+    "--sync-certfile",
+    "--sync-keyfile",
+)
+"""The options of :func:`add_sync_arguments` (each needs ``--sync``)."""
+
+
+def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
+    """The credentials and TLS of ``--sync`` (read with :func:`sync_security`)."""
+    group = parser.add_argument_group(
+        "--sync credentials and TLS (one kind of credentials; docs/security.md)"
+    )
+    group.add_argument(
+        "--sync-user",
+        metavar="USER",
+        help=f"the NATS user, its password from --sync-password-file or ${SYNC_PASSWORD_ENV}",
+    )
+    group.add_argument(
+        "--sync-password-file", metavar="PATH", help="read --sync-user's password from this file"
+    )
+    group.add_argument(
+        "--sync-token-file",
+        metavar="PATH",
+        help=f"read a NATS token from this file (default: ${SYNC_TOKEN_ENV}, if set)",
+    )
+    group.add_argument(
+        "--sync-nkey-seed-file",
+        metavar="PATH",
+        help="sign in with the NATS nkey whose seed (SU...) is in this file",
+    )
+    group.add_argument(
+        "--sync-creds-file",
+        metavar="PATH",
+        help="sign in with this NATS .creds file (a user JWT and its nkey seed)",
+    )
+    group.add_argument(
+        "--sync-ca-certs",
+        metavar="PEM",
+        help="verify the NATS server against this CA bundle (default: the system's); any "
+        "TLS option makes the link TLS or nothing, as a tls:// URL does",
+    )
+    group.add_argument("--sync-certfile", metavar="PEM", help="show NATS this client certificate")
+    group.add_argument("--sync-keyfile", metavar="PEM", help="the private key of --sync-certfile")
+
+
+def sync_security(args: argparse.Namespace) -> SyncSecurity:
+    """The options of :func:`add_sync_arguments` read and checked (ConfigError naming the
+    option; a password or token from its file, else from the environment)."""
+    password = None
+    if args.sync_user is not None or args.sync_password_file is not None:
+        password = read_secret(args.sync_password_file, SYNC_PASSWORD_ENV, "--sync-password-file")
+    return SyncSecurity(
+        user=args.sync_user,
+        password=password,
+        token=read_secret(args.sync_token_file, SYNC_TOKEN_ENV, "--sync-token-file"),
+        nkey_seed_file=args.sync_nkey_seed_file,
+        creds_file=args.sync_creds_file,
+        ca_certs=args.sync_ca_certs,
+        certfile=args.sync_certfile,
+        keyfile=args.sync_keyfile,
     )

@@ -464,15 +464,22 @@ class Upstream:
         """The exchanges in flight, each failed with TimeoutError at its deadline."""
 
     async def post(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | bytes,
+        *,
+        timeout: float | None = None,
     ) -> Response:
         """POST ``body`` to ``base + path``; the answer once its head is in.
 
         :class:`UpstreamError` or :class:`TimeoutError` when there is none; the body
         must then be read (:meth:`Response.read`, :meth:`Response.chunks`) or the
-        response released.
+        response released. ``timeout``: seconds for the whole exchange, instead of the
+        client's own (a leg of disaggregated serving has its own deadline).
         """
-        origin, deadline, conn, head = self._start(base, path, body, headers)
+        origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
         conn = conn or await self._connect(origin, deadline)
         response: Response = await _exchange(conn, head, body, deadline, whole=False)
         return response

@@ -55,6 +55,11 @@ Batches: :meth:`Router.route_batch` places several prompts (one ``/v1/completion
 request) on one holder, the one whose summed per-prompt cost is lowest
 (:func:`~kvevents.router.decide.batch.combine_scores`).
 
+Pools: :meth:`Router.key_request` keys and matches a request once, and
+:meth:`Router.route_keyed` chooses among any subset of its candidates, as
+:meth:`Router.route_batch` chooses among all of them (disaggregated serving's prefill
+and decode pools, :mod:`kvevents.router.decide.pd`).
+
 Not thread-safe: call it from one thread (the service uses its event loop).
 
 Over 300 lines on purpose: Router is the consumer side's one in-process decision object:
@@ -68,7 +73,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -93,7 +98,7 @@ from kvevents.types import Holder
 
 log = logging.getLogger("kvevents.router")
 
-__all__ = ["POLICIES", "Policy", "RouteDecision", "Router", "Ticket"]
+__all__ = ["POLICIES", "KeyedRequest", "Policy", "RouteDecision", "Router", "Ticket"]
 
 _ONE_PASS_TOP = 16
 """The most scores a request takes in one pass (each holder is compared with the
@@ -142,6 +147,18 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     def predicted_tokens(self) -> int:
         """Tokens of the request predicted (not yet confirmed) on the chosen holder."""
         return self.chosen.predicted_blocks * self.block_size
+
+
+class KeyedRequest(NamedTuple):
+    """A request keyed and matched once (:meth:`Router.key_request`), to be routed among
+    any subset of its candidates (:meth:`Router.route_keyed`)."""
+
+    holders: list[Holder]
+    """The candidates: the holders serving the request's model (shared: do not change it)."""
+    keys: list[Sequence[int]]
+    """Per prompt, its content keys."""
+    matched: list[tuple[dict[Holder, HolderMatch], dict[Holder, int]]]
+    """Per prompt, each holder's confirmed match and the blocks predictions add."""
 
 
 class Ticket(msgspec.Struct, frozen=True, gc=False):
@@ -495,14 +512,6 @@ class Router:
         result = self.index.match_keys(keys)
         return result.by_holder(), self.index.predicted(keys, result)
 
-    def _scored(
-        self, keys: Sequence[int], holders: list[Holder]
-    ) -> tuple[list[HolderScore], dict[Holder, int], dict[Holder, HolderMatch]]:
-        """Every candidate's score for a request of ``keys``, the blocks predictions add
-        per holder (empty when none count), and the confirmed matches it scored."""
-        found, predicted = self._matched(keys)
-        return self._score(len(keys), holders, found, predicted), predicted, found
-
     def _score(
         self,
         n_blocks: int,
@@ -690,13 +699,33 @@ class Router:
         """
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
+        request = self.key_request(
+            prompts, lora=lora, cache_salt=cache_salt, model=model, extra_keys=extra_keys
+        )
+        if not request.holders:
+            raise self._no_rank(model)
+        return self._decide(request, request.holders, policy)
+
+    def key_request(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        lora: str | int | None = None,
+        cache_salt: str | None = None,
+        model: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> KeyedRequest:
+        """A request's candidates (those serving ``model``), its keys per prompt and their
+        matches in the index, looked up once: :meth:`route_keyed` then chooses among any
+        subset of the candidates (the pools of disaggregated serving,
+        :mod:`kvevents.router.decide.pd`) without keying or matching again."""
         if not prompts:
             raise ValueError("route_batch: give at least one prompt")
         if extra_keys is not None and len(prompts) > 1:
             raise ValueError("extra_keys name the blocks of one prompt: route a batch without them")
         holders, adapter = self.candidates(model)
         if not holders:
-            raise self._no_rank(model)
+            return KeyedRequest(holders, [], [])  # nothing to route to: not keyed
         if lora is None:
             lora = adapter
         # Before any engine has stored a block (and none advertised its block size, as a
@@ -704,18 +733,37 @@ class Router:
         # choice is by load alone, and the request counts as no blocks.
         sized = self.index.block_size is not None
         each = [self._keys(t, lora, cache_salt, extra_keys) if sized else [] for t in prompts]
-        scored = [self._scored(k, holders) for k in each]
+        return KeyedRequest(holders, each, [self._matched(k) for k in each])
+
+    def route_keyed(
+        self, request: KeyedRequest, holders: list[Holder], *, policy: Policy = "kv-aware"
+    ) -> RouteDecision:
+        """:meth:`route_batch`'s choice for a :meth:`key_request` among ``holders`` (some
+        of its candidates). :class:`~kvevents.errors.RouterNotReadyError` when none is
+        given or available."""
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
+        if not holders:
+            raise self._no_rank(None)
+        return self._decide(request, holders, policy)
+
+    def _decide(
+        self, request: KeyedRequest, holders: list[Holder], policy: Policy
+    ) -> RouteDecision:
+        each, matched = request.keys, request.matched
+        scored = [
+            self._score(len(k), holders, found, predicted)
+            for k, (found, predicted) in zip(each, matched, strict=True)
+        ]
         keys = each[0] if len(each) == 1 else [k for one in each for k in one]
-        scores = (
-            scored[0][0] if len(scored) == 1 else combine_scores([s for s, _, _ in scored], holders)
-        )
+        scores = scored[0] if len(scored) == 1 else combine_scores(scored, holders)
         best = choose(scores)
         by_prediction = False
-        if best.predicted_blocks and any(p for _, p, _ in scored):
+        if best.predicted_blocks and any(p for _, p in matched):
             # the same matches scored without predictions: no second lookup
             plain = [
-                self._score(len(k), holders, f, None)
-                for k, (_, _, f) in zip(each, scored, strict=True)
+                self._score(len(k), holders, found, None)
+                for k, (found, _) in zip(each, matched, strict=True)
             ]
             first = plain[0] if len(plain) == 1 else combine_scores(plain, holders)
             by_prediction = first[0].holder != best.holder

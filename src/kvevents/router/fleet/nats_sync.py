@@ -2,10 +2,19 @@
 
 Router replicas on different machines each follow every engine and keep their own
 index; what they share is in-flight load, the :class:`~kvevents.router.fleet.peers.LoadNote`
-of :mod:`kvevents.router.fleet.peers`, published on one NATS subject per router group
+of :mod:`kvevents.router.fleet.peers`, under one NATS subject per router group
 (``--sync-subject``; by default derived from the engines followed, :func:`default_subject`,
 so replicas of one fleet meet without configuration). NATS Core is at-most-once, which
 is what the notes need: a lost note only ages out (its ttl).
+
+Trust. Each replica publishes on ``<group subject>.<NAME>`` (its replica name,
+``--sync-name``: :mod:`kvevents.router.fleet.senders`) and hears ``<group subject>.*``;
+every note it hears is handed on with the last token of its subject, and a note whose
+sender is not of that replica is dropped as malformed. A NATS server that lets each
+replica's credentials publish on its own subject only therefore keeps any credential
+holder from speaking for another replica (docs/security.md). Credentials and TLS come
+from :class:`~kvevents.router.fleet.sync_security.SyncSecurity`; with a ``tls://`` URL or
+a TLS option the connection is TLS or nothing (:mod:`kvevents.router.fleet.nats_link`).
 
 :class:`NatsNoteTransport` is a :class:`~kvevents.router.fleet.peers.NoteTransport`. The hot
 path never waits for NATS: :meth:`~NatsNoteTransport.send` appends to a bounded queue
@@ -46,20 +55,26 @@ import collections
 import contextlib
 import hashlib
 import logging
-import urllib.parse
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
-import nats
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import DEFAULT_SUB_PENDING_MSGS_LIMIT
 
 from kvevents.errors import ConfigError
-from kvevents.http.auth import masked_url
-from kvevents.router.fleet.peers import cancel_and_wait
+from kvevents.router.fleet.nats_link import (
+    check_url,
+    open_client,
+    shown_url,
+    url_credentials,
+)
+from kvevents.router.fleet.peers import Deliver, cancel_and_wait
+from kvevents.router.fleet.senders import check_bus_name
+from kvevents.router.fleet.sync_security import SyncSecurity
 
 __all__ = ["NatsNoteTransport", "default_subject", "shown_url", "split_notes"]
 
@@ -103,36 +118,12 @@ def default_subject(engines: Iterable[str]) -> str:
     return f"kvevents.notes.{digest[:12]}"
 
 
-shown_url = masked_url
-"""``text`` with the credentials of every URL in it masked (``--sync
-nats://user:pass@host`` is how nats-py takes them)."""
-
-
-def _check_url(url: str) -> None:
-    """ConfigError unless ``url`` is one NATS URL with a host and a valid port (or none:
-    4222). nats-py checks them only as it connects, and raises there, before its retry
-    loop: a replica started with a typo would go on without sync, saying only that it
-    is not connected."""
-    shown = shown_url(url)
-    example = "give a NATS URL, e.g. nats://127.0.0.1:4222"
-    if not url.startswith(("nats://", "tls://")):
-        raise ConfigError(f"--sync {shown!r}: {example}")
-    try:
-        parsed = urllib.parse.urlsplit(url)
-        port = parsed.port
-    except ValueError:  # a port that is not a number or out of range, a broken [IPv6]
-        port = -1
-    if port is not None and not 0 < port < 65536:
-        raise ConfigError(
-            f"--sync {shown!r}: cannot read a port from 1 to 65535 in the URL; {example}"
-        )
-    if not parsed.hostname:
-        raise ConfigError(f"--sync {shown!r}: the URL names no host; {example}")
-
-
 class NatsNoteTransport:
-    """Notes over one NATS subject; see the module docstring.
+    """Notes over the NATS subjects of one router group; see the module docstring.
 
+    ``subject``: the group's subject; each replica publishes on ``subject.NAME`` (set by
+    :meth:`publish_as`) and hears ``subject.*``. ``security``: credentials and TLS
+    (default: none). ``name``: the replica name given (``--sync-name``), or None.
     ``ignore_prefix``: senders whose notes arrive by another transport too (the other
     processes of this ``--workers`` group), dropped on receipt here.
     """
@@ -142,13 +133,24 @@ class NatsNoteTransport:
         url: str,
         subject: str,
         *,
+        security: SyncSecurity | None = None,
+        name: str | None = None,
         ignore_prefix: str | None = None,
         reconnect_wait: float = 0.5,
         max_queue: int = 10_000,
         batch_window: float = 0.005,
         pending_limit: int | None = None,
     ) -> None:
-        _check_url(url)
+        check_url(url)
+        self.security = security = security or SyncSecurity()
+        if security.auth is not None and url_credentials(url):
+            raise ConfigError(
+                f"--sync {shown_url(url)!r}: credentials both in the URL and in the --sync-* "
+                "options; give them once, in the options"
+            )
+        self.require_tls = url.startswith("tls://") or security.tls_options
+        """Whether a connection without TLS is refused (module docstring, "Trust")."""
+        self.name = None if name is None else check_bus_name(name)
         if not subject or any(c in subject for c in " \t\r\n*>") or ".." in subject:
             raise ValueError(
                 f"--sync-subject {subject!r}: a NATS subject is dot-separated tokens with "
@@ -158,6 +160,8 @@ class NatsNoteTransport:
         self.url = shown_url(url)
         """The URL as shown (``/workers``, logs): credentials in it masked."""
         self.subject = subject
+        self.publish_subject: str | None = None
+        """``subject.NAME``: where this replica's notes go (:meth:`publish_as`)."""
         self.ignore_prefix = ignore_prefix
         self.reconnect_wait = reconnect_wait
         self.batch_window = batch_window
@@ -176,6 +180,8 @@ class NatsNoteTransport:
         """Messages the subscription holds unread before nats-py drops more (None: its
         default, half a million)."""
         self.last_error: str | None = None
+        self._logged: str | None = None  # the last error logged, while it repeats
+        self._url_auth = url_credentials(url)
         self._resync_at: asyncio.TimerHandle | None = None
         self._resync_due = 0.0  # when a resync must happen, drops or not (loop time)
         self._last_resync = float("-inf")
@@ -187,6 +193,11 @@ class NatsNoteTransport:
         self._nc: Client | None = None
         self._task: asyncio.Task[None] | None = None
 
+    def publish_as(self, name: str) -> None:
+        """Publish on ``subject.name``: ``name`` is the replica of this transport's sender
+        (:func:`~kvevents.router.fleet.senders.bus_name`), what its receivers check."""
+        self.publish_subject = f"{self.subject}.{check_bus_name(name, 'note sender name')}"
+
     def send(self, raw: bytes) -> bool:
         if not self.connected:
             self.dropped += 1
@@ -197,7 +208,9 @@ class NatsNoteTransport:
         self._wake.set()
         return True
 
-    def start(self, deliver: Callable[[bytes], None]) -> None:
+    def start(self, deliver: Deliver) -> None:
+        if self.publish_subject is None:
+            raise RuntimeError("NatsNoteTransport.publish_as(name) before start()")
         self._task = asyncio.get_running_loop().create_task(self._run(deliver))
 
     async def close(self) -> None:
@@ -210,11 +223,38 @@ class NatsNoteTransport:
             self._resync_at.cancel()
             self._resync_at = None
 
+    def warnings(self) -> list[str]:
+        """What this link leaves open, for the command to say at start (docs/security.md)."""
+        said = []
+        if not self.security.identified and not self._url_auth:
+            said.append(
+                f"--sync {self.url}: the NATS link has no credentials: whoever reaches this "
+                "NATS server can read the group's load notes and publish notes that steer its "
+                "routing. Give NATS credentials (--sync-user, --sync-token-file, "
+                "--sync-nkey-seed-file or --sync-creds-file) and let each replica publish on "
+                "its own subject only (docs/security.md)"
+            )
+        if self._url_auth:
+            said.append(
+                f"--sync {self.url}: credentials in the URL show in ps; give them with "
+                "--sync-user and --sync-password-file (or $KVEVENTS_SYNC_PASSWORD), or "
+                "--sync-token-file (or $KVEVENTS_SYNC_TOKEN)"
+            )
+        if not self.require_tls and (self._url_auth or self.security.auth in ("user", "token")):
+            said.append(
+                f"--sync {self.url}: no TLS, so the NATS password or token crosses the network "
+                "in plain text; use a tls:// URL (and --sync-ca-certs for a private CA)"
+            )
+        return said
+
     def status(self) -> dict[str, Any]:
         """For ``/workers`` (``process.sync``) and ``/metrics``."""
         return {
             "url": self.url,
             "subject": self.subject,
+            "publish_subject": self.publish_subject,
+            "tls": self.require_tls,
+            "auth": self.security.auth or ("url" if self._url_auth else None),
             "connected": self.connected,
             "disconnects": self.disconnects,
             "reconnects": self.reconnects,
@@ -227,7 +267,7 @@ class NatsNoteTransport:
 
     # --- the task ---------------------------------------------------------------------
 
-    async def _run(self, deliver: Callable[[bytes], None]) -> None:
+    async def _run(self, deliver: Deliver) -> None:
         """Connect and publish for ever. nats-py retries a lost connection by itself; a
         failure it raises instead (from connecting or subscribing: a TLS or an auth
         setting it refuses) is logged and shown in :meth:`status`, and everything starts
@@ -251,6 +291,23 @@ class NatsNoteTransport:
                 await self._drop_connection()
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 60.0)
+
+    def _report(self, exc: Exception) -> None:
+        """What nats-py reported (every failed attempt, and errors from the server): shown
+        in :meth:`status`; logged as an error once while it repeats, unless the server is
+        merely unreachable (its disconnection was logged)."""
+        self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
+        unreachable = isinstance(exc, (OSError, asyncio.TimeoutError)) and not isinstance(
+            exc, ssl.SSLError
+        )
+        if unreachable or self.last_error == self._logged:
+            log.debug("NATS %s: %s", self.url, self.last_error)
+            return
+        self._logged = self.last_error
+        alone = (
+            "" if self.connected else "; routing without the other replicas' load until it connects"
+        )
+        log.error("NATS %s: %s%s", self.url, self.last_error, alone)
 
     def _link(self, up: bool) -> None:
         if self.on_link is not None:
@@ -292,17 +349,17 @@ class NatsNoteTransport:
             with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(nc.close(), timeout=2.0)
 
-    async def _session(self, deliver: Callable[[bytes], None]) -> None:
+    async def _session(self, deliver: Deliver) -> None:
         async def on_message(msg: Msg) -> None:
+            origin = msg.subject.rpartition(".")[2]  # the replica it came from: subject.NAME
             for raw in split_notes(msg.data):
-                deliver(raw)
+                deliver(raw, origin)
 
         async def on_error(exc: Exception) -> None:
             if isinstance(exc, nats.errors.SlowConsumerError):
                 self._missed_one()  # one per message dropped: kept cheap
                 return
-            self.last_error = shown_url(f"{type(exc).__name__}: {exc}")
-            log.debug("NATS %s: %s", self.url, self.last_error)
+            self._report(exc)
 
         async def on_disconnected() -> None:
             if self.connected:
@@ -322,8 +379,10 @@ class NatsNoteTransport:
         # max_reconnect_attempts=-1 retries the first connection too, for ever, so a
         # replica started before NATS joins once it is up; pending_size=0: no buffering
         # while disconnected (a publish then fails, and the note is counted as dropped).
-        self._nc = nc = await nats.connect(
+        self._nc = nc = await open_client(
             self._connect_url,
+            self.security,
+            require_tls=self.require_tls,
             name="kvevents-router",
             allow_reconnect=True,
             max_reconnect_attempts=-1,
@@ -338,9 +397,12 @@ class NatsNoteTransport:
             reconnected_cb=on_reconnected,
         )
         limit = DEFAULT_SUB_PENDING_MSGS_LIMIT if self.pending_limit is None else self.pending_limit
-        await nc.subscribe(self.subject, cb=on_message, pending_msgs_limit=limit)
+        await nc.subscribe(f"{self.subject}.*", cb=on_message, pending_msgs_limit=limit)
         self.connected = True
-        log.info("NATS %s: sharing load notes on %s", self.url, self.subject)
+        self._logged = None
+        log.info("NATS %s: sharing load notes on %s.*", self.url, self.subject)
+        subject = self.publish_subject
+        assert subject is not None, "start() checked it"
         self._link(True)  # the first connection too: peers then tell it what is in flight
         queue = self._queue
         while True:
@@ -352,7 +414,7 @@ class NatsNoteTransport:
                 batch = [queue.popleft() for _ in range(min(len(queue), MAX_BATCH))]
                 payload = batch[0] if len(batch) == 1 else _BATCH_ENCODER.encode(batch)
                 try:
-                    await nc.publish(self.subject, payload)
+                    await nc.publish(subject, payload)
                     self.batches += 1
                 except (nats.errors.Error, OSError) as exc:
                     self.dropped += len(batch)

@@ -26,17 +26,27 @@ most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
 duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
 this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
 ``finish`` change nothing; what is remembered for that is forgotten after ``ttl``. A note
-with a negative count or rank, or non-finite blocks, is counted ``malformed`` and ignored.
+with a negative count or rank, or non-finite blocks, is counted ``malformed`` and ignored;
+so is one claiming more than one request carries (more blocks than the router's largest
+request makes at its block size, a rank past :data:`MAX_DP_RANK`) or a ``begin`` past
+:data:`MAX_PEER_INFLIGHT` requests of its replica (``oversized``).
+
+Who a note speaks for. A transport hands each note on with its origin: over NATS the
+replica whose subject it came on (:mod:`kvevents.router.fleet.nats_sync`). A note whose
+sender is not of that replica (:func:`~kvevents.router.fleet.senders.bus_name`), or that
+came on this replica's own subject from another process, is ``malformed`` (``forged``)
+and changes nothing: with NATS permissions that let each replica publish on its own
+subject only, nobody can speak, or say ``hello``, for a replica but that replica.
 
 A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
-(:func:`sender_id`; a ``--workers`` process's seat is its group and index). The first
-note of a new run drops the in-flight requests of the run before it in that seat (it
-died: they will never finish, and would count until their ``ttl``; runs that end in their
-start time are ordered by it, so a dead run's late note heard after its replacement's
-changes nothing), and the first note
-of any sender never heard before makes this process send ``begin`` again for each
-request it has in flight: the newcomer did not hear the first ones, and the others take
-the copies as the duplicates they are.
+(:func:`~kvevents.router.fleet.senders.sender_id`; a ``--workers`` process's seat is its
+group and index). The first note of a new run drops the in-flight requests of the run
+before it in that seat (it died: they will never finish, and would count until their
+``ttl``; runs that end in their start time are ordered by it, so a dead run's late note
+heard after its replacement's changes nothing), and the first note of any sender never
+heard before makes this process send ``begin`` again for each request it has in flight:
+the newcomer did not hear the first ones, and the others take the copies as the
+duplicates they are.
 
 A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
 ``on_link``) says so: while it is down, the notes of the requests heard over it (their
@@ -59,7 +69,6 @@ import heapq
 import itertools
 import logging
 import math
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -69,10 +78,15 @@ import zmq
 import zmq.asyncio
 
 from kvevents.router.decide.router import NoteKind, Router, Ticket
+from kvevents.router.fleet.senders import bus_name, machine_seat, seat_of, sender_id, started_at
 from kvevents.types import Holder
 
 __all__ = [
+    "DEFAULT_MAX_REQUEST_TOKENS",
     "DEFAULT_NOTE_TTL",
+    "MAX_DP_RANK",
+    "MAX_PEER_INFLIGHT",
+    "Deliver",
     "LoadNote",
     "LoadNotes",
     "NoteTransport",
@@ -81,6 +95,7 @@ __all__ = [
     "WireKind",
     "ZmqNoteTransport",
     "cancel_and_wait",
+    "machine_seat",
     "sender_id",
 ]
 
@@ -98,6 +113,15 @@ log = logging.getLogger("kvevents.router")
 
 DEFAULT_NOTE_TTL = 300.0
 """Seconds a peer's in-flight request counts without its ``finish`` (a lost note ages out)."""
+DEFAULT_MAX_REQUEST_TOKENS = 16 * 1024 * 1024
+"""Tokens one request can carry when not told (:class:`LoadNotes`): the router's default
+``--max-body-bytes``, as a token takes at least a byte of body (a token id two, ``1,``;
+a byte-level tokenizer's token one). A note claims at most this many, in blocks."""
+MAX_PEER_INFLIGHT = 100_000
+"""Requests one peer replica (all its ``--workers`` processes) may have counted in flight
+here; a ``begin`` past it is malformed. Far above what a router forwards at once."""
+MAX_DP_RANK = 65_535
+"""The largest data-parallel rank a note may name (a rank past it is malformed)."""
 
 
 WireKind = Literal["routed", "begin", "finish", "hello"]
@@ -118,42 +142,6 @@ class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
     ttl: float
 
 
-def machine_seat(port: int) -> str:
-    """The seat of a router serving ``port`` on this machine: host name, port and the
-    kernel's boot id, the same when the router restarts, apart for two machines that
-    share a host name (two VMs both called ``localhost`` on the same port)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()[:8]
-    except OSError:  # not Linux: the host name and port alone
-        boot = ""
-    return f"{socket.gethostname()}:{port}@{boot}"
-
-
-def sender_id(seat: str, run: str) -> str:
-    """A sender id naming a seat (a stable place, e.g. a worker index) and this run of it:
-    a later run in the same seat supersedes the earlier one (see the module docstring).
-
-    A run ending in ``-<start time in ns>`` (``--workers`` use ``PID-TIME_NS``) is ordered
-    by that time: a note from a run that started before the one heard in its seat is a
-    dead run's late note, whichever came first. Other runs are ordered as they are heard.
-    """
-    if "#" in seat:
-        raise ValueError(f"note sender seat {seat!r}: must not contain '#'")
-    return f"{seat}#{run}"
-
-
-def _seat(sender: str) -> str | None:
-    seat, sep, _ = sender.rpartition("#")
-    return seat if sep else None
-
-
-def _started(sender: str) -> int | None:
-    """The start time a sender's run ends with (:func:`sender_id`), or None."""
-    _, sep, tail = sender.rpartition("#")[2].rpartition("-")
-    return int(tail) if sep and tail.isascii() and tail.isdigit() else None
-
-
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(LoadNote)
 
@@ -168,6 +156,23 @@ def _in_range(note: LoadNote) -> bool:
     return note.n_blocks >= 0 and note.dp_rank >= 0 and 0.0 <= blocks < math.inf
 
 
+def _within(note: LoadNote, max_blocks: int) -> bool:
+    """Whether an in-range note claims no more than one request carries: a note of
+    10**12 blocks, applied, counted for its whole ttl and pushed every request away from
+    its holder. (A ``begin`` is bounded per replica too: :data:`MAX_PEER_INFLIGHT`.)"""
+    return (
+        note.n_blocks <= max_blocks
+        and note.inflight_blocks <= max_blocks
+        and note.dp_rank <= MAX_DP_RANK
+    )
+
+
+Deliver = Callable[[bytes, "str | None"], None]
+"""How a transport hands on one raw note, with its origin: the replica name it came from
+(the NATS subject's last token; the note's sender must be of it), or None where the
+transport itself vouches for its senders (the ``--workers`` group's ipc sockets)."""
+
+
 class NoteTransport(Protocol):
     """How notes travel: a non-blocking send, and a receiver started on the event loop."""
 
@@ -179,7 +184,7 @@ class NoteTransport(Protocol):
         """Queue one encoded note without waiting; False when it was dropped."""
         ...
 
-    def start(self, deliver: Callable[[bytes], None]) -> None:
+    def start(self, deliver: Deliver) -> None:
         """Begin receiving (on the running event loop): ``deliver`` gets each raw note."""
         ...
 
@@ -194,6 +199,14 @@ class SyncTransport(NoteTransport, Protocol):
     on_link: Callable[[bool], None] | None
     """Set by :class:`LoadNotes`: called with False when the connection is lost, True when
     it is up (the first connection too)."""
+
+    name: str | None
+    """The replica name given (``--sync-name``), or None: the command picks one."""
+
+    def publish_as(self, name: str) -> None:
+        """Send under replica ``name`` (:class:`LoadNotes` calls it before :meth:`start`
+        with its sender's :func:`~kvevents.router.fleet.senders.bus_name`)."""
+        ...
 
     def status(self) -> dict[str, Any]:
         """At least ``connected`` (bool) and ``dropped`` (notes not sent)."""
@@ -228,12 +241,12 @@ class ZmqNoteTransport:
             return False
         return True
 
-    def start(self, deliver: Callable[[bytes], None]) -> None:
+    def start(self, deliver: Deliver) -> None:
         self._task = asyncio.get_running_loop().create_task(self._receive(deliver))
 
-    async def _receive(self, deliver: Callable[[bytes], None]) -> None:
+    async def _receive(self, deliver: Deliver) -> None:
         while True:
-            deliver(await self._sub.recv())
+            deliver(await self._sub.recv(), None)
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
@@ -248,7 +261,10 @@ class LoadNotes:
     ``sender``: this router's id, unique across every router that shares notes.
     ``follows``: whether a note's engine (its ``worker``) is one this router follows;
     notes about others are counted as ``foreign`` and ignored (None: every engine).
-    ``clock`` is injectable for tests. Not thread-safe: one event loop.
+    ``max_request_tokens``: the most tokens one request carries (the router's
+    ``--max-body-bytes``); a note claiming more blocks than that makes at the router's
+    block size is malformed. ``clock`` is injectable for tests. Not thread-safe: one
+    event loop.
     """
 
     def __init__(
@@ -260,11 +276,17 @@ class LoadNotes:
         ttl: float = DEFAULT_NOTE_TTL,
         clock: Callable[[], float] = time.monotonic,
         follows: Callable[[str], bool] | None = None,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
     ) -> None:
         if not ttl > 0:
             raise ValueError(f"note ttl={ttl!r}: must be a positive number of seconds")
+        if max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens={max_request_tokens!r}: must be at least 1")
         self.router = router
         self.sender = sender
+        self.name = bus_name(sender)
+        """This router's replica name: what its NATS subject ends with."""
+        self.max_request_tokens = max_request_tokens
         self.transports = list(transports)
         self.ttl = ttl
         self.clock = clock
@@ -274,7 +296,14 @@ class LoadNotes:
         self.received = 0
         self.duplicates = 0
         self.malformed = 0
-        """Notes that do not decode, or whose numbers are out of range, ignored."""
+        """Notes that do not decode, whose numbers are out of range, or that speak for
+        another replica than the one they came from, ignored."""
+        self.forged = 0
+        """Of the malformed: notes whose sender is not of the replica whose NATS subject
+        they came on, or that came on this replica's own subject from another process."""
+        self.oversized = 0
+        """Of the malformed: notes claiming more than one request carries (blocks, rank),
+        or a ``begin`` past :data:`MAX_PEER_INFLIGHT` of its replica."""
         self.expired = 0
         self.foreign = 0
         """Notes about holders this router does not follow (another group's engines on a
@@ -295,6 +324,8 @@ class LoadNotes:
         self._gone: set[str] = set()  # senders a later run of their seat superseded
         self._own: dict[int, tuple[Ticket, int]] = {}  # this router's requests in flight
         self._remote: dict[tuple[str, int], tuple[Holder, float, float]] = {}
+        self._held: dict[str, int] = {}  # replica name -> its entries in _remote
+        self._warned: set[str] = set()  # origins of forged notes logged (at most 100)
         # notes already applied whose duplicates must change nothing: key -> forget after
         self._done: dict[tuple[str, int], float] = {}
         # when each entry of both is due, earliest first: (until, key, in _remote); an
@@ -344,6 +375,9 @@ class LoadNotes:
 
     def start(self) -> None:
         for transport in self.transports:
+            publish_as = getattr(transport, "publish_as", None)
+            if publish_as is not None:  # a SyncTransport: it publishes under our name
+                publish_as(self.name)
             transport.start(functools.partial(self._on_raw, transport=transport))
             if hasattr(transport, "on_link"):  # a SyncTransport: it can lose its connection
                 transport.on_link = functools.partial(self._on_link, transport=transport)
@@ -362,22 +396,50 @@ class LoadNotes:
             await asyncio.sleep(1.0)
             self.expire()
 
-    def _on_raw(self, raw: bytes, transport: NoteTransport) -> None:
+    def _on_raw(self, raw: bytes, origin: str | None = None, *, transport: NoteTransport) -> None:
         try:
             note = _DECODER.decode(raw)
         except msgspec.DecodeError:
             self.malformed += 1
             return
+        if origin is not None and bus_name(note.sender) != origin:
+            self._forged(note, origin, "a note speaks only for the replica it came from")
+            return
         prefix = transport.ignore_prefix
         if prefix is not None and note.sender.startswith(prefix):
             return
+        if origin == self.name:  # not ours (NATS does not echo them) nor our group's
+            self._forged(note, origin, "another router uses this replica's name")
+            return
         self.apply(note, transport)
+
+    def _forged(self, note: LoadNote, origin: str, why: str) -> None:
+        """Drop a note that speaks for a replica it did not come from (module docstring,
+        "Who a note speaks for"); log the first from each origin."""
+        self.malformed += 1
+        self.forged += 1
+        if origin not in self._warned and len(self._warned) < 100:
+            self._warned.add(origin)
+            log.warning(
+                "load notes: a note from replica %r claims sender %r, dropped (%s; give each "
+                "replica its own --sync-name and NATS credentials, docs/security.md)",
+                origin,
+                note.sender,
+                why,
+            )
 
     def apply(self, note: LoadNote, via: NoteTransport | None = None) -> None:
         """Apply one peer note to the router's loads, once (own notes are ignored).
         ``via``: the transport it came by (what a lost link drops; ``hello`` answered on)."""
         if not _in_range(note):
             self.malformed += 1
+            return
+        block_size = self.router.index.block_size or 1  # unknown yet: the loosest bound
+        if not _within(note, -(-self.max_request_tokens // block_size)) or (
+            note.kind == "begin" and self._held.get(bus_name(note.sender), 0) >= MAX_PEER_INFLIGHT
+        ):
+            self.malformed += 1
+            self.oversized += 1
             return
         if note.sender not in self._senders:
             if note.sender in self._gone or not self._new_sender(note.sender):
@@ -412,10 +474,13 @@ class LoadNotes:
             self.router.remote_routed(holder, note.n_blocks)
             self.router.remote_inflight(holder, 1, note.inflight_blocks)
             self._remote[key] = (holder, note.inflight_blocks, until)
+            name = bus_name(note.sender)
+            self._held[name] = self._held.get(name, 0) + 1
             heapq.heappush(self._due, (until, key, True))
         elif note.kind == "finish":
             held = self._remote.pop(key, None)
             if held is not None:
+                self._release(note.sender)
                 self.router.remote_inflight(held[0], -1, -held[1])
             self._forget_at(key, until)  # a late begin, or a duplicate, changes nothing
         if now >= self._next_sweep:
@@ -426,11 +491,11 @@ class LoadNotes:
         in flight, and tell it of this router's own requests in flight. False (and the
         sender is remembered as gone) when it is itself an earlier run of its seat than
         the one heard there: a dead run whose notes come late."""
-        seat = _seat(sender)
+        seat = seat_of(sender)
         if seat is not None:
             earlier = self._seats.get(seat)
             if earlier is not None:
-                then, now = _started(earlier), _started(sender)
+                then, now = started_at(earlier), started_at(sender)
                 if then is not None and now is not None and now < then:
                     self._gone.add(sender)
                     return False
@@ -466,8 +531,18 @@ class LoadNotes:
         keys = [key for key in self._remote if senders(key[0])]
         for key in keys:
             holder, blocks, _ = self._remote.pop(key)
+            self._release(key[0])
             self.router.remote_inflight(holder, -1, -blocks)
         return len(keys)
+
+    def _release(self, sender: str) -> None:
+        """One in-flight request of ``sender`` no longer counted (:data:`MAX_PEER_INFLIGHT`)."""
+        name = bus_name(sender)
+        left = self._held[name] - 1
+        if left:
+            self._held[name] = left
+        else:
+            del self._held[name]
 
     def _resend_own(self, via: NoteTransport | None) -> None:
         """``begin`` again for each request this router has in flight: on ``via`` only (a
@@ -499,6 +574,7 @@ class LoadNotes:
             if held is None or held[2] != until:
                 continue  # finished since
             del self._remote[key]
+            self._release(key[0])
             self.router.remote_inflight(held[0], -1, -held[1])
             self.expired += 1
             self._forget_at(key, now + self.ttl)
@@ -516,6 +592,8 @@ class LoadNotes:
             "received": self.received,
             "duplicates": self.duplicates,
             "malformed": self.malformed,
+            "forged": self.forged,
+            "oversized": self.oversized,
             "expired": self.expired,
             "foreign": self.foreign,
             "superseded": self.superseded,
@@ -544,6 +622,15 @@ class PeerNotes(LoadNotes):
         clock: Callable[[], float] = time.monotonic,
         extra: Sequence[NoteTransport] = (),
         follows: Callable[[str], bool] | None = None,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
     ) -> None:
         transport = ZmqNoteTransport(own, peers, context=context)
-        super().__init__(router, sender, [transport, *extra], ttl=ttl, clock=clock, follows=follows)
+        super().__init__(
+            router,
+            sender,
+            [transport, *extra],
+            ttl=ttl,
+            clock=clock,
+            follows=follows,
+            max_request_tokens=max_request_tokens,
+        )

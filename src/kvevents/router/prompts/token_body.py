@@ -7,10 +7,17 @@ compiled kernel when this process has loaded it (:mod:`kvevents.kernels`): the i
 straight into an ``array("I")`` and only the members after the array are decoded by
 msgspec. Every other body, and any body while the kernels are off, is decoded whole
 by msgspec as before; errors are always those of that decoder.
+
+A ``/route`` or ``/query`` body is the router's own: a member it does not know is a 400
+naming it (a misspelt ``"top"`` or ``"input_id"`` would otherwise be ignored in silence),
+on every path, since the compiled one decodes the members after the ids with the same
+strict struct. An engine's ``/generate`` body is decoded with ``strict=False``: its other
+members are the engine's (sampling parameters...) and are forwarded as they are.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from array import array
 from typing import Annotated, Any
@@ -20,14 +27,21 @@ import msgspec
 from kvevents import kernels
 from kvevents.errors import RequestError
 
-__all__ = ["DEFAULT_TOP", "PLAIN_BODY", "BadRequest", "TokensBody", "decode_tokens_body"]
+__all__ = [
+    "DEFAULT_TOP",
+    "PLAIN_BODY",
+    "BadRequest",
+    "GenerateBody",
+    "TokensBody",
+    "decode_tokens_body",
+]
 
 DEFAULT_TOP = 4
 """Scores in a ``/route`` answer unless the body asks otherwise: the choice and 3 more."""
 
 
-class TokensBody(msgspec.Struct, frozen=True):
-    """A request given as token ids, text or chat messages (unknown keys are ignored).
+class TokensBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request given as token ids, text or chat messages; any other member is refused.
 
     ``messages`` are rendered as ``/v1/chat/completions`` renders them (the body's
     template fields included), so a gateway asking ``/route`` about a chat gets the rank
@@ -57,11 +71,25 @@ class TokensBody(msgspec.Struct, frozen=True):
     """``/route`` only: how many scores to answer, the chosen holder's first."""
     all_scores: bool = False
     """``/route`` only: answer every holder's score (``top`` is then ignored)."""
+    add_generation_prompt: bool | None = None
+    """This and the members below: a chat's template fields
+    (:data:`~kvevents.router.prompts.tokenize.CHAT_TEMPLATE_FIELDS`), read by the tokenizer
+    that renders ``messages``."""
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
 
     @property
     def adapter(self) -> str | None:
         """The adapter the request runs under: ``lora``, else ``lora_path``."""
         return self.lora if self.lora is not None else self.lora_path
+
+
+class GenerateBody(TokensBody, frozen=True, forbid_unknown_fields=False):
+    """An engine's ``/generate`` body as the router keys it: :class:`TokensBody`'s members,
+    and any others (the engine's own) ignored here and forwarded."""
 
 
 PLAIN_BODY = TokensBody()
@@ -74,6 +102,9 @@ class BadRequest(RequestError):
 
 
 _DECODER = msgspec.json.Decoder(TokensBody)
+_GENERATE_DECODER = msgspec.json.Decoder(GenerateBody)
+_MEMBERS = TokensBody.__struct_fields__
+_BodyDecoder = msgspec.json.Decoder[TokensBody] | msgspec.json.Decoder[GenerateBody]
 _LONE_HIGH_SURROGATE = re.compile(
     # a \u escape of a high surrogate (its backslash not itself escaped) with no low one
     rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
@@ -81,23 +112,32 @@ _LONE_HIGH_SURROGATE = re.compile(
 _WHITESPACE = b" \t\r\n"
 
 
-def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | None, TokensBody]:
+def decode_tokens_body(
+    raw: bytes, *, chat: bool = True, strict: bool = True
+) -> tuple[array[int] | None, TokensBody]:
     """The body's token ids (None when it gives text or messages instead) and the body.
 
     :class:`BadRequest` for a body the router cannot use: not a JSON object of the
-    fields above, not exactly one of ``input_ids``, ``text`` and ``messages``, an id
-    outside uint32, or ``messages`` when ``chat`` is False (an engine's ``/generate``
-    takes no chat).
+    fields above, a member it does not take (``strict``: named; ``strict=False`` for an
+    engine's ``/generate`` body, whose other members are the engine's), not exactly one
+    of ``input_ids``, ``text`` and ``messages``, an id outside uint32, or ``messages``
+    when ``chat`` is False (an engine's ``/generate`` takes no chat).
     """
+    decoder: _BodyDecoder = _DECODER if strict else _GENERATE_DECODER
     compiled = kernels.loaded()
     if compiled is not None:
-        fast = _decode_compiled(compiled, raw)
+        fast = _decode_compiled(compiled, raw, decoder)
         if fast is not None:
             if fast[1].lora_path is not None:
                 _check_adapter(fast[1])
             return fast
     try:
-        body = _DECODER.decode(raw)
+        body = decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        unknown = _unknown_members(raw)
+        if unknown:
+            raise BadRequest(_unknown_message(unknown)) from None
+        raise BadRequest(f"request body: {exc}") from None
     except msgspec.DecodeError as exc:
         if _LONE_HIGH_SURROGATE.search(raw):  # msgspec calls it truncated input
             raise BadRequest(
@@ -124,6 +164,29 @@ def decode_tokens_body(raw: bytes, *, chat: bool = True) -> tuple[array[int] | N
         raise BadRequest(f"input_ids: every token id must be an int in 0..{2**32 - 1}") from None
 
 
+def _unknown_members(raw: bytes) -> list[str]:
+    """The members of the JSON object ``raw`` that :class:`TokensBody` does not take
+    (:class:`BadRequest` when it is nested too deeply to read them)."""
+    try:
+        whole = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return []
+    except RecursionError:
+        raise BadRequest("request body: JSON nested too deeply") from None
+    return [key for key in whole if key not in _MEMBERS] if isinstance(whole, dict) else []
+
+
+def _unknown_message(unknown: list[str]) -> str:
+    first = unknown[0]
+    hint = difflib.get_close_matches(first, _MEMBERS, n=1, cutoff=0.75)
+    maybe = f" (did you mean {hint[0]!r}?)" if hint else ""
+    named = ", ".join(repr(key) for key in unknown)
+    return (
+        f"request body: unknown member{'s' if len(unknown) > 1 else ''} {named}{maybe}; "
+        f"accepted members: {', '.join(_MEMBERS)}"
+    )
+
+
 def _check_adapter(body: TokensBody) -> None:
     if body.lora is not None and body.lora != body.lora_path:
         raise BadRequest(
@@ -131,9 +194,12 @@ def _check_adapter(body: TokensBody) -> None:
         )
 
 
-def _decode_compiled(compiled: kernels.Kernels, raw: bytes) -> tuple[array[int], TokensBody] | None:
+def _decode_compiled(
+    compiled: kernels.Kernels, raw: bytes, decoder: _BodyDecoder
+) -> tuple[array[int], TokensBody] | None:
     """The compiled path, or None to decode ``raw`` whole (any body but the plain case,
-    and every body that must be refused: the whole decode words the error)."""
+    and every body that must be refused, an unknown member's too: the whole decode words
+    the error). ``decoder`` decodes the members after the ids, as it would the whole."""
     parsed = compiled.parse_input_ids(raw)
     if parsed is None:
         return None
@@ -146,7 +212,7 @@ def _decode_compiled(compiled: kernels.Kernels, raw: bytes) -> tuple[array[int],
     if not rest.startswith(b'"'):
         return None
     try:
-        body = _DECODER.decode(b"{" + rest)
+        body = decoder.decode(b"{" + rest)
     except (msgspec.DecodeError, RecursionError):
         return None
     if body.input_ids is not None or body.text is not None or body.messages is not None:

@@ -7,6 +7,10 @@ check by hand, the structs of :mod:`kvevents.api.openai`; the answers are the st
 the hot path encodes, or those :func:`kvevents.router.serve.app.create_fastapi_app` builds
 its answers from. ``/route`` and ``/query`` are served by the bare ASGI hot path in
 front of FastAPI, so only this table puts them in the document.
+
+For Kubernetes: the ``livenessProbe`` goes to ``/health`` (the process serves), the
+``readinessProbe`` to ``/ready`` (it can route now; 503 with the reasons otherwise); both
+are open without ``--api-key``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from kvevents.api.openai import (
     ModelList,
     OpenAIErrorAnswer,
 )
+from kvevents.router.prompts.token_body import GenerateBody
 from kvevents.router.serve.hot_path import ErrorAnswer, QueryAnswer, RouteAnswer
+from kvevents.router.serve.readiness import Readiness
 from kvevents.router.serve.service import TokensBody
 
 __all__ = ["OPERATIONS", "GenerateAnswer", "RoutedTo", "WorkersAnswer"]
@@ -79,6 +85,8 @@ class IndexSummary(msgspec.Struct):
 class WorkersAnswer(msgspec.Struct):
     """``GET /workers``: the engines, their streams, holders, the index and this process."""
 
+    ready: Readiness
+    """What ``GET /ready`` answers: whether the router can route now, and why not."""
     engines: list[EngineStatus]
     streams: list[dict[str, Any]]
     holders: list[dict[str, Any]]
@@ -93,10 +101,18 @@ class WorkersAnswer(msgspec.Struct):
 _TOKENS = Body(
     TokensBody,
     description='Exactly one of "input_ids", "text" or "messages" (a chat, rendered as '
-    "/v1/chat/completions renders it). Token ids must be in 0..2**32-1.",
+    "/v1/chat/completions renders it). Token ids must be in 0..2**32-1. Any other member "
+    "is refused (400, naming it).",
     example={"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]},
 )
-_BAD = "The body cannot be used: malformed JSON, nesting too deep, a wrong field type, text that is not valid Unicode, or not exactly one prompt field; the message says which"
+_GENERATE = Body(
+    GenerateBody,
+    description='An engine /generate body: exactly one of "input_ids" or "text", and any '
+    "other member of the engine's (forwarded as it is).",
+    example={"input_ids": [1, 2, 3, 4, 5, 6, 7, 8], "max_new_tokens": 4},
+)
+_BAD = "The body cannot be used: malformed JSON, nesting too deep, a wrong field type, a member it does not take, text that is not valid Unicode, or not exactly one prompt field; the message says which"
+_POST_ONLY = " Any other method than POST answers 405 with `Allow: POST`."
 _TOO_LARGE = "The body is over kvevents router --max-body-bytes (refused before it is read whole)"
 _NOT_READY = "No engine rank is known or available yet"
 _TOKENIZE = "Tokenizing the text failed: the engine's /tokenize was unreachable (502) or refused the input (its own status)"
@@ -125,6 +141,15 @@ class RouterHealth(msgspec.Struct):
     status: str
 
 
+_READY = (
+    "200 when at least one engine rank is routable: known and available, its event stream "
+    "connected, at the router's block size. Otherwise 503 with the reasons (an engine "
+    "unreachable or publishing no events, streams not connected, a block-size mismatch); "
+    "the reasons of ranks that cannot be routed to are listed when ready too. For "
+    "Kubernetes: readinessProbe on /ready, livenessProbe on /health. Open even with --api-key."
+)
+
+
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "get",
@@ -139,7 +164,8 @@ OPERATIONS: tuple[Operation, ...] = (
         Body(RouteAnswer, description="The choice, and the best scores, chosen first"),
         description="Scores every holder by cached, prefill and pending blocks and answers "
         'the cheapest. `"record": true` counts the choice as sent (the caller forwards '
-        'the request); `top` caps the scores answered, `"all_scores": true` answers all.',
+        'the request); `top` caps the scores answered, `"all_scores": true` answers all.'
+        + _POST_ONLY,
         request=_TOKENS,
         errors=_NATIVE_ERRORS,
         error_type=ErrorAnswer,
@@ -149,6 +175,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "/query",
         "What every holder has cached of a prompt",
         Body(QueryAnswer, description="One entry per holder of a prefix, tiers in tokens"),
+        description="Per holder, the blocks and tokens of the prompt it holds, per tier."
+        + _POST_ONLY,
         request=_TOKENS,
         errors=_NATIVE_ERRORS,
         error_type=ErrorAnswer,
@@ -160,7 +188,7 @@ OPERATIONS: tuple[Operation, ...] = (
         Body(GenerateAnswer, description="The engine's answer, with the router's decision"),
         description="The body goes to the chosen engine's /generate with `routed_dp_rank` "
         "set; any status the engine answers is relayed. Chats go to /v1/chat/completions.",
-        request=_TOKENS,
+        request=_GENERATE,
         errors={
             **_NATIVE_ERRORS,
             502: _TOKENIZE + ", or the engine could not be reached",
@@ -175,7 +203,7 @@ OPERATIONS: tuple[Operation, ...] = (
         Body(CompletionAnswer, also=("text/event-stream",)),
         description="Forwarded to the chosen engine (vLLM: the header X-data-parallel-rank; "
         "SGLang and kvevents: `routed_dp_rank` in the body); the answer carries "
-        "x-kvevents-* headers saying where it went and why.",
+        "x-kvevents-* headers saying where it went and why." + _POST_ONLY,
         request=Body(CompletionRequest, example={"prompt": "Hello, world", "max_tokens": 4}),
         errors=_OPENAI_ERRORS,
         error_type=OpenAIErrorAnswer,
@@ -185,6 +213,8 @@ OPERATIONS: tuple[Operation, ...] = (
         "/v1/chat/completions",
         "OpenAI chat completions, routed to the rank holding the conversation",
         Body(ChatAnswer, also=("text/event-stream",)),
+        description="Rendered with the engine's chat template, then routed and forwarded as "
+        "/v1/completions is." + _POST_ONLY,
         request=Body(
             ChatRequest,
             example={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
@@ -203,6 +233,15 @@ OPERATIONS: tuple[Operation, ...] = (
         "/health",
         "200 while the router serves (open even with --api-key, for probes)",
         Body(RouterHealth),
+        description="Liveness: the process answers. Whether it can route is /ready's.",
+    ),
+    Operation(
+        "get",
+        "/ready",
+        "Whether the router can route now, and why not",
+        Body(Readiness, description="Ready: at least one engine rank is routable"),
+        description=_READY,
+        other={503: ("Not ready: no engine rank is routable; `reasons` say why", Body(Readiness))},
     ),
     Operation(
         "get",

@@ -1,7 +1,7 @@
 """The router's HTTP app: the hot path in front, FastAPI behind it, built once serving.
 
 :class:`~kvevents.router.serve.hot_path.HotPath` answers ``/route``, ``/query``, the OpenAI
-relay's routes, ``/workers`` and ``/health`` itself, and runs the lifespan (starting
+relay's routes, ``/workers``, ``/health`` and ``/ready`` itself, and runs the lifespan (starting
 and stopping the :class:`~kvevents.router.serve.service.RouterService`). Every other path
 (``/generate``, ``/metrics``, ``/dump``, ``/v1/models``, ``/docs``) goes to the FastAPI
 app of :mod:`kvevents.router.serve.fastapi_app`, which is a :class:`DeferredApp`: importing
@@ -22,13 +22,16 @@ from collections.abc import Callable
 
 from kvevents.http.auth import ApiKey, ASGIApp, Receive, Scope, Send
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
+from kvevents.router.serve.pd_route import serve_pd
 from kvevents.router.serve.service import RouterService
 
 __all__ = ["OPEN_PATHS", "DeferredApp", "create_app"]
 
 
-OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-"""Paths answered without the API key: health for probes, and the API's description
+OPEN_PATHS = frozenset(
+    {"/health", "/ready", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+)
+"""Paths answered without the API key: health and readiness for probes, and the API's description
 (it holds no state, and a browser opening ``/docs`` cannot send the header)."""
 
 
@@ -83,7 +86,7 @@ def create_app(
 
     open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
     deferred = DeferredApp(build)
-    return HotPath(
+    hot = HotPath(
         service,
         deferred,
         max_body_bytes=max_body_bytes,
@@ -91,3 +94,6 @@ def create_app(
         open_paths=open_paths,
         prepare=deferred.app,
     )
+    if service.pd is not None:  # disaggregated prefill/decode: its relay and /route
+        serve_pd(hot, service.pd)
+    return hot

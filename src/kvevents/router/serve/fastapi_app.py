@@ -1,8 +1,8 @@
 """The FastAPI part of the router: every path the hot path does not answer itself.
 
 ``/generate``, ``/metrics``, ``/dump``, ``/v1/models``, ``/openapi.json`` and ``/docs``
-(and, so that this app alone answers like the whole router, ``/workers``, ``/health``
-and the OpenAI relay's routes too). :mod:`kvevents.router.serve.app` builds it once the
+(and, so that this app alone answers like the whole router, ``/workers``, ``/health``,
+``/ready`` and the OpenAI relay's routes too). :mod:`kvevents.router.serve.app` builds it once the
 router serves, in a thread: importing FastAPI costs about half a second of start-up.
 """
 
@@ -28,7 +28,7 @@ from kvevents.router.serve.service import (
     TokenizeFailed,
     gateway_status,
 )
-from kvevents.router.serve.status import HEALTHY, workers_document
+from kvevents.router.serve.status import HEALTHY, ready_answer, workers_document
 
 __all__ = ["create_fastapi_app"]
 
@@ -130,6 +130,12 @@ def create_fastapi_app(
     async def health() -> JSONResponse:
         """200 while the router serves; open even with an API key (for probes)."""
         return JSONResponse(HEALTHY)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 when the router can route, else 503; the reasons either way (for probes)."""
+        status, state = ready_answer(service)
+        return JSONResponse(msgspec.to_builtins(state), status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -47,6 +47,10 @@ SUMMED = frozenset(
         "kvevents_router_predictions",
         "kvevents_router_predicted_entries",
         "kvevents_router_routes_decided_by_prediction",
+        "kvevents_router_pd_requests",
+        "kvevents_router_pd_prefill_skipped",
+        "kvevents_router_pd_prefill_chosen",
+        "kvevents_router_pd_legs_failed",
     }
 )
 """Families each process counts for its own work only: the group's value is their sum."""

@@ -10,7 +10,7 @@ end and dropped, as uvicorn does, so the connection stays usable), decoded once
 in-process :class:`~kvevents.router.decide.router.Router`, and answered with a
 msgspec struct encoded by one reused encoder. ``POST /v1/completions`` and
 ``/v1/chat/completions`` go to the OpenAI relay (:mod:`kvevents.router.serve.openai_relay`) on
-both interfaces; ``GET /workers`` and ``GET /health`` are answered here too
+both interfaces; ``GET /workers``, ``GET /health`` and ``GET /ready`` are answered here too
 (:mod:`kvevents.router.serve.status`), so they need no framework. The app's lifespan starts
 and stops the service. Every other path goes to the app behind it (FastAPI:
 ``/generate``, ``/metrics``, ``/docs``), where a framework costs nothing that matters.
@@ -36,7 +36,9 @@ Both take ``model`` (:mod:`kvevents.router.decide.models`): only the holders of 
 it are matched, scored and answered, and an adapter's name keys the request under it.
 
 Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
-JSON, nesting too deep, a wrong field type, text that is not valid Unicode), 404 for a
+JSON, nesting too deep, a wrong field type, a member it does not take, named, text that
+is not valid Unicode), 405 with ``Allow: POST`` for another method than ``POST`` on
+``/route``, ``/query`` and the OpenAI routes (those answer OpenAI's error shape), 404 for a
 ``model`` no engine serves (the message lists those served), 413 past the body limit,
 503 before any engine rank is known, and the tokenizer's own status when tokenizing text
 fails, 401 without the ``--api-key`` (any path but the open ones). The connection stays
@@ -71,7 +73,7 @@ from kvevents.router.serve.bodies import (
     read_body,
     read_rsgi_body,
 )
-from kvevents.router.serve.openai_relay import RELAYED, OpenAIRelay
+from kvevents.router.serve.openai_relay import RELAYED, OpenAIError, OpenAIRelay
 from kvevents.router.serve.service import (
     DEFAULT_TOP,
     BadRequest,
@@ -79,7 +81,7 @@ from kvevents.router.serve.service import (
     TokenizeFailed,
     TokensBody,
 )
-from kvevents.router.serve.status import HEALTHY, workers_document
+from kvevents.router.serve.status import HEALTHY, ready_answer, workers_document
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -235,14 +237,16 @@ class HotPath:
         self.max_body_bytes = max_body_bytes
         self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
         self.relay = OpenAIRelay(service, max_body_bytes=max_body_bytes)
-        """``POST`` of :data:`~kvevents.router.serve.openai_relay.RELAYED` paths (the OpenAI routes)."""
+        """``POST`` of :attr:`relay_paths` (the OpenAI routes)."""
+        self.relay_paths: frozenset[str] = frozenset(RELAYED)
         self._handlers: dict[str, Callable[[bytes], Awaitable[bytes]]] = {
             "/route": self._route,
             "/query": self._query,
         }
-        self._reads: dict[str, Callable[[], bytes]] = {
-            "/workers": lambda: _ENCODER.encode(workers_document(self.service)),
-            "/health": lambda: _HEALTHY,
+        self._reads: dict[str, Callable[[], tuple[int, bytes]]] = {
+            "/workers": lambda: (200, _ENCODER.encode(workers_document(self.service))),
+            "/health": lambda: (200, _HEALTHY),
+            "/ready": self._ready,
         }
         if prepare is not None:
             service.defer(prepare)
@@ -252,6 +256,21 @@ class HotPath:
         """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`);
         chats are rendered by the engine's tokenizer first, so they go the ASGI way."""
         self.inline_limit = max_body_bytes
+
+    def disaggregate(
+        self,
+        relay: OpenAIRelay,
+        paths: frozenset[str],
+        route: Callable[[bytes], Awaitable[bytes]],
+    ) -> None:
+        """Serve in disaggregated (P/D) mode (:mod:`kvevents.router.serve.pd_route`):
+        ``POST`` of ``paths`` goes to ``relay`` and ``/route`` to ``route``; nothing but
+        ``/query`` is answered from the parser's callbacks."""
+        self.relay = relay
+        self.relay_paths = paths
+        self._handlers["/route"] = route
+        self.inline_paths = frozenset({b"/query"})
+        self.async_inline_paths = frozenset()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -265,20 +284,26 @@ class HotPath:
         if key is not None and path not in self.open_paths and not key.matches(scope["headers"]):
             await send_unauthorized(scope, send)
             return
-        if path in RELAYED and scope["method"] == "POST":
+        if path in self.relay_paths and scope["method"] == "POST":
             await self.relay.asgi(scope, receive, send)
             return
         handler = self._handlers.get(path)
         if handler is None or scope["method"] != "POST":
             read = self._reads.get(path) if scope["method"] == "GET" else None
-            if read is None:
-                await self.fallback(scope, receive, send)
+            if read is not None:
+                await _send_json(send, *read())
+            elif handler is not None or path in self.relay_paths:
+                await _send_not_allowed(send, scope["method"], path)
             else:
-                await _send_json(send, 200, read())
+                await self.fallback(scope, receive, send)
             return
         answered = await self._answer(handler, read_body(scope, receive, self.max_body_bytes))
         if answered is not None:
             await _send_json(send, *answered)
+
+    def _ready(self) -> tuple[int, bytes]:
+        status, state = ready_answer(self.service)
+        return status, _ENCODER.encode(state)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         """ASGI lifespan: start the service, then the deferred work; stop it at shutdown."""
@@ -305,7 +330,7 @@ class HotPath:
         :meth:`__call__`, so both interfaces answer alike.
         """
         if (
-            scope.path in RELAYED
+            scope.path in self.relay_paths
             and scope.proto == "http"
             and scope.method == "POST"
             and self._rsgi_authorized(scope)
@@ -481,7 +506,19 @@ def _refusal(exc: BaseException) -> tuple[int, bytes]:
 _HEALTHY = _ENCODER.encode(HEALTHY)
 
 
-async def _send_json(send: Send, status: int, answer: bytes) -> None:
-    headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(answer))]
+async def _send_json(
+    send: Send, status: int, answer: bytes, more: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(answer)), *more]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
+
+
+async def _send_not_allowed(send: Send, method: str, path: str) -> None:
+    """405 for ``method`` on a POST-only path, saying so in the path's error shape."""
+    message = f"{method} {path}: method not allowed; send a POST with a JSON body"
+    if path in RELAYED:
+        answer = OpenAIError(405, message, "method_not_allowed").body()
+    else:
+        answer = _error(message)
+    await _send_json(send, 405, answer, [(b"allow", b"POST")])

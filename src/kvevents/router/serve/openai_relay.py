@@ -276,7 +276,7 @@ class OpenAIRelay:
         headers = _forwarded(scope["headers"])
         try:
             raw = await read_body(scope, receive, self.max_body_bytes)
-            answer = await self.answer(RELAYED[scope["path"]], headers, raw)
+            answer = await self.answer_path(scope["path"], headers, raw)
         except _BODY_ERRORS as exc:
             answer = Answer.error(_body_error(exc))
         raw_headers = answer.headers
@@ -307,7 +307,7 @@ class OpenAIRelay:
         )
         try:
             raw = await read_rsgi_body(scope, proto, self.max_body_bytes)
-            answer = await self.answer(RELAYED[scope.path], headers, raw)
+            answer = await self.answer_path(scope.path, headers, raw)
         except _BODY_ERRORS as exc:
             answer = Answer.error(_body_error(exc))
         if answer.stream is None:
@@ -321,6 +321,10 @@ class OpenAIRelay:
                 await transport.send_bytes(chunk)
 
         await _until_gone(relay(), proto.client_disconnect(), stream, answer.release)
+
+    def answer_path(self, path: str, headers: dict[bytes, bytes], raw: bytes) -> Awaitable[Answer]:
+        """The answer to one request for ``path`` (the P/D relay answers its own paths)."""
+        return self.answer(RELAYED[path], headers, raw)
 
     async def answer(self, chat: bool, headers: dict[bytes, bytes], raw: bytes) -> Answer:
         """The answer to one request: ``headers`` are the client's to forward (hop-by-hop,

@@ -50,6 +50,8 @@ from kvevents.router.prompts.tokenize import (
 )
 from kvevents.router.serve.group_metrics import GroupMetrics
 from kvevents.router.serve.metrics import make_registry, render
+from kvevents.router.serve.pd_mode import PDMode
+from kvevents.router.serve.pd_stats import PDCollector
 from kvevents.router.serve.request_stats import RequestStats
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
@@ -157,6 +159,7 @@ class RouterService:
         engine_credentials: ClientCredentials | None = None,
         models_interval: float = MODELS_RECHECK_S,
         upstream: Upstream | None = None,
+        pd: PDMode | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}")
@@ -195,6 +198,10 @@ class RouterService:
         CA bundle ``https://`` engines are verified against."""
         self.requests = RequestStats()
         self.registry = make_registry(router, self._stream_stats, self.requests, self.process_info)
+        self.pd = pd
+        """Disaggregated prefill/decode serving (``--prefill``/``--decode``), or None."""
+        if pd is not None:
+            self.registry.register(PDCollector(pd.stats))
         self.process_index = 0
         """Which of ``process_count`` router processes this is (``--workers``)."""
         self.process_count = 1
@@ -327,6 +334,8 @@ class RouterService:
                     )
                 )
             )
+        if self.pd is not None:  # the engines' roles and the prefills' bootstrap ports
+            self._tasks.append(asyncio.create_task(self.pd.watch(self._client, self._stopping)))
         # Serving before an engine's first poll answered would refuse /query (no block
         # size yet) and route without its models or load: wait for it, bounded, since an
         # engine that is down fails its poll at once and one that hangs must not hold the
@@ -342,6 +351,8 @@ class RouterService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.pd is not None:
+            await self.pd.close()
         if self._client is not None:
             await self._client.aclose()
         if self._upstream is not None:
@@ -372,8 +383,9 @@ class RouterService:
 
     async def tokens(self, raw: bytes, *, chat: bool = True) -> tuple[Sequence[int], TokensBody]:
         """The body's token ids (tokenizing text or a chat) and the body; ``chat=False``
-        refuses ``messages`` (an engine's ``/generate`` takes no chat)."""
-        tokens, body = decode_tokens_body(raw, chat=chat)
+        is an engine's ``/generate`` body: ``messages`` refused (it takes no chat), and
+        members the router does not know are the engine's, not refused."""
+        tokens, body = decode_tokens_body(raw, chat=chat, strict=chat)
         if tokens is not None:
             return tokens, body
         try:

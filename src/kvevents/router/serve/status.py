@@ -1,8 +1,10 @@
-"""The router's own state as ``GET /workers`` and ``GET /health`` answer it.
+"""The router's own state as ``GET /workers``, ``GET /health`` and ``GET /ready`` answer it.
 
-Both are answered by the hot path (:mod:`kvevents.router.serve.hot_path`) without the
+All three are answered by the hot path (:mod:`kvevents.router.serve.hot_path`) without the
 framework, so they work from the moment the router prints its ready line, and a probe
 or an operator polling ``/workers`` during a warm start sees the index as it fills.
+``/health`` is liveness (the process serves), ``/ready`` readiness (it can route now:
+:mod:`kvevents.router.serve.readiness`); ``/workers`` carries the same readiness as ``ready``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ from typing import Any
 
 import msgspec
 
+from kvevents.router.serve.readiness import Readiness, readiness
 from kvevents.router.serve.service import RouterService
 
-__all__ = ["HEALTHY", "workers_document"]
+__all__ = ["HEALTHY", "ready_answer", "workers_document"]
 
 HEALTHY: dict[str, str] = {"status": "ok"}
 """``/health``'s answer: 200 while the router serves (open even with an API key)."""
+
+
+def ready_answer(service: RouterService) -> tuple[int, Readiness]:
+    """``/ready``: 200 and the readiness when the router can route, else 503 and it."""
+    state = readiness(service)
+    return (200 if state.ok else 503), state
 
 
 def workers_document(service: RouterService) -> dict[str, Any]:
@@ -26,6 +35,7 @@ def workers_document(service: RouterService) -> dict[str, Any]:
     streams = [] if sub is None else [msgspec.to_builtins(s) for s in sub.stats().values()]
     engines = {} if sub is None else msgspec.to_builtins(sub.engines())
     return {
+        "ready": msgspec.to_builtins(readiness(service)),
         "engines": [
             {
                 "url": st.spec.url,
@@ -64,4 +74,5 @@ def workers_document(service: RouterService) -> dict[str, Any]:
         else msgspec.to_builtins(service.warm_start),
         "policy": service.policy,
         "tokenizer": service.text_tokenizer.name,
+        "pd": None if service.pd is None else service.pd.summary(),
     }

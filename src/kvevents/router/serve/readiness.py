@@ -1,0 +1,191 @@
+"""Whether the router can route now: ``GET /ready``, and ``/workers``' ``ready`` member.
+
+``/health`` says the process answers (liveness: restart it if not); ``/ready`` says a
+request routed now would go where its cache is (readiness: send it traffic). In
+Kubernetes, point the ``livenessProbe`` at ``/health`` and the ``readinessProbe`` at
+``/ready``. The router is ready when at least one holder (one engine rank's KV cache) is
+
+* known and available: its engine registered it and its last poll says the rank is up;
+* followed: its event stream is connected (the publisher's ZMQ handshake succeeded, or
+  a batch arrived), so what it caches reaches the index;
+* at the router's block size: neither a declaration (``/server_info``, the engine's
+  ``--block-size``) nor its events disagree with the size requests are keyed at, which
+  would make every lookup of it a silent miss.
+
+Otherwise ``/ready`` answers 503. Either way the answer lists the reasons found, one
+line per engine or per problem of an engine's ranks, saying what to fix (a fleet with
+one engine down is ready, and still says so). Two things are not reasons, on purpose:
+a connected stream that has sent nothing yet (an idle engine publishes only once it
+serves: waiting for its first event would keep an idle fleet unready, and so idle,
+for ever) and compiled kernels still loading (the plain path answers the same).
+
+Cost: O(engines + holders) and one snapshot of the subscriber's stream stats, cheap
+enough for the hot path to answer it as it answers ``/health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from kvevents.router.serve.service import RouterService
+from kvevents.subscribe.engine_watcher import DiscoveryState
+from kvevents.subscribe.stats import StreamStats, StreamStatus
+from kvevents.types import Holder
+
+__all__ = [
+    "MAX_REASONS",
+    "READINESS_PREFIX",
+    "READY_REPORT_WAIT_S",
+    "Readiness",
+    "print_readiness",
+    "readiness",
+    "report_readiness",
+]
+
+MAX_REASONS = 20
+"""Reasons listed at most; past them one more line counts the rest (see ``/workers``)."""
+
+READY_REPORT_WAIT_S = 3.0
+"""The longest :func:`report_readiness` waits for the router to turn ready before it
+prints what still holds it back (streams connect, and ranks register, just after start)."""
+
+
+READINESS_PREFIX = "kvevents router: "
+"""Starts the readiness line ``kvevents router`` prints after its ready line (never the
+ready line's own ``kvevents router ready ``, which scripts wait for)."""
+
+
+class Readiness(msgspec.Struct):
+    """``GET /ready``'s answer (200 when ``ok``, else 503) and ``/workers``' ``ready``."""
+
+    ok: bool
+    """At least one holder can be routed to (see the module docstring)."""
+    reasons: list[str]
+    """What keeps holders or engines from being routed to, one line each; empty when
+    every holder known is routable."""
+    routable: int
+    """Holders that can be routed to now."""
+    holders: int
+    """Holders known (every rank of every registered engine)."""
+
+
+def readiness(service: RouterService) -> Readiness:
+    """The router's readiness now (see the module docstring)."""
+    router = service.router
+    sub = service.subscriber
+    streams = None if sub is None else sub.stats()
+    discovery = {} if sub is None else sub.engines()
+    reasons: list[str] = []
+    troubled: set[str] = set()  # workers whose engine-level reason covers their ranks
+    for state in service.states.values():
+        spec = state.spec
+        found = discovery.get(spec.url)
+        if found is not None and found.state is DiscoveryState.UNREACHABLE:
+            reasons.append(f"engine {spec.url} is unreachable: {found.last_error or state.error}")
+        elif found is not None and found.state is DiscoveryState.INVALID:
+            reasons.append(f"engine {spec.url} has no usable KV-event stream: {found.last_error}")
+        elif state.error is not None:
+            reasons.append(f"engine {spec.url} is unavailable: {state.error}")
+        elif not state.registered:
+            reasons.append(f"engine {spec.url}: its ranks are not known yet (first poll pending)")
+        else:
+            continue
+        troubled.add(spec.worker)
+    holders = router.holders()
+    problems: dict[tuple[str, str], list[int]] = {}
+    routable = 0
+    for holder in holders:
+        problem = _problem(service, holder, streams)
+        if problem is None:
+            routable += 1
+        elif holder.worker not in troubled:
+            problems.setdefault((holder.worker, problem), []).append(holder.dp_rank)
+    for (worker, problem), ranks in problems.items():
+        reasons.append(f"engine {worker} {_ranks(ranks)}: {problem}")
+    if not holders and not reasons:
+        reasons.append(
+            "no engine rank is known yet"
+            + ("" if service.states else ": the router follows no engine (--engine URL)")
+        )
+    if len(reasons) > MAX_REASONS:
+        more = len(reasons) - MAX_REASONS
+        reasons = [*reasons[:MAX_REASONS], f"... and {more} more: see GET /workers"]
+    return Readiness(ok=routable > 0, reasons=reasons, routable=routable, holders=len(holders))
+
+
+def _problem(
+    service: RouterService, holder: Holder, streams: dict[Holder, StreamStats] | None
+) -> str | None:
+    """Why ``holder`` cannot be routed to now, or None."""
+    router = service.router
+    load = router.loads.get(holder)
+    if load is not None and not load.available:
+        return "unavailable: the engine reports the rank down"
+    if streams is not None:
+        stream = streams.get(holder)
+        if stream is None:
+            return "no event stream followed yet (discovery pending)"
+        if stream.status is not StreamStatus.CONNECTED:
+            why = stream.handshake_error or stream.error
+            return f"event stream {stream.status.value}" + (f": {why}" if why else "")
+    sizes = router.block_sizes
+    expected = sizes.expected(holder)
+    if expected is not None:
+        for said, source in (
+            (sizes.declared.get(holder), "is declared"),
+            (sizes.observed.get(holder), "stores blocks"),
+        ):
+            if said is not None and said != expected[0]:
+                return (
+                    f"block size mismatch: it {source} at {said} tokens but the router keys "
+                    f"at {expected[0]} ({expected[1]}); fix the router's or the engine's "
+                    "--block-size"
+                )
+    return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, or ``ranks 0-3, 6`` (runs of consecutive ranks joined)."""
+    ranks = sorted(ranks)
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+async def report_readiness(
+    service: RouterService,
+    say: Callable[[str], object],
+    *,
+    timeout: float = READY_REPORT_WAIT_S,
+    interval: float = 0.1,
+) -> Readiness:
+    """Wait (at most ``timeout`` s) for the router to turn ready, then ``say`` one line:
+    ``ready to route: N of M holders`` or ``not ready to route: REASON; REASON``
+    (``kvevents router`` prints it after its ready line: :func:`print_readiness`)."""
+    deadline = time.monotonic() + timeout
+    state = readiness(service)
+    while not state.ok and time.monotonic() < deadline:
+        await asyncio.sleep(interval)
+        state = readiness(service)
+    if state.ok:
+        line = f"ready to route: {state.routable} of {state.holders} holders"
+        if state.reasons:
+            line += " (" + "; ".join(state.reasons) + ")"
+    else:
+        line = "not ready to route (GET /ready answers 503): " + "; ".join(state.reasons)
+    say(line)
+    return state
+
+
+def print_readiness(line: str) -> None:
+    """Print a :func:`report_readiness` line on stdout, after :data:`READINESS_PREFIX`."""
+    print(READINESS_PREFIX + line, flush=True)

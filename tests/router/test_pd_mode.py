@@ -1,0 +1,76 @@
+"""What the router learns of its P/D engines from their /server_info, over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from pd_support import FakePD, Handoffs
+
+from kvevents.router.serve.pd_mode import DEFAULT_BOOTSTRAP_PORT, PDEngine, PDMode
+
+
+@pytest.fixture
+def prefill() -> Iterator[FakePD]:
+    fake = FakePD("prefill", Handoffs())
+    yield fake
+    fake.close()
+
+
+def test_the_bootstrap_port_is_the_configured_else_the_advertised_else_sglangs() -> None:
+    """A port given on the command line wins; else /server_info's; else 8998."""
+    given = PDEngine("http://p:1", "http://p:1", "prefill", 7000)
+    given.learn({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 7100})
+    assert given.port() == (7000, "configured")
+    told = PDEngine("http://p:1", "http://p:1", "prefill")
+    assert told.port() == (DEFAULT_BOOTSTRAP_PORT, "default")
+    told.learn({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 7100})
+    assert told.port() == (7100, "server_info")
+    told.learn({"disaggregation_bootstrap_port": True})  # not a port: the last one stays
+    assert told.port() == (7100, "server_info")
+
+
+def test_an_engine_in_the_wrong_role_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A --decode engine saying it is a prefill is logged, once while it says so."""
+    engine = PDEngine("http://d:1", "http://d:1", "decode")
+    with caplog.at_level(logging.WARNING, logger="kvevents.router"):
+        for _ in range(3):
+            engine.learn({"disaggregation_mode": "prefill"})
+    assert len(caplog.records) == 1
+    assert "given as a decode engine but says it runs disaggregation mode 'prefill'" in caplog.text
+    assert engine.summary()["advertised_mode"] == "prefill"
+
+
+def test_watch_reads_the_port_and_follows_a_restart_to_another(prefill: FakePD) -> None:
+    """The watch reads a prefill's advertised port, and reads it again later, so a
+    prefill back on another port is followed; a request reads it itself before that."""
+    decode = FakePD("decode", prefill.handoffs)
+    try:
+        engines = [
+            PDEngine(prefill.url, prefill.url, "prefill"),
+            PDEngine(decode.url, decode.url, "decode"),
+        ]
+        pd = PDMode(engines, "sglang", reread_s=0.1)
+
+        async def run() -> None:
+            stopping = asyncio.Event()
+            async with httpx.AsyncClient() as client:
+                assert await pd.bootstrap_port(prefill.url, client) == prefill.bootstrap_port
+                watching = asyncio.create_task(pd.watch(client, stopping))
+                prefill.bootstrap_port = 7321
+
+                async def followed() -> None:
+                    while engines[0].port()[0] != 7321:
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(followed(), 10)
+                stopping.set()
+                await asyncio.wait_for(watching, 5)
+            assert engines[1].advertised_mode == "decode"
+
+        asyncio.run(run())
+    finally:
+        decode.close()
