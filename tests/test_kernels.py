@@ -1,14 +1,17 @@
-"""The compiled kernels answer exactly as the plain path: keys, token ids, and errors.
+"""The native core answers exactly as the plain path: keys, token ids, loads and errors.
 
-:mod:`kvevents.kernels` is only ever an acceleration, so every test here compares the
-kernel with the plain Python it replaces, on random and on hand-picked inputs.
+:mod:`kvevents.kernels` is only ever an acceleration, so every test here compares a
+native part with the plain Python it replaces (:mod:`kvevents.kernels.spec`, the xxhash
+package, msgspec's whole decode), on random and on hand-picked inputs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import struct
 import subprocess
 import sys
 from array import array
@@ -20,18 +23,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents import kernels
+from kvevents.kernels import spec
 from kvevents.router.prompts.token_body import BadRequest, TokensBody, decode_tokens_body
 from kvevents.wire.hashing import content_keys, content_keys_per_block
+from native_support import native_core
 
 U32 = 2**32 - 1
 
 
 @pytest.fixture(scope="module")
 def compiled() -> kernels.Kernels:
-    loaded = kernels.load()
-    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
+    core = native_core()
     assert kernels.status() == "compiled"
-    return loaded
+    return core
 
 
 def _xxh3_chain(tokens: array[int], block_size: int, parent: int) -> list[int]:
@@ -57,10 +61,13 @@ def test_chain_keys_equal_xxh3_for_every_block_size_it_takes(
 
 
 def test_chain_keys_leave_what_they_do_not_take_to_the_loop(compiled: kernels.Kernels) -> None:
-    """Blocks past 60 tokens (XXH3's long inputs) and short requests are not theirs."""
+    """Blocks past 60 tokens (XXH3's long inputs) are not theirs; short requests are."""
     tokens = array("I", range(64 * 10))
     assert compiled.chain_keys(tokens, 64, 0) is None
-    assert compiled.chain_keys(array("I", range(16 * 7)), 16, 0) is None
+    short = compiled.chain_keys(array("I", range(16 * 2 + 3)), 16, 0)
+    assert short is not None and short.tolist() == _xxh3_chain(array("I", range(35)), 16, 0)
+    empty = compiled.chain_keys(array("I", range(15)), 16, 0)
+    assert empty is not None and len(empty) == 0
     # content_keys answers the same either way
     for size in (16, 64):
         assert content_keys(tokens, size) == content_keys_per_block(tokens, size)
@@ -100,10 +107,17 @@ def _outcome_without_kernels(raw: bytes) -> Outcome:
 
 
 def _same(raw: bytes) -> Outcome:
-    """The outcome with the kernels, asserted equal to the one without."""
+    """The outcome with the native core, asserted equal to the one without; and the
+    native parse asserted equal to its statement in Python (:mod:`kvevents.kernels.spec`)."""
+    core = kernels.loaded()
+    assert core is not None
+    parsed = core.parse_input_ids(raw)
+    assert (None if parsed is None else (parsed[0].tolist(), parsed[1])) == (
+        spec.parse_input_ids(raw)
+    ), raw
     with_kernels = _outcome(raw)
     without = _outcome_without_kernels(raw)
-    # the compiled path hands the ids apart: compare the rest of the body
+    # the native path hands the ids apart: compare the rest of the body
     if with_kernels[0] == without[0] == "decoded":
         assert with_kernels[1] == without[1], raw
         assert isinstance(with_kernels[2], TokensBody) and isinstance(without[2], TokensBody)
@@ -258,69 +272,164 @@ def test_a_body_that_fails_in_the_rest_is_worded_by_the_whole_decode(
         decode_tokens_body(b'{"input_ids": [1, 4294967296]}')
 
 
-def test_status_names_the_state() -> None:
-    assert kernels.status() in {"compiled", "loading"} or kernels.status().startswith("off: ")
-
-
-_LOAD_IN_A_THREAD = (
-    "import threading\n"
-    "kernels.will_load()\n"  # the router's way: will_load on the main thread, then a thread
-    "loader = threading.Thread(target=kernels.load)\n"
-    "loader.start()\n"
-    "loader.join()\n"
-    "assert kernels.loaded() is not None, kernels.status()\n"
-    # the joined thread can stay listed in /proc a moment while the OS ends it; an
-    # OpenBLAS thread never goes away, so waiting for the count to settle hides none
-    "import os, time\n"
-    "for _ in range(300):\n"
-    "    if len(os.listdir('/proc/self/task')) == 1 or not os.path.isdir('/proc/self/task'):\n"
-    "        break\n"
-    "    time.sleep(0.01)\n"
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.binary(max_size=40),
+    ids=st.lists(st.integers(0, 2**33), max_size=20),
+    spaces=st.lists(st.sampled_from(["", " ", "\n", "\t", "\r"]), min_size=6, max_size=6),
+    lead=st.sampled_from([b'"input_ids"', b'"prompt"', b'"model": "m", "prompt"', b""]),
 )
+def test_parse_of_any_bytes_is_its_python_statement(
+    compiled: kernels.Kernels, data: bytes, ids: list[int], spaces: list[str], lead: bytes
+) -> None:
+    """Random bytes, and arrays of ids (some past uint32) with whitespace anywhere and
+    random bytes around them, with any lead: the native parse reads exactly what
+    :func:`kvevents.kernels.spec.parse_input_ids` reads, and gives up where it does."""
+    a, b, c, d, e, f = (x.encode() for x in spaces)
+    array_text = b"[" + b + (c + b"," + d).join(str(i).encode() for i in ids) + e + b"]"
+    for raw in (
+        data,
+        b"{" + a + lead + b + b":" + c + array_text + d + b"}" + f,
+        b"{" + lead + b":" + array_text + data + b"}",
+        b"{" + lead + b":" + array_text[: len(data) % (len(array_text) + 1)] + b"}",
+    ):
+        got = compiled.parse_input_ids(raw, lead)
+        assert (None if got is None else (got[0].tolist(), got[1])) == spec.parse_input_ids(
+            raw, lead
+        ), raw
+
+
+def test_a_huge_body_is_parsed_whole_and_the_next_small_one_too(
+    compiled: kernels.Kernels,
+) -> None:
+    """A 4 MiB body of ids (past the parse buffer kept between calls) parses whole, and
+    the bodies before and after it parse as they would alone."""
+    small = b'{"input_ids": [1, 2, 3]}'
+    assert _fast(compiled, small) == ([1, 2, 3], len(small) - 1)
+    ids = [7] * 2_000_000
+    raw = b'{"input_ids": [' + b",".join(b"7" for _ in ids) + b"]}"
+    parsed = _fast(compiled, raw)
+    assert parsed is not None and parsed[0] == ids
+    assert _fast(compiled, small) == ([1, 2, 3], len(small) - 1)
 
 
 @pytest.mark.parametrize(
-    ("given_env", "in_thread", "expected"),
-    [(None, False, "1 1"), (None, True, "1 1"), ("2", False, "2 2")],
+    ("call", "error", "words"),
+    [
+        (lambda k: k.chain_keys(array("I", [1, 2]), 0, 0), ValueError, "block_size=0"),
+        (lambda k: k.chain_keys(array("I", [1, 2]), 4, -1), OverflowError, None),
+        (lambda k: k.chain_keys(array("Q", [1, 2]), 1, 0), TypeError, "4-byte items"),
+        (lambda k: k.chain_keys(b"\0" * 8, 1, 0), TypeError, "4-byte items"),
+        (lambda k: k.parse_input_ids("{}"), TypeError, None),
+        (lambda k: k.parse_input_ids(b"{}", 5), TypeError, None),
+        (
+            lambda k: k.best_unmatched(array("q", [1]), array("d", [0.0] * 6), 1.0, 1, 1, 1, 1, 1),
+            ValueError,
+            "not a row of the table",
+        ),
+        (
+            lambda k: k.best_unmatched(array("q", [-1]), array("d", [0.0] * 6), 1.0, 1, 1, 1, 1, 1),
+            ValueError,
+            "not a row of the table",
+        ),
+        (
+            lambda k: k.best_unmatched(array("q", [0]), array("d", [0.0] * 6), 1.0, 1, 1, 1, 1, -1),
+            ValueError,
+            "must not be negative",
+        ),
+        (
+            lambda k: k.best_unmatched(array("q", [0]), array("d", [0.0] * 6), "x", 1, 1, 1, 1, 1),
+            TypeError,
+            None,
+        ),
+    ],
 )
-def test_loading_keeps_numpy_to_one_blas_thread_unless_told_otherwise(
-    given_env: str | None, in_thread: bool, expected: str
+def test_bad_arguments_are_refused_with_an_error_naming_them(
+    compiled: kernels.Kernels, call: object, error: type[Exception], words: str | None
 ) -> None:
-    """A fresh process: loading the kernels imports NumPy, whose OpenBLAS would start a
-    thread per core; it starts none unless OPENBLAS_NUM_THREADS asks for them."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    if given_env is not None:
-        env["OPENBLAS_NUM_THREADS"] = given_env
-    load = (
-        _LOAD_IN_A_THREAD if in_thread else "assert kernels.load() is not None, kernels.status()\n"
-    )
+    """Every native call checks what it reads (sizes, types, ranges) and refuses the rest
+    with a Python error, never reading past a buffer."""
+    with pytest.raises(error, match=words):
+        call(compiled)  # type: ignore[operator]
+
+
+def _board(rows: list[tuple[float, ...]]) -> array[float]:
+    return array("d", [x for row in rows for x in row])
+
+
+floats = st.one_of(
+    st.sampled_from([0.0, -0.0, 1.0, 2.0, 0.5, math.inf, -math.inf, math.nan, 1e300, 5e-324]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(0, 20).map(float),
+)
+rows = st.tuples(st.sampled_from([0.0, 1.0, math.nan]), floats, floats, floats, floats, floats)
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    table=st.lists(rows, min_size=1, max_size=12),
+    picks=st.lists(st.integers(0, 11), max_size=24),
+    figures=st.tuples(floats, floats, floats, floats, floats),
+    count=st.integers(0, 30),
+)
+def test_the_load_scan_is_its_python_statement_on_any_numbers(
+    compiled: kernels.Kernels,
+    table: list[tuple[float, ...]],
+    picks: list[int],
+    figures: tuple[float, float, float, float, float],
+    count: int,
+) -> None:
+    """Any loads, NaN and infinities among them, any candidates (repeated too) and any
+    count: the native scan keeps the same positions, in the same order, and the same
+    least recent work (bit for bit) as :func:`kvevents.kernels.spec.best_unmatched`."""
+    slots = array("q", [p % len(table) for p in picks])
+    board = _board(table)
+    got = compiled.best_unmatched(slots, board, *figures, count)
+    expected = spec.best_unmatched(slots, board, *figures, count)
+    assert got[0] == expected[0]
+    assert _bits(got[1]) == _bits(expected[1])
+
+
+def test_the_core_is_one_import_and_no_numpy_or_numba() -> None:
+    """A fresh process routes a request natively from its first one: importing kvevents
+    loads the core, nothing is compiled, and neither NumPy nor numba is imported."""
     script = (
-        "import os\n"
-        "from kvevents import kernels\n"
-        + load
-        + "import numpy.linalg\n"  # OpenBLAS is loaded by now: its threads, if any, run
-        + "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+        "import sys\n"
+        "from array import array\n"
+        "from kvevents import Holder, Router, kernels\n"
+        "from kvevents.kernels import native\n"
+        "router = Router(block_size=4)\n"
+        "router.add_holder(Holder('http://e', 0))\n"
+        "router.route(array('I', range(64)), top=1)\n"
+        "print(kernels.status(), native.status(), kernels.calls()['choice'] == 1,\n"
+        "      'numpy' in sys.modules, 'numba' in sys.modules)\n"
     )
-    if not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2:
-        expected = expected.split()[0]  # the env alone: no /proc, or one core (no threads)
-        script = script.replace(", len(os.listdir('/proc/self/task'))", "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVEVENTS_")}
     done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == expected
+    assert done.stdout.split() == ["compiled", "loaded", "True", "False", "False"]
 
 
-def test_a_huge_body_is_parsed_without_the_thread_keeping_its_buffer(
-    compiled: kernels.Kernels,
-) -> None:
-    """A 4 MiB body of ids parses whole, but the thread's kept parse buffer stays the
-    size of the largest ordinary body (it grew to two bytes per body byte, for good)."""
-    ids = [7] * 2_000_000
-    raw = b'{"input_ids": [' + b",".join(b"7" for _ in ids) + b"]}"
-    small = _fast(compiled, b'{"input_ids": [1, 2, 3]}')
-    assert small is not None
-    kept = len(compiled._local.ids)
-    parsed = _fast(compiled, raw)
-    assert parsed is not None and parsed[0] == ids
-    assert len(compiled._local.ids) == kept <= kernels._KEPT_IDS
+def test_kvevents_kernels_0_turns_the_core_off_and_the_answers_stay() -> None:
+    """``KVEVENTS_KERNELS=0``: the core is off and says so, and the keys are the same."""
+    script = (
+        "from kvevents import kernels\n"
+        "from kvevents.kernels import native\n"
+        "from kvevents.wire.hashing import content_key_array\n"
+        "keys = content_key_array(list(range(40)), 4)\n"
+        "print(kernels.status(), '|', kernels.loaded(), '|', native.load(), '|', list(keys))\n"
+    )
+    env = {**os.environ, "KVEVENTS_KERNELS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    status, loaded, module, keys = done.stdout.strip().split(" | ")
+    assert (status, loaded, module) == ("off: KVEVENTS_KERNELS=0", "None", "None")
+    assert keys == str(content_keys_per_block(list(range(40)), 4))

@@ -1,12 +1,13 @@
-"""The compiled match over the mask mirror answers exactly as the dict match does.
+"""The native match over the mask mirror answers exactly as the dict match does.
 
-:mod:`kvevents.kernels.mask_mirror` copies the index's block masks into a flat table
-lazily, from the keys each writer lists. Every test here drives a real
-:class:`~kvevents.index.prefix_index.PrefixIndex` through random writes (stores,
+``MaskMirror`` (the native core's, :mod:`kvevents.kernels`) copies the index's block
+masks into a flat table lazily, from the keys each writer lists. Most tests here drive a
+real :class:`~kvevents.index.prefix_index.PrefixIndex` through random writes (stores,
 removals, holders cleared and removed, pruning past ``max_entries``, offloaded tiers,
-more than 64 holders, whose masks the wide mirror holds, a snapshot round trip) and
-after each one compares the compiled match of many requests with the plain one over
-the dict.
+more than 64 holders, whose masks take rows of several words, a snapshot round trip)
+and after each one compare the native match of many requests with the plain one over
+the dict; the rest drive a mirror alone against its statement in Python
+(:class:`~kvevents.kernels.spec.MirrorModel`), bad arguments included.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from hypothesis import strategies as st
 from kvevents import kernels
 from kvevents.index.prefix_index import PrefixIndex
 from kvevents.index.types import Tier
+from kvevents.kernels.spec import MirrorModel
 from kvevents.types import Holder
 from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.hashing import content_key_array
+from native_support import native_core
 
 BLOCK = 4
 HOLDERS = [Holder(f"http://e{i // 4}", i % 4) for i in range(8)]
@@ -33,20 +36,18 @@ WIDE = [Holder(f"http://w{i // 8}", i % 8) for i in range(150)]
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled() -> kernels.Kernels:
-    loaded = kernels.load()
-    assert loaded is not None, f"the kernels did not load: {kernels.status()}"
-    return loaded
+    return native_core()
 
 
 def _keys(tokens: list[int]) -> array[int]:
     keys = content_key_array(array("I", tokens), BLOCK)
-    assert isinstance(keys, array), "requests of 8 blocks or more are keyed by the kernel"
+    assert isinstance(keys, array), "requests are keyed by the native core"
     assert keys.typecode == "Q"
     return keys
 
 
 def _plain(index: PrefixIndex, keys: array[int]) -> object:
-    """The dict match of the same keys (a plain list is not read by the compiled match)."""
+    """The dict match of the same keys (a plain list is not read by the native match)."""
     return index.match_keys(keys.tolist())
 
 
@@ -59,13 +60,13 @@ def _check(index: PrefixIndex, requests: list[array[int]]) -> None:
     assert mirror.count == held, "the mirror holds the keys with a GPU bit, no more"
     for keys in requests:
         fast = index.match_keys(keys)
-        assert fast == _plain(index, keys), "the compiled match disagrees with the dict"
-        # the keys a request would predict on each holder: compiled, in C, and one by one
+        assert fast == _plain(index, keys), "the native match disagrees with the dict"
+        # the keys a request would predict on each holder: native, in C, and one by one
         slots = len(index._holders) + 1  # and one slot nobody holds
         edges = {0, 1, 62, 63, 64, 65, 127, 128, 129, slots - 2, slots - 1}
         for slot in range(slots) if slots <= 16 else sorted(s for s in edges if s < slots):
             one_by_one = [k for k in keys if not index._held_any(k, slot)]
-            assert index._not_held(keys, slot) == one_by_one, "compiled, for the predictions"
+            assert index._not_held(keys, slot) == one_by_one, "native, for the predictions"
             assert index._not_held(keys.tolist(), slot) == one_by_one, "from the dict"
 
 
@@ -93,7 +94,7 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     max_entries=st.sampled_from([60, 400, 100_000]),
     wide=st.booleans(),
 )
-def test_random_writes_keep_the_compiled_match_equal_to_the_dict(
+def test_random_writes_keep_the_native_match_equal_to_the_dict(
     seed: int, max_entries: int, wide: bool
 ) -> None:
     rng = random.Random(seed)
@@ -243,7 +244,7 @@ def test_a_crowded_table_keeps_its_probe_runs_through_cleared_bits(
         index.store_keys(holders[(i * 7 + 3) % len(holders)], keys[:4])
     _check(index, requests)
     mirror = index._mirror
-    assert mirror is not None and mirror.count > len(mirror._keys) / 8, "crowded enough"
+    assert mirror is not None and mirror.count > mirror.capacity / 8, "crowded enough"
     for i, keys in enumerate(requests):
         if i % 3:
             index.remove_keys(holders[i % len(holders)], keys[rng.randrange(10) :])
@@ -254,8 +255,8 @@ def test_a_crowded_table_keeps_its_probe_runs_through_cleared_bits(
 
 
 def test_sync_mirror_builds_it_before_any_match() -> None:
-    """What a router calls as its kernels load, so a warm-started index's first request
-    does not copy every block."""
+    """What a router calls once it serves, so a warm-started index's first request does
+    not copy every block."""
     index = _index()
     keys = _keys(list(range(BLOCK * 9)))
     index.store_keys(HOLDERS[1], keys)
@@ -265,46 +266,88 @@ def test_sync_mirror_builds_it_before_any_match() -> None:
     assert index.match_keys(keys).for_slot(1).gpu == 9
 
 
-@pytest.mark.parametrize("holders", [HOLDERS, WIDE], ids=["8 holders", "150 holders"])
-def test_the_kernels_compile_once_at_load_never_on_a_request(holders: list[Holder]) -> None:
-    """numba compiles a kernel again for each new argument type (a read-only array is
-    one): every mirror operation, an empty rebuild included, must use the types the
-    kernels were compiled for when they loaded, or a router would stall for seconds
-    on the request that met a new one."""
-    from kvevents.kernels import block_table
-
-    compiled = [getattr(block_table, name) for name in block_table.__all__ if name != "SEGMENTS"]
-    assert len(compiled) == 10
-    assert [len(kernel.signatures) for kernel in compiled] == [1] * 10, "compiled at load"
-    empty = _index(holders)
-    empty.sync_mirror()  # a rebuild from no blocks at all
-    keys = _keys(list(range(BLOCK * 12)))
-    _check(empty, [keys])
-    index = _index(holders)
-    for i, h in enumerate(holders):
-        index.store_keys(h, keys[: 1 + i % 12])
-    _check(index, [keys])
-    for n in range(200):  # the table grows
-        tokens = list(range(n * 50, n * 50 + BLOCK * 9))
-        index.store_keys(holders[n % len(holders)], _keys(tokens))
-    _check(PrefixIndex.from_bytes(index.to_bytes()), [keys])
-    for h in holders[::7]:  # bits cleared and keys dropped, through the sync
-        index.remove_keys(h, keys[:5])
-    index.clear_holder(holders[1])
-    _check(index, [keys])
-    assert [len(kernel.signatures) for kernel in compiled] == [1] * 10
-
-
-def test_wide_rows_keep_the_gpu_tier_of_masks_with_offloaded_bits(
-    compiled: kernels.Kernels,
+@settings(max_examples=200, deadline=None)
+@given(
+    words=st.integers(1, 3),
+    writes=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(-192, 192)), min_size=1, max_size=300
+    ),
+    cuts=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+)
+def test_a_mirror_alone_is_its_python_statement(
+    compiled: kernels.Kernels, words: int, writes: list[tuple[int, int]], cuts: list[int]
 ) -> None:
-    """A listed mask may carry offloaded tiers past the GPU tier's words: the rows hold
-    its GPU tier alone, as they do for masks that fit."""
-    mirror = compiled.mirror(3)
+    """Random writes (bits set and cleared past each word's edge, keys dropped, synced in
+    batches that grow the table), then rebuilds: the mirror holds, matches and lists
+    exactly what :class:`~kvevents.kernels.spec.MirrorModel` does."""
+    mirror, model = compiled.MaskMirror(words), MirrorModel(words)
+    limit = 64 * words
+    keys_of = [(k * 0x9E3779B97F4A7C15 + k) % 2**64 for k in range(41)]  # some share a home
+    at = 0
+    for cut in cuts:
+        batch = writes[at : at + cut]
+        at += cut
+        keys = [keys_of[k] for k, _ in batch]
+        ops = array("q", [max(-limit, min(limit, op)) for _, op in batch])
+        mirror.sync(keys, ops)
+        model.sync(keys, ops)
+        assert sorted(mirror.items()) == sorted(model.masks.items())
+        assert mirror.count == len(model.masks)
+        request = array("Q", keys_of[: 1 + cut % 41])
+        live = (1 << limit) - 1 if cut % 3 else (1 << limit) - 1 - (1 << (cut % limit))
+        assert mirror.match(request, live) == model.match(request, live)
+        for slot in (0, 63, limit - 1, cut % limit):
+            assert mirror.not_held(request, slot) == model.not_held(request, slot)
+    blocks = {k: v | (5 << (64 * words)) for k, v in model.masks.items()}  # offloaded bits
+    mirror.rebuild(blocks)
+    model.rebuild(blocks)
+    assert sorted(mirror.items()) == sorted(model.masks.items())
+    assert mirror.rebuilds == 1
+
+
+def test_rows_keep_the_gpu_tier_of_masks_with_offloaded_bits(compiled: kernels.Kernels) -> None:
+    """A rebuilt mask may carry offloaded tiers past the GPU tier's words: the rows hold
+    its GPU tier alone, and a mask with nothing on the GPU is no key at all."""
+    mirror = compiled.MaskMirror(3)
     gpu = [1, (1 << 191) | 5, (1 << 130) | (1 << 64)]
-    offloaded = [gpu[0] | (1 << 192), gpu[1], gpu[2] | (7 << 300)]  # CPU/disk bits above
-    for masks in (gpu, offloaded):
-        rows = mirror._table_values(masks)
-        assert rows.shape == (3, 3) and not rows.flags.writeable
-        back = [int.from_bytes(row.tobytes(), "little") for row in rows]
-        assert back == gpu
+    offloaded = {1: gpu[0] | (1 << 192), 2: gpu[1], 3: gpu[2] | (7 << 300), 4: 1 << 200}
+    mirror.rebuild(offloaded)
+    assert sorted(mirror.items()) == [(1, gpu[0]), (2, gpu[1]), (3, gpu[2])]
+    assert mirror.count == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda m: m.sync([1], array("q", [65])), ValueError, "names no slot of 64"),
+        (lambda m: m.sync([1], array("q", [-(2**63)])), ValueError, "names no slot"),
+        (lambda m: m.sync([1, 2], array("q", [1])), ValueError, "2 keys but 1 ops"),
+        (lambda m: m.sync([-1], array("q", [1])), OverflowError, None),
+        (lambda m: m.sync([2**64], array("q", [1])), OverflowError, None),
+        (lambda m: m.sync(["a"], array("q", [1])), TypeError, None),
+        (lambda m: m.sync([1], array("i", [1])), TypeError, "8-byte items"),
+        (lambda m: m.sync(5, array("q", [1])), TypeError, "sequence of ints"),
+        (lambda m: m.rebuild([(1, 2)]), TypeError, "a dict of masks"),
+        (lambda m: m.rebuild({1: -2}), ValueError, "must not be negative"),
+        (lambda m: m.rebuild({1: "x"}), TypeError, "must be an int"),
+        (lambda m: m.rebuild({-1: 1}), OverflowError, None),
+        (lambda m: m.match(array("Q", [1]), 2**64), OverflowError, None),
+        (lambda m: m.match(array("Q", [1]), -1), OverflowError, None),
+        (lambda m: m.match(array("I", [1]), 1), TypeError, "8-byte items"),
+        (lambda m: m.match(memoryview(bytes(17))[1:].cast("Q"), 1), TypeError, "aligned"),
+        (lambda m: m.not_held(array("Q", [1]), 64), ValueError, "slot 64 is not one of 0..63"),
+        (lambda m: m.not_held(array("Q", [1]), -1), ValueError, "slot -1"),
+        (lambda m: type(m)(0), ValueError, "give 1 to"),
+        (lambda m: type(m)(10**6), ValueError, "give 1 to"),
+    ],
+)
+def test_a_mirror_refuses_bad_arguments_and_stays_as_it_was(
+    compiled: kernels.Kernels, call: object, error: type[Exception], words: str | None
+) -> None:
+    """Each bad argument is refused with a Python error naming it, and the mirror is left
+    as it was: no key written, none dropped."""
+    mirror = compiled.MaskMirror(1)
+    mirror.sync([7, 8], array("q", [1, 3]))
+    with pytest.raises(error, match=words):
+        call(mirror)  # type: ignore[operator]
+    assert sorted(mirror.items()) == [(7, 1), (8, 4)]

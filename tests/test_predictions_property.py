@@ -9,11 +9,14 @@ count, every stat, the confirmations' ages and what the operation returned.
 from __future__ import annotations
 
 from collections import deque
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvevents.index import predictions as predictions_module
 from kvevents.index.predictions import Predictions, PredictionStats
+from native_support import native_core
 
 TTL = 2.0
 
@@ -152,3 +155,41 @@ def test_predictions_agree_with_the_plain_model(ops: list[tuple]) -> None:
         assert real.count == len(model.until)
         assert real.stats == model.stats
         assert (real.confirm_age_sum_s, real.confirm_age_max_s) == (model.age_sum, model.age_max)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_op, min_size=4, max_size=60), st.sampled_from([2, 5, 1 << 16]))
+def test_the_listed_changes_keep_a_native_mirror_equal_to_the_masks(
+    ops: list[tuple], limit: int
+) -> None:
+    """The changes the predictions list, synced after every operation into the native
+    core's mirror (rebuilt from the masks when more went unread than are listed), keep
+    it equal to their masks."""
+    mirror = native_core().MaskMirror(1)
+    clock = [100.0]
+    real = Predictions(ttl_s=TTL, clock=lambda: clock[0])
+    made: list[tuple[int, list[int], float]] = []
+    with mock.patch.object(predictions_module, "_CHANGED_LIMIT", limit):
+        for op in ops:
+            kind = op[0]
+            if kind == "add":
+                added = real.add(*op[1:])
+                made.append((op[1], *added))
+            elif kind == "confirm":
+                real.confirm(op[1], op[2])
+            elif kind == "withdraw" and made:
+                real.withdraw(*made[op[1] % len(made)])
+            elif kind == "expire":
+                clock[0] += op[1]
+                real.expire()
+            elif kind == "shrink":
+                real.shrink(op[1])
+            elif kind == "clear":
+                real.clear_slot(op[1])
+            changes = real.take_changes()
+            if changes is None:
+                mirror.rebuild(real.masks)
+            elif changes[0]:
+                mirror.sync(*changes)
+            assert sorted(mirror.items()) == sorted(real.masks.items())
+            assert mirror.count == len(real.masks)

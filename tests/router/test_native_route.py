@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(module is None, reason=f"the extension is off: {
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels() -> None:
-    assert kernels.load() is not None, kernels.status()  # the native call reads their mirror
+    assert kernels.load() is not None, kernels.status()  # the native call reads its mirror
 
 
 def test_keys_are_xxh3_chained_for_every_block_size() -> None:
@@ -589,4 +589,4 @@ def test_an_extension_built_from_other_source_is_not_used(monkeypatch: pytest.Mo
     assert native.load() is None
     assert native.status().startswith("off: the built extension is of another version")
     monkeypatch.undo()
-    assert native.load() is module and native.status() == "built"
+    assert native.load() is module and native.status() == "loaded"

@@ -34,8 +34,7 @@ def engine() -> Iterator[Engine]:
 def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
     proc = RouterProc([engine.url], "--max-body-bytes", "200000", "--http-server", request.param)
     wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
-    # every request below takes the compiled path (kvevents.kernels), once it is loaded
-    wait_until(lambda: _kernels(proc) != "loading", 60, "the router's kernels loaded")
+    # every request below takes the native path (kvevents.kernels), from the first
     assert _kernels(proc) == "compiled"
     yield proc
     proc.stop()
@@ -116,6 +115,23 @@ def test_bad_bodies_answer_4xx_and_the_connection_stays_usable(
             assert good.status_code == 200, good.text
 
 
+def test_a_fresh_router_answers_natively_from_its_first_request(engine: Engine) -> None:
+    """Nothing is compiled or loaded at run time: the first /route a new router answers
+    is parsed, keyed and matched by the native core, and /workers counts those calls."""
+    fresh = RouterProc([engine.url])
+    try:
+        wait_until(lambda: fresh.connected() == 4, 20, "all four streams connected")
+        before = fresh.http.get("/workers").json()["process"]
+        assert before["kernels"] == "compiled"
+        assert before["native"]["status"] == "loaded" and before["native"]["built"]
+        assert before["native"]["calls"]["parse"] == 0
+        assert fresh.post("/route", {"input_ids": list(range(64))}).status_code == 200
+        calls = fresh.http.get("/workers").json()["process"]["native"]["calls"]
+        assert calls["parse"] == 1 and calls["keys"] + calls["choice"] >= 1, calls
+    finally:
+        fresh.stop()
+
+
 def test_a_router_without_kernels_answers_alike(engine: Engine, router: RouterProc) -> None:
     """KVEVENTS_KERNELS=0 turns the compiled path off (and /workers and /metrics say
     so); the answers are the same, bodies on and off the compiled path alike."""
@@ -175,7 +191,7 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
     try:
         for proc in (fast, slow):
             wait_until(lambda p=proc: p.connected() == 4, 20, "all four streams connected")
-            wait_until(lambda p=proc: _kernels(p) == "compiled", 60, "the router's kernels loaded")
+            assert _kernels(proc) == "compiled"
         base = 2_000_000 + 1_000 * httpx.URL(fast.url).port
         prompt = list(range(base, base + 40))
         _stored(fast, engine, prompt, rank=3)
@@ -198,7 +214,9 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
         spaced = b' {"input_ids" : [' + b" , ".join(b"%d" % t for t in prompt) + b"] }\n"
         wait_until(lambda: alike(prompt, spaced), 10, "the same answers for a spaced body")
         native = fast.http.get("/workers").json()["process"]["native"]
-        assert native["status"] == "built" and native["answered"] >= len(asked) + 1, native
+        assert native["status"] == "loaded" and native["built"] and native["loaded"], native
+        assert native["answered"] >= len(asked) + 1, native
+        assert native["calls"]["route"] >= len(asked) + 1, native
         # /query: the native answer, then the Python one (for a body with another member)
         for ids in asked:
             answered = fast.http.get("/workers").json()["process"]["native"]["answered"]
@@ -220,12 +238,18 @@ def test_plain_routes_and_queries_are_answered_natively_and_alike(engine: Engine
         assert native["chosen"] >= 2, native  # the first may find the loads' ranking kept
         for ids in asked:
             assert slow.post("/route", {"input_ids": ids}).status_code == 200
-        assert slow.http.get("/workers").json()["process"]["native"] == {
+        off = slow.http.get("/workers").json()["process"]["native"]
+        calls = off.pop("calls")
+        assert off == {
             "status": "off: KVEVENTS_NATIVE=0",
+            "built": True,
+            "loaded": False,
             "answered": 0,
             "chosen": 0,
             "failures": 0,
         }
+        assert calls["route"] == calls["query"] == calls["choice"] == 0, calls
+        assert calls["parse"] > 0 and calls["match"] > 0, "the parts stay on"
         assert fast.http.get("/workers").json()["process"]["native"]["failures"] == 0
     finally:
         fast.stop()

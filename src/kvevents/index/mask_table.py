@@ -74,14 +74,14 @@ from kvevents.index.types import IndexStats, PrefixMatch, Tier, iter_bits
 from kvevents.types import Hash, Holder
 
 if TYPE_CHECKING:
-    from kvevents.kernels.mask_mirror import MaskMirror, WideMaskMirror
+    from kvevents.kernels import MaskMirror
 
 __all__ = ["MaskTable"]
 
 
 def compiled_keys(keys: Sequence[int]) -> array[int] | None:
-    """``keys`` when the compiled match can read them in place (an ``array("Q")``, as
-    the kernel keys a request), else None."""
+    """``keys`` when the native match can read them in place (an ``array("Q")``, as
+    the native core keys a request), else None."""
     return keys if type(keys) is array and keys.typecode == "Q" else None
 
 
@@ -121,16 +121,16 @@ class MaskTable:
         self._hybrid = 0
         """Slots with side KV-cache groups (:mod:`kvevents.index.groups`); 0 for models
         with full attention only, so their match pays one test per request."""
-        self._mirror: MaskMirror | WideMaskMirror | None = None
-        """The compiled match's flat copy of ``_blocks`` (:mod:`kvevents.kernels.mask_mirror`),
-        made on the first match after the kernels load."""
+        self._mirror: MaskMirror | None = None
+        """The native match's flat copy of ``_blocks`` (``MaskMirror``, :mod:`kvevents.kernels`),
+        made on the first match."""
         self._changed: list[int] | None = []
         """Keys written since the mirror last synced, in order; None when not listed (the
         mirror then rebuilds from the dict)."""
         self._changed_ops: array[int] = array("q")
         """What happened to each of ``_changed``, for the mirror's sync
-        (:meth:`MaskMirror.sync <kvevents.kernels.mask_mirror.MaskMirror.sync>`): ``slot
-        + 1`` where a holder's GPU bit was set, ``-(slot + 1)`` cleared, 0 dropped."""
+        (``MaskMirror.sync``): ``slot + 1`` where a holder's GPU bit was set, ``-(slot +
+        1)`` cleared, 0 dropped."""
         self._mirror_off = False
         self._predicted_mirror: MaskMirror | None = None
         """The predictions' masks in a flat table, for the native choice
@@ -309,14 +309,14 @@ class MaskTable:
 
     def _not_held(self, keys: Sequence[int], slot: int) -> list[int]:
         """The ``keys`` that ``slot`` holds in no tier, in order: :meth:`_held_any` for each
-        key, but in one compiled call over the mirror (or iterated in C) when nothing is
+        key, but in one native call over the mirror (or iterated in C) when nothing is
         offloaded. A relayed request predicts its blocks through this, 128 of them at
         2,048 tokens: a Python call per key was about 50 us of it."""
         if self._offloaded:
             return [k for k in keys if not self._held_any(k, slot)]
         words = compiled_keys(keys)
         mirror = None if words is None or slot >= self._width else self._synced_mirror()
-        if mirror is not None and words is not None:  # (the kernels read a bit of the row)
+        if mirror is not None and words is not None:  # (the mirror reads a bit of the row)
             return mirror.not_held(words, slot)
         held = map(and_, map(self._blocks.get, keys, repeat(0)), repeat(1 << slot))
         return list(compress(keys, map(not_, held)))
@@ -389,7 +389,7 @@ class MaskTable:
         """The mirrors the native calls read (:mod:`kvevents.kernels.native`), synced: the
         blocks' GPU masks and the predictions' (None when there are none); None when this
         index's matches are not plain: offloaded tiers, side groups (hybrid models),
-        more than 64 slots, or the kernels off. ``keyed``: the request has a full block,
+        more than 64 slots, or the native core off. ``keyed``: the request has a full block,
         so predictions past their deadline are expired first, as
         :meth:`~kvevents.index.prefix_index.PrefixIndex.predicted` does for it. A match
         made from them is reported with :meth:`note_plain_match`."""
@@ -408,13 +408,13 @@ class MaskTable:
 
     def _synced_predictions(self) -> MaskMirror | None:
         """The predictions' masks in a flat mirror, brought up to date with their listed
-        changes (rebuilt when those were not all listed); None when the kernels are off."""
+        changes (rebuilt when those were not all listed); None when the core is off."""
         mirror = self._predicted_mirror
         if mirror is None:
             compiled = kernels.loaded()
             if compiled is None:
                 return None
-            mirror = self._predicted_mirror = compiled.mirror(1)
+            mirror = self._predicted_mirror = compiled.MaskMirror(1)
             self.predictions.unlist_changes()  # a new mirror is built from the dict
         changes = self.predictions.take_changes()
         try:
@@ -422,7 +422,8 @@ class MaskTable:
                 mirror.rebuild(self._predicted)
             elif changes[0]:
                 mirror.sync(*changes)
-        except OverflowError:  # a key past uint64 (a caller's own keys): rebuilt next time
+        except (OverflowError, ValueError):  # a key past uint64 (a caller's own keys), or a
+            # slot past 63 (predictions of a wider index): not mirrored, rebuilt next time
             self._predicted_mirror = None
             return None
         return mirror
@@ -436,19 +437,23 @@ class MaskTable:
             self._touch_log.append((keys, longest))
 
     def sync_mirror(self) -> None:
-        """Build or update the compiled match's mirror now (once the kernels are loaded),
-        instead of on the next match: a router does as its kernels load."""
+        """Build or update the native match's mirror now, instead of on the next match: a
+        router does once it serves (a warm-started index's first request copies nothing)."""
         self._synced_mirror()
 
-    def _synced_mirror(self) -> MaskMirror | WideMaskMirror | None:
-        """The mirror brought up to date with ``_blocks``; None while the kernels are off.
+    def _synced_mirror(self) -> MaskMirror | None:
+        """The mirror brought up to date with ``_blocks``; None while the core is off.
         A mirror is as wide as the slots (:meth:`_set_width` makes the next one wider)."""
         mirror = self._mirror
         if mirror is None or mirror.words != self._width >> 6:
             compiled = kernels.loaded()
             if compiled is None or self._mirror_off:
                 return None
-            mirror = self._mirror = compiled.mirror(self._width >> 6)
+            try:
+                mirror = self._mirror = compiled.MaskMirror(self._width >> 6)
+            except ValueError:  # past the mirror's 65,536 holder slots: the dict answers
+                self._mirror_off = True
+                return None
             self._unlist_changes()
         changed = self._changed
         if changed is not None and not changed:
@@ -458,7 +463,8 @@ class MaskTable:
                 mirror.rebuild(self._blocks)
             else:
                 mirror.sync(changed, self._changed_ops)
-        except OverflowError:  # a key past uint64: only from a caller's own store_keys
+        except (OverflowError, ValueError):  # a key past uint64 (a caller's own store_keys),
+            # or a slot past the mirror's: the dict answers
             self._mirror, self._mirror_off = None, True
             return None
         if changed is None:

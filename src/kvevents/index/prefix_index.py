@@ -86,8 +86,8 @@ from kvevents.wire.hashing import ROOT_KEY, content_key_array, content_keys
 __all__ = ["DEFAULT_MAX_ENTRIES", "PrefixIndex", "namespace_key"]
 
 _SYNC_AFTER = 256
-"""A batch that changed this many blocks brings the compiled match's mirror up to date
-at once (:mod:`kvevents.kernels.mask_mirror`), so the next match does not pay for it."""
+"""A batch that changed this many blocks brings the native match's mirror up to date
+at once (``MaskMirror``, :mod:`kvevents.kernels`), so the next match does not pay for it."""
 
 DEFAULT_MAX_ENTRIES = 16_000_000
 """Default memory bound: (block, holder, tier) entries (about 1.3 GB at the measured size)."""
@@ -643,7 +643,7 @@ class PrefixIndex(GroupedMaskTable):
         extra_keys: Sequence[Any] | None = None,
     ) -> Sequence[int]:
         """Content keys of a request's full blocks, as :meth:`match_keys` reads them best:
-        an ``array("Q")`` when the compiled kernel keys them, else a list
+        an ``array("Q")`` when the native core keys them, else a list
         (:func:`~kvevents.wire.hashing.content_key_array`).
 
         ``extra_keys``: per block, nil or a list of the keys an engine adds to the block's
@@ -897,7 +897,7 @@ class PrefixIndex(GroupedMaskTable):
         width = table._width
         blocks, masks, counts = columns.unpack(width)
         table._blocks = blocks
-        table._unlist_changes()  # not listed key by key: the compiled match's mirror rebuilds
+        table._unlist_changes()  # not listed key by key: the native match's mirror rebuilds
         held = table._held
         entries = offloaded = 0
         for number, n in counts.items():

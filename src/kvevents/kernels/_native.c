@@ -1,22 +1,29 @@
-/* The router's native calls (see kvevents/kernels/native.py).
+/* kvevents' native core: everything the router does per request that is worth a C loop.
  *
- * route_answer() keys a request's blocks (XXH3-64 chained, as content_keys does),
- * matches them against the index's flat mirror of GPU masks (kernels/block_table.py's
- * table: open addressing, linear probing) and, when the router holds predictions,
- * against the same mirror of the predictions' masks (a block counts where either holds
- * it), scores every candidate as the router's Ranking does (a stable-loads plan
- * prepared in Python: kvevents/router/decide/native_route.py) and writes the answer's JSON,
- * byte for byte what msgspec writes for the Python path. Anything it cannot answer
- * exactly (a float msgspec would print in exponent form, no available holder) answers
- * None, and the caller takes the Python path. query_answer() keys and matches alike and
- * writes the /query answer: every candidate's match. board_choice() keys and matches
- * alike and picks the best candidates of a request whose loads just changed (a relayed
- * or recorded one), every load read from the load board's table as board_top_scores
- * reads it.
+ * One module, in parts (each header is included once, here, and holds one concern):
  *
- * XXH3 is written from the xxHash specification (its published primes and default
- * secret), for inputs of 4 to 240 bytes: blocks of 1 to 60 four-byte tokens. The host
- * must be little-endian (the Python side checks): tokens are hashed as their bytes.
+ *   args.h         reading buffer arguments, and the calls answered, per kind
+ *   xxh3.h         XXH3-64 of short inputs, and the chain of a request's block keys
+ *   token_json.h   a body's leading token-id array read straight into uint32
+ *   block_table.h  the flat hash table of block masks, and a match over it
+ *   mask_mirror.h  MaskMirror, that table as a Python object the index keeps in sync
+ *   load_scan.h    the best holders by load, over the load board's table
+ *   json_out.h     numbers written as msgspec writes them
+ *
+ * and, in this file, the calls that answer a plain request whole: route_answer() keys a
+ * request's blocks, matches them against the index's mirror (and the predictions'), scores
+ * every candidate as the router's Ranking does (a plan prepared in Python:
+ * kvevents/router/decide/native_route.py) and writes the /route answer's JSON, byte for byte
+ * what msgspec writes for the Python path; query_answer() writes /query's; board_choice()
+ * picks the best candidates of a request whose loads just changed, every load read from
+ * the load board's table. Anything they cannot answer exactly answers None, and the
+ * caller takes the Python path.
+ *
+ * Every call is only ever an acceleration: the Python path is the reference
+ * (kvevents/kernels/spec.py, and the router's own code), tests compare the two, and
+ * scripts/fuzz-native fuzzes every entry point under AddressSanitizer and UBSan. Every
+ * call holds the GIL throughout and reads its arguments' buffers in place. The host must
+ * be little-endian (kvevents/kernels/native.py checks): tokens are hashed as their bytes.
  *
  * Compiled with -ffp-contract=off: every float operation rounds as Python's does.
  */
@@ -26,219 +33,35 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ---- XXH3-64, short inputs ------------------------------------------------------ */
+#define ABI 4 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
 
-static const uint8_t SECRET[192] = {
-    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c,
-    0xf7, 0x21, 0xad, 0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb,
-    0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e,
-    0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
-    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
-    0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
-    0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97,
-    0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
-    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7,
-    0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31,
-    0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83,
-    0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
-    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26,
-    0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc,
-    0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
-    0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
-};
+#include "args.h"
+#include "xxh3.h"
+#include "token_json.h"
+#include "block_table.h"
+#include "mask_mirror.h"
+#include "load_scan.h"
+#include "json_out.h"
 
-#define P64_1 0x9E3779B185EBCA87ULL
-#define MIX_1 0x165667919E3779F9ULL
-#define MIX_2 0x9FB21C651E98DF25ULL
-#define MAX_BLOCK_TOKENS 60
-#define ABI 3 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
+static PyObject *ARRAY;             /* array.array */
+static PyObject *UINT32, *UINT64;   /* its typecodes "I" and "Q" */
+static PyObject *FROMBYTES;         /* "frombytes" */
+static PyObject *INPUT_IDS;         /* the key a /route body's ids go by, quotes included */
 
-static inline uint64_t read64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
-static inline uint32_t read32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t mul_fold(uint64_t a, uint64_t b) {
-    __uint128_t product = (__uint128_t)a * b;
-    return (uint64_t)product ^ (uint64_t)(product >> 64);
-}
-
-static inline uint64_t avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= MIX_1;
-    return h ^ (h >> 32);
-}
-
-static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed) {
-    return mul_fold(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
-}
-
-/* XXH3-64 of len bytes (4 <= len <= 240) with seed. */
-static uint64_t xxh3_short(const uint8_t *in, size_t len, uint64_t seed) {
-    if (len <= 8) {
-        seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32;
-        uint64_t bitflip = (read64(SECRET + 8) ^ read64(SECRET + 16)) - seed;
-        uint64_t word = (uint64_t)read32(in + len - 4) + ((uint64_t)read32(in) << 32);
-        uint64_t h = word ^ bitflip;
-        h ^= rotl64(h, 49) ^ rotl64(h, 24);
-        h *= MIX_2;
-        h ^= (h >> 35) + len;
-        h *= MIX_2;
-        return h ^ (h >> 28);
+/* A new array.array of ``typecode`` holding the ``nbytes`` bytes at ``data``. */
+static PyObject *array_from(PyObject *typecode, const void *data, Py_ssize_t nbytes) {
+    PyObject *array = PyObject_CallOneArg(ARRAY, typecode);
+    if (array == NULL || nbytes == 0) return array;
+    PyObject *view = PyMemoryView_FromMemory((char *)data, nbytes, PyBUF_READ);
+    PyObject *done = view == NULL ? NULL : PyObject_CallMethodOneArg(array, FROMBYTES, view);
+    Py_XDECREF(view);
+    if (done == NULL) {
+        Py_DECREF(array);
+        return NULL;
     }
-    if (len <= 16) {
-        uint64_t lo = read64(in) ^ ((read64(SECRET + 24) ^ read64(SECRET + 32)) + seed);
-        uint64_t hi = read64(in + len - 8) ^ ((read64(SECRET + 40) ^ read64(SECRET + 48)) - seed);
-        return avalanche(len + __builtin_bswap64(lo) + hi + mul_fold(lo, hi));
-    }
-    uint64_t acc = len * P64_1;
-    if (len <= 128) {
-        if (len > 32) {
-            if (len > 64) {
-                if (len > 96) {
-                    acc += mix16(in + 48, SECRET + 96, seed);
-                    acc += mix16(in + len - 64, SECRET + 112, seed);
-                }
-                acc += mix16(in + 32, SECRET + 64, seed);
-                acc += mix16(in + len - 48, SECRET + 80, seed);
-            }
-            acc += mix16(in + 16, SECRET + 32, seed);
-            acc += mix16(in + len - 32, SECRET + 48, seed);
-        }
-        acc += mix16(in, SECRET, seed);
-        acc += mix16(in + len - 16, SECRET + 16, seed);
-        return avalanche(acc);
-    }
-    for (size_t i = 0; i < 8; i++) acc += mix16(in + 16 * i, SECRET + 16 * i, seed);
-    uint64_t acc_end = mix16(in + len - 16, SECRET + 136 - 17, seed);
-    acc = avalanche(acc);
-    for (size_t i = 8; i < len / 16; i++) acc_end += mix16(in + 16 * i, SECRET + 16 * (i - 8) + 3, seed);
-    return avalanche(acc + acc_end);
+    Py_DECREF(done);
+    return array;
 }
-
-static void chain(const uint8_t *tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
-                  uint64_t parent, uint64_t *out) {
-    size_t step = 4 * (size_t)block_size;
-    uint64_t key = parent;
-    for (Py_ssize_t b = 0; b < n_blocks; b++) {
-        key = xxh3_short(tokens + step * b, step, key);
-        out[b] = key;
-    }
-}
-
-/* ---- the mirror's table (block_table.py) ------------------------------------------ */
-
-#define TABLE_MIX 0x9E3779B97F4A7C15ULL
-#define SEGMENTS 65
-
-/* The value the table holds for ``key`` (0: none). */
-static inline uint64_t lookup(const uint64_t *table_keys, const uint64_t *table_values, uint64_t mask,
-                              uint64_t key) {
-    uint64_t h = key * TABLE_MIX;
-    uint64_t i = (h ^ (h >> 32)) & mask;
-    for (;;) {
-        uint64_t v = table_values[i];
-        if (v == 0) return 0;
-        if (table_keys[i] == key) return v;
-        i = (i + 1) & mask;
-    }
-}
-
-/* Segments of a match: the slots whose prefix ends at each length; answers the longest.
- * With a second table (``more_keys`` not NULL), a block counts where either holds it. */
-static Py_ssize_t match(const uint64_t *keys, Py_ssize_t n, const uint64_t *table_keys,
-                        const uint64_t *table_values, uint64_t mask, const uint64_t *more_keys,
-                        const uint64_t *more_values, uint64_t more_mask, uint64_t live,
-                        uint64_t *dropped, Py_ssize_t *lengths, int *found) {
-    uint64_t held = live;
-    *found = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t value = lookup(table_keys, table_values, mask, keys[j]);
-        if (more_keys != NULL) value |= lookup(more_keys, more_values, more_mask, keys[j]);
-        uint64_t still = held & value;
-        if (still != held) {
-            if (j > 0) {
-                dropped[*found] = held ^ still;
-                lengths[*found] = j;
-                (*found)++;
-            }
-            held = still;
-            if (held == 0) return j;
-        }
-    }
-    if (n > 0 && held != 0) {
-        dropped[*found] = held;
-        lengths[*found] = n;
-        (*found)++;
-        return n;
-    }
-    return 0;
-}
-
-/* ---- JSON ------------------------------------------------------------------------ */
-
-typedef struct {
-    char *p;
-    Py_ssize_t n;
-} Out;
-
-static inline void put(Out *o, const char *s, Py_ssize_t n) {
-    memcpy(o->p + o->n, s, n);
-    o->n += n;
-}
-
-#define PUT_LITERAL(o, s) put((o), (s), (Py_ssize_t)sizeof(s) - 1)
-
-static inline void put_bytes(Out *o, PyObject *b) { put(o, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b)); }
-
-static void put_int(Out *o, long long v) {
-    char digits[24];
-    int k = 0;
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    do {
-        digits[k++] = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
-    if (v < 0) o->p[o->n++] = '-';
-    while (k) o->p[o->n++] = digits[--k];
-}
-
-/* A float as msgspec writes it: Python's repr for 0 and for 1e-4 <= |x| < 1e16 (where
- * the two agree; tests/router/test_native_route.py checks); 0 for any other value (the caller
- * then answers None). At most 25 bytes. */
-static int put_float(Out *o, double x) {
-    double a = fabs(x);
-    if (x == 0.0) {
-        if (signbit(x)) PUT_LITERAL(o, "-0.0");
-        else PUT_LITERAL(o, "0.0");
-        return 1;
-    }
-    if (!(a >= 1e-4 && a < 1e16)) return 0; /* NaN fails too */
-    if (a < 9007199254740992.0 && x == (double)(long long)x) {
-        put_int(o, (long long)x);
-        PUT_LITERAL(o, ".0");
-        return 1;
-    }
-    char *s = PyOS_double_to_string(x, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (s == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    put(o, s, (Py_ssize_t)strlen(s));
-    PyMem_Free(s);
-    return 1;
-}
-
-/* ---- the answer ------------------------------------------------------------------ */
 
 /* A candidate's figures in the plan's numbers (native byte order, 48 bytes each). */
 typedef struct {
@@ -279,16 +102,6 @@ static inline int before(const Scored *a, const Scored *b) {
     return a->position < b->position;
 }
 
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return 0;
-    if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s must hold %zd-byte items", what, itemsize);
-        PyBuffer_Release(view);
-        return 0;
-    }
-    return 1;
-}
-
 /* The block size and parent key of a keying, checked; 0 with an exception set. */
 static int keying(PyObject *size, PyObject *parent_key, Py_ssize_t *block_size, uint64_t *parent) {
     *block_size = PyLong_AsSsize_t(size);
@@ -322,46 +135,37 @@ typedef struct {
     Py_ssize_t lengths[SEGMENTS];
 } Matched;
 
+/* ``obj`` as a one-word MaskMirror (what the answers read); NULL with TypeError. */
+static MaskMirror *one_word(PyObject *obj, const char *what) {
+    if (!PyObject_TypeCheck(obj, &MaskMirrorType) || ((MaskMirror *)obj)->words != 1) {
+        PyErr_Format(PyExc_TypeError, "%s must be a MaskMirror of one word (64 holder slots)", what);
+        return NULL;
+    }
+    return (MaskMirror *)obj;
+}
+
 /* Key ``tokens`` in blocks of ``block_size`` from ``parent`` and match them against the
- * table from ``live``; 0 with an exception set on bad arguments. */
-static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key,
-                       PyObject *table_keys, PyObject *table_values, PyObject *live_mask) {
+ * mirror from ``live``; 0 with an exception set on bad arguments. */
+static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key, PyObject *mirror,
+                       PyObject *live_mask) {
     Py_ssize_t block_size;
     uint64_t parent;
     if (!keying(size, parent_key, &block_size, &parent)) return 0;
     uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
     if (live == (uint64_t)-1 && PyErr_Occurred()) return 0;
-    Py_buffer tok, tk, tv;
+    MaskMirror *t = one_word(mirror, "the mirror");
+    if (t == NULL) return 0;
+    Py_buffer tok;
     if (!get_buffer(tokens, &tok, 4, "tokens")) return 0;
-    if (!get_buffer(table_keys, &tk, 8, "table_keys")) {
-        PyBuffer_Release(&tok);
-        return 0;
-    }
-    if (!get_buffer(table_values, &tv, 8, "table_values")) {
-        PyBuffer_Release(&tok);
-        PyBuffer_Release(&tk);
-        return 0;
-    }
-    int ok = 0;
-    Py_ssize_t slots = tk.len / 8;
-    if (slots < 1 || (slots & (slots - 1)) || tv.len != tk.len) {
-        PyErr_SetString(PyExc_ValueError,
-                        "the table must be a power of two of slots, keys and values alike");
-        goto done;
-    }
     m->n_tokens = tok.len / 4;
     m->n_blocks = m->n_tokens / block_size;
     m->keys = keys_of(&tok, block_size, parent);
-    if (m->keys == NULL) goto done;
-    const uint64_t *words = (const uint64_t *)PyBytes_AS_STRING(m->keys);
-    m->longest = match(words, m->n_blocks, (const uint64_t *)tk.buf, (const uint64_t *)tv.buf,
-                       (uint64_t)(slots - 1), NULL, NULL, 0, live, m->dropped, m->lengths, &m->found);
-    ok = 1;
-done:
     PyBuffer_Release(&tok);
-    PyBuffer_Release(&tk);
-    PyBuffer_Release(&tv);
-    return ok;
+    if (m->keys == NULL) return 0;
+    const uint64_t *words = (const uint64_t *)PyBytes_AS_STRING(m->keys);
+    m->longest = match1(words, m->n_blocks, t->keys, t->values, (uint64_t)t->capacity - 1, NULL, NULL, 0, live,
+                        m->dropped, m->lengths, &m->found);
+    return 1;
 }
 
 /* Blocks the holder in ``slot`` has of the request (0 for a slot past 63). */
@@ -373,46 +177,23 @@ static Py_ssize_t blocks_of(const Matched *m, int64_t slot) {
     return 0;
 }
 
-/* ``with``: the match of ``m``'s keys where a block counts when either table holds it
- * (the blocks' and the predictions'); 0 with an exception set on bad arguments. */
-static int match_either(const Matched *m, Matched *with, PyObject *table_keys, PyObject *table_values,
-                        PyObject *more_keys, PyObject *more_values, PyObject *live_mask) {
-    uint64_t live = PyLong_AsUnsignedLongLong(live_mask);
-    if (live == (uint64_t)-1 && PyErr_Occurred()) return 0;
-    Py_buffer view[4];
-    PyObject *objects[4] = {table_keys, table_values, more_keys, more_values};
-    int got = 0, ok = 0;
-    for (; got < 4; got++)
-        if (!get_buffer(objects[got], &view[got], 8, "a table")) goto done;
-    Py_ssize_t slots = view[0].len / 8, more = view[2].len / 8;
-    if (slots < 1 || (slots & (slots - 1)) || view[1].len != view[0].len || more < 1 ||
-        (more & (more - 1)) || view[3].len != view[2].len) {
-        PyErr_SetString(PyExc_ValueError,
-                        "a table must be a power of two of slots, keys and values alike");
-        goto done;
+/* ``with``: the match of ``m``'s keys where a block counts when either mirror holds it
+ * (the blocks' and the predictions'), when ``more`` is a mirror (*predicting set) and not
+ * None; 1, or 0 with an exception set (``m``'s keys freed). */
+static int predictions_match(Matched *m, Matched *with, int *predicting, PyObject *mirror, PyObject *more,
+                             PyObject *live_mask) {
+    *predicting = more != Py_None;
+    if (!*predicting) return 1;
+    MaskMirror *t = one_word(mirror, "the mirror"), *p = t == NULL ? NULL : one_word(more, "the predictions' mirror");
+    uint64_t live = p == NULL ? 0 : PyLong_AsUnsignedLongLong(live_mask);
+    if (p == NULL || (live == (uint64_t)-1 && PyErr_Occurred())) {
+        Py_DECREF(m->keys);
+        return 0;
     }
-    with->longest = match((const uint64_t *)PyBytes_AS_STRING(m->keys), m->n_blocks,
-                          (const uint64_t *)view[0].buf, (const uint64_t *)view[1].buf, (uint64_t)(slots - 1),
-                          (const uint64_t *)view[2].buf, (const uint64_t *)view[3].buf, (uint64_t)(more - 1),
-                          live, with->dropped, with->lengths, &with->found);
-    ok = 1;
-done:
-    while (got > 0) PyBuffer_Release(&view[--got]);
-    return ok;
-}
-
-/* ``with`` for the predictions' table ``more_keys``/``more_values`` when given (not None;
- * *predicting set), as match_either; 1, or 0 with an exception set (``m``'s keys freed). */
-static int predictions_match(Matched *m, Matched *with, int *predicting, PyObject *const *args,
-                             Py_ssize_t more_at) {
-    *predicting = args[more_at] != Py_None;
-    if (*predicting == (args[more_at + 1] == Py_None)) {
-        PyErr_SetString(PyExc_TypeError, "the predictions' keys and values, or neither");
-    } else if (!*predicting || match_either(m, with, args[3], args[4], args[more_at], args[more_at + 1], args[5])) {
-        return 1;
-    }
-    Py_DECREF(m->keys);
-    return 0;
+    with->longest = match1((const uint64_t *)PyBytes_AS_STRING(m->keys), m->n_blocks, t->keys, t->values,
+                           (uint64_t)t->capacity - 1, p->keys, p->values, (uint64_t)p->capacity - 1, live,
+                           with->dropped, with->lengths, &with->found);
+    return 1;
 }
 
 /* Blocks predictions add to the ``g`` a slot holds (0 when not predicting). */
@@ -438,33 +219,34 @@ static int check_fragments(PyObject *fragments, Py_ssize_t count, Py_ssize_t per
 }
 
 /* (answer, keys, longest) from the ``n`` bytes written in ``buffer`` (freed here), the
- * answer None when not ``exact``; the match's keys are handed over. */
-static PyObject *answered(Matched *m, char *buffer, Py_ssize_t n, int exact) {
+ * answer None when not ``exact`` (else counted as a call of ``kind``); the match's keys
+ * are handed over. */
+static PyObject *answered(Matched *m, char *buffer, Py_ssize_t n, int exact, int kind) {
     PyObject *answer = exact ? PyBytes_FromStringAndSize(buffer, n) : Py_NewRef(Py_None);
     PyMem_Free(buffer);
     if (answer == NULL) {
         Py_DECREF(m->keys);
         return NULL;
     }
+    if (exact) CALLS[kind]++;
     return Py_BuildValue("(NNn)", answer, m->keys, m->longest);
 }
 
-/* route_answer(tokens, block_size, parent, table_keys, table_values, live, plan, top,
- *              predicted_keys, predicted_values)
+/* route_answer(tokens, block_size, parent, mirror, live, plan, top, predicted)
  *   -> (answer bytes or None, keys bytes, longest)
  * plan: (numbers, fragments, gpu, cpu, disk, head_tail, predicted credit) where numbers
  * packs a Candidate per candidate, fragments holds FRAGMENTS bytes per candidate and
  * head_tail the answer's bytes after "n_blocks": up to its "block_size" value; see
- * native_route.py. predicted_keys/_values: the predictions' table, or None for none. */
+ * native_route.py. mirror: the index's MaskMirror; predicted: the predictions', or None. */
 static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "route_answer takes 10 arguments");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "route_answer takes 8 arguments");
         return NULL;
     }
-    Py_ssize_t top = PyLong_AsSsize_t(args[7]);
+    Py_ssize_t top = PyLong_AsSsize_t(args[6]);
     if (top == -1 && PyErr_Occurred()) return NULL;
-    PyObject *plan = args[6];
+    PyObject *plan = args[5];
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 7) {
         PyErr_SetString(PyExc_TypeError, "route_answer: plan must be a 7-tuple");
         return NULL;
@@ -503,8 +285,8 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
 
     Matched m = {0}, with = {0};
     int predicting;
-    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
-    if (!predictions_match(&m, &with, &predicting, args, 8)) return NULL;
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4])) return NULL;
+    if (!predictions_match(&m, &with, &predicting, args[3], args[7], args[4])) return NULL;
 
     /* Every candidate scored as Ranking.top scores it; the best ``top`` kept in order,
      * and the best on confirmed blocks alone (what by_prediction compares with). */
@@ -587,23 +369,22 @@ static PyObject *route_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         PUT_LITERAL(&o, "}");
     }
     PUT_LITERAL(&o, "]}");
-    return answered(&m, buffer, o.n, exact);
+    return answered(&m, buffer, o.n, exact, CALL_ROUTE);
 }
 
-/* query_answer(tokens, block_size, parent, table_keys, table_values, live, plan,
- *              predicted_keys, predicted_values)
+/* query_answer(tokens, block_size, parent, mirror, live, plan, predicted)
  *   -> (answer bytes, keys bytes, longest)
  * plan: (slots, fragments, head_tail): per candidate its slot (int64, native order) and
  * the bytes of its match up to "matched_blocks":, and the answer's bytes after
- * "prompt_tokens": up to the matches' "["; see native_route.py. predicted_keys/_values:
- * the predictions' table, or None for none. */
+ * "prompt_tokens": up to the matches' "["; see native_route.py. mirror, predicted: as
+ * route_answer's. */
 static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "query_answer takes 9 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "query_answer takes 7 arguments");
         return NULL;
     }
-    PyObject *plan = args[6];
+    PyObject *plan = args[5];
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 3) {
         PyErr_SetString(PyExc_TypeError, "query_answer: plan must be a 3-tuple");
         return NULL;
@@ -627,8 +408,8 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
 
     Matched m = {0}, with = {0};
     int predicting;
-    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5])) return NULL;
-    if (!predictions_match(&m, &with, &predicting, args, 7)) return NULL;
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4])) return NULL;
+    if (!predictions_match(&m, &with, &predicting, args[3], args[6], args[4])) return NULL;
     Py_ssize_t size = 64 + PyBytes_GET_SIZE(head_tail);
     for (Py_ssize_t p = 0; p < count; p++) size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(fragments, p)) + 192;
     char *buffer = PyMem_Malloc(size);
@@ -662,11 +443,8 @@ static PyObject *query_answer(PyObject *self, PyObject *const *args, Py_ssize_t 
         PUT_LITERAL(&o, "}");
     }
     PUT_LITERAL(&o, "]}");
-    return answered(&m, buffer, o.n, 1);
+    return answered(&m, buffer, o.n, 1, CALL_QUERY);
 }
-
-/* The load board's row of a slot (kvevents/router/decide/load_board.py): its fields' order. */
-enum { ROW_AVAILABLE, ROW_ENGINE, ROW_INFLIGHT, ROW_BLOCKS, ROW_RAW, ROW_ROUTED, ROW_STRIDE };
 
 /* A candidate's place on the board and in the index (native order, 16 bytes each). */
 typedef struct {
@@ -674,32 +452,32 @@ typedef struct {
     int64_t index_slot;
 } Seat;
 
-/* board_choice(tokens, block_size, parent, table_keys, table_values, live, board, seats,
- *              scale, weights, predicted_keys, predicted_values, top)
+/* board_choice(tokens, block_size, parent, mirror, live, board, seats, scale, weights,
+ *              predicted, top)
  *   -> (keys bytes, longest, by_prediction, (figures, ...))
  * The best ``top`` candidates of a request, best first, as board_top_scores scores them
  * with every load read from the board (loads that change with every request: a relayed
  * one), GPU blocks only. board: the board's table (float64, ROW_STRIDE per slot); seats:
  * a Seat per candidate; weights: (load, balance, foreign request blocks, gpu, cpu, disk
- * credits, predicted credit), floats; predicted_keys/_values: the predictions' table, or
- * None for none. figures: (position, gpu blocks, cached, prefill, pending, cost, recent,
- * balance, routed, available, predicted blocks) per candidate kept; by_prediction when
- * the best on confirmed blocks alone is another candidate than the best. */
+ * credits, predicted credit), floats; predicted: the predictions' mirror, or None.
+ * figures: (position, gpu blocks, cached, prefill, pending, cost, recent, balance,
+ * routed, available, predicted blocks) per candidate kept; by_prediction when the best
+ * on confirmed blocks alone is another candidate than the best. */
 static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "board_choice takes 13 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "board_choice takes 11 arguments");
         return NULL;
     }
-    Py_ssize_t top = PyLong_AsSsize_t(args[12]);
+    Py_ssize_t top = PyLong_AsSsize_t(args[10]);
     if (top == -1 && PyErr_Occurred()) return NULL;
     if (top < 1) top = 1;
     if (top > MAX_TOP) {
         PyErr_Format(PyExc_ValueError, "board_choice: top past %d", MAX_TOP);
         return NULL;
     }
-    PyObject *seats = args[7];
-    PyObject *weights = args[9];
+    PyObject *seats = args[6];
+    PyObject *weights = args[8];
     if (!PyBytes_CheckExact(seats) || !PyTuple_CheckExact(weights) || PyTuple_GET_SIZE(weights) != 7) {
         PyErr_SetString(PyExc_TypeError, "board_choice: seats must be bytes, weights a 7-tuple");
         return NULL;
@@ -713,7 +491,7 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         w[k] = PyFloat_AS_DOUBLE(x);
     }
-    double scale = PyFloat_AsDouble(args[8]);
+    double scale = PyFloat_AsDouble(args[7]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
     Py_ssize_t count = PyBytes_GET_SIZE(seats) / (Py_ssize_t)sizeof(Seat);
     if (count < 1 || PyBytes_GET_SIZE(seats) != count * (Py_ssize_t)sizeof(Seat)) {
@@ -722,7 +500,7 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     const Seat *seat = (const Seat *)PyBytes_AS_STRING(seats);
     Py_buffer board;
-    if (!get_buffer(args[6], &board, 8, "board")) return NULL;
+    if (!get_buffer(args[5], &board, 8, "board")) return NULL;
     const double *rows = (const double *)board.buf;
     Py_ssize_t board_slots = board.len / (8 * ROW_STRIDE);
     for (Py_ssize_t p = 0; p < count; p++) {
@@ -734,8 +512,8 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     Matched m = {0}, with = {0}; /* with: blocks held or predicted */
     int predicting;
-    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4], args[5]) ||
-        !predictions_match(&m, &with, &predicting, args, 10)) {
+    if (!keyed_match(&m, args[0], args[1], args[2], args[3], args[4]) ||
+        !predictions_match(&m, &with, &predicting, args[3], args[9], args[4])) {
         PyBuffer_Release(&board);
         return NULL;
     }
@@ -807,28 +585,161 @@ static PyObject *board_choice(PyObject *self, PyObject *const *args, Py_ssize_t 
         }
         PyTuple_SET_ITEM(scores, k, figures);
     }
+    CALLS[CALL_CHOICE]++;
     return Py_BuildValue("(NnON)", m.keys, m.longest, by_prediction ? Py_True : Py_False, scores);
 }
 
+#define KEPT_IDS (1 << 20) /* the most ids the parse buffer keeps between calls (4 MiB) */
+static uint32_t *kept_ids;  /* the parse buffer, kept warm: grown to the largest body seen */
+static Py_ssize_t kept_room;
 
-/* chain_keys(tokens, block_size, parent) -> bytes: the chained keys alone (for tests). */
+/* parse_input_ids(body, lead=None) -> (ids array("I"), end) or None (token_json.h). */
+static PyObject *parse_input_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "parse_input_ids takes a body and, optionally, a lead");
+        return NULL;
+    }
+    PyObject *lead = nargs == 2 && args[1] != Py_None ? args[1] : INPUT_IDS;
+    Py_buffer body, key;
+    if (PyObject_GetBuffer(args[0], &body, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(lead, &key, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&body);
+        return NULL;
+    }
+    /* The most ids a body can hold: a body too large to keep a buffer for gets its own. */
+    Py_ssize_t room = body.len / 2 + 1;
+    uint32_t *ids = kept_ids;
+    if (room > KEPT_IDS) {
+        ids = PyMem_Malloc(4 * (size_t)room);
+    } else if (room > kept_room) {
+        Py_ssize_t grown = room < 4096 ? 4096 : room;
+        ids = PyMem_Realloc(kept_ids, 4 * (size_t)grown);
+        if (ids != NULL) {
+            kept_ids = ids;
+            kept_room = grown;
+        }
+    }
+    PyObject *result = NULL;
+    if (ids == NULL) {
+        PyErr_NoMemory();
+    } else {
+        Py_ssize_t count = 0;
+        Py_ssize_t end = parse_ids(body.buf, body.len, key.buf, key.len, ids, &count);
+        if (end < 0) {
+            result = Py_NewRef(Py_None);
+        } else {
+            PyObject *array = array_from(UINT32, ids, 4 * count);
+            result = array == NULL ? NULL : Py_BuildValue("(Nn)", array, end);
+            if (result != NULL) CALLS[CALL_PARSE]++;
+        }
+        if (ids != kept_ids) PyMem_Free(ids);
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&body);
+    return result;
+}
+
+/* chain_keys(tokens, block_size, parent) -> array("Q") of the chained keys of every full
+ * block, or None for blocks past MAX_BLOCK_TOKENS (the caller keys those one by one). */
 static PyObject *chain_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "chain_keys takes 3 arguments");
+        PyErr_SetString(PyExc_TypeError, "chain_keys takes tokens, a block size and a parent key");
         return NULL;
     }
-    Py_ssize_t block_size;
-    uint64_t parent;
-    if (!keying(args[1], args[2], &block_size, &parent)) return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    uint64_t parent = PyLong_AsUnsignedLongLong(args[2]);
+    if (parent == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (block_size < 1) {
+        PyErr_Format(PyExc_ValueError, "chain_keys: block_size=%zd must be a positive int", block_size);
+        return NULL;
+    }
+    if (block_size > MAX_BLOCK_TOKENS) Py_RETURN_NONE;
     Py_buffer tok;
     if (!get_buffer(args[0], &tok, 4, "tokens")) return NULL;
-    PyObject *keys = keys_of(&tok, block_size, parent);
+    Py_ssize_t n_blocks = (tok.len / 4) / block_size;
+    PyObject *result = NULL;
+    uint64_t *keys = PyMem_Malloc(8 * (size_t)(n_blocks ? n_blocks : 1));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+    } else {
+        chain((const uint8_t *)tok.buf, n_blocks, block_size, parent, keys);
+        result = array_from(UINT64, keys, 8 * n_blocks);
+        if (result != NULL) CALLS[CALL_KEYS]++;
+        PyMem_Free(keys);
+    }
     PyBuffer_Release(&tok);
-    return keys;
+    return result;
 }
 
-/* json_float(x) -> bytes or None: how route_answer writes a float (for tests). */
+/* best_unmatched(slots, table, scale, n_blocks, load_weight, balance_weight,
+ *                foreign_blocks, count) -> (positions, least) (load_scan.h). */
+static PyObject *best_unmatched_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "best_unmatched takes 8 arguments");
+        return NULL;
+    }
+    double figures[5];
+    for (int k = 0; k < 5; k++) {
+        figures[k] = PyFloat_AsDouble(args[2 + k]);
+        if (figures[k] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[7]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "best_unmatched: count=%zd must not be negative", count);
+        return NULL;
+    }
+    Py_buffer slots, table;
+    if (!get_buffer(args[0], &slots, 8, "best_unmatched: slots")) return NULL;
+    if (!get_buffer(args[1], &table, 8, "best_unmatched: table")) {
+        PyBuffer_Release(&slots);
+        return NULL;
+    }
+    const int64_t *slot = (const int64_t *)slots.buf;
+    Py_ssize_t n = slots.len / 8, rows = table.len / (8 * ROW_STRIDE);
+    PyObject *result = NULL;
+    int64_t *out = NULL;
+    LoadKey *keys = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slot[i] < 0 || slot[i] >= rows) {
+            PyErr_Format(PyExc_ValueError, "best_unmatched: slots[%zd] = %lld is not a row of the table (%zd rows)",
+                         i, (long long)slot[i], rows);
+            goto done;
+        }
+    }
+    if (count > n) count = n;
+    out = PyMem_Malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+    keys = PyMem_Malloc(sizeof(LoadKey) * (size_t)(count ? count : 1));
+    if (out == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double least;
+    Py_ssize_t kept = best_unmatched(slot, n, (const double *)table.buf, figures[0], figures[1], figures[2],
+                                     figures[3], figures[4], count, out, keys, &least);
+    PyObject *positions = PyList_New(kept);
+    for (Py_ssize_t k = 0; positions != NULL && k < kept; k++) {
+        PyObject *position = PyLong_FromLongLong(out[k]);
+        if (position == NULL) Py_CLEAR(positions);
+        else PyList_SET_ITEM(positions, k, position);
+    }
+    if (positions != NULL) {
+        result = Py_BuildValue("(Nd)", positions, least);
+        if (result != NULL) CALLS[CALL_SCAN]++;
+    }
+done:
+    PyMem_Free(out);
+    PyMem_Free(keys);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&slots);
+    return result;
+}
+
+/* json_float(x) -> bytes or None: how the answers write a float (for tests). */
 static PyObject *json_float(PyObject *self, PyObject *arg) {
     (void)self;
     double x = PyFloat_AsDouble(arg);
@@ -839,33 +750,69 @@ static PyObject *json_float(PyObject *self, PyObject *arg) {
     return PyBytes_FromStringAndSize(text, o.n);
 }
 
+/* calls() -> {kind: calls answered in this process} (for /workers). */
+static PyObject *calls(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    PyObject *out = PyDict_New();
+    for (int k = 0; out != NULL && k < CALL_KINDS; k++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(CALLS[k]);
+        if (n == NULL || PyDict_SetItemString(out, CALL_NAMES[k], n) < 0) Py_CLEAR(out);
+        Py_XDECREF(n);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
-    {"route_answer", (PyCFunction)(void (*)(void))route_answer, METH_FASTCALL,
-     "The plain /route answer of a request, its keys and longest match (see native.py)."},
-    {"query_answer", (PyCFunction)(void (*)(void))query_answer, METH_FASTCALL,
-     "The plain /query answer of a request, its keys and longest match (see native.py)."},
-    {"board_choice", (PyCFunction)(void (*)(void))board_choice, METH_FASTCALL,
-     "The best candidate of a request over the load board's loads (see native.py)."},
+    {"parse_input_ids", (PyCFunction)(void (*)(void))parse_input_ids, METH_FASTCALL,
+     "parse_input_ids(body, lead=None) -> (ids, end) or None: a body's leading plain token-id array "
+     "as an array('I'), and the index of the , or } after it."},
     {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL,
-     "Chained XXH3-64 content keys of full blocks, as bytes of uint64."},
-    {"json_float", json_float, METH_O, "A float as route_answer writes it, or None."},
+     "chain_keys(tokens, block_size, parent) -> array('Q') of chained XXH3-64 keys of full blocks, "
+     "or None for blocks past MAX_BLOCK_TOKENS."},
+    {"best_unmatched", (PyCFunction)(void (*)(void))best_unmatched_call, METH_FASTCALL,
+     "best_unmatched(slots, table, scale, n_blocks, load_weight, balance_weight, foreign_blocks, count) "
+     "-> (positions, least): the best candidates by load alone, best first."},
+    {"route_answer", (PyCFunction)(void (*)(void))route_answer, METH_FASTCALL,
+     "The plain /route answer of a request, its keys and longest match (see native_route.py)."},
+    {"query_answer", (PyCFunction)(void (*)(void))query_answer, METH_FASTCALL,
+     "The plain /query answer of a request, its keys and longest match (see native_route.py)."},
+    {"board_choice", (PyCFunction)(void (*)(void))board_choice, METH_FASTCALL,
+     "The best candidates of a request over the load board's loads (see native_route.py)."},
+    {"json_float", json_float, METH_O, "A float as the answers write it, or None."},
+    {"calls", calls, METH_NOARGS, "Calls answered in this process, per kind."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native", "The router's plain /route and /query answers and relay choice in one call.",
-    -1, methods,
+    PyModuleDef_HEAD_INIT, "_native", "kvevents' native core (see kvevents/kernels/__init__.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&MaskMirrorType) < 0) return NULL;
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) return NULL;
+    ARRAY = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    UINT32 = PyUnicode_InternFromString("I");
+    UINT64 = PyUnicode_InternFromString("Q");
+    FROMBYTES = PyUnicode_InternFromString("frombytes");
+    INPUT_IDS = PyBytes_FromString("\"input_ids\"");
+    SIXTY_FOUR = PyLong_FromLong(64);
+    ZERO = PyLong_FromLong(0);
+    if (ARRAY == NULL || UINT32 == NULL || UINT64 == NULL || FROMBYTES == NULL || INPUT_IDS == NULL ||
+        SIXTY_FOUR == NULL || ZERO == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "ABI", ABI) < 0 ||
         PyModule_AddIntConstant(m, "MAX_BLOCK_TOKENS", MAX_BLOCK_TOKENS) < 0 ||
         PyModule_AddIntConstant(m, "MAX_TOP", MAX_TOP) < 0 ||
         PyModule_AddIntConstant(m, "CANDIDATE_BYTES", (long)sizeof(Candidate)) < 0 ||
-        PyModule_AddIntConstant(m, "FRAGMENTS", FRAGMENTS) < 0) {
+        PyModule_AddIntConstant(m, "FRAGMENTS", FRAGMENTS) < 0 ||
+        PyModule_AddIntConstant(m, "ROW_STRIDE", ROW_STRIDE) < 0 ||
+        PyModule_AddObjectRef(m, "MaskMirror", (PyObject *)&MaskMirrorType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

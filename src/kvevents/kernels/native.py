@@ -1,35 +1,19 @@
-"""The C extension ``_native``: a plain ``/route`` or ``/query``, or a relayed request's choice, in one call.
+"""Loading the native core (``_native``), and saying what it answers in this process.
 
-A ``/route`` of 2,048 tokens costs the router about 13 us past parsing its body, spread
-over some 85 Python calls (keying, the compiled match's wrappers, the ranking, the
-answer's JSON): most of what separates it from a server that only parses. The
-extension does that whole answer in one call for the plain request (token ids, no
-other member) while the loads hold still, byte for byte what the Python path answers:
+The extension is built at install when a C compiler and Python's headers are there
+(``setup.py``: an optional extension). Importing it is its whole load: nothing is
+compiled or cached at run time, so a read-only install answers natively from its first
+request. Two switches turn it off, for comparison and as an escape hatch:
 
-* the chained XXH3-64 keys of every block (blocks of 1 to 60 tokens, as
-  :mod:`~kvevents.kernels.xxh3_chain`);
-* the match against the index's mirror of GPU masks (:mod:`~kvevents.kernels.mask_mirror`,
-  one word: up to 64 holder slots), and against the same mirror of the predictions'
-  masks when the router holds predictions (a block counts where either holds it);
-* every candidate's score as :class:`~kvevents.router.decide.scoring.Ranking` computes it,
-  from a plan of the ranking's figures (:mod:`kvevents.router.decide.native_route` makes it);
-* the answer's JSON, numbers written as msgspec writes them; a float msgspec would
-  write in exponent form (below 1e-4 or from 1e16) answers None instead, and the
-  caller takes the Python path.
+* ``KVEVENTS_KERNELS=0``: the whole core (every request parsed, keyed and matched in
+  Python; :func:`find` answers None);
+* ``KVEVENTS_NATIVE=0``: only the calls that answer a plain request whole
+  (``route_answer``, ``query_answer``, ``board_choice``; :func:`load` is None), the parts
+  stay on.
 
-``/query`` is the same call without the scores (its answer lists every holder's match).
-A relayed request (``/v1/completions``: every one changes the loads, so no ranking is
-kept) has its holder chosen in one call too, ``board_choice``: the keys, both matches
-and every candidate's score read from the load board's table, as
-:func:`~kvevents.router.decide.load_board.board_top_scores` scores them (the best, or the
-best few for a recorded ``/route``); the decision is then made in Python from their
-figures.
-
-It is built at install when a C compiler and Python's headers are there
-(``setup.py``: an optional extension) and is only ever an acceleration: without it,
-with ``KVEVENTS_NATIVE=0``, or for any other request, the Python path answers
-(``tests/router/test_native_route.py`` checks both answer alike). It reads the mirrors the
-numba kernels keep, so it is used only while those are loaded too.
+Without the extension, on a big-endian host (it hashes tokens as their bytes) or with an
+extension built from other source (an in-place build left behind: :data:`ABI` differs),
+the Python path answers; :func:`status` says why, for ``/workers``.
 """
 
 from __future__ import annotations
@@ -38,42 +22,58 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["ABI", "load", "status"]
+__all__ = ["ABI", "built", "find", "load", "status"]
 
-ABI = 3
+ABI = 4
 """The version of the extension's calls this code makes (``_native.c``'s ``ABI``)."""
 
 _module: ModuleType | None = None
 _status = "off: not loaded in this process"
 
 
-def load() -> ModuleType | None:
-    """The extension module, or None when it is off (the reason is in :func:`status`)."""
-    global _module, _status
-    if _module is not None:
-        return _module
-    if os.environ.get("KVEVENTS_NATIVE", "1") == "0":
-        _status = "off: KVEVENTS_NATIVE=0"
-        return None
-    if sys.byteorder != "little":  # it hashes tokens as their bytes
-        _status = "off: a big-endian host"
-        return None
+def _imported() -> tuple[ModuleType | None, str]:
+    """The extension as built, or None and why not."""
     try:
         from kvevents.kernels import _native
     except ImportError as exc:
-        _status = f"off: not built at install (no C compiler?): {exc}"
-        return None
-    built = getattr(_native, "ABI", None)
-    if built != ABI:  # an in-place build left from another version of the source
-        _status = (
-            f"off: the built extension is of another version (ABI {built}, this code {ABI}): "
+        return None, f"off: not built at install (no C compiler?): {exc}"
+    made = getattr(_native, "ABI", None)
+    if made != ABI:
+        return None, (
+            f"off: the built extension is of another version (ABI {made}, this code {ABI}): "
             "build it again (pip install .)"
         )
-        return None
-    _module, _status = _native, "built"
-    return _module
+    return _native, "loaded"
+
+
+def built() -> bool:
+    """Whether this install has the extension, of this code's version (on or off)."""
+    return _imported()[0] is not None
+
+
+def find() -> tuple[ModuleType | None, str]:
+    """The extension for every native call and ``loaded``, or None and ``off: <why>``
+    when the core is off (see the module docstring)."""
+    if os.environ.get("KVEVENTS_KERNELS", "1") == "0":
+        return None, "off: KVEVENTS_KERNELS=0"
+    if sys.byteorder != "little":
+        return None, "off: a big-endian host"
+    return _imported()
+
+
+def load() -> ModuleType | None:
+    """The extension for the whole-request calls, or None when they are off (the reason
+    is in :func:`status`)."""
+    global _module, _status
+    if _module is not None:
+        return _module
+    module, _status = find()
+    if module is not None and os.environ.get("KVEVENTS_NATIVE", "1") == "0":
+        module, _status = None, "off: KVEVENTS_NATIVE=0"
+    _module = module
+    return module
 
 
 def status() -> str:
-    """``built`` or ``off: <why>`` (for /workers)."""
+    """``loaded`` or ``off: <why>``, for the whole-request calls (for /workers)."""
     return _status

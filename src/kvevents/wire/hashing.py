@@ -8,8 +8,8 @@ an engine: ``key(block i) = xxh3_64(tokens of block i as little-endian uint32, s
 with ``ROOT_KEY`` as the seed of the first block. Chaining by seed costs no
 concatenation, and xxh3 runs at memory speed, so keying a request is one C call per
 block after a single conversion of the whole token list to bytes. In a process that
-has loaded the compiled kernels (:mod:`kvevents.kernels`: the router does), a request's
-whole chain is one call instead, with the same keys.
+has the native core (:mod:`kvevents.kernels`), a request's whole chain is one call
+instead, with the same keys.
 
 Engine hashes
 -------------
@@ -89,15 +89,15 @@ def content_keys(
     ``parent_key`` continues a chain whose earlier blocks were keyed already.
     """
     keys = content_key_array(token_ids, block_size, parent_key)
-    # the kernel's array as ints, or the per-block loop's list as it is
+    # the native array as ints, or the per-block loop's list as it is
     return keys.tolist() if isinstance(keys, array) else cast("list[int]", keys)
 
 
 def content_key_array(
     token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY
 ) -> Sequence[int]:
-    """:func:`content_keys` as a request is keyed: an ``array("Q")`` when the compiled
-    kernel keys them (the compiled match reads it in place, and its ints are made only
+    """:func:`content_keys` as a request is keyed: an ``array("Q")`` when the native
+    core keys them (the native match reads it in place, and its ints are made only
     if Python reads them), else the list."""
     if block_size <= 0:
         raise ValueError(f"content_keys: block_size={block_size} must be a positive int")
@@ -115,7 +115,7 @@ def content_key_array(
 def content_keys_per_block(
     token_ids: Sequence[int], block_size: int, parent_key: int = ROOT_KEY
 ) -> list[int]:
-    """:func:`content_keys` one xxhash call per block (what the compiled kernel must equal)."""
+    """:func:`content_keys` one xxhash call per block (what the native core must equal)."""
     data = tokens_to_bytes(token_ids)
     step = 4 * block_size
     keys: list[int] = []

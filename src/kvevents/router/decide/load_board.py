@@ -10,10 +10,9 @@ of every holder's ``recent`` work: 180 us a request at 256 ranks, 600 at 1,024. 
 * every holder's load is a row of six floats (availability, the engine's requests,
   this router's requests and blocks in flight, the raw recent work, the requests
   routed): a Python list per slot, which one Python pass over the candidates reads,
-  and a copy of all of them in one flat float64 table
-  (:data:`~kvevents.kernels.load_scan.STRIDE` per slot; only the rows changed since
-  are copied, when it is read), which the compiled scan
-  (:mod:`kvevents.kernels.load_scan`) reads when the kernels are loaded and the
+  and a copy of all of them in one flat float64 table (``_STRIDE`` per slot; only the
+  rows changed since are copied, when it is read), which the native scan
+  (``best_unmatched``, :mod:`kvevents.kernels`) reads when the native core is on and the
   candidates many (:func:`board_top_scores`);
 * ``recent`` is stored raw, beside one scale that every routed request multiplies by
   the decay: a holder's recent work is ``raw * scale``, and a request routed adds
@@ -41,19 +40,18 @@ from kvevents.types import Holder
 
 __all__ = ["LoadBoard", "board_top_scores"]
 
-# a slot's fields in the table: the layout of kvevents.kernels.load_scan (which imports
-# numba, so it is not imported here)
+# a slot's fields in the table: the layout the native scan and board_choice read
+# (load_scan.h's ROW_*; tests/router/test_load_board.py holds the two alike)
 _AVAILABLE, _ENGINE, _INFLIGHT, _BLOCKS, _RAW, _ROUTED = range(6)
 _STRIDE = 6
 _FOLD_BELOW = 1e-100
 """The scale is folded into the raw figures before it falls below this: a raw figure is
 then at most ``blocks * 1e100``, far from float64's limits, and loses no precision."""
 _COMPILED_FROM = 8
-"""Candidates from which the compiled scan is called: the call costs about 4 us whatever
-the count, the Python pass about 1 us plus 0.6 a candidate (the best one, in process;
-they cross at 6)."""
+"""Candidates from which the native scan is called (below, the Python pass over them
+costs about as little)."""
 _COMPILED_TOP = 16
-"""The most scores taken from the compiled scan (it keeps its best few by insertion: every
+"""The most scores taken from the native scan (it keeps its best few by insertion: every
 holder in order, as score() would rank them, for a score of all of them)."""
 _ZERO = HolderMatch(0, 0, 0)
 _DEFAULT_WEIGHTS = ScoringWeights()
@@ -101,7 +99,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         return board
 
     def table(self) -> array[float]:
-        """Every slot's row, :data:`_STRIDE` float64 each, as the compiled scan reads
+        """Every slot's row, :data:`_STRIDE` float64 each, as the native scan reads
         them: the rows changed since the last call are copied in first."""
         table, rows, stale = self._table, self._rows, self._stale
         if len(table) < _STRIDE * len(rows):
@@ -280,9 +278,9 @@ def board_top_scores(
     """``score(...)[:top]`` over ``board``'s loads, exactly (``top`` at least 1;
     ValueError without holders), made without scoring every holder.
 
-    Few candidates, many scores asked (every holder's, say) or no kernels: one pass over
-    them, each compared with the ``top``-th best so far. Many candidates: the compiled scan
-    (:func:`~kvevents.kernels.load_scan.best_unmatched`) picks the best ``top`` as if
+    Few candidates, many scores asked (every holder's, say) or no native core: one pass
+    over them, each compared with the ``top``-th best so far. Many candidates: the native
+    scan (``best_unmatched``, :mod:`kvevents.kernels`) picks the best ``top`` as if
     none cached anything of the request, and only those and the holders that match it
     (or have predictions) are scored here: a match only lowers a cost, so a holder
     that matches nothing and is not among the scan's best ``top`` has ``top`` holders

@@ -4,7 +4,7 @@
 ``{"input_ids": [...]}``: for ``/route``, top 4 and nothing recorded) when every
 condition of the exact answer holds, and None otherwise, for the Python path to answer:
 
-* the extension is built and on, and the numba kernels keep the index's mirrors;
+* the extension is built and on (it also keeps the index's mirrors);
 * the index's matches are plain: GPU blocks only, no side groups (hybrid models), at
   most 64 holder slots (:meth:`~kvevents.index.mask_table.MaskTable.native_mirrors`);
   predictions count as in Python (their masks are mirrored too);
@@ -36,7 +36,7 @@ import struct
 from array import array
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import msgspec
 
@@ -48,6 +48,9 @@ from kvevents.router.decide.scoring import HolderScore, Ranking, ScoringWeights
 from kvevents.router.prompts.token_body import DEFAULT_TOP
 from kvevents.types import Holder
 from kvevents.wire.hashing import ROOT_KEY
+
+if TYPE_CHECKING:
+    from kvevents.kernels import MaskMirror
 
 __all__ = [
     "NativeRoute",
@@ -73,14 +76,12 @@ Seats = tuple[bytes, tuple[float, float, float, float, float, float, float]]
 """What the native choice over the load board reads: per candidate its board slot and
 index slot (int64 pairs), and the weights and credits it scores with."""
 
-_Keying: TypeAlias = "tuple[array[int], int, int, Any, Any, int]"
+_Keying: TypeAlias = "tuple[array[int], int, int, MaskMirror, int]"
 """The arguments every native call starts with: the tokens, the block size, the parent
-key, and the blocks' mirror (its keys, its masks, the live slots)."""
-_Tables = tuple[Any, Any]
-"""The arguments after a call's own: the predictions' mirror (keys, masks), or two None."""
-_Plain = tuple[ModuleType, PrefixIndex, int, _Keying, _Tables]
+key, the blocks' mirror and the live slots."""
+_Plain = tuple[ModuleType, PrefixIndex, int, _Keying, "MaskMirror | None"]
 """What every native call reads: the extension, the index, the block size, its keying
-and its predictions' tables (:meth:`NativeRoute._plain`)."""
+and the predictions' mirror (None for none: :meth:`NativeRoute._plain`)."""
 
 log = logging.getLogger("kvevents.router")
 
@@ -146,9 +147,8 @@ class NativeRoute:
         if mirrors is None:
             return None
         mirror, predicted = mirrors
-        keying = (tokens, block_size, ROOT_KEY, mirror._keys, mirror._values, index._live)
-        tables = (None, None) if predicted is None else (predicted._keys, predicted._values)
-        return module, index, block_size, keying, tables
+        keying = (tokens, block_size, ROOT_KEY, mirror, index._live)
+        return module, index, block_size, keying, predicted
 
     def answer(self, tokens: Sequence[int]) -> bytes | None:
         """The plain ``/route`` answer for ``tokens`` (an ``array("I")``), or None when
@@ -156,7 +156,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, keying, tables = plain
+        module, index, block_size, keying, predicted = plain
         ranking = self.router._kept_ranking(index.holders())
         if ranking is None:
             return None
@@ -178,7 +178,7 @@ class NativeRoute:
             return None
         answer: bytes | None
         try:
-            answer, keys, longest = module.route_answer(*keying, plan, DEFAULT_TOP, *tables)
+            answer, keys, longest = module.route_answer(*keying, plan, DEFAULT_TOP, predicted)
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/route")
             return None
@@ -195,7 +195,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, block_size, keying, tables = plain
+        module, index, block_size, keying, predicted = plain
         holders = index.holders()
         # the same list (a new one after any holder came or went), never an equal one:
         # equal lists of holders may sit in other slots
@@ -208,7 +208,7 @@ class NativeRoute:
             return None
         answer: bytes
         try:
-            answer, keys, longest = module.query_answer(*keying, plan, *tables)
+            answer, keys, longest = module.query_answer(*keying, plan, predicted)
         except Exception:  # a bug: the Python path answers, the log says it once
             self._failed("/query")
             return None
@@ -234,7 +234,7 @@ class NativeRoute:
         plain = self._plain(tokens)
         if plain is None:
             return None
-        module, index, _, keying, tables = plain
+        module, index, _, keying, predicted = plain
         router = self.router
         board, weights, credits = router.loads, router.weights, index.credits
         # the objects themselves, as for the plans: an equal list of holders may sit in
@@ -257,7 +257,7 @@ class NativeRoute:
             return None
         try:
             keys, longest, by_prediction, best = module.board_choice(
-                *keying, board.table(), seats[0], board.scale, seats[1], *tables, top
+                *keying, board.table(), seats[0], board.scale, seats[1], predicted, top
             )
         except Exception:  # a bug: the Python path chooses, the log says it once
             self._failed("choice")

@@ -5,12 +5,12 @@ the prompt (to route), ``model``, ``cache_salt`` and ``stream``, and whether a r
 named in it. Decoding the whole body into a dict built a Python list of 2,048 ints for
 a 2,048-token prompt, and checking those ints made a set and an array of them: about
 130 us of the relay's CPU per request. :func:`token_prompt` reads the prompt's array
-straight from the body into an ``array("I")`` with the compiled token kernel
+straight from the body into an ``array("I")`` with the native core's token parser
 (:mod:`kvevents.kernels`) and has msgspec decode only the other members into
 :class:`RelayFields`; a body it cannot read that way is decoded with the prompt kept as
 its JSON text (``msgspec.Raw``), which the kernel then reads.
 
-It takes only the plain case, one prompt of token ids, and only when the kernels are
+It takes only the plain case, one prompt of token ids, and only when the native core is
 loaded; every other body (text, a batch, anything to refuse) gives None and is decoded
 whole as before, so the errors a client sees are unchanged.
 """
@@ -82,7 +82,7 @@ _WHITESPACE = b" \t\r\n"
 
 def token_prompt(raw: bytes) -> tuple[array[int], RelayFields] | None:
     """The token ids and fields of a body whose ``prompt`` is one non-empty list of
-    uint32 ids; None for every other body (or when the kernels are not loaded)."""
+    uint32 ids; None for every other body (or when the native core is off)."""
     compiled = kernels.loaded()
     if compiled is None:
         return None

@@ -3,9 +3,9 @@
 :func:`decode_tokens_body` is the one decoder of every body the router matches
 (``/route``, ``/query``, ``/generate``, the bare ceiling of the benchmark). A body whose
 first member is a plain ``"input_ids"`` array (the usual ``/route`` body) is read by the
-compiled kernel when this process has loaded it (:mod:`kvevents.kernels`): the ids go
+native core (:mod:`kvevents.kernels`): the ids go
 straight into an ``array("I")`` and only the members after the array are decoded by
-msgspec. Every other body, and any body while the kernels are off, is decoded whole
+msgspec. Every other body, and any body while the core is off, is decoded whole
 by msgspec as before; errors are always those of that decoder.
 
 A ``/route`` or ``/query`` body is the router's own: a member it does not know is a 400

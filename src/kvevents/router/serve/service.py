@@ -6,7 +6,7 @@ one long-lived HTTP client for the engines, which sends the router's own engine 
 (``--engine-api-key``) on every request and never a client's. The routes that answer over HTTP are
 :mod:`kvevents.router.serve.app` and :mod:`kvevents.router.serve.openai`; both import this module,
 and it imports neither. It also runs start-up's deferred work once the server serves
-(:meth:`RouterService.defer`: the compiled kernels, then the FastAPI app).
+(:meth:`RouterService.defer`: the index's native mirror, then the FastAPI app).
 
 Just over 300 lines: the service's start, stop and deferred work are one lifecycle,
 read together.
@@ -114,18 +114,16 @@ async def _run_deferred(
 ) -> None:
     """Start-up's deferred work, once the server accepts requests; then settle the heap.
 
-    The compiled kernels load first (numba's import and its cache, about half a second
-    of CPU, much of it holding the GIL) and the index's mirror for the compiled match
-    is built, then whatever was deferred with
+    The index's mirror for the native match is built first (a warm-started index's
+    blocks copied once, not on the first request), then whatever was deferred with
     :meth:`RouterService.defer` (the router's FastAPI app). Done at start, that work
     would compete with the HTTP server's start and a warm start's catch-up with the
     streams; requests take the plain path meanwhile. Then every object alive so far
-    (the imports, numba's compiler, the app) moves out of the garbage collector's sight
+    (the imports, the app) moves out of the garbage collector's sight
     (``gc.freeze``): a full collection then walks only what requests and the index
     create, instead of pausing the hot path for the 100,000-odd objects of start-up.
     """
     await service.until_serving(DEFERRED_AFTER_S)
-    await asyncio.to_thread(kernels.load)
     service.router.index.sync_mirror()  # a warm-started index: not on the first request
     for item in work:
         try:
@@ -266,6 +264,9 @@ class RouterService:
             "kernels": kernels.status(),
             "native": {
                 "status": native.status(),
+                "built": native.built(),
+                "loaded": native.status() == "loaded",
+                "calls": kernels.calls(),
                 "answered": self.router.native.answered,
                 "chosen": self.router.native.chosen,
                 "failures": self.router.native.failures,
@@ -281,7 +282,7 @@ class RouterService:
         self._serving.set()
 
     def defer(self, work: Callable[[], Awaitable[object]]) -> None:
-        """Run ``work`` once the server serves, after the kernels load (see :meth:`start`)."""
+        """Run ``work`` once the server serves, after the mirror is built (see :meth:`start`)."""
         self._deferred.append(work)
 
     async def until_serving(self, timeout: float) -> None:
@@ -292,7 +293,6 @@ class RouterService:
     async def start(self) -> None:
         """Open the clients, start the consumer and one poller per engine, and return once
         every engine's first poll is done (at most :data:`FIRST_POLL_WAIT_S` seconds)."""
-        kernels.will_load()
         self._tasks.append(asyncio.create_task(_run_deferred(self, self._deferred)))
         # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
         # request never goes out on a connection the server is closing (a ReadError, 502).
