@@ -8,13 +8,16 @@ raw sockets play the slow and silent clients.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from typing import Any
 
 import pytest
+from router_support import RouterProc
 
 from kvevents import Holder, Router
+from kvevents.cli.router import add_arguments, build_service
 from kvevents.http.inline import HttpLimits
 from kvevents.http.serving import bind_http, start_http
 from kvevents.router.serve.app import create_app
@@ -152,3 +155,53 @@ def test_limits_must_be_positive(kwargs: dict[str, float], named: str) -> None:
     """A zero bound is refused, naming it."""
     with pytest.raises(ValueError, match=named):
         HttpLimits(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_kvevents_router_takes_the_limits_from_its_options() -> None:
+    """`kvevents router --request-timeout 0.5` answers a stalled body 408; its engine link
+    takes --engine-max-head-bytes and --engine-head-timeout (shown by its service)."""
+    proc = RouterProc(
+        ["http://127.0.0.1:9"],
+        "--request-timeout",
+        "0.5",
+        "--max-idle-connections",
+        "8",
+        "--kv-endpoint",
+        "tcp://127.0.0.1:5999",
+    )
+    try:
+        host, port = proc.url.removeprefix("http://").rsplit(":", 1)
+
+        async def stall() -> bytes:
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"POST /route HTTP/1.1\r\nhost: r\r\ncontent-length: 100\r\n\r\n{")
+            try:
+                return await _closed(r, 10)
+            finally:
+                w.close()
+
+        assert asyncio.run(stall()).startswith(b"HTTP/1.1 408 ")
+    finally:
+        proc.stop()
+
+
+def test_the_router_options_reach_its_service_and_engine_link() -> None:
+    """The four options land where they apply: the service's limits and its Upstream."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--engine", "http://127.0.0.1:9", "--kv-endpoint", "tcp://127.0.0.1:5557"]
+    argv += ["--request-timeout", "7", "--max-idle-connections", "9"]
+    argv += ["--engine-max-head-bytes", "1000", "--engine-head-timeout", "3"]
+    service = build_service(parser.parse_args(argv), warn=False)
+    assert service.http_limits.request_timeout == 7
+    assert service.http_limits.max_idle_connections == 9
+
+    async def link() -> tuple[int, float]:
+        await service.start()
+        try:
+            return service.upstream.max_head_bytes, service.upstream.head_timeout
+        finally:
+            await service.stop()
+
+    assert asyncio.run(link()) == (1000, 3.0)

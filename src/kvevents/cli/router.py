@@ -105,7 +105,9 @@ from kvevents.cli.security import (
 )
 from kvevents.errors import ConfigError
 from kvevents.http.granian_serving import require_granian
+from kvevents.http.inline import DEFAULT_LIMITS, HttpLimits
 from kvevents.http.serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
+from kvevents.http.upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
@@ -195,6 +197,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=bounded(PositiveFloat),
         default=600.0,
         help="seconds a forwarded request may take in all, streaming included (default 600)",
+    )
+    parser.add_argument(
+        "--engine-head-timeout",
+        type=bounded(PositiveFloat),
+        default=DEFAULT_HEAD_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds an engine answer's head may take from its first byte to its end; past "
+        "them the client gets 504 and the connection closes",
+    )
+    parser.add_argument(
+        "--engine-max-head-bytes",
+        type=bounded(PositiveInt),
+        default=DEFAULT_MAX_HEAD_BYTES,
+        metavar="BYTES",
+        help="the largest engine answer head read; a larger one is a 502 and the connection closes",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=bounded(PositiveFloat),
+        default=DEFAULT_LIMITS.request_timeout,
+        metavar="SECONDS",
+        help="seconds a client's request head and body may take from its first byte; past "
+        "them 408 and the connection closes",
+    )
+    parser.add_argument(
+        "--max-idle-connections",
+        type=bounded(PositiveInt),
+        default=DEFAULT_LIMITS.max_idle_connections,
+        metavar="N",
+        help="idle client connections one router process keeps; past them a new connection "
+        "closes the oldest idle one (a connection that has sent nothing yet is idle too, "
+        "closed at the keep-alive timeout)",
     )
     weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
     parser.add_argument(
@@ -431,6 +465,11 @@ def build_service(args: argparse.Namespace, *, warn: bool = True) -> RouterServi
         policy=args.policy,
         engine_credentials=secure.engines,
         pd=_pd_mode(args),
+        engine_max_head_bytes=args.engine_max_head_bytes,
+        engine_head_timeout=args.engine_head_timeout,
+    )
+    service.http_limits = HttpLimits(
+        request_timeout=args.request_timeout, max_idle_connections=args.max_idle_connections
     )
     service.warm_start = warm
     service.sync = _sync(args, [s.url for s in specs])
@@ -698,6 +737,7 @@ async def serve(
             announce=announce,
             tls=security.tls,
             server=http_server,
+            limits=service.http_limits,
         )
     finally:
         for task in reported:

@@ -174,6 +174,7 @@ def _worker_main(
                 announce=announce,
                 tls=security.tls,
                 server=args.http_server,
+                limits=service.http_limits,
             )
         finally:
             snapshots.cancel()

@@ -64,7 +64,14 @@ from typing import Any, Protocol, runtime_checkable
 from kvevents.http.deadlines import Deadlines
 from kvevents.http.held_writes import HeldWrites, holding_enabled
 
-__all__ = ["AsyncInlineApp", "HttpLimits", "InlineAnswer", "InlineApp", "protocol_for"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "AsyncInlineApp",
+    "HttpLimits",
+    "InlineAnswer",
+    "InlineApp",
+    "protocol_for",
+]
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,14 @@ import msgspec
 from kvevents import kernels
 from kvevents.errors import KVEventsError, SubscriberStateError
 from kvevents.http.auth import ClientCredentials
-from kvevents.http.upstream import MidwayError, Upstream, UpstreamError
+from kvevents.http.inline import HttpLimits
+from kvevents.http.upstream import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_MAX_HEAD_BYTES,
+    MidwayError,
+    Upstream,
+    UpstreamError,
+)
 from kvevents.kernels import native
 from kvevents.router.decide.router import POLICIES, Policy, Router
 from kvevents.router.fleet.engines import MODELS_RECHECK_S, EngineState, watch_engine
@@ -157,6 +164,8 @@ class RouterService:
         engine_credentials: ClientCredentials | None = None,
         models_interval: float = MODELS_RECHECK_S,
         upstream: Upstream | None = None,
+        engine_max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+        engine_head_timeout: float = DEFAULT_HEAD_TIMEOUT_S,
         pd: PDMode | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -189,6 +198,12 @@ class RouterService:
         self.models_interval = models_interval
         """Seconds between two reads of an engine's models (:mod:`kvevents.router.fleet.engines`)."""
         self.forward_timeout = forward_timeout
+        self.engine_max_head_bytes = engine_max_head_bytes
+        self.engine_head_timeout = engine_head_timeout
+        """Bounds on an engine answer's head (:class:`~kvevents.http.upstream.Upstream`)."""
+        self.http_limits = HttpLimits()
+        """Bounds on this router's slow and idle clients (``--request-timeout``,
+        ``--max-idle-connections``), for the server that serves it."""
         self.text_tokenizer: TextTokenizer = tokenizer or ByteTextTokenizer()
         self.policy = policy
         self.engine_credentials = engine_credentials or ClientCredentials()
@@ -312,6 +327,8 @@ class RouterService:
                 connect_timeout=5.0,
                 headers=creds.headers(),
                 tls=verify,
+                max_head_bytes=self.engine_max_head_bytes,
+                head_timeout=self.engine_head_timeout,
             )
         if (
             isinstance(self.text_tokenizer, EndpointTokenizer)
