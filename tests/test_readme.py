@@ -1,4 +1,5 @@
-"""The README's promises: its two commands and its library example."""
+"""The README's promises: its two commands and its library example; and the layout map
+(docs/layout.md) naming every module."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-CI_SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "run"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+LAYOUT = ROOT / "docs" / "layout.md"
+CI_SCRIPT = ROOT / ".ci" / "run"
 
 
 def code_blocks(language: str) -> list[str]:
@@ -52,11 +55,12 @@ def test_library_example_runs() -> None:
 
 
 def _layout_modules() -> set[str]:
-    """Module paths the README's Layout map names: `name.py` at the top, `pkg/` then its
-    indented `module.py` lines (several may share a line, comma-separated), packages
-    nested by indentation (`router/` then `  serve/` then `    app.py`)."""
-    text = README.read_text()
-    block = re.search(r"## Layout\n.*?```\n(.*?)```", text, flags=re.S)
+    """Module paths the layout map (the first code block of docs/layout.md) names:
+    `name.py` at the top, `pkg/` then its indented `module.py` lines (several may share a
+    line, comma-separated), packages nested by indentation (`router/` then `  serve/`
+    then `    app.py`)."""
+    text = LAYOUT.read_text()
+    block = re.search(r"```\n(.*?)```", text, flags=re.S)
     assert block is not None
     named: set[str] = set()
     packages: list[tuple[int, str]] = []  # (indent, path) of the packages enclosing a line
@@ -78,8 +82,8 @@ def _layout_modules() -> set[str]:
 
 
 def test_layout_map_names_every_module() -> None:
-    """The README's Layout map and the tree agree: every module is named, nothing else is."""
-    src = Path(__file__).resolve().parent.parent / "src" / "kvevents"
+    """docs/layout.md's map and the tree agree: every module is named, nothing else is."""
+    src = ROOT / "src" / "kvevents"
     modules = {
         str(path.relative_to(src))
         for path in src.rglob("*.py")

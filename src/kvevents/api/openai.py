@@ -85,7 +85,7 @@ class CompletionRequest(msgspec.Struct):
     prompt: Prompt
     """Text, a non-empty list of token ids, or a batch: a list of texts or a list of
     lists of ids. A batch runs on one rank, the one with the lowest cost summed over its
-    prompts (README, Models and LoRA adapters)."""
+    prompts (docs/routing.md, Models and LoRA adapters)."""
     model: str | None = None
     max_tokens: NonNegative | None = None
     """Tokens to generate (default 16); the engine refuses more than its limit."""

@@ -21,8 +21,8 @@ reads: ``kvevents engine`` and ``kvevents router --engine URL`` route with no ot
 ``--kv-events-config '{"publisher": "null"}'`` (or ``'{}'``) turns publishing off.
 Publishers bind a wildcard host in ``--kv-events-config`` as ``--kv-events-host``
 (default 127.0.0.1) and ``/server_info`` advertises what they bound; ``--api-key`` closes
-every endpoint but ``/health`` and ``/ready``, ``--ssl-certfile`` serves HTTPS (README,
-"Security").
+every endpoint but ``/health`` and ``/ready``, ``--ssl-certfile`` serves HTTPS
+(docs/security.md).
 
 ``GET /health`` is liveness (503 while a rank is dead), ``GET /ready`` readiness (503
 while a rank is starting, restarting or dead, or has no bound publisher); in Kubernetes,

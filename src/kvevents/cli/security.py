@@ -12,7 +12,7 @@
 
 The values are checked by :mod:`kvevents.http.auth`; every error is a
 :class:`~kvevents.errors.ConfigError` naming the option, and no message holds a key.
-README, "Security", says what each option closes.
+docs/security.md says what each option closes.
 """
 
 from __future__ import annotations

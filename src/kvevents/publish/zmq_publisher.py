@@ -20,7 +20,7 @@ read every batch (each stored block's token ids, from which the prompt text can 
 recovered), and anyone who can reach a replay port can ask for the buffered history. Bind
 a specific address (``tcp://127.0.0.1:5557``, with ``bind=True``) to keep a stream on one
 host or network; ``kvevents engine`` binds loopback unless ``--kv-events-host`` says
-otherwise (README, "Security").
+otherwise (docs/security.md).
 
 Lifecycle: RUNNING from construction (sockets bound, threads started), DRAINING while
 ``shutdown()`` sends what was accepted, CLOSED after. ``shutdown()`` is idempotent and
