@@ -9,8 +9,6 @@ loaded as the router loads them) and answers ``{"prompt_tokens": N}``: no keys, 
 index, no scoring. Whatever this answers per second is what any router on this stack
 could at best; the benchmark reports the router's figures as a share of it. It prints
 ``kvevents bare ready URL``.
-``--http-server granian`` serves the same parse through granian's RSGI interface
-(:mod:`kvevents.http.granian_serving`), the ceiling of ``kvevents router --http-server granian``.
 
 ``--relay-to URL`` also makes it a *bare relay*: ``POST /v1/completions`` is forwarded
 as it came to ``URL/v1/completions`` with the router's own client
@@ -28,10 +26,9 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from kvevents import kernels
-from kvevents.http.serving import HTTP_SERVERS, run_event_loop, serve_app
+from kvevents.http.serving import run_event_loop, serve_app
 from kvevents.http.upstream import FullResponse, Upstream
 from kvevents.router.prompts.token_body import BadRequest, decode_tokens_body
 from kvevents.router.serve.hot_path import Receive, Scope, Send
@@ -41,7 +38,6 @@ __all__ = ["READY_PREFIX", "BareApp", "bare_app", "main"]
 READY_PREFIX = "kvevents bare ready "
 
 _HEADERS = [(b"content-type", b"application/json")]
-_RSGI_HEADERS = [("content-type", "application/json")]
 RELAYED_PATH = "/v1/completions"
 _FORWARDED = {"content-type": "application/json"}
 
@@ -59,8 +55,8 @@ def _answer(raw: bytes) -> tuple[int, bytes]:
 
 
 class BareApp:
-    """The bare app on both interfaces: ASGI (uvicorn) and RSGI (granian); on uvicorn
-    it answers inline as the router's hot path does (:mod:`kvevents.http.inline`).
+    """The bare app on ASGI, answering inline as the router's hot path does
+    (:mod:`kvevents.http.inline`).
     ``upstream``: the relay's client (default: the router's kept-alive one)."""
 
     inline_paths = frozenset({b"/route", b"/query"})
@@ -120,16 +116,6 @@ class BareApp:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
-    async def __rsgi__(self, scope: Any, proto: Any) -> None:
-        body = bytes(await proto())
-        if self.relay_to is None or scope.path != RELAYED_PATH:
-            status, answer = _answer(body)
-            proto.response_bytes(status, _RSGI_HEADERS, answer)
-            return
-        status, headers, answer = await self._relay(body)
-        text = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
-        proto.response_bytes(status, text, answer)
-
 
 async def _asgi_body(receive: Receive) -> bytes | None:
     """The request's body, or None when the client went away first."""
@@ -166,7 +152,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvevents.bench.bare_server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--http-server", choices=HTTP_SERVERS, default="uvicorn")
     parser.add_argument(
         "--relay-to",
         metavar="URL",
@@ -175,9 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kernels.load()  # before serving: the ceiling parses as a router with its kernels does
     app = BareApp(args.relay_to)
-    return run_event_loop(
-        serve_app(app, args.host, args.port, READY_PREFIX, "bare server", server=args.http_server)
-    )
+    return run_event_loop(serve_app(app, args.host, args.port, READY_PREFIX, "bare server"))
 
 
 if __name__ == "__main__":  # pragma: no cover

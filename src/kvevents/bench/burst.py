@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_MODES", "run_burst_bench"]
 
 _DP_SIZE = 4
 _PAGE = 16
-# with a replay endpoint, as the README advises: each mode's router joins an engine
+# with a replay endpoint, as docs/deployment.md advises: each mode's router joins an engine
 # that holds the earlier modes' blocks, and replays their history before it is measured
 _EVENTS_CONFIG = json.dumps(
     {

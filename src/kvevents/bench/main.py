@@ -6,7 +6,8 @@
                     ingest|burst|warm_start|all]
                    [--json OUT] [--quick]
     kvevents bench router --completions-only [--rounds N]  # the relay's added latency
-    kvevents bench --markdown [--json FILE]     # the README section, from a results file
+    kvevents bench router --pd-only [--rounds N]    # what the router adds to a P/D request
+    kvevents bench --markdown [--json FILE]     # docs/performance.md's table, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
 (``run_publisher_bench``, ``run_subscriber_bench``, ``run_index_bench``,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -97,6 +99,7 @@ def _router(quick: bool) -> dict[str, Any]:
             workers=(1,),
             completions=False,
             sync_rounds=1,
+            pd=False,
         )
     return run_router_bench()
 
@@ -108,6 +111,15 @@ def _router_completions(quick: bool, rounds: int) -> dict[str, Any]:
     if quick:
         return run_router_bench(prompts=32, duration=2.0, completions_only=True)
     return run_router_bench(completions_only=True, completions_rounds=rounds)
+
+
+def _router_pd(quick: bool, rounds: int) -> dict[str, Any]:
+    """Only the router's disaggregated (P/D) comparison, ``rounds`` alternating rounds."""
+    from kvevents.bench.router import run_router_bench
+
+    if quick:
+        return run_router_bench(prompts=16, duration=2.0, pd_only=True, pd_rounds=1)
+    return run_router_bench(pd_only=True, pd_rounds=rounds)
 
 
 def _instructions(quick: bool) -> dict[str, Any]:
@@ -178,16 +190,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with router: only /v1/completions, engine direct against through the router",
     )
     parser.add_argument(
+        "--pd-only",
+        action="store_true",
+        help="with router: only disaggregated serving, both legs sent directly against "
+        "through the router (no wrk needed)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=5,
         metavar="N",
-        help="with --completions-only: alternating rounds of the comparison (default 5)",
+        help="with --completions-only or --pd-only: alternating rounds of the comparison "
+        "(default 5)",
     )
     parser.add_argument(
         "--markdown",
         action="store_true",
-        help="print the README performance section from the results file; run nothing",
+        help="print the performance table (docs/performance.md) from the results file; run nothing",
     )
 
 
@@ -251,17 +270,23 @@ def run(args: argparse.Namespace) -> int:
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
     command = f"kvevents bench {args.which}" + (" --quick" if args.quick else "")
     runners: dict[str, Callable[[bool], dict[str, Any]]] = {}
-    if args.completions_only:
+    if args.completions_only and args.pd_only:
+        raise ConfigError(
+            "--completions-only and --pd-only each run one comparison alone: give one of them"
+        )
+    for only, flag in ((args.completions_only, "--completions-only"), (args.pd_only, "--pd-only")):
+        if not only:
+            continue
         if args.which != "router":
             raise ConfigError(
-                f"--completions-only is an option of `kvevents bench router`, not of "
-                f"{args.which!r}: run `kvevents bench router --completions-only`"
+                f"{flag} is an option of `kvevents bench router`, not of "
+                f"{args.which!r}: run `kvevents bench router {flag}`"
             )
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give at least 1")
-        rounds = args.rounds
-        runners["router"] = lambda quick: _router_completions(quick, rounds)
-        command += f" --completions-only --rounds {rounds}"
+        only_one = _router_pd if args.pd_only else _router_completions
+        runners["router"] = functools.partial(only_one, rounds=args.rounds)
+        command += f" {flag} --rounds {args.rounds}"
     if args.json is not None:
         command += f" --json {args.json}"
     doc = run_benchmarks(names, quick=args.quick, command=command, console=console, runners=runners)

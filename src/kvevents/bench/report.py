@@ -1,10 +1,10 @@
-"""Headline figures of ``kvevents bench`` results: the rich table and the README section.
+"""Headline figures of ``kvevents bench`` results: the rich table and the performance page.
 
 Each benchmark's JSON is large; :func:`headlines` picks, per benchmark, the figures
 the issues set targets for, as :class:`Figure` rows (what, measured, target, met). The
-same rows feed the terminal table (:func:`render_table`) and the README's performance
-section (:func:`render_markdown`), so the two never disagree. A benchmark missing from
-the results, or one whose JSON lacks a figure, simply yields fewer rows.
+same rows feed the terminal table (:func:`render_table`) and the table of
+``docs/performance.md`` (:func:`render_markdown`), so the two never disagree. A benchmark
+missing from the results, or one whose JSON lacks a figure, simply yields fewer rows.
 
 Over 300 lines on purpose: one headline extractor per benchmark, each a short list of
 figures; they share the rendering and are read side by side.
@@ -301,6 +301,7 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
             "",
             None,
         )
+    yield from _router_pd(r.get("pd"))
     cost = r.get("note_cost")
     if cost is not None:
         ratios = cost["round_ratios_on_over_off"]
@@ -331,6 +332,28 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
                 "",
                 None,
             )
+
+
+def _router_pd(pd: dict[str, Any] | None) -> Iterator[Figure]:
+    """The disaggregated comparison (:mod:`kvevents.bench.pd_router`), when it ran."""
+    if pd is None:
+        return
+    rounds = pd["rounds"]
+    added = ", ".join(f"{a:+.1f}" for a in pd["added_p50_ms"])
+    median = pd["added_p50_ms_median"]
+    direct = statistics.median(r["direct"]["p50_ms"] for r in rounds)
+    cpu = [r["via"].get("router_cpu_us_per_request") for r in rounds]
+    known = [c for c in cpu if c is not None]
+    per = f"; router CPU {statistics.median(known):.0f} us per request" if known else ""
+    yield Figure(
+        "router",
+        f"P/D /v1/completions added p50 (SGLang legs, {pd['setup']['connections']} in "
+        f"flight), median of {len(rounds)} alternating rounds",
+        f"{median:+.1f} ms over both legs sent directly (p50 {direct:.1f} ms; rounds: "
+        f"{added}){per}",
+        "<= +2 ms",
+        median <= 2.0,
+    )
 
 
 def _instructions(r: dict[str, Any]) -> Iterator[Figure]:
@@ -476,7 +499,7 @@ def render_table(doc: dict[str, Any], console: Console) -> None:
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
-    """The README's performance section (without the markers), from a bench JSON document."""
+    """The performance page's table (without the markers), from a bench JSON document."""
     machine = doc.get("machine", {})
     lines = [
         f"Measured with `{doc.get('command', 'kvevents bench all')}` on {doc.get('date', '?')}, "
@@ -505,7 +528,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def splice_readme(readme: str, section: str) -> str:
-    """``readme`` with the text between the performance markers replaced by ``section``.
+    """``readme`` (a markdown page: ``docs/performance.md``) with the text between the
+    performance markers replaced by ``section``.
 
     Adds a ``## Performance`` heading with the markers at the end when they are missing.
     """

@@ -10,9 +10,6 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
 * ``/route`` and ``/query`` of the router, with one process and with ``--workers 2``;
 * the bare server (:mod:`kvevents.bench.bare_server`): the same HTTP stack that only
   parses the body, the ceiling for any router on it;
-* each of those on both HTTP servers the router offers (``--http-server uvicorn``, the
-  default, and ``granian``), so the two stacks are compared in the same run; granian's
-  run names end in ``_granian``;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
   directly and through a bare relay (the same HTTP stack and client forwarding without
   routing: the bare server's ``--relay-to``), alternating over ``completions_rounds``
@@ -22,7 +19,11 @@ through the stored prompts, at ``connections`` connections for ``duration`` seco
   runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
   without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
-  (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``).
+  (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``);
+* disaggregated serving, once the rest has stopped: a prefill and a decode engine
+  behind ``kvevents router --prefill --decode``, against a client sending both legs
+  itself, alternating over ``pd_rounds`` rounds (:mod:`kvevents.bench.pd_router`;
+  ``results["pd"]``); ``pd_only`` runs this comparison and nothing else, without wrk.
 
 A little over 300 lines on purpose: the benchmark's one run, its loads in the order
 they run; the ceiling server and the note-cost rounds are modules of their own.
@@ -52,10 +53,10 @@ import httpx
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
 from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
+from kvevents.bench.pd_router import run_pd_bench
 from kvevents.demo.procs import Child
-from kvevents.errors import ConfigError, KVEventsError
-from kvevents.http.granian_serving import require_granian
-from kvevents.http.serving import HTTP_SERVERS, HttpServer
+from kvevents.errors import KVEventsError
+from kvevents.http.serving import HttpServer
 
 __all__ = ["EVENTS_CONFIG_WITH_REPLAY", "run_router_bench"]
 
@@ -161,7 +162,6 @@ def _write_bodies(folder: Path, name: str, docs: Sequence[dict[str, Any]]) -> Pa
 def _bare_child(server: HttpServer, relay_to: str | None = None) -> Child:
     bare = Child("bare", [])
     bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
-    bare.argv += ["--http-server", server]
     if relay_to is not None:
         bare.argv += ["--relay-to", relay_to]
     bare.ready_prefix = BARE_READY
@@ -175,7 +175,6 @@ def _suffix(server: HttpServer) -> str:
 
 def _start_router(engine: str, workers: int, server: HttpServer) -> tuple[Child, str]:
     args = ["--engine", engine, "--port", "0", "--workers", str(workers)]
-    args += ["--http-server", server]
     router = Child("router", args)
     return router, router.start(timeout=60.0)
 
@@ -192,28 +191,26 @@ def run_router_bench(
     sync_rounds: int = 3,
     completions_rounds: int = 5,
     completions_only: bool = False,
+    pd: bool = True,
+    pd_rounds: int = 5,
+    pd_only: bool = False,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
-    ``http_servers``: None runs both when granian is installed, else uvicorn alone (the
-    results' ``setup`` then says how to add granian). ``completions_only``: only the
+    ``http_servers``: the router's HTTP servers (uvicorn, the one there is).
+    ``completions_only``: only the
     ``/v1/completions`` comparison (one uvicorn router process, the 2,048-token prompts
     stored; no bare server, no ``/route`` or ``/query`` loads, no note-cost rounds).
+    ``pd``: the disaggregated comparison too; ``pd_only``: that alone.
     """
+    if pd_only:
+        return _pd_only(prompts, duration, connections, pd_rounds)
     _wrk()
     if completions_only:
         completions, workers, http_servers, sync_rounds = True, (1,), ("uvicorn",), 0
-        long_prompts = 0
+        long_prompts, pd = 0, False
     skipped: dict[str, str] = {}
-    servers: Sequence[HttpServer] = ("uvicorn",)
-    if http_servers is not None:
-        servers = http_servers
-    else:
-        try:
-            require_granian()
-            servers = HTTP_SERVERS
-        except ConfigError as exc:
-            skipped["granian"] = str(exc)
+    servers: Sequence[HttpServer] = ("uvicorn",) if http_servers is None else http_servers
     short = _prompts(prompts, 2048, seed=1)
     long = _prompts(long_prompts, 8192, seed=2)
     blocks = (len(short) * 2048 + len(long) * 8192) // _BLOCK
@@ -232,6 +229,7 @@ def run_router_bench(
             "sync_rounds": sync_rounds,
             "completions_rounds": completions_rounds if completions else 0,
             "completions_only": completions_only,
+            "pd_rounds": pd_rounds if pd else 0,
         },
         "runs": {},
     }
@@ -317,8 +315,29 @@ def run_router_bench(
             for bare in bares.values():
                 bare.stop()
             engine.stop()
+    if pd:
+        _add_pd(results, run_pd_bench(duration=duration, connections=connections, rounds=pd_rounds))
     _summarise(results)
     return results
+
+
+def _pd_only(prompts: int, duration: float, connections: int, rounds: int) -> dict[str, Any]:
+    setup = {"connections": connections, "duration_s": duration, "pd_only": True}
+    results: dict[str, Any] = {"setup": {**setup, "pd_rounds": rounds}, "runs": {}}
+    compared = run_pd_bench(
+        prompts=prompts, duration=duration, connections=connections, rounds=rounds
+    )
+    _add_pd(results, compared)
+    _summarise(results)
+    return results
+
+
+def _add_pd(results: dict[str, Any], compared: dict[str, Any]) -> None:
+    """The P/D comparison in the results; its first round's runs under their run names."""
+    results["pd"] = compared
+    first = compared["rounds"][0]
+    results["runs"]["pd_direct"] = first["direct"]
+    results["runs"]["pd_via_router"] = first["via"]
 
 
 def _summarise(results: dict[str, Any]) -> None:
@@ -339,6 +358,9 @@ def _summarise(results: dict[str, Any]) -> None:
     bare = runs.get("completions_via_bare_relay")
     if direct and bare:
         summary["completions_bare_relay_added_p50_ms"] = bare["p50_ms"] - direct["p50_ms"]
+    pd = results.get("pd")
+    if pd is not None:
+        summary["pd_added_p50_ms_median"] = pd["added_p50_ms_median"]
     compared = results.get("completions")
     if compared is not None:
         summary["completions_added_p50_ms_median"] = compared["added_p50_ms_median"]

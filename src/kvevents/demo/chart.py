@@ -74,8 +74,14 @@ def draw_chart(
     per_rank: dict[str, list[int]],
     title: str,
     window: int = 100,
+    *,
+    x_label: str = "request (trace order)",
+    y_label: str = "prefix-cache hit rate",
+    bound_label: str = "pooled cache (upper bound)",
+    rank_label: str = "dp rank",
 ) -> Path:
-    """Write the chart to ``path`` (a PNG) and return it."""
+    """Write the chart to ``path`` (a PNG) and return it; the labels name the axes, the
+    bound's line and the right panel's bars (the P/D demo plots its prefill pool)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,10 +112,10 @@ def draw_chart(
             color=_COLORS["upper_bound"],
             linewidth=2.0,
             linestyle="--",
-            label="pooled cache (upper bound)",
+            label=bound_label,
         )
-        left.set_xlabel("request (trace order)")
-        left.set_ylabel("prefix-cache hit rate")
+        left.set_xlabel(x_label)
+        left.set_ylabel(y_label)
         left.yaxis.set_major_formatter(lambda v, _pos: f"{100 * v:.0f}%")
         left.set_ylim(bottom=0)
         left.grid(alpha=0.3)
@@ -129,7 +135,7 @@ def draw_chart(
                 label=labels.get(name, name),
             )
         right.set_xticks(range(ranks))
-        right.set_xlabel("dp rank")
+        right.set_xlabel(rank_label)
         right.set_ylabel("prompt tokens served (millions)")
         right.grid(axis="y", alpha=0.3)
         right.legend(fontsize=8)

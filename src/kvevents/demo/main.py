@@ -66,7 +66,13 @@ from kvevents.errors import ConfigError
 from kvevents.results import finite_json, write_results
 from kvevents.types import NonNegativeInt, PositiveFloat, PositiveInt, bounded
 
-__all__ = ["add_arguments", "run", "run_demo", "run_routing_bench"]
+__all__ = [
+    "add_arguments",
+    "engine_args",
+    "run",
+    "run_demo",
+    "run_routing_bench",
+]
 
 DEFAULTS: dict[str, Any] = {
     "requests": 1000,
@@ -158,7 +164,8 @@ def run_routing_bench(
     return result
 
 
-def _engine_args(args: argparse.Namespace) -> list[str]:
+def engine_args(args: argparse.Namespace) -> list[str]:
+    """``kvevents engine``'s options for the demo's settings (KV events on loopback, OS ports)."""
     kv_config = {
         "publisher": "zmq",
         "endpoint": "tcp://127.0.0.1:0",
@@ -316,7 +323,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         router_extra = shlex.split(args.router_args)
     except ValueError as exc:
         raise ConfigError(f"--router-args {args.router_args!r}: {exc}") from None
-    engine = Child("engine", _engine_args(args))
+    engine = Child("engine", engine_args(args))
     router = Child("router", ["--port", "0", "--workers", "1", *router_extra])
     groups = replica_groups(args.routers, not args.no_sync, router_extra)
     nats = NatsChild() if "replicas_sync" in groups else None

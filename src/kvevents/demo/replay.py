@@ -12,7 +12,9 @@ counted as cached on the rank it chose) is recorded per request, in arrival orde
 Several targets are taken in turn, from a list the caller may change while the replay
 runs (the demo's restart step takes a killed replica out and puts its successor in).
 A request whose connection fails (the target is gone) is sent once more, to the next
-target, as a load balancer would; :attr:`PolicyRun.retried` counts those.
+target, as a load balancer would; :attr:`PolicyRun.retried` counts those. A caller that
+sends its requests another way (the P/D demo's baseline sends both legs itself) gives
+``send``, and keeps the arrival times and the bound on requests in flight.
 
 :func:`pooled_upper_bound` replays the same requests, in the same order, on one
 in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all
@@ -27,9 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -39,7 +42,16 @@ from kvevents.errors import ConfigError
 from kvevents.traces import TraceRequest, load_trace, request_tokens
 from kvevents.wire.hashing import get_hash_scheme
 
-__all__ = ["Outcome", "PolicyRun", "Workload", "pooled_upper_bound", "replay"]
+__all__ = [
+    "Outcome",
+    "PolicyRun",
+    "Sender",
+    "TargetGone",
+    "Workload",
+    "pooled_upper_bound",
+    "replay",
+    "send_generate",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,8 @@ class Outcome:
     router_cached_blocks: float | None = None
     """Blocks the router counted as cached on the chosen rank (its answer's
     ``router.cached_blocks``); None when the target is not a router."""
+    routed: dict[str, Any] | None = None
+    """The answer's ``router`` member as it came (where a router sent the request)."""
 
 
 @dataclass
@@ -123,11 +137,13 @@ class PolicyRun:
         return [o.error for o in self.outcomes if o is not None and o.error is not None]
 
 
-class _Gone(Exception):
+class TargetGone(Exception):
     """The connection to the target failed: worth sending to another one."""
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> Outcome:
+async def send_generate(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> Outcome:
+    """POST ``body`` to ``url`` (a ``/generate``) and read the answer as an :class:`Outcome`
+    (an error one when it failed); :class:`TargetGone` when the connection failed."""
     sent = time.monotonic()
     try:
         response = await client.post(
@@ -135,7 +151,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> 
         )
         answer = response.json() if response.status_code == 200 else None
     except httpx.TransportError as exc:
-        raise _Gone(f"{type(exc).__name__}: {exc}") from None
+        raise TargetGone(f"{type(exc).__name__}: {exc}") from None
     except (httpx.HTTPError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
         return Outcome(-1, 0, 0, sent - t0, time.monotonic() - sent, error)
@@ -159,7 +175,13 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, t0: float) -> 
         time.monotonic() - sent,
         target=url,
         router_cached_blocks=float(counted) if isinstance(counted, int | float) else None,
+        routed=routed if isinstance(routed, dict) else None,
     )
+
+
+Sender = Callable[[httpx.AsyncClient, int, bytes, float], Awaitable[Outcome]]
+"""Sends request ``i`` (its ``/generate`` body) on the replay's client; ``t0`` is the
+replay's start (``Outcome.sent_s`` counts from it)."""
 
 
 async def replay(
@@ -170,38 +192,45 @@ async def replay(
     concurrency: int,
     on_done: Callable[[Outcome], None] | None = None,
     timeout: float = 120.0,
+    send: Sender | None = None,
 ) -> PolicyRun:
     """Send every request of ``workload`` to ``url`` (a ``/generate`` endpoint, or several,
     taken in turn: request ``i`` goes to ``url[i % len(url)]``, the list as it is when
-    the request is sent); see the module docstring."""
+    the request is sent), or with ``send`` (``url`` unused); see the module docstring."""
     urls = [url] if isinstance(url, str) else url
     if concurrency < 1:
         raise ConfigError(f"--concurrency {concurrency}: must be at least 1")
     run = PolicyRun(name, [None] * len(workload))
     slots = asyncio.Semaphore(concurrency)
     # Idle connections expire before the servers' (uvicorn: 5 s) keep-alive timeout closes them.
+    # Two per request: a ``send`` may hold two legs open at once, and a leg waiting for its
+    # other half must never wait for a connection that half needs.
     limits = httpx.Limits(
-        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+        max_connections=2 * concurrency,
+        max_keepalive_connections=2 * concurrency,
+        keepalive_expiry=2.0,
     )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = run.started = time.monotonic()
 
-        async def send(i: int) -> Outcome:
+        async def send_one(i: int) -> Outcome:
             body = workload.body(i)
+            if send is not None:
+                return await send(client, i, body, t0)
             now = tuple(urls)  # one copy: another thread may change the list
             try:
-                return await _send(client, now[i % len(now)], body, t0)
-            except _Gone:
+                return await send_generate(client, now[i % len(now)], body, t0)
+            except TargetGone:
                 run.retried += 1
             now = tuple(urls)
             try:
-                return await _send(client, now[(i + 1) % len(now)], body, t0)
-            except _Gone as exc:
+                return await send_generate(client, now[(i + 1) % len(now)], body, t0)
+            except TargetGone as exc:
                 return Outcome(-1, 0, 0, time.monotonic() - t0, 0.0, str(exc))
 
         async def one(i: int) -> None:
             try:
-                outcome = await send(i)
+                outcome = await send_one(i)
             finally:
                 slots.release()
             run.outcomes[i] = outcome

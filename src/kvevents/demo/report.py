@@ -1,6 +1,6 @@
 """The demo's figures: per-policy summaries, the results document, and the rich table.
 
-Definitions (the same in the table, the JSON and the README):
+Definitions (the same in the table, the JSON and docs/performance.md):
 
 * **hit rate**: cached prompt tokens / prompt tokens, as the engine reported them per
   request (``cached_tokens`` / ``prompt_tokens`` of ``/generate``), summed over requests.
@@ -28,6 +28,7 @@ from kvevents.demo.replay import Outcome, PolicyRun, hit_rate
 __all__ = [
     "POLICY_LABELS",
     "UPPER_BOUND_LABEL",
+    "percentile",
     "render_table",
     "results_document",
     "summarize",
@@ -43,7 +44,8 @@ POLICY_LABELS = {
 UPPER_BOUND_LABEL = "pooled cache (bound)"
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; 0.0 when empty)."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -73,8 +75,8 @@ def summarize(run: PolicyRun, dp_size: int) -> dict[str, Any]:
         "errors": run.failed[:5],
         "wall_s": run.wall_s,
         "requests_per_s": len(done) / run.wall_s if run.wall_s else 0.0,
-        "latency_ms_p50": _percentile(latencies, 0.50),
-        "latency_ms_p99": _percentile(latencies, 0.99),
+        "latency_ms_p50": percentile(latencies, 0.50),
+        "latency_ms_p99": percentile(latencies, 0.99),
     }
 
 

@@ -1,0 +1,273 @@
+"""`kvevents demo --prefill-engines N --decode-engines M`: the disaggregated demo end to end,
+its option checks, its baseline's legs and its figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from kvevents.cli.main import main
+from kvevents.demo.pd_baseline import RoundRobinPrefill
+from kvevents.demo.pd_figures import counts_over, summarize_pd, targets_met, unbounded_hits
+from kvevents.demo.replay import Outcome, PolicyRun
+
+DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
+
+
+def _stopped(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def _alive_after(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running after ``timeout`` seconds (empty when all stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if not _stopped(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_short_pd_demo_reports_both_pools_and_stops_everything(tmp_path: Path) -> None:
+    """A 300-request P/D demo (2 prefill and 1 decode engines, dp 2): every request served,
+    KV-aware prefill choice beats round-robin on the prefill pool's hit rate without
+    passing its pooled bound, the figures add up, and every process it started is stopped."""
+    out = tmp_path / "pd.json"
+    argv = ["--prefill-engines", "2", "--decode-engines", "1", "--dp-size", "2"]
+    proc = subprocess.run(
+        [*DEMO, *argv, "--requests", "300", "--json", str(out), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "disaggregated" and doc["ok"] is True
+    assert doc["settings"]["prefill_engines"] == 2 and doc["settings"]["decode_engines"] == 1
+    kv, rr = doc["policies"]["kv_aware"], doc["policies"]["round_robin"]
+    for p in (kv, rr):
+        assert p["requests"] == 300 and p["failed"] == 0
+        assert p["handed_off"] + p["prefills_skipped"] == 300
+        assert p["prefill_prompt_tokens"] > 0 and p["blocks_transferred"] > 0
+        assert p["prefill_hit_rate"] <= p["prefill_bound_hit_rate"] + 0.005
+        assert abs(p["placement_hit_rate"] - p["prefill_hit_rate"]) < 0.01
+        assert p["tokens_computed"] == p["prefill_tokens_computed"] + p["decode_tokens_computed"]
+        assert len(p["prompt_tokens_per_rank"]["prefill"]) == 4
+        assert len(p["prompt_tokens_per_rank"]["decode"]) == 2
+        assert set(p["load_max_over_min"]) == {"prefill", "decode"}
+    assert kv["prefill_hit_rate"] > rr["prefill_hit_rate"] > 0
+    assert doc["targets"]["beats_round_robin"] is True
+    assert doc["trace_bound_hit_rate"] > 0
+    events = doc["events"]
+    assert events["lost"] == 0 and events["batches_delivered"] == events["batches_published"] > 0
+    assert len(doc["index_consistency"]) == 6  # two runs x three engines
+    assert all(c["consistent"] for c in doc["index_consistency"].values())
+    assert Path(doc["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Disaggregated serving: the prefill choice" in proc.stdout
+    procs = doc["processes"]
+    pids = [*procs["prefill"], *procs["decode"], procs["router"], *procs["ranks"]]
+    assert len(procs["ranks"]) == 6
+    assert _alive_after(pids) == []
+
+
+@pytest.mark.slow
+def test_sigterm_mid_trace_stops_every_engine_rank_and_the_router() -> None:
+    """SIGTERM while the P/D demo replays ends it with code 130, no traceback, and every
+    engine, rank and router it started stopped."""
+    argv = ["--prefill-engines", "1", "--decode-engines", "1", "--dp-size", "1"]
+    proc = subprocess.Popen(
+        [*DEMO, *argv, "--requests", "400", "--no-chart"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        engines: list[str] = []
+        deadline = time.monotonic() + 90
+        while not (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))).startswith(
+            "replaying"
+        ):
+            if " engine ready: " in line:
+                engines.append(line.split()[-1])
+        ranks = [
+            r["pid"]
+            for url in engines
+            for r in httpx.get(f"{url}/health", timeout=10).json()["ranks"]
+        ]
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        stderr = proc.stderr.read() if proc.stderr else ""
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert code == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert len(engines) == 2 and len(children) == 3 and len(ranks) == 2
+    assert _alive_after(children + ranks) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-engines", "2"], "--prefill-engines needs --decode-engines"),
+        (["--decode-engines", "1"], "--decode-engines needs --prefill-engines"),
+        (
+            ["--prefill-engines", "1", "--decode-engines", "1", "--routers", "2"],
+            "--routers 2 cannot be combined with --prefill-engines",
+        ),
+        (
+            ["--prefill-engines", "1", "--decode-engines", "1", "--router-args", "--decode x"],
+            "--router-args gives --decode",
+        ),
+    ],
+)
+def test_bad_pd_option_combinations_exit_2_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A P/D flag without its partner, with --routers, or with pools in --router-args is
+    refused before anything starts: exit code 2 and a message naming the option."""
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvevents demo: error: ") and message in err
+
+
+def test_a_pool_of_no_engines_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    """--prefill-engines 0 is a usage error naming the option."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--prefill-engines", "0", "--decode-engines", "1"])
+    assert info.value.code == 2
+    assert "argument --prefill-engines: 0: must be" in capsys.readouterr().err
+
+
+def test_the_baseline_sends_both_legs_to_prefill_ranks_in_turn() -> None:
+    """The baseline keeps the router's decode holder, sends each handed-off request's legs
+    with one room to the next prefill rank in turn, and a skipped one to the decode alone."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    skip = {3}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((f"{request.url.host}:{request.url.port}{request.url.path}", body))
+        if request.url.path == "/route":
+            skipped = len([s for s in seen if s[0].endswith("/route")]) - 1 in skip
+            return httpx.Response(
+                200, json={"worker": "http://d:1", "dp_rank": 1, "prefill_skipped": skipped}
+            )
+        n = len(body["input_ids"])
+        return httpx.Response(
+            200, json={"dp_rank": body["routed_dp_rank"], "prompt_tokens": n, "cached_tokens": 0}
+        )
+
+    baseline = RoundRobinPrefill(
+        "http://r:9",
+        [("http://p1:2", 0), ("http://p1:2", 1), ("http://p2:3", 0)],
+        {"http://p1:2": ("p1", 70), "http://p2:3": ("p2", 80)},
+    )
+
+    async def go() -> list[Outcome]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            out = []
+            for i in range(5):
+                body = msgspec.json.encode({"input_ids": [i, 1, 2], "max_new_tokens": 2})
+                out.append(await baseline(client, i, body, time.monotonic()))
+            return out
+
+    outcomes = asyncio.run(go())
+    assert [o.error for o in outcomes] == [None] * 5
+    prefills = [(where, b) for where, b in seen if where.startswith("p")]
+    assert [(w, b["routed_dp_rank"]) for w, b in prefills] == [
+        ("p1:2/generate", 0),
+        ("p1:2/generate", 1),
+        ("p2:3/generate", 0),
+        ("p1:2/generate", 0),
+    ]
+    decodes = [b for where, b in seen if where.startswith("d")]
+    assert len(decodes) == 5 and all(b["routed_dp_rank"] == 1 for b in decodes)
+    handed = [b for b in decodes if "bootstrap_room" in b]
+    assert len(handed) == 4
+    assert [b["bootstrap_room"] for b in handed] == [b["bootstrap_room"] for _, b in prefills]
+    assert [b["disagg_prefill_dp_rank"] for b in handed] == [0, 1, 0, 0]
+    assert [(b["bootstrap_host"], b["bootstrap_port"]) for _, b in prefills][2] == ("p2", 80)
+    assert outcomes[3].routed is not None and outcomes[3].routed["prefill"] is None
+    assert outcomes[2].routed is not None
+    assert outcomes[2].routed["prefill"] == {"worker": "http://p2:3", "dp_rank": 0}
+
+
+def test_unbounded_hits_are_the_leading_keys_each_place_has_seen() -> None:
+    """A request's hit is the run of its leading keys its place has already seen; other
+    places' keys do not count, and unsent requests get None."""
+    keys = [[1, 2, 3], [1, 2, 9], [1, 2, 3, 4], [1, 2], [5]]
+    assert unbounded_hits(keys, ["a", "a", "b", None, "a"], 16) == [0, 32, 0, None, 0]
+    assert unbounded_hits(keys, ["a"] * 5, 16) == [0, 32, 48, 32, 0]
+
+
+def test_pd_figures_add_up_from_outcomes_and_engine_counters() -> None:
+    """The prefill hit rate is the engines' counters', the pooled bound and placement come
+    from the keys, skipped and handed-off requests are told apart by the router's verdict,
+    and a failed request counts as failed only."""
+
+    def handed(rank: int, cached: int = 64) -> Outcome:
+        routed = {"prefill": {"worker": "p", "dp_rank": rank}, "prefill_skipped": False}
+        return Outcome(0, 64, cached, 0.0, 0.01, routed=routed)
+
+    skipped = Outcome(0, 64, 48, 0.0, 0.02, routed={"prefill": None, "prefill_skipped": True})
+    failed = Outcome(-1, 0, 0, 0.0, 0.0, error="HTTP 502")
+    run = PolicyRun("kv_aware", [handed(0), handed(1), handed(0, cached=48), skipped, failed], 1.0)
+    keys = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 7], [1, 2, 3, 7], [9]]
+    counts = {
+        "prefill": {("p", 0): (128, 48), ("p", 1): (64, 0)},
+        "decode": {("d", 0): (256, 0)},
+    }
+    figures, curves = summarize_pd(run, keys, 16, counts)
+    assert figures["requests"] == 4 and figures["failed"] == 1
+    assert figures["handed_off"] == 3 and figures["prefills_skipped"] == 1
+    assert figures["prefill_hit_rate"] == 48 / 192
+    assert figures["prefill_bound_hit_rate"] == (64 + 48) / 192
+    assert curves["placement"] == [(64, 0), (64, 0), (64, 48)]
+    assert curves["pooled"] == [(64, 0), (64, 64), (64, 48)]
+    assert figures["prefill_tokens_computed"] == 144
+    assert figures["decode_tokens_computed"] == 0 + 0 + 16 + 16
+    assert figures["blocks_transferred"] == 12
+    assert figures["load_max_over_min"] == {"prefill": 2.0, "decode": 1.0}
+    assert counts_over(counts, {"prefill": {("p", 0): (28, 8)}, "decode": {}}) == {
+        "prefill": {("p", 0): (100, 40), ("p", 1): (64, 0)},
+        "decode": {("d", 0): (256, 0)},
+    }
+    rr = dict(figures, prefill_hit_rate=0.1, prefill_of_bound=0.2)
+    met = targets_met({"kv_aware": figures, "round_robin": rr})
+    assert met["beats_round_robin"] is True and met["prefill_of_bound_met"] is False
+    assert met["load_met"] == {"prefill": False, "decode": True}
