@@ -1,17 +1,14 @@
 """How a router's processes share the machine: requests/s, CPU and context switches per
-``/route`` request for each HTTP server and ``--workers`` count, in alternating rounds.
+``/route`` request for each ``--workers`` count, in alternating rounds.
 
-    python benchmarks/router_workers.py [--rounds 2] [--duration 8] [--workers 1 2]
-                                        [--servers uvicorn granian] [--json OUT]
+    python benchmarks/router_workers.py [--rounds 2] [--duration 8] [--workers 1 2] [--json OUT]
 
 The load is ``kvevents bench router``'s (2,048-token prompts stored on a
 ``kvevents engine --dp-size 4``, wrk at 32 connections; needs ``wrk``, Debian:
 ``apt-get install wrk``). Per run it reads, from ``/proc``, the CPU time and the
 voluntary and involuntary context switches of every thread of the router's processes
-(the parent and its workers), divided by the requests answered. It is what chose
-``--workers``' default with granian (one process per two cores): a granian process
-keeps its Rust I/O thread and its Python thread busy and hands each request between
-them, so more granian processes than half the cores switch threads on every handoff.
+(the parent and its workers), divided by the requests answered: what one more router
+process costs the machine beside what it adds.
 Prints the figures and writes them as JSON (default benchmarks/results/router_workers.json).
 """
 
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of every run")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--servers", nargs="+", default=["uvicorn", "granian"])
+    parser.add_argument("--servers", nargs="+", default=["uvicorn"], help=argparse.SUPPRESS)
     parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"output (default {DEFAULT_JSON})"
     )

@@ -42,9 +42,9 @@ def engine() -> Iterator[Engine]:
     eng.stop()
 
 
-@pytest.fixture(scope="module", params=["granian", "uvicorn"])
-def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--max-body-bytes", str(LIMIT), "--http-server", request.param)
+@pytest.fixture(scope="module")
+def router(engine: Engine) -> Iterator[RouterProc]:
+    proc = RouterProc([engine.url], "--max-body-bytes", str(LIMIT))
     wait_until(lambda: proc.connected() == 2, 20, "both streams connected")
     wait_until(
         lambda: proc.post("/route", {"input_ids": [1]}).status_code == 200, 20, "a rank routable"

@@ -139,3 +139,15 @@ def test_pools_refuse_an_engine_in_both_and_an_empty_pool() -> None:
         PDPools([], ["b"])
     split = POOLS.split([P0, D0, Holder("http://other:1", 0), P1])
     assert split == ([P0, P1], [D0])
+
+
+def test_round_robin_turns_each_pool_through_all_its_ranks() -> None:
+    """With --policy round-robin each pool keeps its own turns: over four requests both
+    pools use both of their ranks (one shared turn sent each pool to every other rank)."""
+    router = _router()
+    chosen = [
+        decide_pd(router, POOLS, [[i] * 8], max_local_prefill_tokens=0, policy="round-robin")
+        for i in range(1, 5)
+    ]
+    assert {d.decode.holder for d in chosen} == {D0, D1}
+    assert {d.prefill.holder for d in chosen if d.prefill is not None} == {P0, P1}

@@ -1,6 +1,6 @@
 """POST-only routes answer 405 to other methods, and a ``/route`` or ``/query`` body with a
 member the router does not take is a 400 naming it, on every decoding path: msgspec
-alone, the compiled kernels' (ids first), uvicorn's inline path and granian's."""
+alone, the compiled kernels' (ids first), and uvicorn's inline path."""
 
 from __future__ import annotations
 
@@ -86,7 +86,6 @@ def engine() -> Iterator[Engine]:
 ROUTERS = {
     "uvicorn": ((), {}),
     "uvicorn-no-kernels": ((), {"KVEVENTS_KERNELS": "0"}),
-    "granian": (("--http-server", "granian"), {}),
 }
 
 

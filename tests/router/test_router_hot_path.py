@@ -1,7 +1,6 @@
 """The routing hot path over real HTTP: answers, errors, limits, and N processes on one port.
 
-Answers, errors and limits are checked on both HTTP servers the router offers
-(``--http-server uvicorn`` and ``granian``)."""
+Answers, errors and limits are checked on the router's own HTTP stack."""
 
 from __future__ import annotations
 
@@ -30,9 +29,9 @@ def engine() -> Iterator[Engine]:
     eng.stop()
 
 
-@pytest.fixture(scope="module", params=["uvicorn", "granian"])
-def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--max-body-bytes", "200000", "--http-server", request.param)
+@pytest.fixture(scope="module")
+def router(engine: Engine) -> Iterator[RouterProc]:
+    proc = RouterProc([engine.url], "--max-body-bytes", "200000")
     wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
     # every request below takes the native path (kvevents.kernels), from the first
     assert _kernels(proc) == "compiled"
@@ -90,7 +89,7 @@ def test_route_answers_the_top_scores_unless_asked_for_all(
         (b"[1, 2]", 400, "object"),
         (b'{"text": "' + b"a" * 300_000 + b'"}', 413, "--max-body-bytes"),
         (b'{"input_ids": [1, 2, 3, 4], "extra_keys": "x"}', 400, "extra_keys"),
-        (  # an int past 64 bits cannot be keyed: it was a 500 (an empty one on granian)
+        (  # an int past 64 bits cannot be keyed: it was a 500
             b'{"input_ids": [1, 2, 3, 4], "extra_keys": [["img", 18446744073709551616]]}',
             400,
             "block 0's extra keys",
@@ -268,53 +267,6 @@ def test_a_chunked_body_past_the_limit_is_refused(router: RouterProc) -> None:
     with httpx.Client(base_url=router.url, timeout=10.0) as client:
         answer = client.post("/query", content=chunks())
         assert answer.status_code == 413
-
-
-def test_granian_serves_every_other_route_and_stops_cleanly(engine: Engine) -> None:
-    """On granian the FastAPI routes answer through the ASGI bridge (a stream arrives as
-    server-sent events, an unknown path is a 404), and SIGTERM exits 0."""
-    proc = RouterProc([engine.url], "--http-server", "granian")
-    try:
-        wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
-        workers = proc.http.get("/workers")
-        assert workers.status_code == 200 and workers.json()["process"]["workers"] == 1
-        assert proc.http.get("/metrics").text.startswith("# HELP")
-        assert proc.http.get("/no-such-path").status_code == 404
-        body = {"prompt": "hello there", "max_tokens": 3, "stream": True}
-        with proc.http.stream("POST", "/v1/completions", json=body) as answer:
-            assert answer.status_code == 200
-            assert answer.headers["content-type"].startswith("text/event-stream")
-            events = [line for line in answer.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) >= 2
-        plain = proc.post("/v1/completions", {"prompt": "hello there", "max_tokens": 2})
-        assert plain.status_code == 200 and plain.json()["choices"][0]["text"]
-    finally:
-        assert proc.stop() == 0
-
-
-def test_granian_asks_for_the_key_on_the_hot_path_and_behind_it(engine: Engine) -> None:
-    """With --api-key on granian, /route (answered natively) and /workers (through the
-    bridge) refuse a missing or wrong key with 401, and answer with the right one."""
-    proc = RouterProc([engine.url], "--http-server", "granian", "--api-key", "s3cret-key")
-    try:
-        good = {"authorization": "Bearer s3cret-key"}
-        body = {"input_ids": [1, 2, 3, 4]}
-        for headers in ({}, {"authorization": "Bearer wrong"}):
-            for answer in (
-                proc.http.post("/route", json=body, headers=headers),
-                proc.http.get("/workers", headers=headers),
-            ):
-                assert answer.status_code == 401, answer.text
-                assert answer.headers["www-authenticate"].startswith("Bearer")
-        wait_until(
-            lambda: proc.http.post("/route", json=body, headers=good).status_code == 200,
-            20,
-            "/route answering with the key",
-        )
-        assert proc.http.get("/workers", headers=good).status_code == 200
-        assert proc.http.get("/health").status_code == 200
-    finally:
-        assert proc.stop() == 0
 
 
 def test_workers_share_one_port_and_each_others_load(engine: Engine) -> None:

@@ -211,45 +211,40 @@ def test_a_restarted_worker_that_hangs_before_it_is_ready_is_stopped_and_restart
             proc.join(10)
 
 
-@pytest.mark.parametrize(
-    ("server", "cores", "expected"),
-    [
-        ("uvicorn", 1, 1),
-        ("uvicorn", 2, 2),
-        ("uvicorn", 16, 16),
-        ("granian", 1, 1),
-        ("granian", 2, 1),
-        ("granian", 3, 1),
-        ("granian", 16, 8),
-    ],
-)
-def test_default_workers_are_one_per_core_and_one_per_two_cores_on_granian(
-    server: str, cores: int, expected: int
-) -> None:
-    """A granian process keeps two threads busy: by default it gets two cores."""
-    assert default_workers(server, cores) == expected
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 2), (16, 16)])
+def test_default_workers_are_one_per_core(cores: int, expected: int) -> None:
+    """By default the router starts one process per core it may run on."""
+    assert default_workers(cores) == expected
 
 
-@pytest.mark.parametrize("server", ["uvicorn", "granian"])
-def test_a_router_without_workers_starts_the_default_count(engine: Engine, server: str) -> None:
+def test_a_router_without_workers_starts_the_default_count(engine: Engine) -> None:
     """Without --workers the router starts default_workers() processes for the cores it
     may run on (two here, whatever the machine has), as /workers says
     (``process.workers``); --help states the default for where it runs."""
     usable = os.sched_getaffinity(0)
     os.sched_setaffinity(0, sorted(usable)[:2])  # the router inherits it
     try:
-        proc = KVEventsProcess(
-            "router", ["--engine", engine.url, "--port", "0", "--http-server", server]
-        )
+        proc = KVEventsProcess("router", ["--engine", engine.url, "--port", "0"])
     finally:
         os.sched_setaffinity(0, usable)
     try:
-        expected = default_workers(server, min(2, len(usable)))
+        expected = default_workers(min(2, len(usable)))
         assert proc.http.get("/workers").json()["process"]["workers"] == expected
     finally:
         proc.stop()
     shown = run_kvevents("router", "--help").stdout
-    assert f"here {default_workers('granian')}: each granian process" in " ".join(shown.split())
+    assert f"one per usable core, here {default_workers()})" in " ".join(shown.split())
+
+
+def test_http_server_granian_is_refused_naming_what_serves() -> None:
+    """granian is gone: asking for it is a clear error saying uvicorn serves every route."""
+    failed = run_kvevents(
+        "router", "--engine", "http://127.0.0.1:9", "--port", "0", "--http-server", "granian"
+    )
+    assert failed.returncode == 2
+    assert "--http-server granian: uvicorn (with httptools and uvloop) serves every route" in (
+        failed.stderr
+    )
 
 
 def _claim_files(port: str) -> tuple[Path, Path]:

@@ -62,7 +62,7 @@ Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
 ``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
 ``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
 header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` verifies
-``https://`` engines. README, "Security".
+``https://`` engines. docs/security.md.
 
 With ``--port 0`` the OS picks the port; the service prints
 ``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests, which is
@@ -104,9 +104,8 @@ from kvevents.cli.security import (
     sync_security,
 )
 from kvevents.errors import ConfigError
-from kvevents.http.granian_serving import require_granian
 from kvevents.http.inline import DEFAULT_LIMITS, HttpLimits
-from kvevents.http.serving import HTTP_SERVERS, HttpServer, run_event_loop, serve_app
+from kvevents.http.serving import run_event_loop, serve_app
 from kvevents.http.upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
@@ -292,8 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="router processes serving the port (SO_REUSEPORT), each following every engine "
         "and sharing its in-flight requests with the others (default: one per usable core, here "
-        f"{default_workers('uvicorn')}; with --http-server granian one per two cores, here "
-        f"{default_workers('granian')}: each granian process keeps two threads busy)",
+        f"{default_workers()})",
     )
     parser.add_argument(
         "--peer",
@@ -349,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
     )
     pd = parser.add_argument_group(
-        "disaggregated prefill/decode (with --prefill and --decode; README, Disaggregated serving)"
+        "disaggregated prefill/decode (with --prefill and --decode; docs/deployment.md)"
     )
     pd.add_argument(
         "--pd-protocol",
@@ -377,14 +375,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"its decode leg is cancelled (default {DEFAULT_PREFILL_TIMEOUT_S:g})",
     )
     add_router_arguments(parser)
-    parser.add_argument(
-        "--http-server",
-        choices=HTTP_SERVERS,
-        default="uvicorn",
-        help="the HTTP server: uvicorn (httptools, uvloop) or granian, a Rust server driven "
-        "through RSGI; uvicorn answers more from one process and from several, and keeps "
-        "a better p99 while events are applied (granian needs 'kvevents[granian]'; README, "
-        "Performance)",
+    parser.add_argument(  # kept only to name what replaced granian
+        "--http-server", default="uvicorn", metavar="NAME", help=argparse.SUPPRESS
     )
     add_log_level(parser)
 
@@ -637,19 +629,12 @@ def _pd_mode(args: argparse.Namespace) -> PDMode | None:
     )
 
 
-def default_workers(http_server: str, cores: int | None = None) -> int:
+def default_workers(cores: int | None = None) -> int:
     """The router processes ``--workers`` starts when not told: one per core (``cores``;
     when None, the cores this process may run on, as ``taskset`` or a container's
-    cpuset leave them) for uvicorn, one per two cores for granian.
-
-    A granian process keeps two threads busy, its Rust I/O thread and the Python one,
-    and hands every request between them: with more of them than cores each handoff
-    is a context switch. ``benchmarks/router_workers.py`` on 2 cores (``/route``, 2,048
-    tokens, 32 connections), three rounds: one granian process 17,925-19,645 requests/s
-    at 58-64 us of CPU and about 3 context switches per request, two processes
-    14,115-14,447 at 95-97 us and 8-9 (uvicorn's two: 36,064-40,553 at 33-37 us and 0.1)."""
+    cpuset leave them)."""
     count = _usable_cores() if cores is None else cores
-    return max(1, count // 2) if http_server == "granian" else max(1, count)
+    return max(1, count)
 
 
 def _usable_cores() -> int:
@@ -660,9 +645,12 @@ def _usable_cores() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    workers = default_workers(args.http_server) if args.workers is None else args.workers
-    if args.http_server == "granian":
-        require_granian()
+    if args.http_server != "uvicorn":
+        raise ConfigError(
+            f"--http-server {args.http_server}: uvicorn (with httptools and uvloop) serves every "
+            "route of the router, and no other server is offered: drop --http-server"
+        )
+    workers = default_workers() if args.workers is None else args.workers
     try:
         if workers > 1:
             _check(args, warn=True)  # refuse bad options once, before any process starts
@@ -684,7 +672,6 @@ def run(args: argparse.Namespace) -> int:
             args.port,
             args.max_body_bytes,
             secure,
-            http_server=args.http_server,
         )
     )
 
@@ -695,8 +682,6 @@ async def serve(
     port: int,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     security: RouterSecurity | None = None,
-    *,
-    http_server: HttpServer = "uvicorn",
 ) -> int:
     """Serve the router until SIGINT or SIGTERM; prints the ready line once accepting requests.
 
@@ -736,7 +721,6 @@ async def serve(
             "router",
             announce=announce,
             tls=security.tls,
-            server=http_server,
             limits=service.http_limits,
         )
     finally:

@@ -173,7 +173,6 @@ def _worker_main(
                 reuse_port=True,
                 announce=announce,
                 tls=security.tls,
-                server=args.http_server,
                 limits=service.http_limits,
             )
         finally:

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 import uvicorn
 
-from kvevents.errors import ConfigError, EndpointError
+from kvevents.errors import EndpointError
 from kvevents.http.auth import ServerTLS
 from kvevents.http.inline import HttpLimits, protocol_for
 from kvevents.transport.endpoints import WILDCARD_HOSTS
@@ -39,7 +39,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-HttpServer = Literal["uvicorn", "granian"]
+HttpServer = Literal["uvicorn"]
 """The HTTP servers :func:`serve_app` runs an app on (``kvevents router --http-server``)."""
 HTTP_SERVERS: tuple[HttpServer, ...] = get_args(HttpServer)
 
@@ -53,7 +53,7 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-try:  # the C parser: about 3x the requests per second of the pure-Python h11 (README, Performance)
+try:  # the C parser: about 3x the requests per second of the pure-Python h11 (docs/performance.md)
     import httptools  # noqa: F401
 
     HTTP_PARSER: Literal["httptools", "h11"] = "httptools"
@@ -180,28 +180,19 @@ async def serve_app(
     reuse_port: bool = False,
     announce: Callable[[str], None] | None = None,
     tls: ServerTLS | None = None,
-    server: HttpServer = "uvicorn",
     limits: HttpLimits | None = None,
 ) -> int:
     """Serve ``app`` until SIGINT or SIGTERM, announcing it once ready; exit code 0.
 
     The announcement is ``ready_prefix + URL`` on stdout, or ``announce(URL)`` when given.
-    ``server="granian"`` serves through granian's RSGI interface instead of uvicorn
-    (:mod:`kvevents.http.granian_serving`): ``app`` must then have an ``__rsgi__`` method, and
-    its ASGI lifespan still runs.
     """
-    if server not in HTTP_SERVERS:
-        raise ConfigError(f"HTTP server {server!r} is not one of {', '.join(HTTP_SERVERS)}")
     stop = asyncio.Event()
     with stop_on_signals(stop):
         sock = bind_http(host, port, what, reuse_port=reuse_port)
         try:
             finished: asyncio.Future[Any]
             halt: Callable[[], Awaitable[None]]
-            if server == "granian":
-                finished, halt = await _start_granian(app, sock, tls)
-            else:
-                finished, halt = await _start_uvicorn(app, sock, tls, limits)
+            finished, halt = await _start_uvicorn(app, sock, tls, limits)
             url = http_url(host, sock, tls=tls is not None)
             if announce is None:
                 print(ready_prefix + url, flush=True)
@@ -227,21 +218,3 @@ async def _start_uvicorn(
         await serving
 
     return serving, halt
-
-
-async def _start_granian(
-    app: Any, sock: socket.socket, tls: ServerTLS | None
-) -> tuple[asyncio.Future[Any], Callable[[], Awaitable[None]]]:
-    """Serve on granian (:mod:`kvevents.http.granian_serving`): what ends when it stops, and
-    how to stop it (its lifespan's shutdown included)."""
-    from kvevents.http.granian_serving import start_granian
-
-    if tls is not None:
-        raise ConfigError(
-            "--http-server granian serves plain HTTP only: drop --ssl-certfile/"
-            "--ssl-keyfile, or serve TLS with the default --http-server uvicorn"
-        )
-    if not hasattr(app, "__rsgi__"):
-        raise ConfigError(f"{type(app).__name__} has no __rsgi__: it cannot be served by granian")
-    running = await start_granian(app, sock, lifespan=app)
-    return running.finished, running.stop

@@ -169,7 +169,7 @@ def _route(
     model: str | None,
 ) -> RouteDecision:
     try:
-        return router.route_keyed(request, holders, policy=policy)
+        return router.route_keyed(request, holders, policy=policy, rotation=pool)
     except RouterNotReadyError:
         serving = "" if model is None else f" serving model {model!r}"
         raise RouterNotReadyError(

@@ -208,7 +208,8 @@ class Router:
         self.block_sizes = BlockSizes(shared=True, size=block_size, source="router --block-size")
         self.block_sizes.followed = lambda: self.index.holders()
         self.block_sizes.on_change = self._block_size_changed
-        self._next_turn = 0
+        self._turns: dict[str, int] = {}
+        """Round-robin's next turn per rotation: one for every holder, one per P/D pool."""
         self.weights = weights or ScoringWeights()
         self.loads = LoadBoard()
         """Per holder, what the router knows of its load: a read-only mapping to
@@ -736,19 +737,25 @@ class Router:
         return KeyedRequest(holders, each, [self._matched(k) for k in each])
 
     def route_keyed(
-        self, request: KeyedRequest, holders: list[Holder], *, policy: Policy = "kv-aware"
+        self,
+        request: KeyedRequest,
+        holders: list[Holder],
+        *,
+        policy: Policy = "kv-aware",
+        rotation: str = "",
     ) -> RouteDecision:
         """:meth:`route_batch`'s choice for a :meth:`key_request` among ``holders`` (some
         of its candidates). :class:`~kvevents.errors.RouterNotReadyError` when none is
-        given or available."""
+        given or available. ``rotation``: the round-robin turns this choice takes its
+        turn from (each P/D pool keeps its own, so the two never step each other's)."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         if not holders:
             raise self._no_rank(None)
-        return self._decide(request, holders, policy)
+        return self._decide(request, holders, policy, rotation)
 
     def _decide(
-        self, request: KeyedRequest, holders: list[Holder], policy: Policy
+        self, request: KeyedRequest, holders: list[Holder], policy: Policy, rotation: str = ""
     ) -> RouteDecision:
         each, matched = request.keys, request.matched
         scored = [
@@ -769,8 +776,9 @@ class Router:
             by_prediction = first[0].holder != best.holder
         if policy == "round-robin":
             turn = [s for s in sorted(scores, key=lambda s: self._order(s.holder)) if s.available]
-            best = turn[self._next_turn % len(turn)]
-            self._next_turn += 1
+            at = self._turns.get(rotation, 0)
+            best = turn[at % len(turn)]
+            self._turns[rotation] = at + 1
             scores = [best, *(s for s in scores if s is not best)]
             by_prediction = False
         return RouteDecision(

@@ -6,17 +6,13 @@ with :func:`read_body` and the one ``--max-body-bytes`` limit. A body past the l
 :class:`BodyTooLarge` (answered 413 in the route's error shape): refused from
 ``Content-Length`` before a byte is read, and for a chunked body as soon as the running
 count passes the limit, so no more than the limit plus one chunk is ever held. The
-connection stays usable after the answer (on granian the refused body is read to its
-end and dropped, as uvicorn does, since granian would otherwise close the connection).
+connection stays usable after the answer.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvevents.errors import KVEventsError
 from kvevents.http.auth import Message, Receive, Scope
-from kvevents.http.granian_serving import drain
 from kvevents.router.serve.service import BadRequest
 
 __all__ = [
@@ -78,36 +74,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def read_rsgi_body(scope: Any, proto: Any, limit: int) -> bytes:
-    """:func:`read_body` on granian's RSGI interface (``kvevents router --http-server
-    granian``), with the same checks and errors: ``Content-Length`` before a byte is
-    kept, else a chunked body counted as it arrives; a refused body is read on and
-    dropped (held no longer than one chunk), so the connection stays usable."""
-    length = scope.headers.get("content-length")
-    try:
-        if length is not None:
-            if not (length.isascii() and length.isdigit()):  # "²" is a digit to str
-                raise BadRequest(f"Content-Length {length[:40]!r} is not a number of bytes")
-            if int(length) > limit:
-                await drain(proto.__aiter__())  # read and dropped, as uvicorn does: granian
-                # would otherwise close the connection after the 413
-                raise BodyTooLarge(_too_large(f"Content-Length {int(length)}", limit))
-            return bytes(await proto())
-        chunks = []
-        size = 0
-        async for chunk in proto:  # past the limit, read on and drop (see above)
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(bytes(chunk))
-        if size > limit:
-            raise BodyTooLarge(_too_large(f"more than {limit} bytes, chunked", limit))
-        return b"".join(chunks)
-    except (BadRequest, BodyTooLarge):
-        raise
-    except RuntimeError:  # granian's ProtocolClosed: the client went away
-        raise Disconnected from None
 
 
 def _too_large(size: str, limit: int) -> str:

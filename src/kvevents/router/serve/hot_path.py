@@ -3,8 +3,7 @@
 Every routing request goes through here, so it avoids what a framework adds per request:
 no middleware stack, no request object, no dict built for the answer. A body is read
 (bounded: a ``Content-Length`` past the limit is refused before the body is kept, and a
-chunked body is counted as it arrives; on granian a refused body is then read to its
-end and dropped, as uvicorn does, so the connection stays usable), decoded once
+chunked body is counted as it arrives), decoded once
 (:func:`~kvevents.router.prompts.token_body.decode_tokens_body`: the compiled kernels of
 :mod:`kvevents.kernels` when loaded, msgspec otherwise), matched and scored by the
 in-process :class:`~kvevents.router.decide.router.Router`, and answered with a
@@ -44,8 +43,8 @@ is not valid Unicode), 405 with ``Allow: POST`` for another method than ``POST``
 fails, 401 without the ``--api-key`` (any path but the open ones). The connection stays
 usable after every one of them.
 
-Over 300 lines: the answers' structs and the handlers that write them, on both server
-interfaces (ASGI and granian's RSGI), and the lifespan, read together.
+Over 300 lines: the answers' structs, the handlers that write them and the lifespan,
+read together.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ import msgspec
 
 from kvevents.errors import RouterNotReadyError
 from kvevents.http.auth import ApiKey, ASGIApp, Send, send_unauthorized
-from kvevents.http.granian_serving import AsgiOverRsgi
 from kvevents.http.inline import InlineAnswer
 from kvevents.router.decide.models import UnknownModelError
 from kvevents.router.decide.router import RouteDecision
@@ -71,7 +69,6 @@ from kvevents.router.serve.bodies import (
     Receive,
     Scope,
     read_body,
-    read_rsgi_body,
 )
 from kvevents.router.serve.openai_relay import RELAYED, OpenAIError, OpenAIRelay
 from kvevents.router.serve.service import (
@@ -178,7 +175,6 @@ log = logging.getLogger("kvevents.router")
 
 _ENCODER = msgspec.json.Encoder()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_RSGI_JSON_HEADERS = [("content-type", "application/json")]
 
 
 def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> RouteAnswer:
@@ -235,7 +231,6 @@ class HotPath:
         self.service = service
         self.fallback = fallback
         self.max_body_bytes = max_body_bytes
-        self._bridge = AsgiOverRsgi(self)  # RSGI requests not answered natively: as ASGI ones
         self.relay = OpenAIRelay(service, max_body_bytes=max_body_bytes)
         """``POST`` of :attr:`relay_paths` (the OpenAI routes)."""
         self.relay_paths: frozenset[str] = frozenset(RELAYED)
@@ -321,36 +316,6 @@ class HotPath:
                 await self.service.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    async def __rsgi__(self, scope: Any, proto: Any) -> None:
-        """The same app on granian's RSGI interface (:mod:`kvevents.http.granian_serving`).
-
-        ``POST /route`` and ``/query`` with the key (or no key set) are answered here
-        natively; everything else, refusals included, goes through the ASGI bridge to
-        :meth:`__call__`, so both interfaces answer alike.
-        """
-        if (
-            scope.path in self.relay_paths
-            and scope.proto == "http"
-            and scope.method == "POST"
-            and self._rsgi_authorized(scope)
-        ):
-            await self.relay.rsgi(scope, proto)
-            return
-        handler = self._handlers.get(scope.path) if scope.proto == "http" else None
-        if handler is None or scope.method != "POST" or not self._rsgi_authorized(scope):
-            await self._bridge.__rsgi__(scope, proto)
-            return
-        answered = await self._answer(handler, read_rsgi_body(scope, proto, self.max_body_bytes))
-        if answered is not None:
-            proto.response_bytes(answered[0], _RSGI_JSON_HEADERS, answered[1])
-
-    def _rsgi_authorized(self, scope: Any) -> bool:
-        key = self.api_key
-        if key is None or scope.path in self.open_paths:
-            return True
-        given = scope.headers.get("authorization")
-        return given is not None and key.matches([(b"authorization", given.encode("latin-1"))])
 
     async def _answer(
         self, handler: Callable[[bytes], Awaitable[bytes]], body: Awaitable[bytes]

@@ -7,8 +7,8 @@ decodes it once with msgspec (a prompt of token ids only into the fields it read
 the body bytes with the service's kept-alive client (:mod:`kvevents.http.upstream`);
 the engine's answer comes back as the engine sent it, never decoded and encoded again
 (of a complete answer only its ``usage`` is decoded, for the metrics). :class:`~kvevents.router.serve.hot_path.HotPath`
-hands it these two paths on both server interfaces, ASGI (:meth:`OpenAIRelay.asgi`) and
-granian's RSGI (:meth:`OpenAIRelay.rsgi`), before FastAPI sees them; FastAPI's own
+hands it these two paths (:meth:`OpenAIRelay.asgi`, or from the inline protocol's
+callbacks: :meth:`OpenAIRelay.inline`) before FastAPI sees them; FastAPI's own
 routes for them hand the request over unread, so the app alone (its OpenAPI document,
 the tests that build it) answers the same.
 
@@ -50,7 +50,6 @@ from kvevents.router.serve.bodies import (
     Receive,
     Scope,
     read_body,
-    read_rsgi_body,
 )
 from kvevents.router.serve.request_stats import engine_usage, engine_usage_of_json
 from kvevents.router.serve.service import (
@@ -146,10 +145,6 @@ class Answer:
     @classmethod
     def error(cls, exc: OpenAIError, shown: Iterable[tuple[bytes, bytes]] = ()) -> Answer:
         return cls(exc.status, [(b"content-type", _JSON_BYTES), *shown], exc.body())
-
-    def text_headers(self) -> list[tuple[str, str]]:
-        """The headers as text, for granian's RSGI interface."""
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.headers]
 
 
 def _one_prompt(prompt: Any, where: str) -> str | list[int]:
@@ -299,28 +294,6 @@ class OpenAIRelay:
                 pass
 
         await _until_gone(relay(), gone(), stream, answer.release)
-
-    async def rsgi(self, scope: Any, proto: Any) -> None:
-        """Answer one granian RSGI request for a path of :data:`RELAYED`."""
-        headers = _forwarded(
-            [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in scope.headers.items()]
-        )
-        try:
-            raw = await read_rsgi_body(scope, proto, self.max_body_bytes)
-            answer = await self.answer_path(scope.path, headers, raw)
-        except _BODY_ERRORS as exc:
-            answer = Answer.error(_body_error(exc))
-        if answer.stream is None:
-            proto.response_bytes(answer.status, answer.text_headers(), answer.body)
-            return
-        stream = answer.stream
-
-        async def relay() -> None:
-            transport = proto.response_stream(answer.status, answer.text_headers())
-            async for chunk in stream:
-                await transport.send_bytes(chunk)
-
-        await _until_gone(relay(), proto.client_disconnect(), stream, answer.release)
 
     def answer_path(self, path: str, headers: dict[bytes, bytes], raw: bytes) -> Awaitable[Answer]:
         """The answer to one request for ``path`` (the P/D relay answers its own paths)."""
@@ -649,9 +622,8 @@ async def _until_gone(
     finally:
         for task in (relaying, watching):
             task.cancel()
-        # Only the relay is awaited: granian's client_disconnect() does not give way to a
-        # cancel and ends only with the connection, so waiting for it here kept a kept-alive
-        # connection's handler, and with it the server's shutdown, waiting for ever.
+        # Only the relay is awaited: the watch of the client ends with its connection,
+        # which a kept-alive client keeps open.
         results = await asyncio.gather(relaying, return_exceptions=True)
         close = getattr(stream, "aclose", None)
         if close is not None:

@@ -72,6 +72,7 @@ class PDRoute:
                 pd.pools,
                 [tokens],
                 max_local_prefill_tokens=pd.max_local_prefill_tokens,
+                policy=service.policy,
                 lora=body.adapter,
                 cache_salt=body.cache_salt,
                 model=body.model,
