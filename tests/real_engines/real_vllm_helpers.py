@@ -47,7 +47,8 @@ from kvevents import (
     content_keys,
 )
 
-ENV_URL = "KVEVENTS_REAL_VLLM_URL"
+ENV_PREFIX = "KVEVENTS_REAL_VLLM_"
+ENV_URL = ENV_PREFIX + "URL"
 SCRIPT = "scripts/test-real-vllm"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,34 +73,29 @@ class RealVLLM:
     state_dir: str
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> RealVLLM:
-        """From ``env`` (default ``os.environ``): the variables ``vllm_server.py env`` exports."""
+    def from_env(cls, env: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> RealVLLM:
+        """From ``env`` (default ``os.environ``): the variables ``vllm_server.py env`` exports,
+        named ``prefix`` + ``URL`` and so on (a P/D run names its two instances apart)."""
         env = os.environ if env is None else env
-        missing = [
-            k
-            for k in (
-                ENV_URL,
-                "KVEVENTS_REAL_VLLM_KV_ENDPOINT",
-                "KVEVENTS_REAL_VLLM_REPLAY_ENDPOINT",
-                "KVEVENTS_REAL_VLLM_DP_SIZE",
-                "KVEVENTS_REAL_VLLM_MODEL",
-                "KVEVENTS_REAL_VLLM_STATE",
-            )
-            if k not in env
-        ]
+        needed = ("URL", "KV_ENDPOINT", "REPLAY_ENDPOINT", "DP_SIZE", "MODEL", "STATE")
+        missing = [prefix + k for k in needed if prefix + k not in env]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} not set: run the suite with {SCRIPT}")
+
+        def get(key: str, default: str) -> str:
+            return env.get(prefix + key, default)
+
         return cls(
-            url=env[ENV_URL].rstrip("/"),
-            kv_endpoint=env["KVEVENTS_REAL_VLLM_KV_ENDPOINT"],
-            replay_endpoint=env["KVEVENTS_REAL_VLLM_REPLAY_ENDPOINT"],
-            dp_size=int(env["KVEVENTS_REAL_VLLM_DP_SIZE"]),
-            model=env["KVEVENTS_REAL_VLLM_MODEL"],
-            block_size=int(env.get("KVEVENTS_REAL_VLLM_BLOCK_SIZE", "32")),
-            num_blocks=int(env.get("KVEVENTS_REAL_VLLM_NUM_BLOCKS", "20")),
-            topic=env.get("KVEVENTS_REAL_VLLM_TOPIC", "kv"),
-            hash_mode=env.get("KVEVENTS_REAL_VLLM_HASH_MODE", "int"),
-            state_dir=env["KVEVENTS_REAL_VLLM_STATE"],
+            url=env[prefix + "URL"].rstrip("/"),
+            kv_endpoint=env[prefix + "KV_ENDPOINT"],
+            replay_endpoint=env[prefix + "REPLAY_ENDPOINT"],
+            dp_size=int(env[prefix + "DP_SIZE"]),
+            model=env[prefix + "MODEL"],
+            block_size=int(get("BLOCK_SIZE", "32")),
+            num_blocks=int(get("NUM_BLOCKS", "20")),
+            topic=get("TOPIC", "kv"),
+            hash_mode=get("HASH_MODE", "int"),
+            state_dir=env[prefix + "STATE"],
         )
 
     def router_engine_args(self) -> list[str]:

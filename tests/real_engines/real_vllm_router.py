@@ -7,7 +7,8 @@ described by flags only (vLLM has no ``/server_info``)::
         --dp-size N --topic kv --block-size 32 --engine-kind vllm --tokenizer MODEL_DIR [...]
 
 and everything below talks to it as a client would: ``/query``, ``/v1/completions``
-(plain and streaming), ``/workers``, ``/dump``. Its stdout and stderr go to a log file
+(plain and streaming), ``/workers``, ``/dump``. Given a ``decode`` engine too, it is
+``kvevents router --prefill URL ... --decode URL ...`` (disaggregated serving). Its stdout and stderr go to a log file
 (never a pipe that could fill up and stall it); the ready line is read from that file
 with a deadline. Used by ``tests/real_engines`` and by ``scripts/real_vllm/route_trace.py``.
 """
@@ -19,8 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,8 @@ class Routed:
     policy: str
     body: Any  # the JSON answer, or the list of SSE ``data:`` payloads when streaming
     usage: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Every header of the answer (lower-case names), the P/D ones included."""
 
     @property
     def cached_tokens(self) -> int:
@@ -63,7 +66,8 @@ class RouterProcess:
 
     ``engine``: the vLLM URL; ``engine_args``: the flags describing it (they follow its
     ``--engine``); ``extra``: router options (``--policy``...). ``log``: the file its
-    output goes to (kept for the failure message).
+    output goes to (kept for the failure message). ``decode``: a decode engine's URL and
+    flags, making ``engine`` the ``--prefill`` engine of disaggregated serving.
     """
 
     def __init__(
@@ -73,8 +77,11 @@ class RouterProcess:
         *extra: str,
         log: Path,
         timeout: float = START_TIMEOUT_S,
+        decode: Sequence[str] | None = None,
     ) -> None:
         self.engine = engine.rstrip("/")
+        opener = ["--engine"] if decode is None else ["--prefill"]
+        pools = [] if decode is None else ["--decode", *decode]
         self.argv = [
             sys.executable,
             "-m",
@@ -84,9 +91,10 @@ class RouterProcess:
             "0",
             "--workers",
             "1",
-            "--engine",
+            *opener,
             self.engine,
             *engine_args,
+            *pools,
             *extra,
         ]
         self.log = log
@@ -149,9 +157,14 @@ class RouterProcess:
         return Holder(self.engine, rank)
 
     def query(
-        self, prompt: Sequence[int] | str, *, cache_salt: str | None = None
+        self,
+        prompt: Sequence[int] | str,
+        *,
+        cache_salt: str | None = None,
+        worker: str | None = None,
     ) -> dict[int, int]:
-        """``POST /query``: per vLLM rank, the tokens of the prompt's longest cached prefix."""
+        """``POST /query``: per rank of ``worker`` (default: the engine), the tokens of the
+        prompt's longest cached prefix."""
         body: dict[str, Any] = (
             {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
         )
@@ -162,21 +175,31 @@ class RouterProcess:
         return {
             m["dp_rank"]: m["matched_tokens"]
             for m in resp.json()["matches"]
-            if m["worker"] == self.engine
+            if m["worker"] == (worker or self.engine)
         }
 
-    def wait_holds(self, rank: int, tokens: Sequence[int], block_size: int, timeout: float) -> None:
-        """Until ``/query`` shows every full block of ``tokens`` on ``rank``.
+    def wait_holds(
+        self,
+        rank: int,
+        tokens: Sequence[int],
+        block_size: int,
+        timeout: float,
+        *,
+        worker: str | None = None,
+    ) -> None:
+        """Until ``/query`` shows every full block of ``tokens`` on ``rank`` (of ``worker``,
+        default the engine).
 
         Each rank's events are applied in seq order, so once a block vLLM stored last is
         in, everything the rank published before it is in too (a barrier).
         """
         full = len(tokens) // block_size * block_size
         deadline = time.monotonic() + timeout
-        while (seen := self.query(tokens).get(rank, 0)) != full:
+        while (seen := self.query(tokens, worker=worker).get(rank, 0)) != full:
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"router /query shows {seen} of {full} tokens on rank {rank} after "
+                    f"router /query shows {seen} of {full} tokens on rank {rank} of "
+                    f"{worker or self.engine} after "
                     f"{timeout:.0f} s; /workers: {json.dumps(self.workers()['streams'])}"
                 )
             time.sleep(0.02)
@@ -242,6 +265,7 @@ class RouterProcess:
             policy=h.get("x-kvevents-policy", ""),
             body=answer,
             usage=usage or {},
+            headers=dict(h),
         )
 
     def workers(self) -> dict[str, Any]:
@@ -250,9 +274,11 @@ class RouterProcess:
         result: dict[str, Any] = resp.json()
         return result
 
-    def streams(self) -> dict[int, dict[str, Any]]:
-        """``/workers`` streams of this vLLM, by rank (status, last_seq, resets, lost...)."""
-        return {s["dp_rank"]: s for s in self.workers()["streams"] if s["worker"] == self.engine}
+    def streams(self, worker: str | None = None) -> dict[int, dict[str, Any]]:
+        """``/workers`` streams of ``worker`` (default: the engine), by rank (status,
+        last_seq, resets, lost...)."""
+        name = worker or self.engine
+        return {s["dp_rank"]: s for s in self.workers()["streams"] if s["worker"] == name}
 
     def index(self) -> PrefixIndex:
         """The router's whole index, from ``GET /dump``."""
