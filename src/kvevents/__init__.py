@@ -8,7 +8,7 @@ modules behind it may move.
   their codec (:func:`encode_batch`, :func:`decode_batch`).
 * Consuming (router side): :class:`Subscriber` and its items (:data:`Item`: a
   :class:`Delivery` or a :class:`Signal` such as :class:`Gap`, :class:`Loss`,
-  :class:`Reset`, :class:`Unreachable`, :class:`Malformed`, :class:`Removed`), :class:`PrefixIndex` and its match types,
+  :class:`Reset`, :class:`Resync`, :class:`Unreachable`, :class:`Malformed`, :class:`Removed`), :class:`PrefixIndex` and its match types,
   :class:`Router` with its :class:`RouteDecision` and :class:`Ticket`.
 * Errors: :class:`KVEventsError` and the classes below it (see :mod:`kvevents.errors`).
 
@@ -62,6 +62,7 @@ from kvevents.subscribe.items import (
     Malformed,
     Removed,
     Reset,
+    Resync,
     Signal,
     Unreachable,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "Removed",
     "RequestError",
     "Reset",
+    "Resync",
     "RouteDecision",
     "Router",
     "RouterNotReadyError",

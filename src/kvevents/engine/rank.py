@@ -11,7 +11,8 @@ A ZMQ DEALER (identity ``rank-{dp_rank}``) connected to the parent's ROUTER on
 loopback. Every message is one msgpack frame holding a map:
 
 * rank -> parent, once at start: ``{"op": "hello", "token", "dp_rank", "pid",
-  "endpoint", "replay_endpoint"}`` with the endpoints as bound (port 0 resolved), or
+  "endpoint", "replay_endpoint", "snapshot"}`` with the endpoints as bound (port 0
+  resolved) and whether the replay socket serves snapshots, or
   ``{"op": "failed", "token", "dp_rank", "error"}`` when the publisher cannot start;
 * parent -> rank: ``{"id", "op", ...}`` with op ``generate`` (``input_ids``,
   ``max_new_tokens``, optional ``lora_name`` and ``lora_id``, ``cache_salt``,
@@ -20,6 +21,11 @@ loopback. Every message is one msgpack frame holding a map:
 * rank -> parent: ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error",
   "status"}``. A ``generate`` is answered when the request finishes, at the end of the
   simulated step that finished it.
+
+The rank's publisher serves snapshots (:mod:`kvevents.publish.block_state`) unless its
+kv-events config says ``"snapshot": false`` or has no replay endpoint: a router that starts
+after the replay buffer wrapped then rebuilds every rank whole. Its bound is what the
+cache can hold (:func:`engine_kv_events_config`).
 
 A malformed control message is counted and skipped. The process exits when told to
 shut down, on SIGTERM, or when its parent disappears; SIGINT is ignored (the parent
@@ -47,7 +53,7 @@ from kvevents.publish.config import KVEventsConfig
 from kvevents.transport.endpoints import Endpoint
 from kvevents.wire.hashing import get_hash_scheme
 
-__all__ = ["RankSpec", "main"]
+__all__ = ["RankSpec", "engine_kv_events_config", "main"]
 
 _IDLE_POLL_S = 0.25
 
@@ -93,10 +99,34 @@ def _base_for(exact: str | None, configured: str | None, rank: int) -> str | Non
     return str(Endpoint(scheme="tcp", host=host, port=ep.port - rank))
 
 
+def engine_kv_events_config(
+    config: KVEventsConfig, max_blocks: int, sliding_window: int | None = None
+) -> KVEventsConfig:
+    """``config`` as a rank publishes with it: snapshots on unless the config decides.
+
+    On when publishing with a replay endpoint and neither snapshot key is given; the set
+    is then bounded by twice what the cache holds per KV-cache group (room for the
+    parents a sliding window no longer holds but still chains from).
+    """
+    if (
+        not config.enabled
+        or config.replay_endpoint is None
+        or config.snapshot is not None
+        or config.snapshot_max_blocks is not None
+    ):
+        return config
+    groups = 2 if sliding_window else 1
+    return msgspec.structs.replace(
+        config, snapshot=True, snapshot_max_blocks=2 * groups * max_blocks
+    )
+
+
 def _make_publisher(spec: RankSpec) -> Any:
     from kvevents.publish.zmq_publisher import EventPublisherFactory
 
-    config = KVEventsConfig.from_dict(spec.kv_events_config)
+    config = engine_kv_events_config(
+        KVEventsConfig.from_dict(spec.kv_events_config), spec.max_blocks, spec.sliding_window
+    )
     if config.enabled and (spec.endpoint_override or spec.replay_override):
         config = msgspec.structs.replace(
             config,
@@ -274,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pid": os.getpid(),
             "endpoint": _endpoint_of(publisher, "endpoint"),
             "replay_endpoint": _endpoint_of(publisher, "replay_endpoint"),
+            "snapshot": bool(getattr(publisher, "snapshot_enabled", False)),
         }
         dealer.send(encode(hello))
         _RankServer(spec, dealer, publisher).serve(parent_pid)

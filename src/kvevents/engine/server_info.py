@@ -11,6 +11,9 @@ picks") is advertised as real ports. OS-picked ports are usually not consecutive
 rank but 0. The ``publishers`` list is always present and always exact; consumers that
 know it should prefer it.
 
+``snapshot`` is true when every rank's replay socket serves snapshots (each rank says so
+in its hello), absent otherwise.
+
 The block is absent (``None``) when publishing is off, or when the endpoint is not TCP
 (ipc and inproc are not reachable from another host).
 """
@@ -38,11 +41,13 @@ __all__ = ["BoundPublisher", "build_kv_events_block", "kv_events_block"]
 
 @dataclass(frozen=True, slots=True)
 class BoundPublisher:
-    """A rank's publisher as started: its live and replay endpoints, ports resolved."""
+    """A rank's publisher as started: its live and replay endpoints, ports resolved, and
+    whether its replay socket serves snapshots."""
 
     dp_rank: int
     endpoint: str
     replay_endpoint: str | None = None
+    snapshot: bool = False
 
 
 def _ports(endpoints: Sequence[str]) -> list[int]:
@@ -97,7 +102,9 @@ def kv_events_block(
         replay_base = replay_ports[0] if replay_consecutive else None
         consecutive = consecutive and replay_consecutive
     public_key = _curve_public_key(config.curve_secret_key_file, config.curve_secret_key)
+    snapshot = replay_ports is not None and all(p.snapshot for p in pubs)
     return KVEventsBlock(
+        snapshot=True if snapshot else UNSET,
         curve_public_key=UNSET if public_key is None else public_key,
         publisher=config.publisher,
         endpoint_host=live.host,

@@ -103,6 +103,7 @@ class _Rank:
     pid: int | None = None
     endpoint: str | None = None
     replay_endpoint: str | None = None
+    snapshot: bool = False
     restarts: int = 0
     exit_code: int | None = None
     hello: asyncio.Future[dict[str, Any]] | None = None
@@ -245,7 +246,7 @@ class RankSupervisor:
     def bound_publishers(self) -> list[BoundPublisher]:
         """Each rank's publisher endpoints as bound (port 0 resolved); ranks without one are left out."""
         return [
-            BoundPublisher(r.spec.dp_rank, r.endpoint, r.replay_endpoint)
+            BoundPublisher(r.spec.dp_rank, r.endpoint, r.replay_endpoint, r.snapshot)
             for r in self._ranks
             if r.endpoint is not None
         ]
@@ -299,6 +300,7 @@ class RankSupervisor:
             ) from None
         rank.endpoint = hello.get("endpoint")
         rank.replay_endpoint = hello.get("replay_endpoint")
+        rank.snapshot = hello.get("snapshot") is True
         if rank.state in (
             RankState.STARTING,
             RankState.RESTARTING,

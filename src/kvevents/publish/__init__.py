@@ -8,6 +8,9 @@
   to fix them;
 * :mod:`~kvevents.publish.send_queue`: the lock-free queue and its sender thread;
 * :mod:`~kvevents.publish.replay_server`: the replay ring and its ROUTER thread;
+* :mod:`~kvevents.publish.block_state`: each rank's current block set, kept when
+  snapshots are on; :mod:`~kvevents.publish.snapshot`: that set as the events that
+  rebuild it, in parts;
 * :mod:`~kvevents.publish.curve_server`: CURVE on both sockets, one ZAP authenticator per
   ZMQ context, refused handshakes counted.
 

@@ -63,6 +63,12 @@ class PublisherStats:
     """CURVE handshakes completed by subscribers (live and replay; 0 without CURVE)."""
     curve_refused: int = 0
     """CURVE handshakes refused: unknown subscriber key, wrong server key or no CURVE."""
+    snapshots: int = 0
+    """Snapshot requests answered with the rank's block set (0 with snapshots off)."""
+    snapshots_unavailable: int = 0
+    """Snapshot requests answered "unavailable": snapshots off, or the set not exact."""
+    snapshot_blocks: int = 0
+    """Blocks in the rank's block set now (ghosts included; 0 with snapshots off)."""
 
 
 _Publisher = TypeVar("_Publisher", bound="EventPublisher")
@@ -119,6 +125,7 @@ class NullEventPublisher(EventPublisher):
         self.rank = resolve_publisher_rank(attn_dp_rank, data_parallel_rank)
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
+        self.snapshot_enabled = False
 
     @property
     def stats(self) -> PublisherStats:

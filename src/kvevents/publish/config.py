@@ -17,6 +17,14 @@ then shows in ``ps``), and the subscribers' public keys as ``curve_allowed_keys`
 list) and/or ``curve_allowed_keys_dir`` (a directory of ``NAME.key`` files). All four
 absent means a plain stream, as SGLang and vLLM publish.
 
+Our own ``snapshot`` (bool) and ``snapshot_max_blocks`` (int) keys make the publisher
+keep each rank's current block set and answer a snapshot request on its replay socket
+(:mod:`kvevents.publish.block_state`), so a consumer whose gap replay cannot fill gets
+the rank's whole state instead of a loss. Either key turns it on (``"snapshot": false``
+keeps it off); it needs ``replay_endpoint``. The set holds at most
+``snapshot_max_blocks`` blocks (default :data:`DEFAULT_SNAPSHOT_MAX_BLOCKS`): past it the
+publisher answers that no snapshot is available until the engine clears its cache.
+
 Every error names the key, what was wrong, and the accepted keys or values.
 """
 
@@ -37,7 +45,10 @@ from kvevents.transport.curve_keys import (
 )
 from kvevents.transport.endpoints import WILDCARD_HOSTS, Endpoint
 
-__all__ = ["KVEventsConfig"]
+__all__ = ["DEFAULT_SNAPSHOT_MAX_BLOCKS", "KVEventsConfig"]
+
+DEFAULT_SNAPSHOT_MAX_BLOCKS = 500_000
+"""Blocks a publisher's snapshot state holds at most unless ``snapshot_max_blocks`` says."""
 
 _HOST = re.compile(r"\*|[A-Za-z0-9._%-]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.%A-Za-z]*")
 """What ``--kv-events-host`` may be: a wildcard, a name or IPv4 address, an IPv6 address."""
@@ -59,6 +70,8 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     curve_secret_key: str | None = None
     curve_allowed_keys: list[str] | None = None
     curve_allowed_keys_dir: str | None = None
+    snapshot: bool | None = None
+    snapshot_max_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not self.publisher:
@@ -75,7 +88,25 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"kv-events config key {key!r} is {value}; it must be >= {low}")
+        if self.snapshot_max_blocks is not None and self.snapshot_max_blocks < 1:
+            raise ConfigError(
+                f"kv-events config key 'snapshot_max_blocks' is {self.snapshot_max_blocks}; "
+                "it must be >= 1 (the most blocks a rank's snapshot state holds)"
+            )
+        if self.snapshot_enabled and self.replay_endpoint is None:
+            raise ConfigError(
+                "kv-events config turns snapshots on but has no 'replay_endpoint': snapshots "
+                'are served on the replay socket; add "replay_endpoint": "tcp://*:5600" '
+                '(or set "snapshot": false)'
+            )
         self._check_curve()
+
+    @property
+    def snapshot_enabled(self) -> bool:
+        """True when the publisher keeps its ranks' block sets and serves snapshots."""
+        if self.snapshot is None:
+            return self.snapshot_max_blocks is not None
+        return self.snapshot
 
     def _check_curve(self) -> None:
         """The CURVE keys are all absent, or a key pair plus the allowed subscribers, valid."""

@@ -8,20 +8,31 @@ for every batch from ``start_seq`` on (wire format in :mod:`kvevents.wire`). Two
 * :class:`ReplayServer` owns the ROUTER socket and answers requests from its own thread,
   so a slow or stalled replay client never delays live publishing: live batches go out
   on another socket from another thread, and the answer to a client whose pipe is full
-  is cut short (and counted) rather than waited for.
+  is cut short (and counted) rather than waited for. With snapshots on it also answers a
+  snapshot request with the rank's whole block set (:mod:`kvevents.publish.snapshot`).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import zmq
 
 from kvevents.errors import WireError
-from kvevents.wire.frames import parse_replay_request, replay_end_frames
+from kvevents.publish.block_state import BlockState
+from kvevents.publish.snapshot import snapshot_parts
+from kvevents.wire.events import KVEventBatch
+from kvevents.wire.frames import (
+    is_snapshot_request,
+    parse_replay_request,
+    replay_end_frames,
+    snapshot_end_frames,
+    snapshot_part_frames,
+    snapshot_unavailable_frames,
+)
 
 __all__ = ["ReplayBuffer", "ReplayEntry", "ReplayServer"]
 
@@ -155,8 +166,14 @@ class ReplayServer:
     whole answers) or it is gone, the rest of its answer, end marker included, is dropped
     and ``truncated`` counts it.
 
+    A snapshot request (:func:`~kvevents.wire.frames.is_snapshot_request`) is answered
+    from ``snapshot``, the rank's :class:`~kvevents.publish.block_state.BlockState`, its
+    parts encoded with ``encode`` as batches of rank ``rank``; without one (snapshots
+    off), or when the state is not exact, the answer says it is unavailable and why.
+
     Counters (read from any thread): ``requests``, ``replayed`` (batches sent),
-    ``truncated``, ``malformed``.
+    ``truncated``, ``malformed``, ``snapshots`` (answered whole or cut short),
+    ``snapshots_unavailable``.
     """
 
     def __init__(
@@ -167,14 +184,22 @@ class ReplayServer:
         context: zmq.Context[zmq.Socket[bytes]],
         *,
         name: str = "kvevents-replay",
+        snapshot: BlockState | None = None,
+        encode: Callable[[KVEventBatch], bytes] | None = None,
+        rank: int = 0,
     ) -> None:
         self._router = router
         self._buffer = buffer
         self._topic = topic
+        self._state = snapshot
+        self._encode = encode
+        self._rank = rank
         self.requests = 0
         self.replayed = 0
         self.truncated = 0
         self.malformed = 0
+        self.snapshots = 0
+        self.snapshots_unavailable = 0
         # A PAIR over inproc wakes the poller for shutdown without a polling timeout.
         address = f"inproc://{name}-stop-{id(self):x}"
         self._stop_rx = context.socket(zmq.PAIR)
@@ -224,6 +249,9 @@ class ReplayServer:
 
     def serve(self, frames: list[bytes]) -> None:
         """Answer one request as received by the ROUTER (identity first)."""
+        if is_snapshot_request(frames):
+            self._serve_snapshot(bytes(frames[0]))
+            return
         try:
             identity, start = parse_replay_request(frames)
         except WireError as exc:
@@ -240,6 +268,30 @@ class ReplayServer:
                 return
             self.replayed += 1
         if not self._send(identity, replay_end_frames()):
+            self.truncated += 1
+
+    def _serve_snapshot(self, identity: bytes) -> None:
+        """Send the rank's state as parts then an end frame, or say why there is none."""
+        state, encode = self._state, self._encode
+        view = (
+            'this publisher keeps no block set (its kv-events config has no "snapshot": true)'
+            if state is None or encode is None
+            else state.view()
+        )
+        if isinstance(view, str):
+            self.snapshots_unavailable += 1
+            if not self._send(identity, snapshot_unavailable_frames(view)):
+                self.truncated += 1
+            return
+        assert encode is not None
+        self.snapshots += 1
+        sent = 0
+        for payload in snapshot_parts(view, self._rank, encode):
+            if not self._send(identity, snapshot_part_frames(view.seq, payload)):
+                self.truncated += 1
+                return
+            sent += 1
+        if not self._send(identity, snapshot_end_frames(view.seq, sent)):
             self.truncated += 1
 
     def _send(self, identity: bytes, frames: list[bytes]) -> bool:

@@ -16,6 +16,9 @@ Invariants:
 * Sequence numbers are assigned as entries leave the queue, under the send lock, so they
   are dense and in queue order. A batch enters the replay buffer *before* its send, so
   every sequence number sent is replayable while it is in the buffer.
+* With snapshots on, each batch sent is applied to the rank's block set right after its
+  send, with its seq (:mod:`kvevents.publish.block_state`); a drop or a batch that cannot
+  be encoded makes the set inexact, since no consumer can learn what it held.
 
 The GIL hand-off. CPython lets a thread that never blocks keep the GIL for the whole
 switch interval (5 ms), and a thread that drops it only briefly (the sender does, in
@@ -64,6 +67,7 @@ from typing import Any
 
 import zmq
 
+from kvevents.publish.block_state import BlockState
 from kvevents.publish.replay_server import ReplayBuffer
 from kvevents.wire.events import KVEventBatch
 
@@ -118,8 +122,10 @@ class SendQueue:
         max_size: int,
         handoff_backlog: int,
         name: str,
+        state: BlockState | None = None,
     ) -> None:
         self._pub = pub
+        self._state = state
         # pyzmq's Socket.send adds keyword handling in Python on top of the same C call;
         # the sender calls the C-level method directly (about 0.5 us less per batch).
         self._send_frame: Callable[[bytes, int], Any] = super(zmq.Socket, pub).send
@@ -298,6 +304,7 @@ class SendQueue:
         queue, encode, send, topic = self._queue, self._encode, self._send_frame, self._topic
         popleft = queue.popleft
         store = self._buffer.put if self._buffer is not None else None
+        track = self._state.apply if self._state is not None else None
         seq = self._next_seq
         sent = failed = 0
         try:
@@ -334,6 +341,8 @@ class SendQueue:
                     failed += 1
                 else:
                     sent += 1
+                if track is not None:
+                    track(seq - 1, item)
         finally:
             self._next_seq = seq
             self.published += sent
@@ -341,6 +350,8 @@ class SendQueue:
 
     def _encode_failed(self, exc: Exception) -> None:
         self.encode_errors += 1
+        if self._state is not None:
+            self._state.invalidate("a batch could not be encoded")
         if self.encode_errors == 1 or self.encode_errors % 1000 == 0:
             log.error(
                 "KV-event batch not encodable, skipped as a sequence gap (%d so far): %s: %s",
@@ -354,5 +365,7 @@ class SendQueue:
         with self._drop_lock:
             marker.closed = True
             self._next_seq += marker.count
+        if marker.count and self._state is not None:
+            self._state.invalidate(f"the publisher dropped {marker.count} batch(es) (queue full)")
         if marker.flushed is not None:
             marker.flushed.set()

@@ -14,6 +14,11 @@ A :class:`ZmqEventPublisher` is three parts, each on its own thread:
 * the replay thread: answers DEALER requests from the replay buffer on a ROUTER
   (:mod:`kvevents.publish.replay_server`) and never touches the PUB socket.
 
+With ``snapshot=True`` (or ``snapshot_max_blocks=N``; it needs a replay endpoint) the
+sender also keeps the rank's current block set (:mod:`kvevents.publish.block_state`), and
+the replay thread answers a snapshot request with it, so a consumer that joins after the
+replay buffer wrapped, or whose gap replay cannot fill, rebuilds the rank whole.
+
 Exposure: the default ``endpoint`` is SGLang's and vLLM's, ``tcp://*:5557``, bound on
 every interface with no authentication: anyone who can reach the port can subscribe and
 read every batch (each stored block's token ids, from which the prompt text can be
@@ -52,10 +57,12 @@ from kvevents.publish.base import (
     PublisherStats,
     resolve_publisher_rank,
 )
-from kvevents.publish.config import KVEventsConfig
+from kvevents.publish.block_state import BlockState
+from kvevents.publish.config import DEFAULT_SNAPSHOT_MAX_BLOCKS, KVEventsConfig
 from kvevents.publish.curve_server import CurveServer
 from kvevents.publish.replay_server import ReplayBuffer, ReplayServer
 from kvevents.publish.send_queue import SendQueue
+from kvevents.publish.snapshot import PART_BLOCKS
 from kvevents.publish.sockets import open_socket
 from kvevents.transport.endpoints import Endpoint, offset_endpoint_port
 from kvevents.wire.codec import encode_batch
@@ -105,6 +112,8 @@ class ZmqEventPublisher(EventPublisher):
         curve_secret_key: str | None = None,
         curve_allowed_keys: list[str] | None = None,
         curve_allowed_keys_dir: str | None = None,
+        snapshot: bool | None = None,
+        snapshot_max_blocks: int | None = None,
     ) -> None:
         self._rank = resolve_publisher_rank(attn_dp_rank, data_parallel_rank)
         for name, value, low in (
@@ -117,6 +126,20 @@ class ZmqEventPublisher(EventPublisher):
                 raise ConfigError(f"ZmqEventPublisher {name}={value!r} must be an int >= {low}")
         if encoding not in ("map", "array"):
             raise ConfigError(f"ZmqEventPublisher encoding={encoding!r} must be 'map' or 'array'")
+        max_blocks = (
+            DEFAULT_SNAPSHOT_MAX_BLOCKS if snapshot_max_blocks is None else snapshot_max_blocks
+        )
+        if snapshot is None:
+            snapshot = snapshot_max_blocks is not None
+        if snapshot and replay_endpoint is None:
+            raise ConfigError(
+                "ZmqEventPublisher snapshot=True needs a replay_endpoint: snapshots are "
+                "served on the replay socket"
+            )
+        if not isinstance(max_blocks, int) or max_blocks < 1:
+            raise ConfigError(
+                f"ZmqEventPublisher snapshot_max_blocks={snapshot_max_blocks!r} must be an int >= 1"
+            )
         live = Endpoint.parse(endpoint).for_rank(self._rank)
         replay = (
             None
@@ -145,6 +168,7 @@ class ZmqEventPublisher(EventPublisher):
         router = None
         buffer: ReplayBuffer | None = None
         self._replay: ReplayServer | None = None
+        self._blocks = BlockState(max_blocks) if snapshot else None
         try:
             if self._curve is not None:
                 self._curve.secure(pub, "live")
@@ -157,13 +181,23 @@ class ZmqEventPublisher(EventPublisher):
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 # Room for two whole answers per client: ZMQ acknowledges reads lazily, so a
                 # pipe sized for one answer can refuse a client that is reading fine.
-                router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                answer = buffer_steps + 1
+                if snapshot:  # a snapshot's parts: a block copied to another tier counts twice
+                    answer = max(answer, 2 * -(-max_blocks // PART_BLOCKS) + 3)
+                router.setsockopt(zmq.SNDHWM, 2 * answer)
                 if self._curve is not None:
                     self._curve.secure(router, "replay")
                 self._replay_endpoint = open_socket(router, replay, True, self._rank, "replay")
                 buffer = ReplayBuffer(buffer_steps)
                 self._replay = ReplayServer(
-                    router, buffer, self._topic, context, name=f"kvevents-replay-{self._rank}"
+                    router,
+                    buffer,
+                    self._topic,
+                    context,
+                    name=f"kvevents-replay-{self._rank}",
+                    snapshot=self._blocks,
+                    encode=encoder,
+                    rank=self._rank,
                 )
         except BaseException:
             pub.close(linger=0)
@@ -180,6 +214,7 @@ class ZmqEventPublisher(EventPublisher):
             max_size=max_queue_size,
             handoff_backlog=handoff_backlog,
             name=f"kvevents-publisher-{self._rank}",
+            state=self._blocks,
         )
         self._lifecycle_lock = threading.Lock()
         self._state = PublisherState.RUNNING
@@ -215,6 +250,11 @@ class ZmqEventPublisher(EventPublisher):
         return None if self._curve is None else self._curve.public_key
 
     @property
+    def snapshot_enabled(self) -> bool:
+        """Whether the replay socket answers snapshot requests with the rank's block set."""
+        return self._blocks is not None
+
+    @property
     def topic(self) -> str:
         return self._topic.decode()
 
@@ -243,6 +283,9 @@ class ZmqEventPublisher(EventPublisher):
             unsent=left if closed else self._unsent,
             curve_handshakes=self._curve.handshakes if self._curve else 0,
             curve_refused=self._curve.refused if self._curve else 0,
+            snapshots=replay.snapshots if replay else 0,
+            snapshots_unavailable=replay.snapshots_unavailable if replay else 0,
+            snapshot_blocks=self._blocks.blocks if self._blocks else 0,
         )
 
     def publish(self, events: KVEventBatch) -> None:
@@ -343,8 +386,12 @@ class EventPublisherFactory:
         settings = cfg.to_dict()
         for key in ("publisher", "enable_kv_cache_events"):
             settings.pop(key, None)
-        for key in [k for k, v in settings.items() if k.startswith("curve_") and v is None]:
-            settings.pop(key)  # a registered publisher without CURVE need not know the keys
+        for key in [
+            k for k, v in settings.items() if k.startswith(("curve_", "snapshot")) and v is None
+        ]:
+            settings.pop(
+                key
+            )  # a registered publisher without CURVE or snapshots need not know the keys
         if context is not None and ctor is ZmqEventPublisher:
             settings["context"] = context
         return ctor(attn_dp_rank=rank, **settings)

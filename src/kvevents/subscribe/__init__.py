@@ -9,6 +9,7 @@
 * :mod:`~kvevents.subscribe.engine_spec`: engines described by hand, or in a file;
 * :mod:`~kvevents.subscribe.block_sizes`: block sizes configured against observed;
 * :mod:`~kvevents.subscribe.stream`: per-stream sequence tracking, a pure state machine;
+  :mod:`~kvevents.subscribe.snapshot_assembly`: a publisher's snapshot answer, whole or not;
 * :mod:`~kvevents.subscribe.loop`, :mod:`~kvevents.subscribe.stream_sockets`,
   :mod:`~kvevents.subscribe.replay_client`: the socket thread, one stream's sockets,
   and the DEALER side of replay;
@@ -25,7 +26,16 @@ from kvevents.subscribe.block_sizes import BlockSizeMismatch, BlockSizes
 from kvevents.subscribe.discovery import StreamSpec, discover, streams_from_server_info
 from kvevents.subscribe.engine_spec import ENGINE_KINDS, EngineKind, EngineSpec, load_engines_file
 from kvevents.subscribe.engine_watcher import DiscoveryState, EngineStatus
-from kvevents.subscribe.items import Delivery, Gap, Item, Loss, Reset, Signal, Unreachable
+from kvevents.subscribe.items import (
+    Delivery,
+    Gap,
+    Item,
+    Loss,
+    Reset,
+    Resync,
+    Signal,
+    Unreachable,
+)
 from kvevents.subscribe.stats import StreamStats, StreamStatus
 from kvevents.subscribe.subscriber import Subscriber, SubscriberState
 
@@ -42,6 +52,7 @@ __all__ = [
     "Item",
     "Loss",
     "Reset",
+    "Resync",
     "Signal",
     "StreamSpec",
     "StreamStats",

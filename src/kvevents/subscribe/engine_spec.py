@@ -14,6 +14,11 @@ Rank ``r`` publishes on the endpoint offset for ``r`` (:meth:`Endpoint.for_rank`
 still apply (a configured block size is cross-checked against what the engine
 advertises and sends).
 
+``snapshot: true`` says the described engine publishes with kvevents' own publisher with
+snapshots on (``"snapshot": true`` in its kv-events config): a gap its replay cannot
+fill is then asked for as the rank's whole state. Leave it out for SGLang and vLLM, whose
+publishers have no such request; a discovered engine says it in ``/server_info``.
+
 ``model`` names the models the engine serves (a name, a comma list, or in a file a list
 of names); the router then routes requests for them there without asking the engine
 (:mod:`kvevents.router.decide.models`).
@@ -84,6 +89,7 @@ FIELDS = (
     "name",
     "curve_server_key",
     "model",
+    "snapshot",
 )
 
 
@@ -105,6 +111,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     curve_server_key: str | None = None
     """The engine's CURVE public key, when its publishers use CURVE and do not advertise it."""
     model: str | list[str] | None = None
+    snapshot: bool | None = None
+    """The described engine's publishers serve snapshots (kvevents' publisher, opted in)."""
 
     @classmethod
     def create(cls, url: str, **fields: Any) -> EngineSpec:
@@ -153,7 +161,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         if self.curve_server_key is not None:
             parse_public_key(self.curve_server_key, f"{where}: curve_server_key")
         if self.kv_endpoint is None:
-            given = [f for f in ("replay_endpoint", "dp_size", "topic") if getattr(self, f)]
+            given = [
+                f for f in ("replay_endpoint", "dp_size", "topic", "snapshot") if getattr(self, f)
+            ]
             if given:
                 raise ConfigError(
                     f"{where}: {', '.join(given)} given without kv_endpoint; describe the "
@@ -161,6 +171,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
                     "discover the engine through its /server_info"
                 )
             return
+        if self.snapshot and self.replay_endpoint is None:
+            raise ConfigError(
+                f"{where}: snapshot=true needs replay_endpoint: snapshots are asked on the "
+                "publishers' replay sockets"
+            )
         self.streams()  # every rank's endpoints resolve, within port range, no overlap
 
     @property
@@ -235,6 +250,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
                 topic=self.topic or "",
                 block_size=self.block_size,
                 curve_server_key=self.curve_server_key,
+                snapshot=bool(self.snapshot),
             )
             for r in plan.ranks
         ]

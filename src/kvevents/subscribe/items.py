@@ -17,6 +17,12 @@ Signals, per stream, in the order they happened relative to that stream's batche
 * :class:`Reset` -- the stream restarted (its engine restarted: the sequence went back,
   or the publisher's replay buffer proved it forgot what we saw). The consumer must drop
   everything it holds for that holder; the new stream follows from its seq 0.
+* :class:`Resync` -- a :class:`Reset` whose new state comes whole: replay could not fill
+  a gap (the publisher's buffer wrapped, or the subscriber joined late), and the
+  publisher, which advertises snapshots, sent the rank's whole block set instead. The
+  consumer drops the holder's state as for a reset; the next item of that holder is one
+  :class:`Delivery` at seq ``new_seq`` whose batch (``AllBlocksCleared`` then the stores)
+  rebuilds it, and the stream continues from ``new_seq + 1``. No :class:`Loss`.
 * :class:`Unreachable` -- an engine's ``/server_info`` or a stream's endpoint cannot be
   reached yet; retries continue with backoff. Sent once per failure streak.
 * :class:`Malformed` -- frames of a stream were skipped: a wrong frame layout, or a seq
@@ -41,6 +47,7 @@ __all__ = [
     "Malformed",
     "Removed",
     "Reset",
+    "Resync",
     "Signal",
     "Unreachable",
 ]
@@ -55,8 +62,8 @@ class Delivery(NamedTuple):
 
 
 class Signal(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of every signal; ``kind`` names it ("gap", "loss", "reset", "unreachable",
-    "malformed", "removed").
+    """Base of every signal; ``kind`` names it ("gap", "loss", "reset", "resync",
+    "unreachable", "malformed", "removed").
 
     ``dp_rank`` is None only for an :class:`Unreachable` engine whose ranks are not
     known yet.
@@ -108,6 +115,14 @@ class Reset(Signal, frozen=True, kw_only=True):
     last_seq: int
     new_seq: int | None
     reason: str
+
+
+class Resync(Reset, frozen=True, kw_only=True):
+    """The holder's state is replaced by its publisher's snapshot at ``new_seq``: drop it
+    (as for a :class:`Reset`); the :class:`Delivery` that follows (seq ``new_seq``)
+    carries the whole block set. ``last_seq`` was the last seq delivered before."""
+
+    kind: ClassVar[str] = "resync"
 
 
 class Unreachable(Signal, frozen=True, kw_only=True):

@@ -52,12 +52,15 @@ from kvevents.subscribe.items import (
     Signal,
     Unreachable,
 )
+from kvevents.subscribe.snapshot_assembly import SnapshotAssembly
 from kvevents.subscribe.stats import SAMPLE_INTERVAL, StreamStats, StreamStatus
 from kvevents.subscribe.stream import (
     MAX_SEQ_JUMP,
     CancelReplay,
     Deliver,
+    DeliverSnapshot,
     RequestReplay,
+    RequestSnapshot,
     TrackerAction,
 )
 from kvevents.subscribe.stream_sockets import StreamSockets
@@ -65,6 +68,7 @@ from kvevents.transport.curve_keys import CurveKeyPair
 from kvevents.types import Holder
 from kvevents.wire.codec import decode_batch
 from kvevents.wire.events import AllBlocksCleared
+from kvevents.wire.frames import SnapshotReply
 
 __all__ = ["Command", "SubscriberLoop"]
 
@@ -412,6 +416,12 @@ class SubscriberLoop:
                 continue
             if reply is None:
                 break
+            if isinstance(reply, SnapshotReply):
+                reason = self._on_snapshot_reply(st, reply, now, out)
+                if reason is not None:
+                    skipped += 1
+                    first_reason = first_reason or reason
+                continue
             if not reply.is_end and not st.tracker.plausible(reply.seq):
                 skipped += 1
                 first_reason = first_reason or _implausible(reply.seq, st.tracker.last)
@@ -431,6 +441,32 @@ class SubscriberLoop:
             # batches came: quiet from now on. An answer that brought nothing keeps the
             # schedule, or the checks of a quiet stream would come every ``tail_probe``.
             st.check_at = now + self._first_check
+
+    def _on_snapshot_reply(
+        self, st: StreamSockets, reply: SnapshotReply, now: float, out: list[Item]
+    ) -> str | None:
+        """One frame of a snapshot answer; a reason when it is skipped as malformed."""
+        assembly = st.snapshot
+        if assembly is None:
+            return "a snapshot frame that no request of this stream asked for"
+        if reply.kind == "part":
+            return assembly.add(reply)
+        st.snapshot = None
+        tracker = st.tracker
+        if reply.kind == "unavailable":
+            actions = tracker.on_snapshot_failed(f"the publisher has none ({reply.reason})")
+        elif not tracker.plausible(reply.seq):
+            actions = tracker.on_snapshot_failed(_implausible(reply.seq, tracker.last))
+        else:
+            whole = assembly.finish(reply)
+            if isinstance(whole, str):
+                actions = tracker.on_snapshot_failed(whole)
+            else:
+                st.snapshot_batch = whole  # what the tracker's DeliverSnapshot hands out
+                actions = tracker.on_snapshot(reply.seq)
+        self._apply(st, actions, now, out)
+        st.snapshot_batch = None
+        return None
 
     def _on_monitor(self, st: StreamSockets, now: float, out: list[Item]) -> None:
         connections = st.connections
@@ -452,10 +488,22 @@ class SubscriberLoop:
                     self._emit(st, action.seq, action.payload, now, out)
             elif type(action) is RequestReplay:
                 assert st.replay is not None
+                st.snapshot = None
                 st.replay.request(action.start, now)
             elif type(action) is CancelReplay:
                 assert st.replay is not None
+                st.snapshot = None
                 st.replay.cancel()
+            elif type(action) is RequestSnapshot:
+                assert st.replay is not None
+                st.snapshot = SnapshotAssembly(st.spec.dp_rank)
+                st.replay.request_snapshot(now)
+            elif type(action) is DeliverSnapshot:
+                batch, st.snapshot_batch = st.snapshot_batch, None
+                if batch is not None:
+                    st.counters.last_arrival = now
+                    st.counters.batches += 1
+                    out.append(Delivery(st.holder, action.seq, batch))
             else:
                 assert isinstance(action, Signal)
                 out.append(action)

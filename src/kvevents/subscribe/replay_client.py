@@ -3,7 +3,10 @@
 Protocol (docs/architecture.md, The wire): send ``[b"", start_seq]``; receive ``[b"", topic, seq, payload]``
 (or the older ``[b"", seq, payload]``) for every buffered batch with ``seq >= start``,
 then the end marker (``seq == 2**64 - 1``). A REQ socket would only ever get the first
-reply, hence DEALER.
+reply, hence DEALER. A publisher that advertises snapshots is also asked, on the same
+socket, for its rank's whole state (:meth:`ReplayClient.request_snapshot`); its answer's
+frames are five, tagged (:mod:`kvevents.wire.frames`), so :meth:`ReplayClient.read` tells
+them from replay replies by their shape.
 
 Invariants
 ----------
@@ -25,7 +28,15 @@ from collections.abc import Callable
 
 import zmq
 
-from kvevents.wire.frames import ReplayReply, parse_replay_reply, replay_request_frames
+from kvevents.wire.frames import (
+    ReplayReply,
+    SnapshotReply,
+    is_snapshot_reply,
+    parse_replay_reply,
+    parse_snapshot_reply,
+    replay_request_frames,
+    snapshot_request_frames,
+)
 
 __all__ = ["ReplayClient"]
 
@@ -71,10 +82,18 @@ class ReplayClient:
 
     def request(self, start: int, now: float) -> None:
         """Ask for every buffered batch with ``seq >= start`` (abandons one in flight)."""
+        self._send(replay_request_frames(start), now)
+
+    def request_snapshot(self, now: float) -> None:
+        """Ask for the rank's whole state (abandons a request in flight). Only for a
+        publisher that advertises snapshots."""
+        self._send(snapshot_request_frames(), now)
+
+    def _send(self, frames: list[bytes], now: float) -> None:
         if self.socket is None or self.in_flight:
             self._reopen()
         assert self.socket is not None
-        self.socket.send_multipart(replay_request_frames(start))
+        self.socket.send_multipart(frames)
         self.requests += 1
         self.deadline = now + self.timeout
 
@@ -88,19 +107,26 @@ class ReplayClient:
         self._reopen()
         return True
 
-    def read(self, now: float) -> ReplayReply | None:
+    def read(self, now: float) -> ReplayReply | SnapshotReply | None:
         """One reply if one is waiting (None otherwise); raises WireError for a malformed one.
 
-        Replies push the deadline back; the end marker clears it.
+        Replies push the deadline back; the end marker, and a snapshot's end or
+        unavailable frame, clear it.
         """
         assert self.socket is not None
         try:
             frames = self.socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return None
-        reply = parse_replay_reply(frames)
+        reply: ReplayReply | SnapshotReply
+        if is_snapshot_reply(frames):
+            reply = parse_snapshot_reply(frames)
+            last = reply.kind != "part"
+        else:
+            reply = parse_replay_reply(frames)
+            last = reply.is_end
         if self.deadline is not None:
-            self.deadline = None if reply.is_end else now + self.timeout
+            self.deadline = None if last else now + self.timeout
         return reply
 
     def refresh(self) -> None:

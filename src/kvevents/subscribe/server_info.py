@@ -9,7 +9,9 @@ host when ``endpoint_host`` is a wildcard (``*``, ``0.0.0.0``, ``::``) and
 wildcard rule applies to its endpoints too. Upstream SGLang sends no such list.
 
 A ``curve_public_key`` (kvevents engines with CURVE keys) becomes every stream's
-``curve_server_key``.
+``curve_server_key``; ``snapshot: true`` (kvevents engines whose publishers serve
+snapshots) makes every stream with a replay endpoint ask for one when replay cannot fill
+a gap. A block without it (upstream SGLang's) is never sent that request.
 
 The block is absent when publishing is off, which is reported as a
 :class:`~kvevents.errors.DiscoveryError` saying how to turn it on; a malformed block is
@@ -131,6 +133,7 @@ def streams_from_server_info(
             curve_key = parse_public_key(block.curve_public_key, "kv_events.curve_public_key")
         except ConfigError as exc:
             raise DiscoveryError(f"{where}: {exc}; the engine's block is malformed") from None
+    snapshot = block.snapshot is True
     name = worker or (normalize_engine_url(engine_url) if engine_url else "engine")
     topic = block.topic or ""
     block_size = block.block_size
@@ -164,6 +167,7 @@ def streams_from_server_info(
                     topic=topic,
                     block_size=block_size,
                     curve_server_key=curve_key,
+                    snapshot=snapshot and replay is not None,
                 )
             )
         ranks = sorted(s.dp_rank for s in specs)
@@ -190,6 +194,7 @@ def streams_from_server_info(
                 topic=topic,
                 block_size=block_size,
                 curve_server_key=curve_key,
+                snapshot=snapshot and replay_base is not None,
             )
         )
     return specs

@@ -89,6 +89,10 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     """Why a ``refused`` stream is not followed when no handshake was refused (ZMQ
     refused its address); None otherwise."""
+    snapshots: int = 0
+    """Gaps replay could not fill that the publisher's snapshot filled (each a ``resync``)."""
+    snapshot_failures: int = 0
+    """Snapshots asked for that did not come whole (what replay lacked was then lost)."""
 
     @classmethod
     def empty(

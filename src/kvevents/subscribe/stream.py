@@ -53,6 +53,20 @@ Restart detection
   payload at the anchor's seq is byte-identical to the old one is not told apart (its batches
   carry wall-clock timestamps, so this does not happen in practice).
 
+Snapshots
+---------
+A stream whose publisher advertises snapshots (``has_snapshot``) does not report the
+batches a replay cannot bring (the first seq it returns lies beyond ``last + 1``: the
+buffer wrapped, or the stream joined late) as lost: it drops that replay and asks for the
+rank's whole state (:class:`RequestSnapshot`), live messages still waiting. A complete
+answer at seq ``S`` (:meth:`StreamTracker.on_snapshot`) gives a
+:class:`~kvevents.subscribe.items.Resync` and a :class:`DeliverSnapshot` at ``S``; the
+waiting live messages after ``S`` follow as usual. An answer that does not come whole
+(unavailable, timed out, parts missing: :meth:`StreamTracker.on_snapshot_failed`) falls
+back to what replay gives: a :class:`Loss` up to the first buffered seq, then a replay
+from there; and no snapshot is asked again until a replay ends with batches delivered,
+so a publisher that cannot give one costs one round trip per gap, never a loop.
+
 Implausible seqs
 ----------------
 A seq is a count of batches published, so it cannot leap: a live seq more than
@@ -77,14 +91,16 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from kvevents.subscribe.items import Gap, Loss, Reset, Signal
+from kvevents.subscribe.items import Gap, Loss, Reset, Resync, Signal
 
 __all__ = [
     "MAX_SEQ_JUMP",
     "CancelReplay",
     "Deliver",
+    "DeliverSnapshot",
     "Purpose",
     "RequestReplay",
+    "RequestSnapshot",
     "StreamTracker",
     "TrackerAction",
 ]
@@ -119,7 +135,17 @@ class CancelReplay(NamedTuple):
     """Forget the replay in flight (its late replies must not be read)."""
 
 
-TrackerAction = Deliver | RequestReplay | CancelReplay | Signal
+class RequestSnapshot(NamedTuple):
+    """Ask the publisher for the rank's whole state (forgets the replay in flight)."""
+
+
+class DeliverSnapshot(NamedTuple):
+    """Hand out the snapshot just received, whole, as seq ``seq``."""
+
+    seq: int
+
+
+TrackerAction = Deliver | RequestReplay | CancelReplay | RequestSnapshot | DeliverSnapshot | Signal
 
 
 class Purpose(enum.Enum):
@@ -129,17 +155,27 @@ class Purpose(enum.Enum):
     GAP = "gap"  # fill last+1 .. the first buffered live seq
     VERIFY = "verify"  # after a reconnect: is seq `last` still the payload we delivered?
     PROBE = "probe"  # a quiet stream: was anything after `last` published and dropped?
+    SNAPSHOT = "snapshot"  # replay cannot fill the gap: the rank's whole state instead
 
 
 class StreamTracker:
     """Per-stream sequence state machine (see the module docstring for its invariants)."""
 
     def __init__(
-        self, worker: str, dp_rank: int, *, has_replay: bool, max_pending: int = 50_000
+        self,
+        worker: str,
+        dp_rank: int,
+        *,
+        has_replay: bool,
+        max_pending: int = 50_000,
+        has_snapshot: bool = False,
     ) -> None:
         self.worker = worker
         self.dp_rank = dp_rank
         self.has_replay = has_replay
+        self.has_snapshot = has_replay and has_snapshot
+        self._snapshot_allowed = True  # false after a failed one, until a replay ends well
+        self._snapshot_from = 0  # the first seq the replay that gave way to it brought
         self.max_pending = max_pending
         self.last = -1
         # the last batch delivered with its payload: what a verifying replay compares
@@ -165,6 +201,8 @@ class StreamTracker:
         self.replayed = 0
         self.lost = 0
         self.resets = 0
+        self.snapshots = 0
+        self.snapshot_failures = 0
 
     @property
     def can_verify(self) -> bool:
@@ -247,7 +285,7 @@ class StreamTracker:
     ) -> list[TrackerAction]:
         """One replay reply (``subscribed`` is False when its topic is filtered out)."""
         out: list[TrackerAction] = []
-        if not self.replaying:
+        if not self.replaying or self.purpose is Purpose.SNAPSHOT:
             return out
         if self.purpose is Purpose.VERIFY and not self._verified:
             if seq < self.anchor_seq:
@@ -258,6 +296,13 @@ class StreamTracker:
                 self._reset(None, "replay shows another batch at a seq already delivered", out)
                 return out
         if seq <= self.last:
+            return out
+        if seq > self.last + 1 and self.has_snapshot and self._snapshot_allowed:
+            # the buffer no longer holds what is missing: the whole state instead
+            self.purpose = Purpose.SNAPSHOT
+            self._snapshot_from = seq
+            self._timeout_retries = 0
+            out.append(RequestSnapshot())
             return out
         if seq > self.last + 1:
             self._lose(
@@ -281,6 +326,8 @@ class StreamTracker:
         out: list[TrackerAction] = []
         if not self.replaying:
             return out
+        if self.purpose is Purpose.SNAPSHOT:
+            return self.on_snapshot_failed("the publisher answered as to a replay request")
         if self.purpose is Purpose.VERIFY and not self._verified:
             self._reset(None, "the publisher's replay buffer is empty: it restarted", out)
             return out
@@ -289,6 +336,7 @@ class StreamTracker:
         retry = True
         if self._progress:
             self._fruitless_start = None
+            self._snapshot_allowed = True  # a replay that works again: a later gap may ask
         elif self.purpose is Purpose.PROBE:
             pass  # a probe that finds nothing says nothing about gaps
         elif self._fruitless_start == self.replay_start:
@@ -304,6 +352,8 @@ class StreamTracker:
         out: list[TrackerAction] = []
         if not self.replaying:
             return out
+        if self.purpose is Purpose.SNAPSHOT:
+            return self.on_snapshot_failed("no answer within the replay timeout")
         unverified = self.purpose is Purpose.VERIFY and not self._verified
         if unverified and self._timeout_retries < 1:
             # The publisher's replay endpoint was not up yet after the reconnect (an
@@ -334,6 +384,59 @@ class StreamTracker:
             self.replaying = False
             return out
         self._abandon_replay(f"replay from seq {self.replay_start} timed out", out)
+        return out
+
+    def on_snapshot(self, seq: int) -> list[TrackerAction]:
+        """The whole snapshot asked for arrived, at seq ``seq``: it replaces the holder's
+        state (:class:`Resync`, then :class:`DeliverSnapshot`), and the live messages that
+        waited for it follow."""
+        out: list[TrackerAction] = []
+        if not self.replaying or self.purpose is not Purpose.SNAPSHOT:
+            return out
+        out.append(
+            Resync(
+                worker=self.worker,
+                dp_rank=self.dp_rank,
+                last_seq=self.last,
+                new_seq=seq,
+                reason="replay could not bring every batch missed: the publisher's "
+                f"snapshot at seq {seq} replaces the holder's state",
+            )
+        )
+        out.append(DeliverSnapshot(seq))
+        self.snapshots += 1
+        self.replaying = False
+        self._timeout_retries = 0
+        self._fruitless_start = None
+        self._snapshot_allowed = True
+        self.suspect = False
+        self.last = seq
+        self.anchor_seq, self.anchor_payload = -1, None  # no published payload to compare
+        pending, self.pending = self.pending, []
+        # live seqs seen before the snapshot are at most its seq, unless they were another
+        # publisher's (it restarted meanwhile): live messages from here on are judged
+        # against this one's
+        self.live_high = min(self.live_high, max([seq] + [held[0] for held in pending]))
+        self._flush(pending, out, self.has_replay, "replay did not return it")
+        return out
+
+    def on_snapshot_failed(self, reason: str) -> list[TrackerAction]:
+        """The snapshot asked for did not come whole: the batches the replay could not
+        bring are lost (``reason`` says why no snapshot), and replay resumes after them."""
+        out: list[TrackerAction] = []
+        if not self.replaying or self.purpose is not Purpose.SNAPSHOT:
+            return out
+        self.snapshot_failures += 1
+        self._snapshot_allowed = False
+        first = self._snapshot_from
+        if first > self.last + 1:
+            self._lose(
+                self.last + 1,
+                first - 1,
+                f"not in the publisher's replay buffer, and no snapshot: {reason}",
+                out,
+            )
+        self._begin_replay(Purpose.GAP, self.last + 1, out)
         return out
 
     def probe(self) -> list[TrackerAction]:
@@ -486,6 +589,7 @@ class StreamTracker:
         self.anchor_seq, self.anchor_payload = -1, None
         self.suspect = False
         self._fruitless_start = None
+        self._snapshot_allowed = True  # another publisher: it may give one
         if self.has_replay:
             self._begin_replay(Purpose.JOIN, 0, out)
         else:

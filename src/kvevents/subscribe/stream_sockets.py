@@ -42,10 +42,12 @@ from kvevents.subscribe.curve_client import (
 from kvevents.subscribe.discovery import StreamSpec
 from kvevents.subscribe.items import Signal, Unreachable
 from kvevents.subscribe.replay_client import ReplayClient
+from kvevents.subscribe.snapshot_assembly import SnapshotAssembly
 from kvevents.subscribe.stats import StreamCounters, StreamStats, StreamStatus
 from kvevents.subscribe.stream import StreamTracker, TrackerAction
 from kvevents.transport.curve_keys import CurveKeyPair
 from kvevents.types import Holder
+from kvevents.wire.events import KVEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,12 @@ class StreamSockets:
             spec.dp_rank,
             has_replay=spec.replay_endpoint is not None,
             max_pending=max_pending,
+            has_snapshot=spec.snapshot,
         )
+        # the snapshot answer being received (set when one is asked), and the state it
+        # gave once whole, until delivered
+        self.snapshot: SnapshotAssembly | None = None
+        self.snapshot_batch: KVEventBatch | None = None
         self.counters = StreamCounters()
         # when the stream, quiet until then, next asks the publisher what follows its
         # last seq (the socket loop sets it: inf when it never asks)
@@ -262,6 +269,8 @@ class StreamSockets:
             replayed=t.replayed,
             lost=t.lost,
             resets=t.resets,
+            snapshots=t.snapshots,
+            snapshot_failures=t.snapshot_failures,
             decode_errors=c.decode_errors,
             malformed=c.malformed,
             replay_requests=0 if self.replay is None else self.replay.requests,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
-from kvevents.errors import DiscoveryError, EndpointError
+from kvevents.errors import ConfigError, DiscoveryError, EndpointError
 from kvevents.transport.curve_keys import parse_public_key
 from kvevents.transport.endpoints import WILDCARD_HOSTS, Endpoint
 
@@ -49,6 +49,10 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``endpoint`` and ``replay_endpoint`` are ZMQ addresses to connect to (never wildcards).
     ``curve_server_key``: the publisher's CURVE public key (Z85), when its sockets are
     CURVE servers; None connects in the clear (:mod:`kvevents.subscribe.curve_client`).
+    ``snapshot``: the publisher serves snapshots on its replay socket (a kvevents
+    publisher that advertises them): a gap replay cannot fill is then asked for as the
+    rank's whole state (:class:`~kvevents.subscribe.items.Resync`) instead of reported
+    lost. Never true for SGLang's and vLLM's own publishers, which are never asked.
 
     >>> StreamSpec.from_endpoint("tcp://127.0.0.1:5557", topic="kv").worker
     'tcp://127.0.0.1:5557'
@@ -61,6 +65,15 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     topic: str = ""
     block_size: int | None = None
     curve_server_key: str | None = None
+    snapshot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.snapshot and self.replay_endpoint is None:
+            raise ConfigError(
+                f"stream {self.endpoint} (dp {self.dp_rank}) has snapshot=True but no "
+                "replay_endpoint: snapshots are asked on the replay socket; give it, or "
+                "drop snapshot"
+            )
 
     @classmethod
     def from_endpoint(
@@ -73,6 +86,7 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
         dp_rank: int = 0,
         block_size: int | None = None,
         curve_server_key: str | None = None,
+        snapshot: bool = False,
     ) -> StreamSpec:
         """An explicit stream; ``worker`` defaults to the endpoint string.
 
@@ -93,6 +107,7 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
             curve_server_key=None
             if curve_server_key is None
             else parse_public_key(curve_server_key, "curve_server_key"),
+            snapshot=snapshot,
         )
 
 

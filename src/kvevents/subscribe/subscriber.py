@@ -51,7 +51,10 @@ when nothing is new); and a quiet stream asks the same ``tail_probe`` seconds af
 last batch or connection, then every ``idle_check`` seconds while the quiet lasts. A
 batch is thus delivered while the engine's replay buffer still holds it (its last
 ``buffer_steps`` batches), and once: replayed seqs the stream has are skipped, and an
-answer from a restarted publisher is a ``Reset`` as above. A stream without a replay
+answer from a restarted publisher is a ``Reset`` as above. Past the buffer, a publisher
+that advertises snapshots (a kvevents publisher, ``StreamSpec.snapshot``) is asked for
+the rank's whole state, given as a ``Resync`` and one delivery; from any other, the
+batches replay no longer holds are a ``Loss``. A stream without a replay
 endpoint cannot ask: a batch its SUB missed is a ``Loss`` when a later one arrives, and
 until then (a lone batch, an idle engine) it is missing without a signal.
 

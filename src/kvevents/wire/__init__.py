@@ -2,7 +2,7 @@
 
 * :mod:`~kvevents.wire.events`: the event structs and the batch of one scheduler step;
 * :mod:`~kvevents.wire.codec`: a batch as msgpack bytes and back, in both encodings;
-* :mod:`~kvevents.wire.frames`: the ZMQ frames of live and replay messages;
+* :mod:`~kvevents.wire.frames`: the ZMQ frames of live, replay and snapshot messages;
 * :mod:`~kvevents.wire.hashing`: the engines' block hash schemes and our content key;
 * :mod:`~kvevents.wire.server_info`: the ``kv_events`` block of ``/server_info``.
 
@@ -23,17 +23,26 @@ from kvevents.wire.events import (
 )
 from kvevents.wire.frames import (
     END_SEQ,
+    SNAPSHOT_TAG,
     LiveMessage,
     ReplayReply,
+    SnapshotReply,
     decode_seq,
     encode_seq,
+    is_snapshot_reply,
+    is_snapshot_request,
     live_frames,
     parse_live_frames,
     parse_replay_reply,
     parse_replay_request,
+    parse_snapshot_reply,
     replay_end_frames,
     replay_reply_frames,
     replay_request_frames,
+    snapshot_end_frames,
+    snapshot_part_frames,
+    snapshot_request_frames,
+    snapshot_unavailable_frames,
 )
 from kvevents.wire.server_info import (
     AdvertisedPublisher,
@@ -44,6 +53,7 @@ from kvevents.wire.server_info import (
 
 __all__ = [
     "END_SEQ",
+    "SNAPSHOT_TAG",
     "AdvertisedPublisher",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -54,6 +64,7 @@ __all__ = [
     "KVEventsBlock",
     "LiveMessage",
     "ReplayReply",
+    "SnapshotReply",
     "decode_batch",
     "decode_kv_events_block",
     "decode_seq",
@@ -62,11 +73,18 @@ __all__ = [
     "encode_seq",
     "event_to_dict",
     "hash_to_int",
+    "is_snapshot_reply",
+    "is_snapshot_request",
     "live_frames",
     "parse_live_frames",
     "parse_replay_reply",
     "parse_replay_request",
+    "parse_snapshot_reply",
     "replay_end_frames",
     "replay_reply_frames",
     "replay_request_frames",
+    "snapshot_end_frames",
+    "snapshot_part_frames",
+    "snapshot_request_frames",
+    "snapshot_unavailable_frames",
 ]

@@ -7,6 +7,17 @@ Replay reply (ROUTER -> DEALER): ``[b"", topic, seq, payload]`` per buffered bat
 publishers omit the topic: ``[b"", seq, payload]``), ending with ``seq == 2**64 - 1`` and
 an empty payload.
 
+Snapshot (kvevents publishers only, on the same replay socket; docs/architecture.md, The
+wire): the request is ``[b"", SNAPSHOT_TAG]``, whose second frame is never 8 bytes long,
+so no publisher reads it as a replay request from a seq it holds (an upstream one that
+reads any frame as a big-endian number sees a seq beyond its buffer and answers the end
+marker alone). It is only ever sent to a publisher that advertises snapshots. Every
+answer frame is five frames, ``[b"", SNAPSHOT_TAG, kind, seq, body]``, which no replay
+reply has: ``kind`` ``b"part"`` (``body`` a msgpack batch of the rank's state, in order),
+then ``b"end"`` (``body`` the 8-byte count of parts sent); or ``b"unavailable"`` alone
+(``seq`` the end marker's value, ``body`` the reason in UTF-8). ``seq`` is the seq of the
+last batch the state includes: the stream continues live from ``seq + 1``.
+
 Every parser checks the frame count and lengths before unpacking: a bad frame is a
 :class:`~kvevents.WireError` naming what was wrong, never a mis-decode.
 """
@@ -21,23 +32,36 @@ from kvevents.errors import WireError
 
 __all__ = [
     "END_SEQ",
+    "SNAPSHOT_TAG",
     "LiveMessage",
     "ReplayReply",
+    "SnapshotReply",
     "decode_seq",
     "encode_seq",
+    "is_snapshot_reply",
+    "is_snapshot_request",
     "live_frames",
     "parse_live_frames",
     "parse_replay_reply",
     "parse_replay_request",
+    "parse_snapshot_reply",
     "replay_end_frames",
     "replay_reply_frames",
     "replay_request_frames",
+    "snapshot_end_frames",
+    "snapshot_part_frames",
+    "snapshot_request_frames",
+    "snapshot_unavailable_frames",
 ]
 
 END_SEQ = 0xFFFFFFFFFFFFFFFF
 """Sequence number of the replay end marker."""
 
+SNAPSHOT_TAG = b"kvevents.snapshot.v1"
+"""The frame that marks a snapshot request and every frame of its answer."""
+
 _SEQ = struct.Struct(">Q")
+_SNAPSHOT_KINDS = (b"part", b"end", b"unavailable")
 
 
 def encode_seq(seq: int) -> bytes:
@@ -134,3 +158,72 @@ def parse_replay_reply(frames: list[bytes]) -> ReplayReply:
         f"replay reply has {len(frames)} frames, expected [b'', topic, seq, payload] "
         "or [b'', seq, payload]"
     )
+
+
+class SnapshotReply(msgspec.Struct, frozen=True, gc=False):
+    """One frame of a snapshot answer: ``kind`` is "part", "end" or "unavailable".
+
+    ``seq``: the seq of the last batch the state includes. ``body``: a part's payload
+    (a msgpack batch), the end's count of parts, or the reason a snapshot is unavailable.
+    """
+
+    kind: str
+    seq: int
+    body: bytes
+
+    @property
+    def parts(self) -> int:
+        """The count of parts an ``end`` frame announces."""
+        return decode_seq(self.body)
+
+    @property
+    def reason(self) -> str:
+        """Why an ``unavailable`` answer has no snapshot."""
+        return self.body.decode("utf-8", "replace")
+
+
+def snapshot_request_frames() -> list[bytes]:
+    """What a DEALER sends to ask a kvevents publisher for its rank's whole state."""
+    return [b"", SNAPSHOT_TAG]
+
+
+def is_snapshot_request(frames: list[bytes]) -> bool:
+    """Whether a request as a ROUTER receives it (identity first) asks for a snapshot."""
+    return len(frames) == 3 and len(frames[1]) == 0 and frames[2] == SNAPSHOT_TAG
+
+
+def snapshot_part_frames(seq: int, payload: bytes) -> list[bytes]:
+    """One part of a snapshot answer (without the ROUTER identity in front)."""
+    return [b"", SNAPSHOT_TAG, b"part", _SEQ.pack(seq), payload]
+
+
+def snapshot_end_frames(seq: int, parts: int) -> list[bytes]:
+    """The frame that closes a complete snapshot answer of ``parts`` parts."""
+    return [b"", SNAPSHOT_TAG, b"end", _SEQ.pack(seq), _SEQ.pack(parts)]
+
+
+def snapshot_unavailable_frames(reason: str) -> list[bytes]:
+    """The whole answer of a publisher that cannot give a snapshot now, saying why."""
+    return [b"", SNAPSHOT_TAG, b"unavailable", _SEQ.pack(END_SEQ), reason.encode()]
+
+
+def is_snapshot_reply(frames: list[bytes]) -> bool:
+    """Whether frames a DEALER received belong to a snapshot answer (five, tagged)."""
+    return len(frames) == 5 and bytes(frames[1]) == SNAPSHOT_TAG
+
+
+def parse_snapshot_reply(frames: list[bytes]) -> SnapshotReply:
+    """Check and unpack ``[b"", SNAPSHOT_TAG, kind, seq, body]``; anything else is a WireError."""
+    if len(frames) != 5 or len(frames[0]) != 0 or bytes(frames[1]) != SNAPSHOT_TAG:
+        raise WireError(
+            f"snapshot reply has {len(frames)} frames, expected 5 "
+            "[b'', SNAPSHOT_TAG, kind, seq, body]"
+        )
+    kind = bytes(frames[2])
+    if kind not in _SNAPSHOT_KINDS:
+        raise WireError(f"snapshot reply kind {kind[:20]!r} is not one of part, end, unavailable")
+    seq = decode_seq(frames[3])
+    body = bytes(frames[4])
+    if kind == b"end" and len(body) != 8:
+        raise WireError(f"snapshot end frame's count has {len(body)} bytes, expected 8")
+    return SnapshotReply(kind.decode(), seq, body)

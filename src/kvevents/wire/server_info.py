@@ -15,12 +15,18 @@ struct. The block (docs/architecture.md, "Discovery")::
       "dp_size": 4,
       "ports_consecutive": true,
       "publishers": [{"dp_rank": 0, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"}, ...],
-      "curve_public_key": "..."             # kvevents only, when the streams use CURVE
+      "curve_public_key": "...",            # kvevents only, when the streams use CURVE
+      "snapshot": true                      # kvevents only, when every rank serves snapshots
     }
 
 ``curve_public_key`` is the publishers' CURVE public key (Z85; public, safe to serve):
 a consumer with a key pair the publishers allow needs nothing else to connect. It is
 absent from plain streams' blocks (encoded only when set).
+
+``snapshot`` says every rank's replay socket answers a snapshot request with the rank's
+whole current block set (:mod:`kvevents.wire.frames`). It is encoded only when set; a
+consumer sends that request to no publisher whose block lacks it (upstream SGLang's never
+has it).
 
 Field order is the JSON's key order. Upstream SGLang sends the same block without
 ``ports_consecutive`` and ``publishers``, and may leave out ``topic``, ``block_size`` and
@@ -40,7 +46,7 @@ Which fields a consumer then needs (``endpoint_host`` and ``endpoint_port_base``
 >>> encode_kv_events_block(block)[:60]
 b'{"publisher":"zmq","endpoint_host":"*","endpoint_port_base":'
 >>> decode_kv_events_block({"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 5557})
-KVEventsBlock(publisher='zmq', endpoint_host='*', endpoint_port_base=5557, replay_endpoint_port_base=UNSET, topic=None, block_size=None, dp_size=None, ports_consecutive=None, publishers=None, curve_public_key=UNSET)
+KVEventsBlock(publisher='zmq', endpoint_host='*', endpoint_port_base=5557, replay_endpoint_port_base=UNSET, topic=None, block_size=None, dp_size=None, ports_consecutive=None, publishers=None, curve_public_key=UNSET, snapshot=UNSET)
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class KVEventsBlock(msgspec.Struct, frozen=True, kw_only=True):
     ports_consecutive: bool | None = None
     publishers: list[AdvertisedPublisher] | None = None
     curve_public_key: str | UnsetType | None = UNSET
+    snapshot: bool | UnsetType | None = UNSET
 
 
 _encoder = msgspec.json.Encoder()
