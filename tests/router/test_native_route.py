@@ -54,6 +54,7 @@ def test_keys_are_xxh3_chained_for_every_block_size() -> None:
             assert list(got) == content_keys_per_block(tokens, block_size, parent), block_size
 
 
+@pytest.mark.slow
 @settings(max_examples=3000, deadline=None)
 @given(st.floats(allow_nan=True, allow_infinity=True))
 def test_floats_are_written_as_msgspec_writes_them_or_not_at_all(x: float) -> None:
@@ -126,14 +127,22 @@ def fleets(draw: st.DrawFn) -> dict:
     }
 
 
-def _fleet(case: dict, *, natively: bool, clock: Callable[[], float] | None = None) -> Router:
+def _fleet(
+    case: dict,
+    *,
+    natively: bool,
+    clock: Callable[[], float] | None = None,
+    stall_after_s: float | None = None,
+) -> Router:
     """A router in the state ``case`` describes (the same state for the same case);
-    with a ``clock``, it predicts (a time-to-live of 2 s on that clock)."""
+    with a ``clock``, it predicts (a time-to-live of 2 s on that clock), and watches
+    stalls when given ``stall_after_s``."""
     router = Router(
         block_size=case["block_size"],
         credits=case["credits"],
         weights=case["weights"],
         prediction_ttl_s=None if clock is None else 2.0,
+        stall_after_s=stall_after_s,
         **({} if clock is None else {"clock": clock}),
     )
     if not natively:
@@ -189,6 +198,7 @@ def _python_answer(router: Router, tokens: array[int]) -> bytes | None:
         return None
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(fleets(), st.booleans(), st.lists(st.integers(0, 3), max_size=3))
 def test_the_native_answer_is_the_python_answer(
@@ -223,6 +233,7 @@ def test_the_native_answer_is_the_python_answer(
     assert list(fast.index._blocks) == list(slow.index._blocks)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(fleets(), st.booleans(), st.lists(st.integers(0, 3), max_size=3))
 def test_the_native_query_is_the_python_query(
@@ -256,6 +267,7 @@ def _seen(decision: RouteDecision) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(decision, keys=list(decision.keys)))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     fleets(),
@@ -310,6 +322,53 @@ def test_the_native_choice_over_the_board_is_the_python_choice(
     fast.index._flush_touches()
     slow.index._flush_touches()
     assert list(fast.index._blocks) == list(slow.index._blocks)
+    assert {h: fast.loads[h] for h in fast.loads} == {h: slow.loads[h] for h in slow.loads}
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None)
+@given(
+    fleets(),
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.sampled_from(["open", "answered", "failed"]),
+            st.sampled_from([0.0, 0.05, 0.3, 1.5]),
+            st.sampled_from([1, 1, 4, 16]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_stalled_holders_are_chosen_alike_natively_and_in_python(
+    case: dict, relayed: list[tuple[int, str, float, int]]
+) -> None:
+    """With stalls watched on a clock both routers share, requests left in flight stall
+    their holders and answered ones end the stalls, and the native and the Python choice
+    agree throughout, also when every candidate is stalled or down."""
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    fast = _fleet(case, natively=True, clock=clock, stall_after_s=0.5)
+    slow = _fleet(case, natively=False, clock=clock, stall_after_s=0.5)
+    for which, end, later, top in relayed:
+        now[0] += later
+        tokens = array("I", case["prompts"][which])
+        got, expected = _routed(fast, tokens, top), _routed(slow, tokens, top)
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None and _seen(got) == _seen(expected)
+        tickets = fast.begin(got), slow.begin(expected)
+        if end != "open":
+            fast.finish(tickets[0], failed=end == "failed")
+            slow.finish(tickets[1], failed=end == "failed")
+        if fast.loads.any_stalled:
+            event("a holder stalled")
+    stalled = [fast.loads.stalled_by(h) for h in fast.loads]
+    assert stalled == [slow.loads.stalled_by(h) for h in slow.loads]
     assert {h: fast.loads[h] for h in fast.loads} == {h: slow.loads[h] for h in slow.loads}
 
 

@@ -7,7 +7,7 @@ relayed request (or a ``/route`` with ``record``) changes them every time, thoug
 in Python every holder then cost about half a microsecond per request, plus the decay
 of every holder's ``recent`` work: 180 us a request at 256 ranks, 600 at 1,024. Here:
 
-* every holder's load is a row of six floats (availability, the engine's requests,
+* every holder's load is a row of six floats (routable or not, the engine's requests,
   this router's requests and blocks in flight, the raw recent work, the requests
   routed): a Python list per slot, which one Python pass over the candidates reads,
   and a copy of all of them in one flat float64 table (``_STRIDE`` per slot; only the
@@ -25,10 +25,19 @@ The board is a read-only ``Mapping[Holder, HolderLoad]``: what :attr:`Router.loa
 ``HolderLoad`` it hands out is a new copy, so changing one changes nothing: the router
 changes loads only through the board's methods. Scoring reads
 :meth:`LoadBoard.snapshot`, the same copies until the next change.
+
+The row's first field is 1.0 exactly when the engine says the rank is available and
+the router does not see it stalled (:mod:`kvevents.router.decide.stalls`); the engine's
+word and the stall's causes are kept beside the rows, so either one changing leaves the
+other as it was. The scans, Python and native, read only the row: a stalled holder is
+one they rank last, as a down one, and nothing of the per-request path changes for
+stalls. When no candidate is routable but some are only stalled, the router decides
+again with those rows lifted (:meth:`LoadBoard.lifted`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from bisect import insort
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,14 +91,22 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         self._candidates: dict[int, _Candidates] = {}
         self._ended: list[float] = []
         """Per slot, the requests in flight there that have ended so far (see :meth:`ended`)."""
+        self._up: list[bool] = []
+        """Per slot, whether the engine says the rank is available (its last word)."""
+        self._stalls: dict[int, int] = {}
+        """Per stalled slot, its causes (bits: :meth:`set_stalled`); empty when none is."""
 
     @classmethod
     def of(cls, loads: Mapping[Holder, HolderLoad]) -> LoadBoard:
         """A board holding ``loads`` (as a router's would after reaching them)."""
         board = cls()
         for holder, load in loads.items():
-            board._rows[board.slot(holder)][:] = [
-                1.0 if load.available else 0.0,
+            slot = board.slot(holder)
+            board._up[slot] = load.available
+            if load.stalled:
+                board._stalls[slot] = 1
+            board._rows[slot][:] = [
+                1.0 if load.routable else 0.0,
                 float(load.engine_requests),
                 float(load.inflight_requests),
                 float(load.inflight_blocks),
@@ -132,14 +149,15 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         return snapshot
 
     def _load(self, slot: int) -> HolderLoad:
-        available, engine, inflight, blocks, raw, routed = self._rows[slot]
+        _, engine, inflight, blocks, raw, routed = self._rows[slot]
         return HolderLoad(
             engine_requests=int(engine),
             inflight_requests=int(inflight),
             inflight_blocks=blocks,
             routed=int(routed),
-            available=available != 0.0,
+            available=self._up[slot],
             recent_blocks=raw * self.scale,
+            stalled=slot in self._stalls,
         )
 
     # --- changing loads ---------------------------------------------------------------
@@ -153,6 +171,7 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
             self._by_worker.setdefault(holder.worker, []).append(holder)
             self._rows.append([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             self._ended.append(0.0)
+            self._up.append(True)
             self._stale.add(slot)
             self._snapshot = None
         return slot
@@ -226,15 +245,65 @@ class LoadBoard(Mapping[Holder, HolderLoad]):
         True when that changed anything."""
         slot = self.slot(holder)
         row = self._rows[slot]
-        before = (row[_AVAILABLE], row[_ENGINE])
-        row[_AVAILABLE] = 1.0 if available else 0.0
+        before = (self._up[slot], row[_ENGINE])
+        self._up[slot] = available
         if engine_requests is not None:
             row[_ENGINE] = float(engine_requests)
-        if (row[_AVAILABLE], row[_ENGINE]) == before:
+        if (available, row[_ENGINE]) == before:
             return False
+        self._set_routable(slot)
+        return True
+
+    def set_stalled(self, holder: Holder, cause: int, stalled: bool) -> bool:
+        """Mark ``holder`` stalled for ``cause`` (a bit: the router's causes are
+        :data:`~kvevents.router.decide.stalls.REQUESTS` and
+        :data:`~kvevents.router.decide.stalls.ENGINE`), or no longer for it; it is
+        stalled while any cause holds. True when that changed anything."""
+        slot = self._slots.get(holder)
+        if slot is None:
+            return False
+        before = self._stalls.get(slot, 0)
+        after = before | cause if stalled else before & ~cause
+        if after == before:
+            return False
+        if after:
+            self._stalls[slot] = after
+        else:
+            del self._stalls[slot]
+        self._set_routable(slot)
+        return True
+
+    def stalled_by(self, holder: Holder) -> int:
+        """``holder``'s stall causes (bits, see :meth:`set_stalled`); 0 when not stalled."""
+        slot = self._slots.get(holder)
+        return 0 if slot is None else self._stalls.get(slot, 0)
+
+    @property
+    def any_stalled(self) -> bool:
+        """True while any holder is stalled."""
+        return bool(self._stalls)
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """Within it, every stalled holder the engine says is available is routable
+        (its row says so); after it, stalled again: for a decision among candidates of
+        which none is routable otherwise. Change nothing else within it."""
+        lifted = {slot: causes for slot, causes in self._stalls.items() if self._up[slot]}
+        for slot in lifted:
+            del self._stalls[slot]
+            self._set_routable(slot)
+        try:
+            yield
+        finally:
+            for slot, causes in lifted.items():
+                self._stalls[slot] = causes
+                self._set_routable(slot)
+
+    def _set_routable(self, slot: int) -> None:
+        """Set the row's first field from the engine's word and the stalls; mark it changed."""
+        self._rows[slot][_AVAILABLE] = 1.0 if self._up[slot] and slot not in self._stalls else 0.0
         self._stale.add(slot)
         self._snapshot = None
-        return True
 
     def set_worker_available(self, worker: str, available: bool) -> bool:
         """Every rank of ``worker`` on the board (un)available; True when any changed."""

@@ -99,6 +99,8 @@ class Routing(Protocol):
 
     def _kept_ranking(self, holders: list[Holder]) -> Ranking | None: ...
 
+    def _watch_stalls(self) -> None: ...
+
 
 class NativeRoute:
     """See the module docstring; one per router."""
@@ -157,6 +159,7 @@ class NativeRoute:
         if plain is None:
             return None
         module, index, block_size, keying, predicted = plain
+        self.router._watch_stalls()  # a stall due now ends the kept ranking
         ranking = self.router._kept_ranking(index.holders())
         if ranking is None:
             return None

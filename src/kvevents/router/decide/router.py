@@ -60,6 +60,13 @@ Pools: :meth:`Router.key_request` keys and matches a request once, and
 :meth:`Router.route_batch` chooses among all of them (disaggregated serving's prefill
 and decode pools, :mod:`kvevents.router.decide.pd`).
 
+Stalls: with ``stall_after_s`` set (``kvevents router`` sets it by default,
+``--stall-after``; the class leaves it off), a holder whose requests begun here stop
+completing for that long, or whose engine's load poll stops answering, is stalled
+(:mod:`kvevents.router.decide.stalls`): ranked after every available holder, and chosen
+only when no candidate is otherwise available (the decision is then made again with the
+stalled ones counted available). It is routable again once a request there is answered.
+
 Not thread-safe: call it from one thread (the service uses its event loop).
 
 Over 300 lines on purpose: Router is the consumer side's one in-process decision object:
@@ -68,6 +75,7 @@ feeding, deciding, in-flight bookkeeping and peers' notes all update the same lo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -92,6 +100,7 @@ from kvevents.router.decide.scoring import (
     ScoringWeights,
     choose,
 )
+from kvevents.router.decide.stalls import StallWatch
 from kvevents.subscribe.block_sizes import BlockSizes
 from kvevents.subscribe.items import Delivery, Gap, Loss, Removed, Reset, Signal, Unreachable
 from kvevents.types import Holder
@@ -103,6 +112,8 @@ __all__ = ["POLICIES", "KeyedRequest", "Policy", "RouteDecision", "Router", "Tic
 _ONE_PASS_TOP = 16
 """The most scores a request takes in one pass (each holder is compared with the
 ``top``-th best so far; past this many, a ranking is built instead)."""
+
+_NEVER = float("inf")
 
 Policy = Literal["kv-aware", "round-robin"]
 """How :meth:`Router.route` chooses (see the module docstring)."""
@@ -168,6 +179,8 @@ class Ticket(msgspec.Struct, frozen=True, gc=False):
     blocks: float
     id: int = 0
     """Unique within this router: names the request in load notes to peer routers."""
+    began: float = 0.0
+    """When it began (the router's clock), while stalls are watched; else 0.0."""
 
 
 NoteKind = Literal["routed", "begin", "finish"]
@@ -188,6 +201,7 @@ class Router:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         prediction_ttl_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stall_after_s: float | None = None,
     ) -> None:
         self.index = PrefixIndex(
             block_size=block_size,
@@ -240,6 +254,9 @@ class Router:
         self.native = NativeRoute(self)
         """The plain ``/route`` and ``/query`` answered in one native call
         (:mod:`kvevents.router.decide.native_route`)."""
+        self.clock = clock
+        self.stall_watch = None if stall_after_s is None else StallWatch(self.loads, stall_after_s)
+        """Which holders are stalled (see the module docstring); None: stalls are not watched."""
 
     # --- feeding ----------------------------------------------------------------------
 
@@ -270,6 +287,8 @@ class Router:
         the index held for it dropped. Its first batch, should it come back, adds it again."""
         self.index.remove_holder(holder)
         self.block_sizes.forget(holder)
+        if self.stall_watch is not None:
+            self.stall_watch.forget(holder)
         self.holders_removed += 1
         self._loads_version += 1
 
@@ -567,6 +586,25 @@ class Router:
             if top is not None:
                 decision = msgspec.structs.replace(decision, scores=decision.scores[: max(1, top)])
             return decision
+        self._watch_stalls()
+        try:
+            return self._route_top(token_ids, lora, cache_salt, model, extra_keys, top)
+        except RouterNotReadyError:
+            if not self.loads.any_stalled:
+                raise
+            with self._stalls_lifted():  # none is routable but some are only stalled
+                return self._route_top(token_ids, lora, cache_salt, model, extra_keys, top)
+
+    def _route_top(
+        self,
+        token_ids: Sequence[int],
+        lora: str | int | None,
+        cache_salt: str | None,
+        model: str | None,
+        extra_keys: Sequence[Any] | None,
+        top: int,
+    ) -> RouteDecision:
+        """:meth:`route`'s kv-aware choice with ``top``."""
         holders, adapter = self.candidates(model)
         if not holders:
             raise self._no_rank(model)
@@ -757,6 +795,18 @@ class Router:
     def _decide(
         self, request: KeyedRequest, holders: list[Holder], policy: Policy, rotation: str = ""
     ) -> RouteDecision:
+        self._watch_stalls()
+        try:
+            return self._decide_now(request, holders, policy, rotation)
+        except RouterNotReadyError:
+            if not self.loads.any_stalled:
+                raise
+            with self._stalls_lifted():  # none is routable but some are only stalled
+                return self._decide_now(request, holders, policy, rotation)
+
+    def _decide_now(
+        self, request: KeyedRequest, holders: list[Holder], policy: Policy, rotation: str
+    ) -> RouteDecision:
         each, matched = request.keys, request.matched
         scored = [
             self._score(len(k), holders, found, predicted)
@@ -797,6 +847,43 @@ class Router:
         slot = self.index.slot_of(holder)
         return -1 if slot is None else slot
 
+    # --- stalls (kvevents.router.decide.stalls) ----------------------------------------
+
+    def _watch_stalls(self) -> None:
+        """Stall the holders whose time has come: a clock read while requests are in
+        flight, nothing more while none is due."""
+        watch = self.stall_watch
+        if watch is not None and watch.due < _NEVER:
+            now = self.clock()
+            if now >= watch.due and watch.check(now):
+                self._loads_version += 1
+
+    @contextlib.contextmanager
+    def _stalls_lifted(self) -> Iterator[None]:
+        """Within it the stalled holders count as available (a decision when no candidate
+        is otherwise); the loads' version moves on both sides, so nothing made within it
+        (a ranking) is kept after it."""
+        self._loads_version += 1
+        try:
+            with self.loads.lifted():
+                yield
+        finally:
+            self._loads_version += 1
+
+    def engine_silent(self, worker: str) -> None:
+        """Engine ``worker``'s load poll has had no answer for the watch's
+        ``engine_after_s``: its ranks are stalled until it answers (no-op when stalls
+        are not watched)."""
+        watch = self.stall_watch
+        if watch is not None and watch.engine_silent(worker, self.clock()):
+            self._loads_version += 1
+
+    def engine_heard(self, worker: str) -> None:
+        """Engine ``worker`` answered a load poll: its ranks' engine stall ends."""
+        watch = self.stall_watch
+        if watch is not None and watch.engine_heard(worker):
+            self._loads_version += 1
+
     def begin(self, decision: RouteDecision) -> Ticket:
         """Count a request forwarded to the chosen holder as in-flight and recent load."""
         holder = decision.holder  # a new Holder per read: read once
@@ -804,7 +891,13 @@ class Router:
         blocks = decision.chosen.prefill_blocks
         self.loads.add_inflight(holder, 1, blocks)
         self._loads_version += 1
-        ticket = Ticket(holder, blocks, next(self._tickets))
+        watch = self.stall_watch
+        if watch is None:
+            ticket = Ticket(holder, blocks, next(self._tickets))
+        else:
+            now = self.clock()
+            watch.began(holder, now)
+            ticket = Ticket(holder, blocks, next(self._tickets), now)
         if self.predicting and decision.keys:
             added = self._predict(decision, holder)
             if added[0]:
@@ -843,13 +936,18 @@ class Router:
         """The forwarded request ended (answered or failed): drop it from the load.
 
         ``failed``: the engine never took it (a forward error, an error status), so the
-        blocks it predicted are withdrawn (those no later request predicted again).
+        blocks it predicted are withdrawn (those no later request predicted again). A
+        request that did not fail is the holder's progress: a holder stalled by its
+        requests is routable again (:mod:`kvevents.router.decide.stalls`).
         """
         added = self._predicted_keys.pop(ticket.id, None)
         if failed and added is not None:
             self.index.withdraw(ticket.holder, *added)
         for listener in self.note_listeners:
             listener("finish", ticket.holder, 0, ticket)
+        watch = self.stall_watch
+        if watch is not None and watch.ended(ticket.holder, self.clock(), ticket.began, not failed):
+            self._loads_version += 1
         self.remote_inflight(ticket.holder, -1, -ticket.blocks)
 
     # --- peers' requests (kvevents.router.fleet.peers) --------------------------------------
@@ -872,7 +970,10 @@ class Router:
 
     def holder_summary(self) -> list[dict[str, Any]]:
         """Per holder: entries in the index, the seq of the last batch applied to it, load
-        and signal counts (for /workers)."""
+        and signal counts, and why it is stalled (``stall``: None when it is not, or
+        stalls are not watched) (for /workers)."""
+        self._watch_stalls()
+        watch, now = self.stall_watch, self.clock()
         out = []
         # signals grouped once: per holder a scan of them all was O(holders x signals),
         # 80 ms a /workers at 1,024 ranks with two signals each
@@ -891,6 +992,7 @@ class Router:
                     "routed": self.routes[h],
                     "signals": by_holder.get(h, {}),
                     "block_size": self.block_sizes.for_holder(h),
+                    "stall": None if watch is None else watch.describe(h, now),
                 }
             )
         return out

@@ -67,6 +67,9 @@ time, 8 ranks, Mooncake's synthetic trace, the real-vLLM workload) and ``kvevent
 The lowest cost wins; ties go to the lower ``pending``, then the lower ``recent`` (new
 conversations that tie on a shared prefix spread by work, not by request count), then
 to the holder this router has sent fewer requests so far, then to the earlier holder.
+Holders the engine reports down, and those the router sees stalled (their requests stopped
+completing: :mod:`kvevents.router.decide.stalls`), rank after every other, whatever
+their cost; the router chooses a stalled one only when no candidate is otherwise available.
 
 :func:`score` and :func:`choose` are pure functions, O(holders) per decision. The
 router keeps its loads in a table (:mod:`kvevents.router.decide.load_board`), where a routed
@@ -161,6 +164,14 @@ class HolderLoad(msgspec.Struct, kw_only=True):
     """False when the engine reports the rank unavailable: never chosen."""
     recent_blocks: float = 0.0
     """Prompt blocks this router sent the holder, decayed (``recent`` in the module docstring)."""
+    stalled: bool = False
+    """True while the router sees the rank stalled (:mod:`kvevents.router.decide.stalls`):
+    scored as unavailable, chosen only when no candidate is otherwise available."""
+
+    @property
+    def routable(self) -> bool:
+        """Available and not stalled: what the ranking puts first."""
+        return self.available and not self.stalled
 
 
 # gc=False: one per request and free of reference cycles, so the collector never tracks it
@@ -208,12 +219,12 @@ def score(
 
     Holders missing from ``matches`` cache nothing of it; missing from ``loads``, they
     are idle; missing from ``predicted`` (or it None), they have no predicted blocks.
-    Unavailable holders come last, whatever their cost.
+    Unavailable and stalled holders come last, whatever their cost.
     """
     weights = weights or _DEFAULT_WEIGHTS
     get_load = loads.get
     held = [get_load(h, _IDLE) for h in holders]
-    least = min([load.recent_blocks for load in held if load.available], default=0.0)
+    least = min([load.recent_blocks for load in held if load.routable], default=0.0)
     gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
     load_weight, balance_weight = weights.load_weight, weights.balance_weight
     foreign_blocks = weights.foreign_request_blocks
@@ -237,7 +248,7 @@ def score(
         # prefill plus the holder's request-independent part, added last: Ranking ranks
         # holders that cache nothing of the request by that part alone
         cost = prefill + (load_weight * pending + balance_weight * balance)
-        available, routed = load.available, load.routed
+        available, routed = load.routable, load.routed
         # i is unique, so the ranking never compares the scores themselves
         ranked.append(
             (
@@ -288,7 +299,7 @@ class Ranking:
         weights = self.weights = weights or _DEFAULT_WEIGHTS
         get_load = loads.get
         held = [get_load(h, _IDLE) for h in holders]
-        least = min([load.recent_blocks for load in held if load.available], default=0.0)
+        least = min([load.recent_blocks for load in held if load.routable], default=0.0)
         load_weight, balance_weight = weights.load_weight, weights.balance_weight
         foreign_blocks = weights.foreign_request_blocks
         entries: list[_Entry] = []
@@ -299,7 +310,7 @@ class Ranking:
             recent = load.recent_blocks
             balance = recent - least if recent > least else 0.0
             own = load_weight * pending + balance_weight * balance
-            entries.append((not load.available, own, pending, recent, load.routed, i, h, balance))
+            entries.append((not load.routable, own, pending, recent, load.routed, i, h, balance))
         entries.sort()  # i is unique: the holders and balances are never compared
         self._entries = entries
         # per entry, where its group (the entries with its availability and own part) ends

@@ -31,6 +31,12 @@ One :func:`watch_engine` task per engine, until the service stops:
    A failed read keeps what was known and is kept in :attr:`EngineState.models_error`;
    it never makes the engine unavailable.
 
+A load poll with no answer for the router's stall watch's ``engine_after_s`` (2 s by
+default; :mod:`kvevents.router.decide.stalls`) stalls the engine's ranks: no new request
+goes there while another engine's rank can take it. Any answer ends that stall. A whole
+engine stopped (its process, every rank) still accepts connections, so only this notices
+it before the poll's timeout.
+
 A slow answer is not a dead engine: a load poll that times out *after the engine accepted
 the request* (a read timeout: a loaded engine, or one whose ``/load`` waits on a busy
 rank) keeps the ranks as last known, up to :data:`SLOW_POLLS_TOLERATED` polls in a row;
@@ -299,6 +305,35 @@ async def _polled(
 async def _poll_load(
     router: Router, state: EngineState, upstream: Upstream, timeout: float
 ) -> None:
+    """One load poll of the engine, its ranks stalled while it has no answer for the stall
+    watch's ``engine_after_s`` (see the module docstring)."""
+    watch = router.stall_watch
+    if watch is None:
+        await _poll_load_once(router, state, upstream, timeout, lambda: None)
+        return
+    worker = state.spec.worker
+    silent = asyncio.get_running_loop().call_later(
+        watch.engine_after_s, router.engine_silent, worker
+    )
+
+    def heard() -> None:
+        silent.cancel()
+        router.engine_heard(worker)
+
+    try:
+        await _poll_load_once(router, state, upstream, timeout, heard)
+    finally:
+        silent.cancel()
+
+
+async def _poll_load_once(
+    router: Router,
+    state: EngineState,
+    upstream: Upstream,
+    timeout: float,
+    heard: Callable[[], None],
+) -> None:
+    """The poll itself; ``heard`` is called once the engine's first answer is in (any status)."""
     spec = state.spec
     # What had ended when the engine's answer began to arrive: it counted before it
     # answered, so a request that ended before then (its answer came first) is not in the
@@ -311,6 +346,7 @@ async def _poll_load(
 
     if spec.engine_kind == "kvevents":
         response = await _polled(upstream, spec.url, "/load", timeout, answered)
+        heard()
         if response.status != 200:
             raise DiscoveryError(f"GET {spec.url}/load answered HTTP {response.status}")
         # Each rank's availability is the engine's word for it (a dead, restarting or
@@ -319,6 +355,7 @@ async def _poll_load(
         state.load_source = "/load"
         return
     response = await _polled(upstream, spec.url, "/health", timeout)
+    heard()
     if response.status != 200:
         raise DiscoveryError(f"GET {spec.url}/health answered HTTP {response.status}")
     router.set_worker_available(spec.worker, True)

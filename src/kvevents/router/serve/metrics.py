@@ -21,6 +21,10 @@ Families (all prefixed ``kvevents_router_``):
   ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
   ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
 * ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
+* ``stalls_total{worker,dp_rank,cause}``: times a holder became stalled, by cause
+  (``requests``: its requests stopped completing; ``engine``: its engine's load poll
+  stopped answering; :mod:`kvevents.router.decide.stalls`), and
+  ``holder_stalled{worker,dp_rank}``: 1 while it is.
 * ``predictions_total``: requests whose blocks were predicted on their holder;
   ``predicted_entries_total{fate}``: predicted (block, holder) entries by fate (made,
   confirmed, expired, withdrawn, cleared, dropped; :mod:`kvevents.index.predictions`);
@@ -135,6 +139,7 @@ class RouterCollector(Collector):
         yield entries
         yield routes
         yield inflight
+        yield from self._stalls(router)
         signals = CounterMetricFamily(
             _P + "signals", "subscriber signals handled", labels=["kind", "worker", "dp_rank"]
         )
@@ -157,6 +162,26 @@ class RouterCollector(Collector):
             yield from self._requests(self.requests)
         if self.streams is not None:
             yield from self._streams(self.streams())
+
+    def _stalls(self, router: Router) -> Iterable[Metric]:
+        stalls = CounterMetricFamily(
+            _P + "stalls",
+            "times a holder became stalled, by cause (requests, engine)",
+            labels=["worker", "dp_rank", "cause"],
+        )
+        stalled = GaugeMetricFamily(
+            _P + "holder_stalled", "1 while the holder is stalled", labels=["worker", "dp_rank"]
+        )
+        watch = router.stall_watch
+        if watch is not None:
+            for (holder, cause), n in sorted(watch.stalls.items()):
+                stalls.add_metric([holder.worker, str(holder.dp_rank), cause], n)
+            for h in router.holders():
+                stalled.add_metric(
+                    [h.worker, str(h.dp_rank)], 1 if router.loads.stalled_by(h) else 0
+                )
+        yield stalls
+        yield stalled
 
     def _predictions(self, router: Router) -> Iterable[Metric]:
         predictions = router.index.predictions
