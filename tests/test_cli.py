@@ -10,6 +10,8 @@ import pytest
 from kvevents.cli.main import _COMMANDS
 from process_support import run_kvevents
 
+pytestmark = pytest.mark.slow  # every test runs the command as a process
+
 kvevents = run_kvevents
 
 
@@ -91,3 +93,31 @@ def test_watch_jsonl_is_the_name_and_json_is_kept() -> None:
         result = kvevents("watch", spelling, "--count", "0", "--endpoint", "tcp://h:1")
         assert result.returncode == 2  # parsed: the spelling is known, the count is refused
         assert "argument --count: 0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("router", "--engin", "http://127.0.0.1:30000"), "--engin (did you mean --engine?)"),
+        (
+            ("engine", "--dp-sise", "2", "--prot", "0"),
+            "--dp-sise (did you mean --dp-size?) --prot (did you mean --port?)",
+        ),
+        (("watch", "--jsn"), "--jsn (did you mean --jsonl?)"),
+        # an abbreviation is no option: it would turn ambiguous as options are added
+        (
+            ("router", "--engine", "http://h:1", "--sync-nam", "a"),
+            "--sync-nam (did you mean --sync-name?)",
+        ),
+        (("engine", "--qqqq=1"), "--qqqq"),
+        (("router", "--engine", "http://h:1", "stray"), "stray"),
+    ],
+)
+def test_an_unknown_option_is_named_with_the_one_meant(args: tuple[str, ...], message: str) -> None:
+    """An argument the command does not know exits 2 with the command's own usage (not
+    kvevents') and one line naming it, with the option meant when one is close."""
+    result = kvevents(*args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"usage: kvevents {args[0]} "), result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"kvevents {args[0]}: error: unrecognized arguments: {message}"

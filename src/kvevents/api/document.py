@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from kvevents.api.docs_page import serve_docs_page
+
 if TYPE_CHECKING:  # FastAPI is imported when a document is built, not with this module
     from fastapi import FastAPI
 
@@ -192,7 +194,10 @@ def document(app: FastAPI, operations: Sequence[Operation]) -> dict[str, Any]:
 
 
 def install(app: FastAPI, operations: Sequence[Operation]) -> None:
-    """Serve :func:`document` of ``app`` as its ``/openapi.json`` (built once, on first use)."""
+    """Serve :func:`document` of ``app`` as its ``/openapi.json`` (built once, on first
+    use), and the page browsing it at ``/docs`` (:mod:`kvevents.api.docs_page`: create
+    the app with ``docs_url=None, redoc_url=None``)."""
+    serve_docs_page(app)
     cached: dict[str, Any] = {}
 
     def openapi() -> dict[str, Any]:

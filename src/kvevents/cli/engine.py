@@ -33,8 +33,8 @@ while a rank is starting, restarting or dead, or has no bound publisher); in Kub
 pair (:mod:`kvevents.engine.disaggregation`); a prefill binds its bootstrap server
 (``--disaggregation-bootstrap-port``, on ``--host``) before any rank starts.
 
-Over 300 lines on purpose: the settings, the options that fill them and the serving
-loop of one command read best together.
+The options, and how ``--help`` groups them, are :mod:`kvevents.cli.engine_options`'s;
+here are the settings they fill and the serving loop, which read best together.
 
 Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
 still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
@@ -52,15 +52,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.cli.options import add_log_level
-from kvevents.cli.security import add_engine_server_arguments, engine_api_key, tls_of
+from kvevents.cli.engine_options import OPEN_PATHS, add_arguments
+from kvevents.cli.security import engine_api_key, tls_of
 from kvevents.engine.disaggregation import (
     Disaggregation,
     DisaggregationConfig,
     DisaggregationMode,
 )
 from kvevents.engine.models import (
-    DEFAULT_MODEL_NAME,
     ServedModels,
     parse_lora_modules,
     parse_served_model_names,
@@ -79,10 +78,9 @@ from kvevents.types import (
     Port,
     PositiveFloat,
     PositiveInt,
-    bounded,
     check_bound,
 )
-from kvevents.wire.hashing import HASH_SCHEMES, get_hash_scheme
+from kvevents.wire.hashing import get_hash_scheme
 
 __all__ = [
     "DEFAULT_KV_EVENTS_CONFIG",
@@ -94,10 +92,6 @@ __all__ = [
 ]
 
 READY_PREFIX = "kvevents engine ready "
-OPEN_PATHS = frozenset({"/health", "/ready"})
-"""What an engine with an API key answers without it: health and readiness, for probes and
-SGLang-style routers. ``/server_info`` and ``/load`` need the key (the router sends its
-engine key)."""
 
 DEFAULT_KV_EVENTS_CONFIG = (
     '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
@@ -228,146 +222,6 @@ class EngineSettings:
             )
             for role in self.topology.publishers
         ]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    # the topology's sizes are checked together by plan_topology, which explains the mix
-    add("--dp-size", type=int, default=1, help="data-parallel ranks (KV caches)")
-    add("--enable-dp-attention", action="store_true", help="SGLang's DP-attention mode")
-    add("--tp-size", type=int, default=None, help="tensor-parallel size (see SGLang)")
-    add(
-        "--block-size",
-        "--page-size",
-        dest="page_size",
-        type=bounded(PositiveInt),
-        default=16,
-        metavar="B",
-        help="tokens per KV block (--page-size: SGLang's name for it)",
-    )
-    add("--max-blocks", type=bounded(PositiveInt), default=8192, help="KV blocks per rank")
-    add(
-        "--sliding-window",
-        type=bounded(PositiveInt),
-        default=None,
-        metavar="TOKENS",
-        help="simulate a hybrid model: a sliding-window KV-cache group (group 0, this "
-        "window) beside the full-attention one (group 1), with vLLM's events",
-    )
-    add(
-        "--kv-events-config",
-        default=None,
-        metavar="JSON",
-        help="SGLang's KV-events config (default: publish with replay on ports the OS picks, "
-        'advertised in /server_info; \'{"publisher": "null"}\' turns publishing off)',
-    )
-    add(
-        "--kv-events-host",
-        default="127.0.0.1",
-        metavar="HOST",
-        help="the address publishers bind in place of a wildcard (tcp://*:PORT) in "
-        "--kv-events-config; '*' binds every interface as SGLang and vLLM do",
-    )
-    add("--host", default="127.0.0.1", help="HTTP host")
-    add("--port", type=bounded(Port), default=30000, help="HTTP port (0: the OS picks)")
-    add("--hash-scheme", choices=HASH_SCHEMES, default="sglang", help="engine block hashes")
-    add("--hash-seed", default="0", help="vLLM scheme's PYTHONHASHSEED")
-    add(
-        "--prefill-tokens-per-s",
-        type=bounded(PositiveFloat),
-        default=1_000_000.0,
-        help="simulated prefill speed (inf: no delay)",
-    )
-    add(
-        "--decode-steps-per-s",
-        type=bounded(PositiveFloat),
-        default=1_000.0,
-        help="simulated decode steps/s (inf: no delay)",
-    )
-    add("--max-running", type=bounded(PositiveInt), default=64, help="running requests per rank")
-    add(
-        "--startup-timeout",
-        type=bounded(NonNegativeFloat),
-        default=30.0,
-        help="seconds for ranks to start",
-    )
-    add(
-        "--dead-rank-grace",
-        type=bounded(NonNegativeFloat),
-        default=1.0,
-        help="seconds /health shows a dead rank",
-    )
-    add(
-        "--max-new-tokens-limit",
-        type=bounded(PositiveInt),
-        default=32_768,
-        help="largest max_new_tokens (400 past it)",
-    )
-    add(
-        "--request-timeout",
-        type=bounded(PositiveFloat),
-        default=60.0,
-        help="seconds a request waits for its rank (504)",
-    )
-    add(
-        "--shutdown-timeout",
-        type=bounded(NonNegativeFloat),
-        default=10.0,
-        help="seconds SIGTERM waits for requests",
-    )
-    add(
-        "--max-body-bytes",
-        type=bounded(PositiveInt),
-        default=8 << 20,
-        help="largest request body (413), 8 MiB",
-    )
-    add_engine_server_arguments(parser)
-    add(
-        "--disaggregation-mode",
-        choices=[str(m) for m in DisaggregationMode],
-        default="null",
-        help="disaggregated serving, SGLang's flag: prefill (serve prefill legs, KV handed "
-        "over by the bootstrap server) or decode (take the KV, then decode); null: neither",
-    )
-    add(
-        "--disaggregation-bootstrap-port",
-        type=bounded(Port),
-        default=8998,
-        metavar="PORT",
-        help="a prefill's bootstrap server port, on --host (0: the OS picks; /server_info "
-        "tells disaggregation_bootstrap_port)",
-    )
-    add(
-        "--transfer-us-per-block",
-        type=bounded(NonNegativeFloat),
-        default=10.0,
-        metavar="US",
-        help="simulated time a decode spends receiving one KV block",
-    )
-    add(
-        "--disaggregation-timeout",
-        type=bounded(PositiveFloat),
-        default=30.0,
-        metavar="S",
-        help="seconds a decode waits for its room; a prefill drops a registration nobody "
-        "took after as long",
-    )
-    add(
-        "--served-model-name",
-        action="append",
-        metavar="NAME[,NAME]",
-        help="model name(s) requests give as 'model' (repeatable or a comma list, as vLLM's; "
-        f"default {DEFAULT_MODEL_NAME}); the first is reported in answers",
-    )
-    add(
-        "--lora-modules",
-        nargs="+",
-        action="extend",
-        metavar="NAME=PATH",
-        help="LoRA adapters served on top of the model, as vLLM's flag (the path may be a "
-        "dummy); a request naming one as 'model' keeps its own prefix-cache namespace",
-    )
-    add_log_level(parser)
 
 
 def run(args: argparse.Namespace) -> int:

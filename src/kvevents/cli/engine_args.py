@@ -111,11 +111,15 @@ def add_engine_arguments(
     endpoints: bool = False,
     global_block_size: bool = False,
     pools: bool = False,
+    group: argparse._ActionsContainer | None = None,
+    security: argparse._ActionsContainer | None = None,
 ) -> None:
     """Add the options of the module docstring; ``endpoints`` adds ``--endpoint`` streams,
     ``pools`` the ``--prefill`` and ``--decode`` engines of disaggregated serving.
 
     ``global_block_size``: ``--block-size`` before any ``--engine`` sets ``global_block_size``.
+    ``group``: the help group the options are listed in (default: a new "engines" one);
+    ``security``: the one the CURVE options are listed in (default: ``group``).
     """
 
     class Action(_EntryAction):
@@ -126,22 +130,61 @@ def add_engine_arguments(
             + (("prefill", "decode") if pools else ())
         )
 
-    group = parser.add_argument_group(
-        "engines (repeatable; the options after --engine describe that engine)"
-    )
+    if group is None:
+        opener = "--engine or --endpoint" if endpoints else "--engine"
+        group = parser.add_argument_group(
+            "engines", f"Repeatable: the options after an {opener} describe that one."
+        )
     group.add_argument(
         "--engine",
         action=Action,
         metavar="URL",
-        help="engine HTTP URL; alone, its /server_info (or a vLLM's /kv_event_sources) "
-        "is read for its streams",
+        help="an engine's HTTP URL; alone, its streams are read from its /server_info "
+        "(a vLLM's from /kv_event_sources)",
     )
+    group.add_argument(
+        "--engines-file",
+        dest="engines_file",
+        metavar="FILE",
+        help="engines listed in a JSON or TOML file (its format: kvevents.subscribe.engine_spec)",
+    )
+    if pools:
+        group.add_argument(
+            "--prefill",
+            action=Action,
+            nargs="+",
+            metavar=("URL", "BOOTSTRAP_PORT"),
+            help="a prefill engine of disaggregated serving; BOOTSTRAP_PORT: its KV hand-off "
+            "port (default: its /server_info's disaggregation_bootstrap_port, else SGLang's 8998)",
+        )
+        group.add_argument(
+            "--decode",
+            action=Action,
+            metavar="URL",
+            help="a decode engine of disaggregated serving (needs a --prefill too)",
+        )
+    if endpoints:
+        group.add_argument(
+            "--endpoint",
+            action=Action,
+            metavar="ADDR",
+            help="one explicit stream, e.g. tcp://HOST:5557",
+        )
+        group.add_argument(
+            "--dp-rank",
+            dest="dp_rank",
+            action=Action,
+            type=bounded(NonNegativeInt),
+            metavar="R",
+            help="the rank of the --endpoint before it (default 0)",
+        )
     group.add_argument(
         "--kv-endpoint",
         dest="kv_endpoint",
         action=Action,
         metavar="ADDR",
-        help="rank 0's event endpoint (rank r: port + r), for engines that advertise none",
+        help="rank 0's event endpoint, e.g. tcp://HOST:5557 (rank r: port + r), for an "
+        "engine that advertises none",
     )
     group.add_argument(
         "--replay-endpoint",
@@ -156,9 +199,9 @@ def add_engine_arguments(
         action=Action,
         type=bounded(PositiveInt),
         metavar="N",
-        help="ranks (default 1)",
+        help="the engine's data-parallel ranks (default 1)",
     )
-    group.add_argument("--topic", action=Action, help="topic the engine publishes under")
+    group.add_argument("--topic", action=Action, help="the topic the engine publishes under")
     group.add_argument(
         "--block-size",
         "--page-size",
@@ -167,8 +210,8 @@ def add_engine_arguments(
         type=bounded(PositiveInt),
         metavar="B",
         help="tokens per block, checked against the events"
-        + (" (before any --engine: the router's block size)" if global_block_size else "")
-        + "; --page-size is the same option under SGLang's name",
+        + ("; before any --engine, the router's own block size" if global_block_size else "")
+        + " (--page-size: SGLang's name for it)",
     )
     group.add_argument(
         "--engine-kind",
@@ -179,62 +222,27 @@ def add_engine_arguments(
         "--kv-endpoint is given), sglang or kvevents (routed_dp_rank in the body)",
     )
     group.add_argument(
-        "--name", action=Action, help="worker name (default: the engine URL or the endpoint)"
+        "--name", action=Action, help="the worker's name (default: the engine URL or the endpoint)"
     )
     group.add_argument(
         "--model",
         action=Action,
         metavar="NAME[,NAME]",
-        help="models the engine serves (default: read from its /v1/models or /server_info); "
-        "requests naming one are routed only among the engines serving it",
+        help="the models the engine serves (default: read from its /v1/models or "
+        "/server_info); a request naming one is routed only among the engines serving it",
     )
-    group.add_argument(
-        "--engines-file",
-        dest="engines_file",
-        metavar="FILE",
-        help="engines listed in a JSON or TOML file (see kvevents.subscribe.engine_spec)",
-    )
-    if pools:
-        group.add_argument(
-            "--prefill",
-            action=Action,
-            nargs="+",
-            metavar=("URL", "BOOTSTRAP_PORT"),
-            help="a prefill engine of disaggregated serving (repeatable); BOOTSTRAP_PORT: "
-            "its KV hand-off port (default: its /server_info's disaggregation_bootstrap_port, "
-            "else SGLang's default, 8998)",
-        )
-        group.add_argument(
-            "--decode",
-            action=Action,
-            metavar="URL",
-            help="a decode engine of disaggregated serving (repeatable; give --prefill too)",
-        )
-    if endpoints:
-        group.add_argument(
-            "--endpoint",
-            action=Action,
-            metavar="ADDR",
-            help="one explicit stream, e.g. tcp://H:5557",
-        )
-        group.add_argument(
-            "--dp-rank",
-            dest="dp_rank",
-            action=Action,
-            type=bounded(NonNegativeInt),
-            help="rank of the --endpoint before it",
-        )
-    group.add_argument(
+    keys = group if security is None else security
+    keys.add_argument(
         "--curve-server-key",
         dest="curve_server_key",
         action=Action,
         metavar="KEY",
-        help="the publishers' CURVE public key (Z85, the public-key line of their NAME.key; "
-        "write --curve-server-key=KEY, as a key may begin with '-'); "
-        "after --engine/--endpoint for that one, before any for every stream without one "
-        "(an engine's advertised key wins)",
+        help="the publishers' CURVE public key (Z85, the public-key line of their NAME.key): "
+        "after an engine or endpoint, that one's; before any, every stream's that has none "
+        "(an engine's advertised key wins). Write --curve-server-key=KEY: a key may begin "
+        "with '-'",
     )
-    group.add_argument(
+    keys.add_argument(
         "--curve-secret-key-file",
         dest="curve_secret_key_file",
         metavar="FILE",

@@ -4,9 +4,11 @@ Each subcommand lives in its own module, which provides ``add_arguments(parser)`
 ``run(args) -> int``. Exit codes: 0 success, 1 runtime failure, 2 usage or
 configuration error (argparse's own convention), 130 on Ctrl-C. Every error prints one
 line on stderr in argparse's format, ``kvevents CMD: error: message``, whether argparse
-or the command found it. Every ``--help`` shows the defaults
-(:class:`~kvevents.cli.options.HelpFormatter`); ``kvevents --version`` prints the
-installed version; long-running commands take ``--log-level``.
+or the command found it; an option a command does not know is reported by that
+command's parser, with the closest option it has (:class:`~kvevents.cli.options.CommandParser`).
+Every ``--help`` shows the defaults (:class:`~kvevents.cli.options.HelpFormatter`);
+``kvevents --version`` prints the installed version; long-running commands take
+``--log-level``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from kvevents.cli.options import HelpFormatter, configure_logging
+from kvevents.cli.options import CommandParser, HelpFormatter, configure_logging
 from kvevents.errors import KVEventsError
 
 # subcommand -> (module, one-line help)
@@ -43,7 +45,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         action="version",
         version=f"%(prog)s {importlib.metadata.version('kvevents')}",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     for name, (module_name, help_text) in _COMMANDS.items():
         p = sub.add_parser(
             name, help=help_text, description=help_text, formatter_class=HelpFormatter

@@ -57,7 +57,7 @@ but no block stored anywhere yet (so no block size known), requests are routed b
 alone, and ``/query`` answers 503 until the block size is known.
 
 Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
-``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/ready``, ``/docs``, ``/redoc`` and
+``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/ready``, ``/docs`` and
 ``/openapi.json`` (and ``/metrics`` unless ``--metrics-auth``) answer 401 without
 ``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
 ``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
@@ -71,8 +71,9 @@ an engine that hangs), so the first request is routed with them. One more line f
 within 3 s: ``kvevents router: ready to route: N of M holders``, or ``kvevents router:
 not ready to route ...`` with the reasons ``/ready`` gives.
 
-Over 300 lines: the command's options, the checks between them and the service they
-build are one list a user reads top to bottom (``kvevents router --help`` follows it).
+The options, and the groups ``kvevents router --help`` shows them in, are
+:mod:`kvevents.cli.router_options`'s. Over 300 lines: the checks between the options and
+the service they build are one list a user reads top to bottom.
 """
 
 from __future__ import annotations
@@ -88,35 +89,27 @@ from collections.abc import Callable
 import httpx
 
 from kvevents.cli.engine_args import (
-    add_engine_arguments,
     curve_options,
     engine_specs,
     pool_specs,
 )
-from kvevents.cli.options import add_log_level
+from kvevents.cli.router_options import add_arguments, default_workers
 from kvevents.cli.router_workers import serve_workers
 from kvevents.cli.security import (
     SYNC_OPTIONS,
     RouterSecurity,
-    add_router_arguments,
-    add_sync_arguments,
     router_security,
     sync_security,
 )
 from kvevents.errors import ConfigError
-from kvevents.http.inline import DEFAULT_LIMITS, HttpLimits
+from kvevents.http.inline import HttpLimits
 from kvevents.http.serving import run_event_loop, serve_app
-from kvevents.http.upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES
-from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
-from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES
 from kvevents.index.types import TierCredits
-from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
-from kvevents.router.decide.router import POLICIES, Router
+from kvevents.router.decide.router import Router
 from kvevents.router.decide.scoring import ScoringWeights
 from kvevents.router.fleet.peers import LoadNotes, SyncTransport
 from kvevents.router.fleet.senders import process_sender
 from kvevents.router.fleet.warm_start import (
-    DEFAULT_TOTAL_TIMEOUT_S,
     load_from_peers,
     peer_url_problem,
     snapshot_bytes_bound,
@@ -124,21 +117,14 @@ from kvevents.router.fleet.warm_start import (
 from kvevents.router.prompts.tokenize import EndpointTokenizer, FileTokenizer, TextTokenizer
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES
-from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
-from kvevents.router.serve.pd_mode import DEFAULT_PREFILL_TIMEOUT_S, PDEngine, PDMode
+from kvevents.router.serve.pd_legs import PDProtocol
+from kvevents.router.serve.pd_mode import PDEngine, PDMode
 from kvevents.router.serve.readiness import Readiness, print_readiness, report_readiness
 from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.subscribe.subscriber import Subscriber
 from kvevents.types import (
     Holder,
-    NonNegativeFloat,
-    NonNegativeInt,
-    Port,
-    PositiveFiniteFloat,
-    PositiveFloat,
-    PositiveInt,
-    bounded,
 )
 
 __all__ = [
@@ -158,227 +144,6 @@ READY_PREFIX = "kvevents router ready "
 
 
 # --- command line ---------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, global_block_size=True, pools=True)
-    parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
-    parser.add_argument(
-        "--port", type=bounded(Port), default=8100, help="port (0: the OS picks one)"
-    )
-    text = parser.add_mutually_exclusive_group()
-    text.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="the model folder (or its tokenizer.json) to tokenize text prompts as the engine "
-        "does; needs the 'tokenizers' library (default: the simulated engine's byte tokenizer)",
-    )
-    text.add_argument(
-        "--tokenize-endpoint",
-        metavar="URL",
-        help="ask this URL to tokenize text prompts and render chats, e.g. "
-        "http://ENGINE:8000/tokenize (vLLM's /tokenize takes both)",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="kv-aware",
-        help="kv-aware, or round-robin (for comparisons)",
-    )
-    parser.add_argument(
-        "--load-interval",
-        type=bounded(PositiveFloat),
-        default=0.5,
-        help="seconds between /load or /health",
-    )
-    parser.add_argument(
-        "--forward-timeout",
-        type=bounded(PositiveFloat),
-        default=600.0,
-        help="seconds a forwarded request may take in all, streaming included (default 600)",
-    )
-    parser.add_argument(
-        "--engine-head-timeout",
-        type=bounded(PositiveFloat),
-        default=DEFAULT_HEAD_TIMEOUT_S,
-        metavar="SECONDS",
-        help="seconds an engine answer's head may take from its first byte to its end; past "
-        "them the client gets 504 and the connection closes",
-    )
-    parser.add_argument(
-        "--engine-max-head-bytes",
-        type=bounded(PositiveInt),
-        default=DEFAULT_MAX_HEAD_BYTES,
-        metavar="BYTES",
-        help="the largest engine answer head read; a larger one is a 502 and the connection closes",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=bounded(PositiveFloat),
-        default=DEFAULT_LIMITS.request_timeout,
-        metavar="SECONDS",
-        help="seconds a client's request head and body may take from its first byte; past "
-        "them 408 and the connection closes",
-    )
-    parser.add_argument(
-        "--max-idle-connections",
-        type=bounded(PositiveInt),
-        default=DEFAULT_LIMITS.max_idle_connections,
-        metavar="N",
-        help="idle client connections one router process keeps; past them a new connection "
-        "closes the oldest idle one (a connection that has sent nothing yet is idle too, "
-        "closed at the keep-alive timeout)",
-    )
-    weights = ScoringWeights()  # the defaults, chosen by measurement (see scoring's docstring)
-    parser.add_argument(
-        "--load-weight",
-        type=bounded(NonNegativeFloat),
-        default=weights.load_weight,
-        help="blocks of prefill one block of pending (in-flight) work is worth",
-    )
-    parser.add_argument(
-        "--foreign-request-blocks",
-        type=bounded(NonNegativeFloat),
-        default=weights.foreign_request_blocks,
-        help="pending blocks assumed per engine request this router did not send",
-    )
-    parser.add_argument(
-        "--balance-weight",
-        type=bounded(NonNegativeFloat),
-        default=weights.balance_weight,
-        help="blocks of prefill one block of a rank's excess recent work is worth; 0 turns "
-        "the balance off",
-    )
-    parser.add_argument(
-        "--balance-half-life",
-        type=bounded(PositiveFiniteFloat),
-        default=weights.balance_half_life,
-        metavar="REQUESTS",
-        help="requests routed after which a request's share of a rank's recent work halves",
-    )
-    parser.add_argument(
-        "--credits",
-        default="1.0,0.75,0.25",
-        metavar="GPU,CPU,DISK",
-        help="worth of a cached block per tier",
-    )
-    parser.add_argument(
-        "--max-entries",
-        type=bounded(PositiveInt),
-        default=DEFAULT_MAX_ENTRIES,
-        help="index memory bound",
-    )
-    parser.add_argument(
-        "--prediction-ttl",
-        type=float,
-        default=DEFAULT_PREDICTION_TTL_S,
-        metavar="SECONDS",
-        help="how long a request's blocks count as predicted on the rank it was sent to, "
-        "until the engine reports them; 0 turns predictions off "
-        f"(default {DEFAULT_PREDICTION_TTL_S:g})",
-    )
-    parser.add_argument(
-        "--predicted-credit",
-        type=float,
-        default=weights.predicted_credit,
-        help="worth of a predicted block, like a tier credit, 0..1 "
-        f"(default {weights.predicted_credit:g})",
-    )
-    parser.add_argument(
-        "--workers",
-        type=bounded(PositiveInt),
-        default=None,
-        metavar="N",
-        help="router processes serving the port (SO_REUSEPORT), each following every engine "
-        "and sharing its in-flight requests with the others (default: one per usable core, here "
-        f"{default_workers()})",
-    )
-    parser.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a running router replica (repeatable, tried in order): start from its index "
-        "(GET /dump) and follow every stream from where it stood, replaying only the "
-        "difference; none reachable: start empty",
-    )
-    parser.add_argument(
-        "--peer-max-bytes",
-        type=bounded(PositiveInt),
-        default=None,
-        metavar="BYTES",
-        help="the largest --peer snapshot read, claimed or received; a larger one is skipped "
-        "(default: what --max-entries entries take)",
-    )
-    parser.add_argument(
-        "--peer-timeout",
-        type=bounded(PositiveFiniteFloat),
-        default=DEFAULT_TOTAL_TIMEOUT_S,
-        metavar="SECONDS",
-        help="the time a --peer snapshot's whole download may take; a slower peer is skipped",
-    )
-    parser.add_argument(
-        "--sync",
-        metavar="NATS_URL",
-        help="share in-flight load with router replicas on other machines over NATS, e.g. "
-        "nats://10.0.0.9:4222 (needs 'kvevents[sync]'); NATS down: each replica goes on alone",
-    )
-    parser.add_argument(
-        "--sync-subject",
-        metavar="SUBJECT",
-        help="the NATS subject of this router group (default: derived from the engines "
-        "followed, so replicas of the same engines meet); each replica publishes on "
-        "SUBJECT.NAME and hears SUBJECT.*",
-    )
-    parser.add_argument(
-        "--sync-name",
-        metavar="NAME",
-        help="this replica's name on the NATS bus, unique in the group (letters, digits, _ "
-        "and -): the last token of the subject it publishes on, which NATS permissions "
-        "can reserve to its credentials (default: host name, port and boot id)",
-    )
-    add_sync_arguments(parser)
-    parser.add_argument(
-        "--max-body-bytes",
-        type=bounded(PositiveInt),
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="BYTES",
-        help="largest /route or /query body; larger ones answer 413 "
-        f"(default {DEFAULT_MAX_BODY_BYTES}: a 128k-token prompt is under 1 MiB)",
-    )
-    pd = parser.add_argument_group(
-        "disaggregated prefill/decode (with --prefill and --decode; docs/deployment.md)"
-    )
-    pd.add_argument(
-        "--pd-protocol",
-        choices=PROTOCOLS,
-        default=None,
-        help="the KV hand-off between a prefill and a decode instance: sglang (both legs at "
-        "once, joined by a bootstrap_room) or vllm (prefill first, its kv_transfer_params to "
-        "the decode); default: the engines' kind (vllm for vllm engines, else sglang)",
-    )
-    pd.add_argument(
-        "--max-local-prefill-tokens",
-        type=bounded(NonNegativeInt),
-        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
-        metavar="N",
-        help="a decode instance that lacks at most N of the prompt's tokens prefills them "
-        f"itself, with no prefill hop (default {DEFAULT_MAX_LOCAL_PREFILL_TOKENS}; 0: always "
-        "a prefill hop)",
-    )
-    pd.add_argument(
-        "--prefill-timeout",
-        type=bounded(PositiveFloat),
-        default=DEFAULT_PREFILL_TIMEOUT_S,
-        metavar="SECONDS",
-        help="seconds the prefill leg may take in all; past them the request fails (504) and "
-        f"its decode leg is cancelled (default {DEFAULT_PREFILL_TIMEOUT_S:g})",
-    )
-    add_router_arguments(parser)
-    parser.add_argument(  # kept only to name what replaced granian
-        "--http-server", default="uvicorn", metavar="NAME", help=argparse.SUPPRESS
-    )
-    add_log_level(parser)
 
 
 def _credits(text: str) -> TierCredits:
@@ -535,6 +300,7 @@ def _check(
         weights=_weights(args),
         max_entries=args.max_entries,
         prediction_ttl_s=args.prediction_ttl or None,
+        stall_after_s=args.stall_after or None,
     )
     specs = _engines(args)
     _pd_mode(args)  # refuse bad disaggregation options before any process starts
@@ -627,21 +393,6 @@ def _pd_mode(args: argparse.Namespace) -> PDMode | None:
         max_local_prefill_tokens=args.max_local_prefill_tokens,
         prefill_timeout=args.prefill_timeout,
     )
-
-
-def default_workers(cores: int | None = None) -> int:
-    """The router processes ``--workers`` starts when not told: one per core (``cores``;
-    when None, the cores this process may run on, as ``taskset`` or a container's
-    cpuset leave them)."""
-    count = _usable_cores() if cores is None else cores
-    return max(1, count)
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,27 +53,22 @@ ENGINE_API_KEY_ENV = "KVEVENTS_ENGINE_API_KEY"
 
 
 def add_api_key_arguments(
-    parser: argparse.ArgumentParser, option: str, env: str, what: str
+    parser: argparse._ActionsContainer, option: str, env: str, what: str
 ) -> None:
-    """``--OPTION KEY`` or ``--OPTION-file PATH`` (one of them), else ``$ENV``.
+    """``--OPTION KEY`` or ``--OPTION-file PATH`` (one of them), else ``$ENV``; ``what``
+    is the key option's help, to which its default is added.
 
     Read them with :func:`api_key_of`. The option is visible in ``ps``; the file and
     the variable are not.
     """
     group = parser.add_mutually_exclusive_group()
     dest = option.lstrip("-").replace("-", "_")
-    group.add_argument(
-        option,
-        dest=dest,
-        metavar="KEY",
-        help=f"{what}, as 'Authorization: Bearer KEY'. Default: ${env}, else none; an "
-        f"option shows in ps, so prefer {option}-file or ${env}",
-    )
+    group.add_argument(option, dest=dest, metavar="KEY", help=f"{what} (default: ${env}, if set)")
     group.add_argument(
         f"{option}-file",
         dest=f"{dest}_file",
         metavar="PATH",
-        help=f"read {option} from the first line of this file",
+        help=f"read {option} from the first line of this file, which ps does not show",
     )
 
 
@@ -83,7 +78,7 @@ def api_key_of(args: argparse.Namespace, option: str, env: str) -> str | None:
     return resolve_secret(getattr(args, dest), getattr(args, f"{dest}_file"), env, option)
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+def add_tls_arguments(parser: argparse._ActionsContainer, what: str) -> None:
     """``--ssl-certfile`` and ``--ssl-keyfile``: serve HTTPS (read with :func:`tls_of`)."""
     parser.add_argument(
         "--ssl-certfile", metavar="PEM", help=f"serve {what} over HTTPS with this certificate"
@@ -96,16 +91,21 @@ def tls_of(args: argparse.Namespace) -> ServerTLS | None:
     return ServerTLS.from_options(args.ssl_certfile, args.ssl_keyfile)
 
 
-def add_engine_client_arguments(parser: argparse.ArgumentParser, sent_on: str) -> None:
-    """``--engine-api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``) and ``--ssl-ca-certs``."""
+def add_engine_client_arguments(
+    parser: argparse._ActionsContainer, sent_to: str, verified: str = "https:// engines"
+) -> None:
+    """``--engine-api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``), sent ``sent_to``, and
+    ``--ssl-ca-certs``, which verifies ``verified``."""
     add_api_key_arguments(
-        parser, "--engine-api-key", ENGINE_API_KEY_ENV, f"send this key {sent_on}"
+        parser,
+        "--engine-api-key",
+        ENGINE_API_KEY_ENV,
+        f"send this key, as 'Authorization: Bearer KEY', {sent_to}",
     )
     parser.add_argument(
         "--ssl-ca-certs",
         metavar="PEM",
-        help="verify https:// servers this command calls against this CA bundle "
-        "(default: the system's trust store)",
+        help=f"verify {verified} against this CA bundle (default: the system's trust store)",
     )
 
 
@@ -130,13 +130,14 @@ class RouterSecurity:
     """What ``GET /dump`` of a ``--peer`` carries: the router's own key (replicas share it)."""
 
 
-def add_engine_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """``kvevents engine``'s ``--api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``) and TLS."""
+def add_engine_server_arguments(parser: argparse._ActionsContainer, open_paths: str) -> None:
+    """``kvevents engine``'s ``--api-key`` (file, ``$KVEVENTS_ENGINE_API_KEY``) and TLS;
+    ``open_paths`` names the endpoints that need no key."""
     add_api_key_arguments(
         parser,
         "--api-key",
         ENGINE_API_KEY_ENV,
-        "require this key on every endpoint but /health (routing and admin alike)",
+        f"require this key, as 'Authorization: Bearer KEY', on every endpoint but {open_paths}",
     )
     add_tls_arguments(parser, "the engine")
 
@@ -146,26 +147,26 @@ def engine_api_key(args: argparse.Namespace) -> str | None:
     return api_key_of(args, "--api-key", ENGINE_API_KEY_ENV)
 
 
-def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+def add_router_arguments(parser: argparse._ActionsContainer) -> None:
     """Every key and TLS option of ``kvevents router`` (read with :func:`router_security`)."""
     add_api_key_arguments(
         parser,
         "--api-key",
         API_KEY_ENV,
-        "require this key of clients on every endpoint but "
-        "/health, /docs, /redoc, /openapi.json and /metrics (see --metrics-auth)",
+        "require this key of clients, as 'Authorization: Bearer KEY', on every endpoint but "
+        "/health, /ready, /docs, /openapi.json and /metrics",
     )
     parser.add_argument(
         "--metrics-auth",
         action="store_true",
-        help="require the --api-key on /metrics too (default: /metrics stays open to scrapers)",
-    )
-    add_engine_client_arguments(
-        parser,
-        "on every request to the engines (their --api-key); the client's own Authorization "
-        "is never forwarded. --ssl-ca-certs also verifies --tokenize-endpoint and --peer",
+        help="require the --api-key on /metrics too (without it, /metrics stays open to scrapers)",
     )
     add_tls_arguments(parser, "the router")
+    add_engine_client_arguments(
+        parser,
+        "to the engines (their --api-key) and --tokenize-endpoint, never the client's own",
+        "https:// engines, --tokenize-endpoint and --peer",
+    )
 
 
 def router_security(args: argparse.Namespace) -> RouterSecurity:
@@ -199,11 +200,9 @@ SYNC_OPTIONS = (
 """The options of :func:`add_sync_arguments` (each needs ``--sync``)."""
 
 
-def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
-    """The credentials and TLS of ``--sync`` (read with :func:`sync_security`)."""
-    group = parser.add_argument_group(
-        "--sync credentials and TLS (one kind of credentials; docs/security.md)"
-    )
+def add_sync_arguments(group: argparse._ActionsContainer) -> None:
+    """The credentials and TLS of ``--sync`` (read with :func:`sync_security`): one kind
+    of credentials; any TLS option makes the link TLS or nothing, as a tls:// URL does."""
     group.add_argument(
         "--sync-user",
         metavar="USER",
@@ -230,8 +229,7 @@ def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sync-ca-certs",
         metavar="PEM",
-        help="verify the NATS server against this CA bundle (default: the system's); any "
-        "TLS option makes the link TLS or nothing, as a tls:// URL does",
+        help="verify the NATS server against this CA bundle (default: the system's trust store)",
     )
     group.add_argument("--sync-certfile", metavar="PEM", help="show NATS this client certificate")
     group.add_argument("--sync-keyfile", metavar="PEM", help="the private key of --sync-certfile")

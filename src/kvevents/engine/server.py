@@ -202,7 +202,8 @@ def create_app(
     """The FastAPI application serving the endpoints in the module docstring;
     ``disaggregation`` is the engine's P/D role (None: an ordinary engine)."""
     limits = limits or EngineLimits()
-    app = FastAPI(title="kvevents simulated engine", redoc_url=None)
+    # /docs is kvevents.api's page (install): FastAPI's own load their assets from a CDN
+    app = FastAPI(title="kvevents simulated engine", docs_url=None, redoc_url=None)
     tokenizer = ByteTokenizer()
     dp_size = info.topology.dp_size
     round_robin = itertools.count()

@@ -48,8 +48,10 @@ middleware, ``receive`` and the two checked writes of ``send``.
 
 :func:`protocol_for` picks the protocol class for uvicorn's ``http`` option: this one
 when the app is an :class:`InlineApp`, uvicorn's own otherwise, and uvicorn's own too if
-its protocol does not have the members this subclass relies on (another uvicorn
-version), or ``KVEVENTS_INLINE_HTTP=0`` is set.
+its protocol lacks a method this subclass relies on (:data:`UVICORN_METHODS`), or
+``KVEVENTS_INLINE_HTTP=0`` is set. What it relies on is internal to uvicorn, so
+pyproject.toml pins the uvicorn minor it is tested with, and
+``tests/test_uvicorn_contract.py`` names whatever of it an upgrade removes.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ from kvevents.http.held_writes import HeldWrites, holding_enabled
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "UVICORN_METHODS",
+    "UVICORN_STATE",
     "AsyncInlineApp",
     "HttpLimits",
     "InlineAnswer",
@@ -172,26 +176,56 @@ _PLAIN_500 = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal
 asynchronous inline path does the same."""
 
 
+UVICORN_METHODS = (
+    "connection_made",
+    "connection_lost",
+    "on_message_begin",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "shutdown",
+    "timeout_keep_alive_handler",
+    "_unset_keepalive_if_required",
+    "_start_asgi_task",
+)
+"""The methods of uvicorn's ``HttpToolsProtocol`` the inline protocol overrides or calls:
+without one of them, :func:`protocol_for` falls back to uvicorn's own protocol."""
+
+UVICORN_STATE: dict[str, tuple[str, ...]] = {
+    "config": ("app",),
+    "server_state": ("total_requests",),
+    "loop": ("time", "create_future"),
+    "tasks": ("add", "discard"),
+    "timeout_keep_alive": (),
+    "transport": ("write", "close", "is_closing"),
+    "flow": ("resume_reading", "write_paused"),
+    "pipeline": ("pop",),
+    "parser": ("get_method", "get_http_version", "should_keep_alive", "should_upgrade"),
+    "url": (),
+    "headers": (),
+    "expect_100_continue": (),
+    "cycle": ("body", "more_body", "keep_alive", "message_event", "response_complete"),
+}
+"""The instance attributes of uvicorn's protocol the inline one reads, once a request's
+headers are in, each with the attributes it uses of them. An instance attribute cannot be
+checked on the class: ``tests/test_uvicorn_contract.py`` serves a request and checks
+these, and the names uvicorn reads of a request cycle, which ``_Exchange`` stands in for."""
+
+
 def _subclass() -> type[Any] | None:
     """The inline protocol class, or None when uvicorn's protocol cannot carry it."""
     try:
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools is a dependency
         return None
-    needed = (
-        "on_message_begin",
-        "on_headers_complete",
-        "on_body",
-        "on_message_complete",
-        "on_response_complete",
-        "_unset_keepalive_if_required",
-        "_start_asgi_task",
-        "timeout_keep_alive_handler",
-        "connection_made",
-        "connection_lost",
-    )
-    if not all(hasattr(HttpToolsProtocol, name) for name in needed):  # pragma: no cover
-        log.warning("this uvicorn's httptools protocol lacks %s: no inline path", needed)
+    missing = [name for name in UVICORN_METHODS if not hasattr(HttpToolsProtocol, name)]
+    if missing:  # pragma: no cover - the pinned uvicorn has them all
+        log.warning(
+            "uvicorn's httptools protocol lacks %s: no inline path (kvevents is tested with "
+            "the uvicorn versions pyproject.toml pins)",
+            ", ".join(missing),
+        )
         return None
 
     def _head(status: int, headers: list[tuple[bytes, bytes]] | bytes, answer: bytes) -> bytes:

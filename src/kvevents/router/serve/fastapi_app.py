@@ -41,7 +41,8 @@ def create_fastapi_app(
     body over ``max_body_bytes`` answers 413. It has no lifespan: the hot path in front
     starts and stops the service."""
 
-    app = FastAPI(title="kvevents router")
+    # /docs is kvevents.api's page (install, below): FastAPI's own load their assets from a CDN
+    app = FastAPI(title="kvevents router", docs_url=None, redoc_url=None)
     router = service.router
 
     @app.exception_handler(BadRequest)
