@@ -57,6 +57,8 @@ class KVEventsProcess:
     """
 
     stderr = ""
+    exit_code: int | None = None
+    """The exit code once :meth:`stop` has run (None while it has not)."""
 
     def __init__(
         self,
@@ -100,17 +102,22 @@ class KVEventsProcess:
     def stop(self, sig: int = signal.SIGTERM, expect: int | None = 0) -> int:
         """Signal the process (if running), wait for it, close its pipes and client.
 
-        Checks the exit code when ``expect`` is not None; returns it.
+        Checks the exit code when ``expect`` is not None; returns it. Stopping a stopped
+        process signals nothing and returns its exit code again (fixtures stop whatever a
+        test left running).
         """
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        code = self.wait_exit()
-        self.stderr = self.proc.stderr.read() if self.proc.stderr else ""
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-        if hasattr(self, "http"):
-            self.http.close()
+        if self.exit_code is None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+            code = self.wait_exit()
+            self.stderr = self.proc.stderr.read() if self.proc.stderr else ""
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if hasattr(self, "http"):
+                self.http.close()
+            self.exit_code = code
+        code = self.exit_code
         if expect is not None:
             assert code == expect, f"kvevents {self.command} exited {code}: {self.stderr}"
         return code

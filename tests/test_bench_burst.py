@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvevents.bench.burst import run_burst_bench
 from kvevents.bench.report import headlines
+
+pytestmark = pytest.mark.slow  # runs an engine subprocess
 
 
 def test_burst_bench_runs_both_modes_and_reports_the_targets() -> None:

@@ -38,6 +38,7 @@ def _routing_result(kv: float = 0.15, rr: float = 0.06, bound: float = 0.16) -> 
     }
 
 
+@pytest.mark.slow
 def test_bench_index_quick_end_to_end(tmp_path: Path) -> None:
     """`kvevents bench index --quick --json OUT` runs the index benchmark, writes one JSON document and prints the headline table."""
     out = tmp_path / "bench.json"
@@ -146,6 +147,7 @@ def test_splice_replaces_only_the_marked_section() -> None:
         splice_readme(f"# x\n{MARKER_END}\n", "fresh")
 
 
+@pytest.mark.slow
 def test_update_script_rewrites_and_checks_a_readme(tmp_path: Path) -> None:
     """scripts/update-readme-performance writes the section from a results file, then --check finds it current."""
     results = tmp_path / "bench.json"

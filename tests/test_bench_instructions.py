@@ -90,6 +90,7 @@ def test_bad_settings_and_a_missing_valgrind_are_clear_errors(
         instructions.callgrind_count("bare", 1)
 
 
+@pytest.mark.slow
 def test_the_counted_run_has_one_blas_thread_and_a_fixed_hash_seed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,12 +3,14 @@ interleaved wrk rounds' summary and headline rows."""
 
 from __future__ import annotations
 
+import pytest
 from nats_support import NatsServer
 
 from kvevents.bench.note_cost import _summary, note_cpu_in_process
 from kvevents.bench.report import headlines
 
 
+@pytest.mark.slow
 def test_in_process_note_cost_publishes_one_note_per_recorded_decision() -> None:
     """With notes on, every recorded decision becomes a note published to NATS; with
     them off, none; both sides are timed in every round."""

@@ -11,6 +11,7 @@ import pytest
 from kvevents.bench.tokenize_endpoint import run_tokenize_endpoint_bench
 
 
+@pytest.mark.slow
 def test_a_short_run_measures_both_ways_on_a_real_engine() -> None:
     r = run_tokenize_endpoint_bench(requests=20, rounds=2)
     assert r["settings"] == {"requests": 20, "rounds": 2, "prompt_ids": 2080}

@@ -7,8 +7,12 @@ the figures are there, and the headline rows read them.
 
 from __future__ import annotations
 
+import pytest
+
 from kvevents.bench.report import headlines
 from kvevents.bench.warm_start import run_warm_start_bench
+
+pytestmark = pytest.mark.slow  # runs an engine subprocess
 
 
 def test_a_tiny_warm_start_run_ends_exact_and_reports_every_figure() -> None:

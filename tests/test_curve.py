@@ -273,6 +273,7 @@ def test_an_allowed_key_receives_replay_then_live(
     assert pub.stats.curve_refused == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
@@ -331,6 +332,7 @@ def test_refused_subscribers_get_nothing_and_both_sides_say_so(
     assert any("refused" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain"])
 def test_a_stream_is_not_connected_before_its_handshake(
     keys: dict[str, Path], curve: bool, monkeypatch: pytest.MonkeyPatch
@@ -531,6 +533,7 @@ def test_router_and_watch_options_name_keys_per_engine_or_for_all(keys: dict[str
         curve_options(bad)
 
 
+@pytest.mark.slow
 def test_an_engine_key_reaches_its_discovered_streams(
     keys: dict[str, Path], zmq_context: zmq.Context
 ) -> None:

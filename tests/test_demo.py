@@ -164,6 +164,7 @@ def test_bad_options_exit_2_naming_the_option(
     assert "cannot read it" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_child_that_exits_early_is_reported_with_its_stderr() -> None:
     """A subcommand that exits before its ready line raises an error naming it, its exit code and its stderr."""
     child = Child("engine", ["--port", "0", "--dp-size", "0"])
@@ -229,6 +230,7 @@ class _FakeEngine(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_replay_records_failed_and_malformed_answers_and_bounds_concurrency() -> None:
     """Every request gets an outcome in trace order; error statuses and answers without figures are recorded as failures; at most `concurrency` are in flight."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeEngine)
@@ -328,6 +330,7 @@ class _CountingEngine(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_replay_across_several_urls_takes_them_in_turn() -> None:
     """Given three targets (router replicas), request i goes to target i mod 3."""
     servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CountingEngine) for _ in range(3)]
@@ -356,6 +359,7 @@ def test_routers_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> Non
     assert "argument --routers: 0: must be an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_request_whose_target_is_gone_is_sent_to_the_next_one() -> None:
     """A target that refuses connections (a killed replica) costs no failed request: each
     request sent to it goes once more to the next target, and is counted as resent."""

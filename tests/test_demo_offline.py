@@ -22,6 +22,7 @@ def requests(workload: Workload) -> list[OfflineRequest]:
     return workload_requests(workload)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [1, 32])
 def test_default_weights_keep_prefix_hits_and_balance_one_or_many_in_flight(
     workload: Workload, requests: list[OfflineRequest], concurrency: int
@@ -38,6 +39,7 @@ def test_default_weights_keep_prefix_hits_and_balance_one_or_many_in_flight(
     assert kv["load_max_over_min"] <= 1.3
 
 
+@pytest.mark.slow
 def test_without_the_balance_term_sequential_requests_collapse_onto_one_rank(
     requests: list[OfflineRequest],
 ) -> None:

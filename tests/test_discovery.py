@@ -218,6 +218,7 @@ def http_server() -> Iterator[tuple[str, dict[str, tuple[int, bytes]]]]:
         thread.join(5)
 
 
+@pytest.mark.slow
 def test_discover_over_http(http_server: tuple[str, dict[str, tuple[int, bytes]]]) -> None:
     """discover() GETs /server_info over HTTP and resolves the wildcard to the URL's host."""
     url, routes = http_server
@@ -227,6 +228,7 @@ def test_discover_over_http(http_server: tuple[str, dict[str, tuple[int, bytes]]
     assert specs[0].worker == url
 
 
+@pytest.mark.slow
 def test_http_errors_are_discovery_errors(
     http_server: tuple[str, dict[str, tuple[int, bytes]]],
 ) -> None:
@@ -295,6 +297,7 @@ def test_bad_kv_event_sources_are_refused_naming_the_rank(sources: Any, message:
         streams_from_kv_event_sources(sources, engine_url="http://10.0.0.5:8000")
 
 
+@pytest.mark.slow
 def test_discover_falls_back_to_vllms_kv_event_sources(
     http_server: tuple[str, dict[str, tuple[int, bytes]]],
 ) -> None:
@@ -313,6 +316,7 @@ def test_discover_falls_back_to_vllms_kv_event_sources(
     assert caught.value.reached  # it answered: not unreachable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [False, True], ids=["no replay endpoint", "replay endpoints"])
 def test_an_engine_without_replay_endpoints_is_warned_of_once(
     http_server: tuple[str, dict[str, tuple[int, bytes]]],

@@ -162,6 +162,7 @@ def test_engines_file_example_loads(block: Block, tmp_path: Path) -> None:
     assert specs and all(spec.url.startswith("http") for spec in specs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block",
     [b for page in PAGES if page != README for b in code_blocks(page) if b.language == "python"],
@@ -219,6 +220,7 @@ def test_bounds_table_states_the_defaults() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.slow
 def test_performance_table_lives_in_docs_performance(tmp_path: Path) -> None:
     """The generated table sits between docs/performance.md's markers, the README holds no
     copy, and the update script checks that page by default."""

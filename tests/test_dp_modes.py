@@ -209,6 +209,7 @@ def run_deployment(
         assert child.wait(timeout=TIMEOUT_S) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_pure_dp_four_processes_four_streams(
     kind: str,
@@ -225,6 +226,7 @@ def test_pure_dp_four_processes_four_streams(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_dp_attention_four_processes_four_streams(
     kind: str,
@@ -241,6 +243,7 @@ def test_dp_attention_four_processes_four_streams(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])
 def test_rank_by_attn_dp_rank_alone_fails_under_pure_dp(
     kind: str, tmp_path: Path, spawn: Callable[..., subprocess.Popen[str]]

@@ -15,6 +15,8 @@ import pytest
 
 from native_support import compiler
 
+pytestmark = pytest.mark.slow  # runs scripts/fuzz-native as a subprocess
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fuzz-native"
 
 

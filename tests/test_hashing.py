@@ -82,6 +82,7 @@ def test_vllm_scheme_without_cbor2_names_the_extra(monkeypatch: pytest.MonkeyPat
         VLLMSha256CborHash(seed="0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sglang", "vllm"])
 @given(tokens=tokens_st, split=st.integers(min_value=0, max_value=16), page=st.integers(1, 5))
 def test_chain_continues_from_parent_digest(

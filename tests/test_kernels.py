@@ -168,6 +168,7 @@ def test_parse_reads_ids_of_every_width_and_any_separator(
     assert _fast(compiled, raw) == (ids, raw.index(b"]") + 1)
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(
     ids=ids_of_any_width.filter(bool),
@@ -369,6 +370,7 @@ def _bits(x: float) -> bytes:
     return struct.pack("<d", x)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     table=st.lists(rows, min_size=1, max_size=12),
@@ -394,6 +396,7 @@ def test_the_load_scan_is_its_python_statement_on_any_numbers(
     assert _bits(got[1]) == _bits(expected[1])
 
 
+@pytest.mark.slow
 def test_the_core_is_one_import_and_no_numpy_or_numba() -> None:
     """A fresh process routes a request natively from its first one: importing kvevents
     loads the core, nothing is compiled, and neither NumPy nor numba is imported."""
@@ -416,6 +419,7 @@ def test_the_core_is_one_import_and_no_numpy_or_numba() -> None:
     assert done.stdout.split() == ["compiled", "loaded", "True", "False", "False"]
 
 
+@pytest.mark.slow
 def test_kvevents_kernels_0_turns_the_core_off_and_the_answers_stay() -> None:
     """``KVEVENTS_KERNELS=0``: the core is off and says so, and the keys are the same."""
     script = (

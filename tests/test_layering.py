@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs lint-imports as a subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

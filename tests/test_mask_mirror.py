@@ -88,6 +88,7 @@ def _prompts(rng: random.Random, n: int) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -137,6 +138,7 @@ def test_a_request_no_holder_has_and_an_index_without_holders() -> None:
     _check(index, [keys, _keys(list(range(1, BLOCK * 10 + 1)))])
 
 
+@pytest.mark.slow
 def test_the_mirror_grows_and_rebuilds_and_stays_exact() -> None:
     rng = random.Random(7)
     index = _index()

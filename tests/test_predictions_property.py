@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,6 +124,7 @@ _op = st.sampled_from(
 ).flatmap(_OPS.__getitem__)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_op, min_size=4, max_size=60))
 def test_predictions_agree_with_the_plain_model(ops: list[tuple]) -> None:

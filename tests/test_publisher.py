@@ -194,6 +194,7 @@ def test_rank_already_set_is_kept(
     assert decode_batch(recv_live(sub).payload).data_parallel_rank == 7
 
 
+@pytest.mark.slow
 def test_burst_from_a_tight_loop_loses_nothing(
     transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:
@@ -212,6 +213,7 @@ def test_burst_from_a_tight_loop_loses_nothing(
     assert pub.stats.handoffs > 0  # the caller outran the sender and handed it the GIL
 
 
+@pytest.mark.slow
 def test_a_sender_slower_than_the_caller_cuts_each_handoff_and_loses_nothing(
     transport: tuple[str, str], make_publisher: Callable[..., ZmqEventPublisher], subscribe: Any
 ) -> None:

@@ -256,6 +256,7 @@ def test_malformed_request_gets_the_end_marker_alone(
     assert [seq for _, seq, _ in replayed(client, 0)] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "inproc"])
 def test_stalled_replay_client_never_delays_live_publishing(
     kind: str, tmp_path: Path, make_publisher: Make, subscribe: Any, dealer: Any
@@ -289,6 +290,7 @@ def test_stalled_replay_client_never_delays_live_publishing(
         stalled.recv_multipart()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "ipc", "inproc"])
 def test_tiny_receive_queue_sees_gaps_and_replay_fills_every_one(
     kind: str, tmp_path: Path, make_publisher: Make, subscribe: Any, dealer: Any

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 LAYOUT = ROOT / "docs" / "layout.md"
@@ -42,6 +44,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "README.md" in script and 'bash -c "$test_cmd"' in script
 
 
+@pytest.mark.slow
 def test_library_example_runs() -> None:
     """The ten-line example publishes a chain, a late subscriber replays it, and the match is 2 blocks."""
     (example,) = [b for b in code_blocks("python") if "ZmqEventPublisher(" in b]

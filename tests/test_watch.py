@@ -17,6 +17,10 @@ from kvevents.transport.endpoints import free_port_range
 from process_support import run_kvevents
 from subscriber_support import EngineProcess
 
+pytestmark = (
+    pytest.mark.slow
+)  # every test runs kvevents watch (and publishers or engines) as processes
+
 PUBLISHER = r"""
 import json, sys
 from kvevents.publish.zmq_publisher import ZmqEventPublisher

@@ -134,6 +134,7 @@ op_st = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(op_st, max_size=60),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -64,10 +64,8 @@ def test_bad_messages_are_refused_naming_the_field(
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--page-size", "4", "--max-blocks", "256"], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(["--dp-size", "2", "--page-size", "4", "--max-blocks", "256"], KV_CONFIG)
 
 
 def test_chat_completion_reuses_the_previous_turn_on_the_same_rank(engine: Engine) -> None:

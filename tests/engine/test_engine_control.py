@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 from engine_support import Engine
@@ -19,6 +20,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvevents.engine.rank import RankSpec
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.publish.config import KVEventsConfig
+
+pytestmark = pytest.mark.slow  # every test starts rank processes
 
 encode = msgspec.msgpack.Encoder().encode
 

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -18,21 +18,13 @@ LIMIT_BODY = 64 << 10
 LIMIT_TOKENS = 50
 
 
+pytestmark = pytest.mark.slow  # every test talks to an engine subprocess
+
+
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(
-        [
-            "--page-size",
-            "4",
-            "--max-body-bytes",
-            str(LIMIT_BODY),
-            "--max-new-tokens-limit",
-            str(LIMIT_TOKENS),
-        ],
-        None,
-    )
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    limits = ["--max-body-bytes", str(LIMIT_BODY), "--max-new-tokens-limit", str(LIMIT_TOKENS)]
+    return make_engine(["--page-size", "4", *limits], None)
 
 
 def client_port(response: httpx.Response) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import cbor2
 import pytest
@@ -125,13 +125,11 @@ def test_adapter_pages_live_in_their_own_namespace(scheme: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+def engine(make_engine: Callable[..., Engine]) -> Engine:
     config = {"publisher": "zmq", "endpoint": "tcp://*:0"}
     args = ["--page-size", str(PAGE), "--served-model-name", "tiny,tiny-8b"]
     args += ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"]
-    eng = Engine(args, config)
-    yield eng
-    eng.stop()
+    return make_engine(args, config)
 
 
 def test_v1_models_lists_served_names_and_adapters_as_vllm_does(engine: Engine) -> None:

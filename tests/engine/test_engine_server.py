@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,10 +24,8 @@ KV_CONFIG = {"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tc
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "3", "--page-size", "4", "--max-blocks", "64"], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(["--dp-size", "3", "--page-size", "4", "--max-blocks", "64"], KV_CONFIG)
 
 
 def test_generate_round_robin_and_routed(engine: Engine) -> None:

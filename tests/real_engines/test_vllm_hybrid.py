@@ -137,6 +137,6 @@ def test_query_equals_cached_tokens_through_evictions_of_either_group(
     # Not asserted: vLLM 0.32 frees a request's sliding-window blocks before its
     # full-attention ones (and drops out-of-window blocks early), so under its LRU a
     # block's full-attention copy never went first in this sweep (0 of 40). The index's
-    # handling of that order is tested on hand-built batches (tests/test_index_hybrid.py).
+    # handling of that order is tested on hand-built batches (tests/index/test_index_hybrid.py).
     print(f"hybrid sweep cases: {cases}")
     assert_no_malformed(router)

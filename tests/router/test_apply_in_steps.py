@@ -51,6 +51,7 @@ def _chain(blocks: int, block_size: int, *, seed: int) -> BlockStored:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 7, 256])
 @pytest.mark.parametrize("max_entries", [None, 3000])
 def test_steps_make_the_index_one_apply_makes(

@@ -44,6 +44,7 @@ json_values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     ids=st.lists(st.integers(0, U32), min_size=1, max_size=300),
@@ -73,7 +74,9 @@ def test_token_prompt_equals_the_whole_decode(
     assert list(tokens) == want_tokens
     assert fields == want_fields
     beside = _beside_the_prompt(kernels.loaded(), raw)  # the usual case's own path
-    if b"\\u" in raw:  # an escape (json.dumps writes them for text): it may decline
+    # an escape (json.dumps writes them for text), or "prompt" as a value before the key
+    # (a model or salt named "prompt"): it may decline, and the body is read the slower way
+    if b"\\u" in raw or raw.count(b'"prompt"') > 1:
         assume(beside is not None)
     assert beside is not None
     assert list(beside[0]) == want_tokens and beside[1] == want_fields

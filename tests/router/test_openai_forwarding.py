@@ -22,6 +22,8 @@ from router_support import RouterProc, wait_until
 
 from kvevents.transport.endpoints import free_port_range
 
+pytestmark = pytest.mark.slow  # every test talks to a router subprocess
+
 BS = 4
 
 

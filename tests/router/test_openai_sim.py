@@ -18,6 +18,8 @@ from router_support import Engine, RouterProc, wait_until
 from kvevents.text.chat import render_chat
 from kvevents.transport.endpoints import free_port_range
 
+pytestmark = pytest.mark.slow  # an engine and routers as subprocesses
+
 PAGE = 4
 
 

@@ -44,6 +44,7 @@ def test_an_engine_in_the_wrong_role_is_logged_once(caplog: pytest.LogCaptureFix
     assert engine.summary()["advertised_mode"] == "prefill"
 
 
+@pytest.mark.slow
 def test_watch_reads_the_port_and_follows_a_restart_to_another(prefill: FakePD) -> None:
     """The watch reads a prefill's advertised port, and reads it again later, so a
     prefill back on another port is followed; a request reads it itself before that."""

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from upstream_support import Script, Server, serving
 
 from kvevents import Router
@@ -75,6 +76,7 @@ async def _relay(misbehave: str, forward_timeout: float) -> tuple[httpx.Response
             await asyncio.wait_for(task, 20.0)
 
 
+@pytest.mark.slow
 def test_a_relayed_request_past_its_deadline_answers_504() -> None:
     """An engine that never answers within --forward-timeout is a 504 gateway_timeout."""
     answer, healths = asyncio.run(_relay("silent", forward_timeout=0.5))

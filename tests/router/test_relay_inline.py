@@ -129,6 +129,7 @@ def _bodies() -> list[bytes]:
 _SHOWN = ("content-type", "x-kvevents-worker", "x-kvevents-dp-rank", "x-kvevents-matched-tokens")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 def test_inline_relay_answers_and_forwards_as_the_asgi_relay(engine: FakeEngine, kind: str) -> None:
     """Same status, answer and decision headers both ways, and the engine receives the
@@ -196,6 +197,7 @@ def _body(answer: bytes) -> Any:
     return json.loads(answer.partition(b"\r\n\r\n")[2])
 
 
+@pytest.mark.slow
 def test_pipelined_requests_around_a_relayed_one_keep_their_order(engine: FakeEngine) -> None:
     """A slow relayed completion, then /route, /health and another completion, in one
     write: four answers, in the order asked, the requests behind it waiting for it."""
@@ -237,6 +239,7 @@ async def _forwarded_slow_completion(
     return reader, writer, deadline
 
 
+@pytest.mark.slow
 def test_a_client_leaving_before_its_answer_ends_the_request(engine: FakeEngine) -> None:
     """The engine's answer comes after the client left: nothing is written, the request
     leaves the in-flight count, and the server goes on answering."""
@@ -282,6 +285,7 @@ def test_a_relayed_request_cancelled_while_the_engine_answers_leaves_the_count(
     _run(engine, "sglang", check)
 
 
+@pytest.mark.slow
 def test_a_shutdown_while_the_engine_answers_gets_the_answer_then_closes(
     engine: FakeEngine,
 ) -> None:
@@ -436,6 +440,7 @@ def test_a_relay_on_a_kept_alive_engine_connection_runs_no_task(engine: FakeEngi
     _run(engine, "sglang", check)
 
 
+@pytest.mark.slow
 def test_a_stream_a_client_stops_reading_leaves_the_count_when_the_engine_is_done() -> None:
     """A streamed completion whose client stops reading (its socket open): the relay
     stops reading the engine too, and once the engine's side ends (here the forward

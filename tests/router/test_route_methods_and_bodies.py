@@ -5,7 +5,7 @@ alone, the compiled kernels' (ids first), and uvicorn's inline path."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -77,10 +77,8 @@ def test_a_near_miss_is_suggested_and_chat_template_fields_are_members() -> None
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2"], None)
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(["--dp-size", "2"], None)
 
 
 ROUTERS = {
@@ -90,9 +88,11 @@ ROUTERS = {
 
 
 @pytest.fixture(scope="module", params=sorted(ROUTERS))
-def router(engine: Engine, request: pytest.FixtureRequest) -> Iterator[RouterProc]:
+def router(
+    make_router: Callable[..., RouterProc], engine: Engine, request: pytest.FixtureRequest
+) -> Iterator[RouterProc]:
     args, env = ROUTERS[request.param]
-    proc = RouterProc([engine.url], *args, env=env)
+    proc = make_router([engine.url], *args, env=env)
     wait_until(lambda: proc.http.get("/ready").status_code == 200, 20, "the router ready")
     if not env:  # the compiled path is the one to check: wait for it
         wait_until(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from subscriber_support import free_tcp_port
+
+pytestmark = pytest.mark.slow  # an engine restarted under a router, as subprocesses
 
 PROMPT = list(range(300, 364))  # 64 tokens: 4 blocks of 16, 2 of 32
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,14 +53,12 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
 
 
 @pytest.fixture(scope="module")
-def engine(keys: dict[str, Path | str]) -> Iterator[Engine]:
+def engine(make_engine: Callable[..., Engine], keys: dict[str, Path | str]) -> Engine:
     config = KV_CONFIG | {
         "curve_secret_key_file": f"{keys['base']}/engine.key_secret",
         "curve_allowed_keys_dir": str(keys["allowed"]),
     }
-    eng = Engine(["--dp-size", "2", "--page-size", str(PAGE)], config)
-    yield eng
-    eng.stop()
+    return make_engine(["--dp-size", "2", "--page-size", str(PAGE)], config)
 
 
 def test_the_engine_advertises_its_public_key(engine: Engine, keys: dict[str, Path | str]) -> None:

@@ -247,6 +247,7 @@ def _two_rank_engine(url: str) -> tuple[EngineState, list[Holder]]:
     return EngineState(spec), [Holder(spec.worker, r) for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> None:
     """A /load that answers after the poll's timeout is a slow engine, not a dead one: its
     ranks stay available (and /workers' fields say why) for SLOW_POLLS_TOLERATED polls in
@@ -277,6 +278,7 @@ def test_a_slow_load_answer_keeps_the_last_known_state_until_the_threshold() -> 
         asyncio.run(run(url))
 
 
+@pytest.mark.slow
 def test_a_load_answer_whose_body_is_late_is_slow_not_down() -> None:
     """A /load whose head comes at once and whose body comes after the poll's timeout is a
     slow engine like one that answers nothing in time: the ranks keep their state."""
@@ -295,6 +297,7 @@ def test_a_load_answer_whose_body_is_late_is_slow_not_down() -> None:
         asyncio.run(run(url))
 
 
+@pytest.mark.slow
 def test_a_request_that_ends_while_a_poll_waits_is_taken_out_only_if_counted() -> None:
     """A poll notes what had ended as the engine's answer begins to arrive. A request
     whose end came before the answer began was let go before the engine counted: the
@@ -346,6 +349,7 @@ def test_a_request_that_ends_while_a_poll_waits_is_taken_out_only_if_counted() -
         asyncio.run(run(url))
 
 
+@pytest.mark.slow
 def test_load_polls_reuse_one_kept_alive_connection() -> None:
     """Polled every 0.05 s, an engine that keeps connections open sees its /load polls
     arrive on one connection (the router's engine client, not a connection per poll)."""
@@ -366,6 +370,7 @@ def test_load_polls_reuse_one_kept_alive_connection() -> None:
         asyncio.run(run(url))
 
 
+@pytest.mark.slow
 def test_a_slow_discovery_is_tolerated_like_a_slow_load_poll() -> None:
     """An engine found from its URL alone that is slow to answer /server_info (a vLLM busy
     on CPU) keeps the state its ranks have from their streams for SLOW_POLLS_TOLERATED
@@ -411,6 +416,7 @@ def test_a_refused_connection_is_an_error_at_once() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_start_waits_for_a_hanging_engine_only_as_long_as_its_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -464,6 +470,7 @@ class _VllmByUrl(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_vllm_given_by_url_alone_gets_every_discovered_ranks_metrics_load() -> None:
     """``--engine URL --engine-kind vllm`` (its ranks found in /kv_event_sources): each
     rank's running and waiting requests from /metrics reach the router, rank 1's too
@@ -502,6 +509,7 @@ class _ShrinkingVllm(_VllmByUrl):
     metrics: ClassVar[str] = "# no gauges\n"
 
 
+@pytest.mark.slow
 def test_ranks_an_engine_no_longer_has_are_no_longer_routed_to() -> None:
     """A vLLM known by URL restarts with 2 ranks instead of 4, on new ports: the
     subscriber stops following ranks 2 and 3 (a Removed signal) and the router drops

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
 from kvevents.router.serve.group_metrics import GroupMetrics
 
@@ -90,13 +90,6 @@ def test_a_dead_process_keeps_its_counts_in_the_sums_and_leaves_the_gauges(
     text = GroupMetrics(_registry(routed=1, entries=3), tmp_path, index=1).render().decode()
     assert _value(text, "kvevents_router_routes_total") == [('{worker="http://e:1"}', 5.0)]
     assert [v for _, v in _value(text, "kvevents_router_index_entries")] == [3.0]
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--page-size", "4"], KV_CONFIG)
-    yield eng
-    eng.stop()
 
 
 def _scrape(url: str) -> tuple[float, int]:

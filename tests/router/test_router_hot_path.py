@@ -5,7 +5,7 @@ Answers, errors and limits are checked on the router's own HTTP stack."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -23,20 +23,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "4", "--page-size", str(PAGE)], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(["--dp-size", "4", "--page-size", str(PAGE)], KV_CONFIG)
 
 
 @pytest.fixture(scope="module")
-def router(engine: Engine) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--max-body-bytes", "200000")
-    wait_until(lambda: proc.connected() == 4, 20, "all four streams connected")
+def router(make_router: Callable[..., RouterProc], engine: Engine) -> RouterProc:
+    proc = make_router([engine.url], "--max-body-bytes", "200000", streams=4)
     # every request below takes the native path (kvevents.kernels), from the first
     assert _kernels(proc) == "compiled"
-    yield proc
-    proc.stop()
+    return proc
 
 
 def _kernels(router: RouterProc) -> str:

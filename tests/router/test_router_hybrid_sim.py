@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 from kvevents import Holder, PrefixIndex
+
+pytestmark = pytest.mark.slow  # an engine and a router as subprocesses
 
 PAGE = 4
 DP = 2

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
+pytestmark = pytest.mark.slow  # two engines and a router as subprocesses
+
 PAGE = 4
 
 

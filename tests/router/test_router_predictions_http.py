@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--page-size", str(PAGE), "--max-blocks", "256"], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine_args() -> list[str]:
+    """The shared ``engine``'s arguments here: two ranks of 256 blocks."""
+    return ["--dp-size", "2", "--page-size", str(PAGE), "--max-blocks", "256"]
 
 
 @pytest.fixture(scope="module")
-def router(engine: Engine) -> Iterator[RouterProc]:
-    # A long time-to-live: nothing in this test may depend on how fast it runs.
-    proc = RouterProc([engine.url], "--load-interval", "0.2", "--prediction-ttl", "600")
-    wait_until(
-        lambda: len(proc.http.get("/workers").json()["holders"]) == 2,
-        20,
-        "the router to discover both ranks",
-    )
-    yield proc
-    proc.stop()
+def router_args() -> list[str]:
+    """The shared ``router``'s options: a long time-to-live, so nothing in these tests
+    depends on how fast they run."""
+    return ["--load-interval", "0.2", "--prediction-ttl", "600"]
 
 
 def query(router: RouterProc, tokens: list[int]) -> dict[int, dict[str, int]]:

@@ -12,6 +12,7 @@ import pytest
 from router_support import KV_CONFIG, Engine, RouterProc, wait_until
 
 PAGE = 4
+pytestmark = pytest.mark.slow  # each test starts its own engine and router
 
 
 @pytest.fixture

@@ -59,6 +59,7 @@ def cases(draw: st.DrawFn) -> tuple:
     return holders, loads, matches, predicted, credits, draw(_weights), n_blocks, top
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(cases())
 def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
@@ -86,6 +87,7 @@ def test_top_is_exactly_the_head_of_score(case: tuple) -> None:
         assert ranking.top(n_blocks + 2, matches, count, credits=credits) == wider[:count]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(cases(), st.lists(st.integers(0, 11), max_size=6))
 def test_one_pass_scores_are_exactly_the_head_of_score(case: tuple, routed: list[int]) -> None:

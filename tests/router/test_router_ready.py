@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +63,9 @@ def test_reasons_are_capped_and_the_rest_counted() -> None:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+def engine(make_engine: Callable[..., Engine]) -> Engine:
     """An engine with no --kv-events-config: it publishes by default."""
-    eng = Engine(["--dp-size", "2"], None)
-    yield eng
-    eng.stop()
+    return make_engine(["--dp-size", "2"], None)
 
 
 def readiness_line(router: KVEventsProcess, timeout: float = 30.0) -> str | None:

@@ -7,10 +7,9 @@ import asyncio
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
 from kvevents import Holder, PrefixIndex, ScoringWeights
 from kvevents.cli.router import add_arguments, build_service
@@ -22,24 +21,16 @@ PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--page-size", str(PAGE), "--max-blocks", "256"], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine_args() -> list[str]:
+    """The shared ``engine``'s arguments here: two ranks of 256 blocks."""
+    return ["--dp-size", "2", "--page-size", str(PAGE), "--max-blocks", "256"]
 
 
 @pytest.fixture(scope="module")
-def router(engine: Engine) -> Iterator[RouterProc]:
-    # Predictions off: these tests state how routing reads confirmed blocks and load
-    # alone; test_router_predictions_http.py covers the router with predictions.
-    proc = RouterProc([engine.url], "--load-interval", "0.2", "--prediction-ttl", "0")
-    wait_until(
-        lambda: len(proc.http.get("/workers").json()["holders"]) == 2,
-        20,
-        "the router to discover both ranks",
-    )
-    yield proc
-    proc.stop()
+def router_args() -> list[str]:
+    """The shared ``router``'s options: predictions off, so these tests state how routing
+    reads confirmed blocks and load alone (test_router_predictions_http.py covers them)."""
+    return ["--load-interval", "0.2", "--prediction-ttl", "0"]
 
 
 def matched(router: RouterProc, tokens: list[int]) -> dict[int, int]:
@@ -138,6 +129,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_engine_not_up_yet_is_reported_not_fatal() -> None:
     """With its engine down, the router still serves: 503 for routing, the error in /workers."""
     url = f"http://127.0.0.1:{_closed_port()}"
@@ -176,6 +168,7 @@ def test_a_started_router_already_knows_its_engines(engine: Engine) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("option", "message"),
     [

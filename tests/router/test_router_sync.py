@@ -18,7 +18,7 @@ import msgspec
 import nats
 import pytest
 from nats_support import NatsProxy, NatsServer
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
 from kvevents.errors import ConfigError
@@ -37,13 +37,9 @@ DP = 2
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
+def engine(make_engine: Callable[..., Engine]) -> Engine:
     # slow decoding, so a long request is in flight for a few seconds
-    proc = Engine(
-        ["--dp-size", str(DP), "--page-size", "4", "--decode-steps-per-s", "50"], KV_CONFIG
-    )
-    yield proc
-    proc.stop()
+    return make_engine(["--dp-size", str(DP), "--page-size", "4", "--decode-steps-per-s", "50"])
 
 
 @pytest.fixture
@@ -87,6 +83,7 @@ def generate(router: RouterProc, tokens: list[int], max_new_tokens: int = 2) -> 
     assert answer.status_code == 200, answer.text
 
 
+@pytest.mark.slow
 def test_three_replicas_share_in_flight_load_and_survive_nats_restarts(
     engine: Engine, server: NatsServer
 ) -> None:
@@ -141,6 +138,7 @@ def test_three_replicas_share_in_flight_load_and_survive_nats_restarts(
             r.stop()
 
 
+@pytest.mark.slow
 def test_duplicated_and_late_notes_change_nothing_twice(engine: Engine, server: NatsServer) -> None:
     """A begin sent twice counts once; its finish sent twice removes it once; a begin
     arriving after its finish, and a routed note sent twice, change nothing more."""
@@ -177,6 +175,7 @@ def test_duplicated_and_late_notes_change_nothing_twice(engine: Engine, server: 
         router.stop()
 
 
+@pytest.mark.slow
 def test_a_batch_of_notes_in_one_message_counts_note_by_note(
     engine: Engine, server: NatsServer
 ) -> None:
@@ -244,6 +243,7 @@ def test_shown_urls_mask_every_password_however_it_is_spelled() -> None:
     assert shown_url("nats://h:4222") == "nats://h:4222"
 
 
+@pytest.mark.slow
 def test_a_silent_partition_from_nats_is_noticed_within_seconds(server: NatsServer) -> None:
     """NATS unreachable without a FIN or RST (the network between drops everything):
     the transport's pings go unanswered, so within seconds it says it is not connected
@@ -291,6 +291,7 @@ def test_a_sync_url_nats_cannot_use_is_refused_at_start(url: str, problem: str) 
     assert "pw" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_kvevents_router_refuses_a_sync_url_without_a_port_number() -> None:
     """The command exits 2 with the message, before following any engine."""
     done = run_kvevents(
@@ -303,6 +304,7 @@ def test_kvevents_router_refuses_a_sync_url_without_a_port_number() -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_a_failure_nats_py_raises_is_shown_and_retried_and_close_does_not_raise(
     server: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -329,6 +331,7 @@ def test_a_failure_nats_py_raises_is_shown_and_retried_and_close_does_not_raise(
     assert any("trying again" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_after_a_nats_outage_both_sides_count_what_is_in_flight_now(server: NatsServer) -> None:
     """B's link to NATS is cut while A finishes the requests B had heard begin, and B
     begins one and finishes another that A does not hear of. B drops what it learned
@@ -379,6 +382,7 @@ def test_after_a_nats_outage_both_sides_count_what_is_in_flight_now(server: Nats
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_replica_that_joins_hears_of_the_requests_in_flight_before_it_routes(
     server: NatsServer,
 ) -> None:
@@ -408,6 +412,7 @@ def test_a_replica_that_joins_hears_of_the_requests_in_flight_before_it_routes(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_replica_restarted_on_its_port_takes_its_earlier_runs_place_at_once(
     engine: Engine, server: NatsServer
 ) -> None:
@@ -439,6 +444,7 @@ def test_a_replica_restarted_on_its_port_takes_its_earlier_runs_place_at_once(
             r.stop(expect=None)
 
 
+@pytest.mark.slow
 def test_notes_nats_drops_on_the_way_in_are_counted_and_followed_by_a_resync(
     server: NatsServer,
 ) -> None:

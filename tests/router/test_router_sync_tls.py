@@ -14,7 +14,7 @@ from pathlib import Path
 import nkeys
 import pytest
 from nats_support import NatsServer
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 from sync_security_support import (
     GROUP,
     PASSWORDS,
@@ -34,20 +34,13 @@ from kvevents.router.fleet.peers import LoadNotes
 from kvevents.router.fleet.senders import sender_id
 from kvevents.router.fleet.sync_security import SyncSecurity
 
-DP = 2
+DP = 2  # the ranks of the shared `engine` (tests/conftest.py)
 H = Holder("http://engine", 0)
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    proc = Engine(["--dp-size", str(DP), "--page-size", "4"], KV_CONFIG)
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture

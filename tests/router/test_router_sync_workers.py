@@ -15,17 +15,10 @@ import httpx
 import pytest
 from nats_support import NatsServer
 from prometheus_client.parser import text_string_to_metric_families
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
-DP = 2
+DP = 2  # the ranks of the shared `engine` (tests/conftest.py)
 PROMPT = list(range(500, 532))  # 8 blocks of 4
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    proc = Engine(["--dp-size", str(DP), "--page-size", "4"], KV_CONFIG)
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture

@@ -58,6 +58,7 @@ def holders(router: RouterProc) -> list[dict[str, Any]]:
     return holders
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_router_restarted_with_a_peer_ends_equal_to_every_rank(config: str) -> None:
     """Killed and restarted with --peer while the engine went on, the router's index
@@ -104,6 +105,7 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_with_no_reachable_peer_the_router_starts_empty_and_says_why() -> None:
     """A --peer that does not answer leaves the router starting as without one."""
     engine = Engine(["--dp-size", str(DP), "--page-size", str(PAGE)], CONFIGS["replay"])
@@ -123,6 +125,7 @@ def test_with_no_reachable_peer_the_router_starts_empty_and_says_why() -> None:
         engine.stop()
 
 
+@pytest.mark.slow
 def test_a_peer_with_an_older_snapshot_version_is_refused_by_name() -> None:
     """A peer running an older kvevents answers a version 3 snapshot: it is not loaded,
     and the error names the version and what to do (the router then starts empty)."""
@@ -181,6 +184,7 @@ def _peer_serving(snapshot: bytes, asked: list[str] | None = None) -> Iterator[s
         server.server_close()
 
 
+@pytest.mark.slow
 def test_a_peers_ranks_the_engine_does_not_have_are_dropped() -> None:
     """The peer's snapshot has ranks 2 and 3 of an engine that now runs 2 (its view was
     older, or it was told another --dp-size): once the router has read the engine's
@@ -223,6 +227,7 @@ def _stored(tokens: list[int]) -> BlockStored:
     )
 
 
+@pytest.mark.slow
 def test_a_peers_ranks_past_an_engine_described_here_are_not_adopted() -> None:
     """An engine described on the command line with --dp-size 2: the peer's ranks 2 and
     3 of it are dropped as its snapshot is restored."""
@@ -248,6 +253,7 @@ def test_a_peers_ranks_past_an_engine_described_here_are_not_adopted() -> None:
         service.subscriber.close()
 
 
+@pytest.mark.slow
 def test_a_peer_url_with_credentials_is_never_asked_nor_shown() -> None:
     """``http://user:password@host`` as a peer: skipped, with the reason and the URL
     masked in ``errors`` (and so in /workers and the log), and the next peer is used;
@@ -267,6 +273,7 @@ def test_a_peer_url_with_credentials_is_never_asked_nor_shown() -> None:
     assert "hunter2" not in msgspec.json.encode(warm).decode()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("peer", "message"),
     [
@@ -315,6 +322,7 @@ def _described_router(peers: list[str], *before: str, after: tuple[str, ...] = (
     return build_service(parser.parse_args(argv), warn=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["global", "the engine's"])
 def test_a_snapshot_at_another_block_size_is_refused_and_the_next_peer_tried(where: str) -> None:
     """With --block-size 8 (the router's, or its engine's), a peer's snapshot at 4 is
@@ -345,6 +353,7 @@ def test_a_snapshot_at_another_block_size_is_refused_and_the_next_peer_tried(whe
         at8_router.restore_index(_snapshot(engine, 4, prompt))
 
 
+@pytest.mark.slow
 def test_a_peer_with_none_of_our_ranks_is_skipped_and_counts_are_of_what_is_kept() -> None:
     """The first peer follows only another engine: skipped with the reason, and the next
     peer asked. The next one follows ours and another: what /workers reports (blocks,

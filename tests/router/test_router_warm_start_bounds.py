@@ -91,6 +91,7 @@ def test_a_peer_sending_more_than_it_claimed_or_unframed_is_cut_at_the_bound() -
     assert "went past the bound of 100000 bytes" in warm.errors[0]
 
 
+@pytest.mark.slow
 def test_a_peer_that_trickles_is_dropped_at_the_download_deadline() -> None:
     """Each read within the per-read timeout, the whole past total_timeout: skipped."""
     good = _snapshot()

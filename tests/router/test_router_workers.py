@@ -16,26 +16,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from router_support import KV_CONFIG, Engine, RouterProc, wait_until
+from router_support import Engine, RouterProc, wait_until
 
 from kvevents.cli import router_workers
 from kvevents.cli.router import default_workers
 from process_support import KVEventsProcess, run_kvevents
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--page-size", "4"], KV_CONFIG)
-    yield eng
-    eng.stop()
 
 
 def _workers_seen(url: str, tries: int = 16) -> dict[int, int]:

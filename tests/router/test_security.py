@@ -12,7 +12,7 @@ import os
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,22 +79,20 @@ def key_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def engine(key_files: dict[str, str]) -> Iterator[Engine]:
-    proc = Engine(["--dp-size", "2", "--api-key-file", key_files["engine"]], KV_CONFIG)
-    yield proc
-    proc.stop()
+def engine(make_engine: Callable[..., Engine], key_files: dict[str, str]) -> Engine:
+    return make_engine(["--dp-size", "2", "--api-key-file", key_files["engine"]], KV_CONFIG)
 
 
 @pytest.fixture(scope="module")
-def router(engine: Engine, key_files: dict[str, str]) -> Iterator[RouterProc]:
-    proc = RouterProc(
+def router(
+    make_router: Callable[..., RouterProc], engine: Engine, key_files: dict[str, str]
+) -> RouterProc:
+    return make_router(
         [engine.url],
         "--engine-api-key-file",
         key_files["engine"],
         env={"KVEVENTS_API_KEY": ROUTER_KEY},  # the router's own key from its variable
     )
-    yield proc
-    proc.stop()
 
 
 def listening_hosts(port: int) -> set[str]:

@@ -147,6 +147,7 @@ def test_a_body_without_a_length_cut_by_a_reset_is_an_error_not_the_whole_answer
     run(main())
 
 
+@pytest.mark.slow
 def test_a_body_without_a_length_past_the_deadline_fails_even_read_late() -> None:
     """The deadline closes the connection, which asyncio reports as a clean close: that
     is not the body's end. A reader that comes after it gets the part that came, then
@@ -470,6 +471,7 @@ def test_a_whole_answer_cut_short_says_whether_it_began(
     run(main())
 
 
+@pytest.mark.slow
 def test_a_whole_answer_past_the_deadline_times_out_before_or_after_its_head() -> None:
     def make(server: Server) -> Script:
         async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:

@@ -83,6 +83,7 @@ def test_a_head_that_trickles_in_times_out_at_the_head_timeout() -> None:
     run(main())
 
 
+@pytest.mark.slow
 def test_a_head_in_pieces_then_a_slow_body_keeps_the_exchange_deadline() -> None:
     """Once a head that came in pieces is whole, the body runs on the exchange's deadline,
     not the head's."""

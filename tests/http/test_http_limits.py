@@ -47,6 +47,7 @@ async def _closed(reader: asyncio.StreamReader, within: float) -> bytes:
     return rest
 
 
+@pytest.mark.slow
 def test_a_body_that_stops_halfway_is_answered_408_and_closed() -> None:
     """Headers and half a body, then nothing: 408 at the request timeout, and the
     connection closes; a whole request on another connection meanwhile is answered."""
@@ -76,6 +77,7 @@ def test_a_body_that_stops_halfway_is_answered_408_and_closed() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_a_head_that_never_ends_is_closed_at_the_request_timeout() -> None:
     """A request line and a header trickling forever: 408 and closed."""
 
@@ -103,6 +105,7 @@ def test_a_head_that_never_ends_is_closed_at_the_request_timeout() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed_at_the_keep_alive_timeout() -> None:
     """A connection opened and left silent is idle: closed at the keep-alive timeout."""
 

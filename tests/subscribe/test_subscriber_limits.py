@@ -42,6 +42,7 @@ def batch(n: int, tokens: int = 2) -> KVEventBatch:
     )
 
 
+@pytest.mark.slow
 def test_an_oversized_frame_is_dropped_and_reported_lost_while_the_stream_goes_on(
     zmq_context: zmq.Context,
 ) -> None:

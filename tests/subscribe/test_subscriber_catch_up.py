@@ -165,6 +165,7 @@ def serve(
     return items, starts
 
 
+@pytest.mark.slow
 def test_a_quiet_stream_keeps_asking_and_recovers_a_batch_its_sub_missed(
     zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:

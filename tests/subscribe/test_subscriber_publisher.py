@@ -122,6 +122,7 @@ def test_slow_joiner_gets_everything_published_before_it_connected(
         assert stats.replayed >= 50 and stats.lost == 0 and stats.last_seq == 79
 
 
+@pytest.mark.slow
 def test_burst_through_tiny_receive_hwm_is_delivered_exactly(
     endpoints: tuple[str, str], make_publisher: Factory
 ) -> None:
@@ -143,6 +144,7 @@ def test_burst_through_tiny_receive_hwm_is_delivered_exactly(
         assert len(signals(items, "gap")) == stats.gaps
 
 
+@pytest.mark.slow
 def test_burst_larger_than_replay_buffer_is_a_loss_then_following_resumes(
     endpoints: tuple[str, str], make_publisher: Factory
 ) -> None:
@@ -176,6 +178,7 @@ def test_burst_larger_than_replay_buffer_is_a_loss_then_following_resumes(
         assert [d.seq for d in deliveries(more)] == list(range(total, total + 10))
 
 
+@pytest.mark.slow
 def test_without_replay_endpoint_a_gap_is_reported_as_loss(
     endpoints: tuple[str, str], make_publisher: Factory
 ) -> None:
@@ -309,6 +312,7 @@ def test_unreachable_endpoint_is_reported_and_never_blocks_others(make_publisher
             assert sub.stats()[Holder("dead", 0)].status == "unreachable"
 
 
+@pytest.mark.slow
 def test_replay_endpoint_given_as_live_is_refused_not_connected(make_publisher: Factory) -> None:
     """A publisher's replay (ROUTER) endpoint given as a stream's live one: ZMQ drops the
     connection mid-handshake, often without a handshake event. The stream is reported
@@ -342,6 +346,7 @@ def test_replay_endpoint_given_as_live_is_refused_not_connected(make_publisher: 
         assert sub.get(timeout=0.2) is None  # reported once: no signal per retry
 
 
+@pytest.mark.slow
 def test_a_stream_recovered_after_a_refused_handshake_is_not_reconnected_later(
     make_publisher: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -397,6 +402,7 @@ def test_a_stream_recovered_after_a_refused_handshake_is_not_reconnected_later(
         assert "connected" not in retried_while  # no reconnect of a working connection
 
 
+@pytest.mark.slow
 def test_a_publisher_of_an_older_zmq_protocol_is_connected_once_data_arrives() -> None:
     """A publisher speaking ZMTP 2.0 (libzmq 3.x) completes no handshake that libzmq
     reports: its stream says "connected" once its first batch arrives, not

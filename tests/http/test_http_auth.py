@@ -133,6 +133,7 @@ def test_engine_publishers_bind_the_given_host_in_place_of_a_wildcard() -> None:
         config.bound_to("bad host")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -324,6 +324,7 @@ def test_a_request_arriving_during_shutdown_is_answered_then_closed(body: bytes)
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_a_request_read_with_an_inline_one_is_not_cut_off_by_the_keep_alive_timer() -> None:
     """Two requests in one write, the second's last bytes sent after uvicorn's keep-alive
     timeout: the first, answered inline, armed that timer from inside the parser, and the
@@ -353,6 +354,7 @@ def test_a_request_read_with_an_inline_one_is_not_cut_off_by_the_keep_alive_time
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_an_idle_connection_is_closed_at_the_keep_alive_timeout_and_a_busy_one_is_not() -> None:
     """The keep-alive timeout is watched by one timer for every connection of the server:
     a connection that goes idle after an inline answer, or after an ASGI one, is closed

@@ -33,6 +33,7 @@ async def _expiring(deadlines: dict[str, float], forget: set[str]) -> dict[str, 
     return {item: at - start for item, at in expired.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [("a", "b", "c"), ("c", "b", "a"), ("b", "c", "a")])
 def test_each_item_expires_at_its_own_deadline_in_any_order_of_watching(
     order: tuple[str, ...],
@@ -117,6 +118,7 @@ def test_an_expiry_that_raises_is_reported_and_the_others_still_expire() -> None
     assert len(reported) == 1 and isinstance(reported[0]["exception"], RuntimeError)
 
 
+@pytest.mark.slow
 def test_an_expiry_that_watches_an_item_leaves_the_earlier_ones_on_time() -> None:
     """An expiry watches a new item due much later: an item due between them still
     expires at its own deadline, not with the new one."""
@@ -142,6 +144,7 @@ def test_an_expiry_that_watches_an_item_leaves_the_earlier_ones_on_time() -> Non
     assert at["between"] < 0.2 and at["far"] >= 0.4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", LOOPS.values(), ids=LOOPS.keys())
 def test_a_timer_fires_about_once_per_deadline_on_either_loop(
     run: Callable[[Coroutine[Any, Any, Any]], Any],
@@ -202,6 +205,7 @@ def test_items_of_a_loop_that_ended_are_dropped_and_a_new_loop_is_served() -> No
     assert expired == ["new"]
 
 
+@pytest.mark.slow
 def test_the_timer_of_a_loop_left_behind_does_nothing_when_it_fires() -> None:
     """Loop A watches an item and stops before its timer fires; loop B watches its own.
     When A runs again and its timer fires, B's item is left to B's timer, and A's item,

@@ -9,7 +9,7 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,17 @@ FUZZ_EXAMPLES = 20
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    eng = Engine(["--dp-size", "2", "--max-new-tokens-limit", "64"], KV_CONFIG)
-    yield eng
-    eng.stop()
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(["--dp-size", "2", "--max-new-tokens-limit", "64"], KV_CONFIG)
 
 
 @pytest.fixture(scope="module")
-def router(engine: Engine) -> Iterator[RouterProc]:
-    proc = RouterProc([engine.url], "--max-body-bytes", str(LIMIT))
-    wait_until(lambda: proc.connected() == 2, 20, "both streams connected")
+def router(make_router: Callable[..., RouterProc], engine: Engine) -> RouterProc:
+    proc = make_router([engine.url], "--max-body-bytes", str(LIMIT), streams=2)
     wait_until(
         lambda: proc.post("/route", {"input_ids": [1]}).status_code == 200, 20, "a rank routable"
     )
-    yield proc
-    proc.stop()
+    return proc
 
 
 def _router_app() -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from kvevents import KVEventBatch, Reset, StreamSpec, Subscriber
@@ -38,6 +39,7 @@ def _rebind(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, address: str) -> zmq
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_restart_whose_replay_answers_late_is_still_verified_and_reset(
     zmq_context: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
