@@ -2,14 +2,13 @@
 
     python benchmarks/route_models.py [--holders 8] [--tokens 2048] [--requests 2000]
 
-Drives :class:`~kvevents.router.serve.hot_path.HotPath` as the ASGI server would (no sockets,
-so the figure is the router's own work per request: body decode, keys, match, score,
-encode) with ``{"input_ids": [...]}`` and, when the router knows models, with
+Drives :class:`~kvevents.router.serve.hot_path.HotPath` as the ASGI server would (no
+sockets, so the figure is the router's own work per request: body decode, keys, match,
+score, encode) with ``{"input_ids": [...]}`` and, when the router knows models, with
 ``"model"`` as well. ``holders`` ranks of two engines each serving one model; every
-prompt is stored on one rank, and the compiled kernels are loaded, as a router loads
-them. Prints CPU microseconds per request (median of 5 rounds).
-Run it on two checkouts to compare a change (the ``model`` row needs one that knows
-models); it is a quick check, not a CI figure.
+prompt is stored on one rank, and the native core is loaded, as a router has it. Prints
+CPU microseconds per request (median of 5 rounds). Run it on two checkouts to compare a
+change; it is a quick check, not a CI figure.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ replays the bundled conversation trace through the router (KV-aware) and straigh
 the engine (round-robin), and compares both with one pooled cache of the same total
 capacity. The measurement is :func:`kvevents.demo.main.run_routing_bench` (``kvevents demo``
 without the chart). Prints the demo's tables and writes its results document (default
-``benchmarks/results/routing.json``). Targets (issue 6): KV-aware >= 90% of the pooled
-upper bound, above round-robin, load max/min <= 1.3, nothing lost, under 3 minutes.
+``benchmarks/results/routing.json``); the targets (hit rate against the pooled upper
+bound and round-robin, load balance, nothing lost) are :mod:`kvevents.bench.report`'s.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
     python benchmarks/routing_weights.py [--grid small|full] [--workers 2] [--json PATH]
 
-How the router's default weights were chosen (see :mod:`kvevents.router.decide.scoring`).
-Each candidate (a policy and its :class:`~kvevents.router.decide.scoring.ScoringWeights`) is
-replayed with :func:`kvevents.demo.offline.offline_replay` (the real router and caches,
+What the router's default weights are chosen on (see :mod:`kvevents.router.decide.scoring`).
+Each candidate (a policy and its :class:`~kvevents.router.decide.scoring.ScoringWeights`)
+is replayed with :func:`kvevents.demo.offline.offline_replay` (the real router and caches,
 a simulated clock) on every scenario:
 
 * ``demo``: ``kvevents demo``'s defaults: 1,000 requests of the bundled conversation
@@ -13,15 +13,16 @@ a simulated clock) on every scenario:
 * ``demo_dp8``: as ``demo`` with 8 ranks of half the pages;
 * ``synthetic``: 1,000 requests of Mooncake's synthetic trace (``--synthetic-trace``,
   skipped when the file is absent);
-* ``vllm2_seq``, ``vllm2_c8``: the workload of
-  ``scripts/real_vllm/route_trace.py`` (a 32-token block per trace hash id, at most 16
-  per request, dp 2, 1,500 blocks per rank, sent back to back, one or 8 in flight), on
-  which a real vLLM DP 2 showed KV-aware routing collapsing onto one rank.
+* ``vllm2_seq``, ``vllm2_c8``: the workload of ``scripts/real_vllm/route_trace.py`` (a
+  32-token block per trace hash id, at most 16 per request, dp 2, 1,500 blocks per rank,
+  back to back, one or 8 in flight), on which KV-aware routing without a balance term
+  collapses onto one rank.
 
 Per scenario it prints the hit rate as a fraction of the pooled upper bound (one cache
 of the same total capacity, same order) and the load max/min (prompt tokens per rank),
-and whether the issue's targets hold everywhere (>= 90% of the bound, max/min <= 1.3).
-Writes every figure as JSON (default ``benchmarks/results/routing_weights.json``).
+and whether the routing targets (``TARGET_OF_BOUND``, ``TARGET_MAX_OVER_MIN``: the
+demo's) hold everywhere. Writes
+every figure as JSON (default ``benchmarks/results/routing_weights.json``).
 """
 
 from __future__ import annotations

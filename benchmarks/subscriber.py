@@ -4,8 +4,9 @@
 
 Prints a table and writes the figures as JSON (default
 ``benchmarks/results/subscriber.json``). The measurement itself is
-:func:`kvevents.bench.subscriber.run_subscriber_bench`; see its docstring for the setup.
-Target: at least 1,000,000 blocks per CPU second for 32-block batches.
+:func:`kvevents.bench.subscriber.run_subscriber_bench`; see its docstring for the setup,
+and :mod:`kvevents.bench.report` for the target (blocks per CPU second for 32-block
+batches).
 """
 
 from __future__ import annotations

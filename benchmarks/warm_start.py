@@ -8,8 +8,8 @@ Real processes on loopback: a simulated engine, a router (the peer) holding
 ``--peer`` while the engine keeps storing prompts. Prints the figures and writes them as
 JSON (default benchmarks/results/warm_start.json). The work, and what each figure
 means, is :func:`kvevents.bench.warm_start.run_warm_start_bench` (also
-``kvevents bench warm_start``). Target (issue 13): index equal to the engine's within
-2 s of launch.
+``kvevents bench warm_start``). Target: index equal to the engine's within 2 s of
+launch.
 """
 
 from __future__ import annotations

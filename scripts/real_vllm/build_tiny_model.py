@@ -5,15 +5,15 @@ Runs with the vLLM virtual environment's Python (it needs ``torch``, ``transform
 
     VENV/bin/python scripts/real_vllm/build_tiny_model.py OUT_DIR [--kind llama|hybrid]
 
-``--kind hybrid`` builds a hybrid-attention model instead (issue 14): a Gemma3 text model
+``--kind hybrid`` builds a hybrid-attention model instead: a Gemma3 text model
 (architecture ``Gemma3ForCausalLM``) with one sliding-window layer (window 64) and one
 full-attention layer, the same sizes otherwise, so vLLM keeps two KV-cache groups and
 publishes each group's blocks with ``group_idx`` and ``kv_cache_spec_kind``.
 
 Why these numbers: vLLM's CPU attention kernel refuses head sizes below 32, so two heads
-of 32 make the hidden size 64. Two layers keep loading to a few seconds. The weights are
-random (seeded), so generated text is noise; what matters here is the engine's prefix
-cache and its KV events, which depend only on token ids.
+of 32 make the hidden size 64; two layers keep loading short. The weights are random
+(seeded), so generated text is noise; what matters here is the engine's prefix cache and
+its KV events, which depend only on token ids.
 
 Vocabulary: four special tokens (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, ``<pad>`` 3) and the
 words ``w4`` .. ``w{VOCAB_SIZE-1}``, so word ``wN`` is token id ``N``: a test can write a

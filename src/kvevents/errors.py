@@ -20,18 +20,24 @@ Hierarchy (HTTP status where a service answers with it)::
     │                                  a subscriber used after close
     ├── HandoffClosed                  subscribe.handoff: the item queue was closed
     ├── ChatError (ValueError)         text.chat: messages the chat template cannot render
+    ├── UpstreamError (ConnectionError)
+    │   │                              http.upstream: an engine unreachable or not answering
+    │   ├── HeadTooLarge               http.upstream: an answer head past the client's bound
+    │   └── MidwayError                http.upstream: an answer begun but not received whole
     ├── RouterNotReadyError (ValueError)
     │                                  no engine rank to route to yet, or none available: 503
-    ├── TokenizeError                  router.tokenize: the engine's /tokenize failed: 502,
-    │   │                              or the engine's own 400/413/422
-    │   └── ChatUnsupported            router.tokenize: this tokenizer has no template: 501
-    ├── TokenizeFailed                 router.service: a TokenizeError, as the routes answer it
-    ├── OpenAIError                    router.openai_relay: any error in OpenAI's shape, own status
-    ├── UnknownModelError              router.models: a model no engine serves: 404
+    ├── TokenizeError                  router.prompts.tokenize: the engine's /tokenize
+    │   │                              failed: 502, or the engine's own 400/413/422
+    │   └── ChatUnsupported            router.prompts.tokenize: no chat template: 501
+    ├── TokenizeFailed                 router.serve.service: a TokenizeError, as the routes
+    │                                  answer it
+    ├── OpenAIError                    router.serve.openai_relay: any error in OpenAI's shape,
+    │                                  own status
+    ├── UnknownModelError              router.decide.models: a model no engine serves: 404
     ├── UnknownModel                   engine.models: a model the simulated engine does not serve: 404
-    ├── BodyTooLarge                   router.bodies: a body over --max-body-bytes: 413
+    ├── BodyTooLarge                   router.serve.bodies: a body over --max-body-bytes: 413
     ├── RequestError                   a request body or parameter a service refuses: 400
-    │   ├── BadRequest                 router.service: the router's
+    │   ├── BadRequest                 router.prompts.token_body: the router's
     │   └── BadRequest                 engine.server: the simulated engine's
     ├── QueueFullError (RuntimeError)  engine.scheduler: a rank's waiting queue is full: 503
     ├── DisaggregationError            engine.transfer_registry: a P/D leg refused or failed:

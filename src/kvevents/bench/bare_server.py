@@ -4,8 +4,8 @@
 stack ``kvevents router`` uses (:func:`kvevents.http.serving.serve_app`: uvicorn, its
 httptools parser with the inline path of :mod:`kvevents.http.inline`, uvloop) that reads
 a POST body, decodes it with the router's own request decoder
-(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`, with the compiled kernels
-loaded as the router loads them) and answers ``{"prompt_tokens": N}``: no keys, no
+(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`, with the native core as
+the router has it) and answers ``{"prompt_tokens": N}``: no keys, no
 index, no scoring. Whatever this answers per second is what any router on this stack
 could at best; the benchmark reports the router's figures as a share of it. It prints
 ``kvevents bare ready URL``.

@@ -6,15 +6,14 @@ prefix's blocks only once it has admitted the first of them, so until then the i
 says nobody holds it; predictions (:mod:`kvevents.index.predictions`) let the router
 send the siblings after the first.
 
-Setup: one ``kvevents engine --dp-size 4`` whose prefill speed makes a 2,048-token
-prefill take about 100 ms (``--prefill-tokens-per-s 20480``), and one ``kvevents router
---workers 1`` per mode in turn (predictions share no state between router processes
-yet, so one process shows what they do). Per mode, ``groups`` groups of ``siblings``
-requests, each group a fresh random ``prefix_tokens`` prefix plus 32-128 tokens of its
-own; a group's siblings go out together through the router's ``/v1/completions`` (or
-``sibling_interval_s`` apart, which is how the time-to-live was chosen), a new group
-every ``group_interval_s``. Modes run one after the other on the same engine,
-each with prefixes of its own.
+Setup: one ``kvevents engine --dp-size 4`` with a prefill speed that makes a long prefill
+take a noticeable time (``--prefill-tokens-per-s``), and one ``kvevents router --workers
+1`` per mode in turn (predictions are per router process, so one process shows what they
+do). Per mode, ``groups`` groups of ``siblings`` requests, each group a fresh random
+``prefix_tokens`` prefix plus 32-128 tokens of its own; a group's siblings go out
+together through the router's ``/v1/completions`` (or ``sibling_interval_s`` apart, which
+shows how long the time-to-live must be), a new group every ``group_interval_s``. Modes
+run one after the other on the same engine, each with prefixes of its own.
 
 Figures per mode: the engine-reported cached tokens (``usage.prompt_tokens_details``)
 against the ideal (every sibling after a group's first reusing the whole prefix), the

@@ -11,10 +11,10 @@ of the p50s within each round; the summary reports each round's and their median
 
 With a bare relay (``bare_url``: :mod:`kvevents.bench.bare_server` ``--relay-to``, the
 router's HTTP stack and client forwarding without routing) each round measures it too,
-on the other side of the direct run (via, direct, bare, then bare, direct, via, ...):
-each comparison is of two runs next to each other in time, as the machine's speed
-drifts by 10% and more over a minute. Its added p50 is what relaying alone costs on
-this stack, so the router's added p50 minus it is what routing adds.
+on the other side of the direct run (via, direct, bare, then bare, direct, via, ...), so
+each comparison is of two runs next to each other in time, as a shared machine's speed
+drifts within minutes. Its added p50 is what relaying alone costs on this stack, so the
+router's added p50 minus it is what routing adds.
 
 Each run also reads the CPU time of the engine and router processes
 (``/proc/PID/stat``, Linux), as CPU microseconds per request: on a shared machine

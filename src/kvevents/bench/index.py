@@ -1,11 +1,11 @@
 """The prefix-index benchmark (``benchmarks/index.py``, ``kvevents bench index``).
 
-Workload (issue 5): for each request of a Mooncake trace, in order, match its
-``hash_ids`` through the lower-level API (:meth:`PrefixIndex.match_keys`), then store
-them on holder ``i mod W`` (:meth:`PrefixIndex.store_keys`). Each hash id becomes a
-64-bit content key (xxh3-64 of the id, computed outside the timed region, fresh objects
-per request as a router would have), so dict behaviour is that of real content keys,
-not of small sequential ints.
+Workload: for each request of a Mooncake trace, in order, match its ``hash_ids`` through
+the lower-level API (:meth:`PrefixIndex.match_keys`), then store them on holder
+``i mod W`` (:meth:`PrefixIndex.store_keys`). Each hash id becomes a 64-bit content key
+(xxh3-64 of the id, computed outside the timed region, fresh objects per request as a
+router would have), so dict behaviour is that of real content keys, not of small
+sequential ints.
 
 Figures:
 

@@ -160,7 +160,7 @@ def _wait_connected(client: httpx.Client, engines: int, timeout: float = 60.0) -
     while time.monotonic() < deadline:
         workers = client.get("/workers").json()
         streams = workers["streams"]
-        # measured once start-up has settled (kernels in or known off, heap frozen)
+        # measured once start-up has settled (native mirror built, heap frozen)
         settled = workers["process"].get("settled", True)
         if settled and sum(s["status"] == "connected" for s in streams) == engines:
             return

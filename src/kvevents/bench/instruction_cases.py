@@ -15,13 +15,12 @@ server, exactly as the router's server calls it, with nothing to wait for:
   <kvevents.router.serve.openai_relay.OpenAIRelay.inline>`: decode, route, the rank added,
   headers, the engine's answer taken), its engine answering at once.
 
-For both relays the engine request's head is built as the forwarding client builds it
-(since 2026-12-05; before, the stand-in engine took the headers unread, and the bare
-relay counted about 15,000 fewer instructions).
+For both relays the engine request's head is built as the forwarding client builds it,
+so both count the same head work.
 
 The router holds ``PROMPTS`` prompts of ``TOKENS`` tokens, block 16, each stored on one
 of 4 ranks, and the requests cycle through them, as in ``kvevents bench router``. The
-kernels are loaded and the heap frozen, as a router that has settled has them.
+native core is loaded and the heap frozen, as in a router that has settled.
 """
 
 from __future__ import annotations
@@ -174,7 +173,7 @@ CASES = ("bare", "route", "query", "bare_relay", "relay")
 
 async def _run(case: str, requests: int) -> None:
     one = build_cases().run[case]
-    for i in range(PROMPTS):  # every prompt once: caches filled, kernels compiled
+    for i in range(PROMPTS):  # every prompt once: caches filled, first-use work done
         await one(i)
     gc.collect()
     gc.freeze()

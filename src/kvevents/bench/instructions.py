@@ -1,25 +1,22 @@
 """The router's work per request in instructions: a figure that does not move with the machine.
 
-On 2 shared cores, a wall-clock comparison of two builds of the router moves by 20-50%
-from one minute to the next; the count of instructions a request executes does not.
-This benchmark runs each case of :mod:`kvevents.bench.instruction_cases` under
-valgrind's callgrind (Debian's ``valgrind`` package) twice in a fresh process, once
-doing nothing past start-up and once serving ``requests`` requests, and reports the
-difference per request: the bare server's ``/route`` work (the body decoded, the ceiling
-of ``kvevents bench router``), the router's ``/route`` and ``/query``, and a relayed
-``/v1/completions`` through the bare relay and through the router, whose engine answers
-in process. HTTP parsing and socket work, the same for the router and its bare server,
-are not counted; what routing adds is.
+On shared cores a wall-clock comparison of two builds of the router moves from one minute
+to the next by more than most changes are worth; the count of instructions a request
+executes does not. This benchmark runs each case of
+:mod:`kvevents.bench.instruction_cases` under valgrind's callgrind (Debian's ``valgrind``
+package) twice in a fresh process, once doing nothing past start-up and once serving
+``requests`` requests, and reports the difference per request: the bare server's
+``/route`` work (the body decoded, the ceiling of ``kvevents bench router``), the
+router's ``/route`` and ``/query``, and a relayed ``/v1/completions`` through the bare
+relay and through the router, whose engine answers in process. HTTP parsing and socket
+work, the same for the router and its bare server, are not counted; what routing adds is.
 
-Instructions are not time: compiled kernels run several instructions per cycle, the
-interpreter about one, and a request served from cold caches under load costs more
-cycles per instruction than one in a loop. They are what a change to the code changes,
-exactly, and what two builds can be compared on in any hour. Under valgrind, numba
-compiles the kernels for the CPU valgrind presents (no AVX-512), so their counts are
-those of that build: the first run of each case compiles them (not counted).
-``PYTHONHASHSEED=0`` keeps dict layouts, and the counts, the same from run to run, and
-``OPENBLAS_NUM_THREADS=1`` keeps NumPy's BLAS from starting idle threads whose wake-ups
-would count in proportion to wall time.
+Instructions are not time: C code runs several instructions per cycle, the interpreter
+about one, and a request served from cold caches under load costs more cycles per
+instruction than one in a loop. They are what a change to the code changes, exactly, and
+what two builds can be compared on in any hour. ``PYTHONHASHSEED=0`` keeps dict layouts,
+and the counts, the same from run to run, and ``OPENBLAS_NUM_THREADS=1`` keeps NumPy's
+BLAS from starting idle threads whose wake-ups would count in proportion to wall time.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ def callgrind_count(case: str, requests: int) -> int:
         str(requests),
     ]
     # One BLAS thread: NumPy's OpenBLAS otherwise starts a thread per core whose idle
-    # wake-ups add instructions in proportion to the run's wall time (about 5% of the
-    # bare case's per-request count, different on every run)
+    # wake-ups add instructions in proportion to the run's wall time (different on
+    # every run)
     env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     found = _COLLECTED.search(done.stderr)
@@ -89,10 +86,11 @@ def run_instructions_bench(
 ) -> dict[str, Any]:
     """Instructions per request of each case; ``count`` runs one (default: callgrind).
 
-    Each case runs three times: once to compile the kernels for valgrind's CPU (numba
-    caches them), then with 0 and with ``requests`` requests; the per-request figure is
-    the difference over ``requests``. ``results["router_adds"]`` is the router's count
-    past the bare server's (``route`` past ``bare``, ``relay`` past ``bare_relay``).
+    Each case runs three times: once uncounted (whatever a first run does once, such as
+    writing bytecode caches, stays out), then with 0 and with ``requests`` requests; the
+    per-request figure is the difference over ``requests``. ``results["router_adds"]`` is
+    the router's count past the bare server's (``route`` past ``bare``, ``relay`` past
+    ``bare_relay``).
     """
     if requests < 1:
         raise ValueError(f"requests={requests}: give at least 1")
@@ -102,7 +100,7 @@ def run_instructions_bench(
     count = count or callgrind_count
     per_request: dict[str, int] = {}
     for case in cases:
-        count(case, 0)  # the kernels compiled for the CPU valgrind presents, and cached
+        count(case, 0)  # a first run, not counted: what a first run does once stays out
         idle, served = count(case, 0), count(case, requests)
         per_request[case] = round((served - idle) / requests)
     adds = {

@@ -1,34 +1,22 @@
 """What a load note costs the routing hot path: ``/route`` with ``--sync`` on and off.
 
-Part of ``kvevents bench router`` (:mod:`kvevents.bench.router`). ``POST /route`` alone
-changes nothing and sends no note; with ``"record": true`` the router counts the
-decision in its holder's recent work and, when it shares load, sends a ``routed`` note
-(:meth:`kvevents.router.decide.router.Router.record`). So both routers here get the same bodies,
-``{"input_ids": [...], "record": true}`` over the stored 2,048-token prompts:
+Part of ``kvevents bench router`` (:mod:`kvevents.bench.router`). ``POST /route`` with
+``"record": true`` counts the decision in its holder's recent work and, when the router
+shares load, sends a ``routed`` note (:meth:`kvevents.router.decide.router.Router.record`).
+Both routers here get the same such bodies over the stored 2,048-token prompts: **off**
+is ``kvevents router --workers 1`` (no peers, no note), **on** the same with ``--sync``
+to a local ``nats-server`` (every request encodes and queues a note). Both follow the same
+engine, and ``wrk`` alternates between them for ``rounds`` rounds, so drift in what else
+runs falls on both alike. The cost is ``1 - median(on) / median(off)`` of requests per
+second, beside the spread of the per-round ratios, and the router process's CPU per
+request (``/proc/PID/stat``), which moves much less with the neighbours' load. The
+receiving side (applying a peer's note) is not in it: no other replica publishes.
 
-* **off**: ``kvevents router --workers 1``: no peers, so no note is made;
-* **on**: ``kvevents router --workers 1 --sync nats://...`` against a local
-  ``nats-server``: every request encodes a note and queues it for the task that
-  publishes it to NATS.
-
-Both run at once, following the same engine, and ``wrk`` alternates between them,
-``rounds`` times (off then on, then on then off, ...), so drift in what else runs on
-the machine falls on both alike. The cost is ``1 - median(on) / median(off)`` of
-requests per second, beside the spread of the per-round ratios. As throughput on a
-shared machine swings with whatever else runs, each run also reads the router
-process's CPU time (``/proc/PID/stat``, Linux) and reports CPU microseconds per
-request: a one-process router at saturation serves about one request per that much
-CPU, and the figure moves much less with the neighbours' load. This measures the
-sender's side; the receiving side (applying a peer's note, a dictionary update on the
-event loop) is not in it, as no other replica publishes during the runs.
-
-:func:`note_cpu_in_process` is the same question without HTTP and without the
-neighbours: one in-process :class:`~kvevents.router.decide.router.Router` records the same
-decision ``count`` times, yielding to the event loop after each (so the publishing
-task runs as it would between requests), with a NATS :class:`LoadNotes` attached and
-without, interleaved; the difference in CPU time per decision is what one note costs,
-publishing included. Set beside the router's CPU per ``/route`` request from the wrk
-runs, it gives the cost as a share of the hot path.
+:func:`note_cpu_in_process` asks the same without HTTP: one in-process
+:class:`~kvevents.router.decide.router.Router` records the same decision ``count`` times,
+yielding to the event loop after each (so the publishing task runs as between requests),
+with a NATS :class:`LoadNotes` attached and without, interleaved; the difference in CPU
+per decision is what one note costs, publishing included.
 """
 
 from __future__ import annotations

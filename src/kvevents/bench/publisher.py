@@ -1,35 +1,25 @@
 """Publisher throughput and latency against a bare pyzmq PUB, end to end over tcp loopback.
 
-Setup (issue 2, part 7): a subscriber in another process (spawned) only counts
-messages, checking every sequence number and decoding one message in 1,000, so that it
-is not the bottleneck. Each round sends ``messages`` batches of ``blocks`` blocks of 16
-tokens (one ``BlockStored`` chain per batch) two ways, in the same run:
+A subscriber in another process (spawned) only counts messages, checking every sequence
+number and decoding one message in 1,000, so that it is not the bottleneck. Each round
+sends ``messages`` batches of ``blocks`` blocks of 16 tokens (one ``BlockStored`` chain
+per batch) three ways, in the same run:
 
-* **ceiling**: a bare pyzmq PUB socket sending pre-encoded frames
-  ``[topic, seq, payload]`` with ``send_multipart`` from the caller's thread, in a loop;
-* **raw ceiling**, for reference: the same frames sent with pyzmq's C-level per-frame
-  ``send`` (what the publisher's sender thread calls), without ``send_multipart``'s
-  Python layers; the most a Python sender can hope for;
-* **publisher**: :class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher` with its default
-  settings (replay on) but the ceiling's unlimited send queue (``hwm=0``), and the
-  caller calling ``publish(batch)`` in a loop. With its default ``hwm=100_000`` a
-  subscriber that falls that many messages behind (this one can, on a loaded machine,
-  in the 32-block rounds) has the PUB drop messages, as ZMQ specifies; in service the
-  subscriber replays them, here they would count as lost against a ceiling that
-  cannot drop.
+* **ceiling**: a bare pyzmq PUB sending pre-encoded frames ``[topic, seq, payload]``
+  with ``send_multipart`` from the caller's thread;
+* **raw ceiling**: the same frames sent with pyzmq's C-level per-frame ``send`` (what
+  the publisher's sender thread calls): the most a Python sender can hope for;
+* **publisher**: :class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher` with its
+  defaults (replay on) but the ceiling's unlimited send queue (``hwm=0``): with a bounded
+  one a subscriber that falls behind has the PUB drop messages, which in service come
+  back by replay and here would count as lost against a ceiling that cannot drop.
 
 Before each round the sender sends probes until the subscriber has heard one, so the
-slow-joiner effect loses nothing; the subscriber then counts only sequence numbers
-after the probes. Throughput is ``messages * blocks`` divided by the time from the
-first send to the subscriber's last receive (``time.monotonic``, one clock for both
-processes on Linux). ``publish()`` latency is timed around every call. CPU seconds are
-the sending process's (every thread: caller, sender, replay, ZMQ I/O) per million
-blocks delivered. Rounds alternate ceiling, raw ceiling and publisher and are repeated; the summary
-takes the median round of each.
-
-Over 300 lines on purpose: one benchmark (its subscriber process, its three kinds of
-round, its summary) whose parts share the probe and counting protocol described above;
-nothing else imports them.
+slow-joiner effect loses nothing. Throughput is ``messages * blocks`` over the time from
+the first send to the subscriber's last receive (``time.monotonic``, one clock for both
+processes on Linux); ``publish()`` latency is timed around every call; CPU seconds are
+the sending process's, all threads, per million blocks. Rounds alternate the three ways
+and repeat; the summary takes the median round of each.
 """
 
 from __future__ import annotations

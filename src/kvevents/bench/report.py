@@ -1,13 +1,10 @@
 """Headline figures of ``kvevents bench`` results: the rich table and the performance page.
 
-Each benchmark's JSON is large; :func:`headlines` picks, per benchmark, the figures
-the issues set targets for, as :class:`Figure` rows (what, measured, target, met). The
-same rows feed the terminal table (:func:`render_table`) and the table of
-``docs/performance.md`` (:func:`render_markdown`), so the two never disagree. A benchmark
-missing from the results, or one whose JSON lacks a figure, simply yields fewer rows.
-
-Over 300 lines on purpose: one headline extractor per benchmark, each a short list of
-figures; they share the rendering and are read side by side.
+Each benchmark's JSON is large; :func:`headlines` picks, per benchmark, the figures that
+have targets, as :class:`Figure` rows (what, measured, target, met). The same rows feed
+the terminal table (:func:`render_table`) and the table of ``docs/performance.md``
+(:func:`render_markdown`), so the two never disagree, and the targets live here only. A
+benchmark missing from the results, or one whose JSON lacks a figure, yields fewer rows.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """What one ``/route`` costs as the fleet grows: the best few scored, against every holder.
 
 In process, no sockets (the figure is the router's own work, CPU time, median of the
-rounds): a :class:`~kvevents.router.decide.router.Router` with ``ranks`` holders (4 ranks per
-engine), ``prompts`` prompts of ``tokens`` tokens stored one per holder in turn, and
+rounds): a :class:`~kvevents.router.decide.router.Router` with ``ranks`` holders (4 ranks
+per engine), ``prompts`` prompts of ``tokens`` tokens stored one per holder in turn, and
 the loads the engines' polls would give it (some requests running on every rank), with
-the compiled kernels loaded as the router loads them. Per fleet size:
+the native core loaded as the router has it. Per fleet size:
 
 * ``top_us``: :meth:`Router.route` with ``top=4``, what ``POST /route`` does by default
-  (:class:`~kvevents.router.decide.scoring.Ranking`: the holders the request matched, then the
-  best four of the rest);
-* ``every_us``: :meth:`Router.route` scoring every holder (``"all_scores": true``, and
-  every ``/route`` before 2026-12-03), in the same run;
+  (:class:`~kvevents.router.decide.scoring.Ranking`: the holders the request matched, then
+  the best four of the rest);
+* ``every_us``: :meth:`Router.route` scoring every holder (``"all_scores": true``), in
+  the same run;
 * ``request_us``: the whole ``POST /route`` request through the router's ASGI app
   (body decode, route with ``top=4``, answer encode);
 * ``relayed_us``: what a relayed completion asks of the router, :meth:`Router.route`

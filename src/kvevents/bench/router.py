@@ -4,32 +4,27 @@ Setup, as a new user would have it: ``kvevents engine --dp-size 4`` and ``kveven
 router --engine URL [--workers N]`` as real processes, and ``prompts`` distinct prompts
 of 2,048 (and 8,192) tokens stored on the engine, spread over its ranks, until the
 router's index holds every block. Then `wrk <https://github.com/wg/wrk>`_ (Debian's
-``wrk`` package; ``apt-get install wrk``) posts ``{"input_ids": [...]}`` bodies, cycling
-through the stored prompts, at ``connections`` connections for ``duration`` seconds to:
+``wrk`` package) posts ``{"input_ids": [...]}`` bodies, cycling through the stored
+prompts, at ``connections`` connections for ``duration`` seconds to:
 
 * ``/route`` and ``/query`` of the router, with one process and with ``--workers 2``;
 * the bare server (:mod:`kvevents.bench.bare_server`): the same HTTP stack that only
   parses the body, the ceiling for any router on it;
 * ``/v1/completions`` through the router, against the same requests sent to the engine
-  directly and through a bare relay (the same HTTP stack and client forwarding without
-  routing: the bare server's ``--relay-to``), alternating over ``completions_rounds``
-  rounds (default 5: one round's added p50 moves by a millisecond or more from one to
-  the next on 2 shared cores, so the median needs several; the relay's added latency:
+  directly and through a bare relay, alternating over ``completions_rounds`` rounds
+  (several, because one round's added p50 moves a lot on shared cores:
   :mod:`kvevents.bench.completions`; ``results["completions"]``); ``completions_only``
   runs this comparison and nothing else;
 * ``/route`` recording its decision with ``--sync`` to a local ``nats-server`` against
-  without, interleaved over ``sync_rounds`` rounds: what a load note costs the hot path
-  (:mod:`kvevents.bench.note_cost`; ``results["note_cost"]``);
+  without, interleaved over ``sync_rounds`` rounds (:mod:`kvevents.bench.note_cost`;
+  ``results["note_cost"]``);
 * disaggregated serving, once the rest has stopped: a prefill and a decode engine
   behind ``kvevents router --prefill --decode``, against a client sending both legs
   itself, alternating over ``pd_rounds`` rounds (:mod:`kvevents.bench.pd_router`;
   ``results["pd"]``); ``pd_only`` runs this comparison and nothing else, without wrk.
 
-A little over 300 lines on purpose: the benchmark's one run, its loads in the order
-they run; the ceiling server and the note-cost rounds are modules of their own.
-
 Every figure is from the same run on the same machine; wrk runs with one thread, which
-competes with the servers for the cores, as it would for Dynamo's indexer too.
+competes with the servers for the cores, as it would for any router.
 """
 
 from __future__ import annotations
@@ -112,7 +107,7 @@ def _wait_indexed(router: str, blocks: int, timeout: float = 120.0) -> None:
         while time.monotonic() < deadline:
             workers = client.get(f"{router}/workers").json()
             seen = workers["index"]["blocks"]
-            # measured once start-up has settled (kernels in or known off, heap frozen)
+            # measured once start-up has settled (native mirror built, heap frozen)
             if seen >= blocks and workers["process"].get("settled", True):
                 return
             time.sleep(0.2)

@@ -5,10 +5,10 @@ text prompt and chat it routes, so that request is on the hot path of text routi
 This benchmark starts a real ``kvevents engine`` and, in this process, sends it the
 same ``/tokenize`` request one at a time, in alternating rounds, two ways:
 
-* ``upstream``: :class:`~kvevents.router.prompts.tokenize.EndpointTokenizer` as the router runs
-  it, posting through the router's engine client (:class:`~kvevents.http.upstream.Upstream`);
+* ``upstream``: :class:`~kvevents.router.prompts.tokenize.EndpointTokenizer` as the router
+  runs it, posting through the router's engine client (:class:`~kvevents.http.upstream.Upstream`);
 * ``httpx``: the same request through one kept-alive ``httpx.AsyncClient`` and
-  ``response.json()``, which is how the router sent it before 2026-12-03.
+  ``response.json()``, a general-purpose client for comparison.
 
 Per way it reports this process's CPU per request (what the router spends; the engine's
 work is in another process) and the wall time per request, p50 over the rounds.

@@ -7,40 +7,25 @@
 
 Everything is checked before any process starts: the scheduler topology
 (:func:`~kvevents.engine.topology.plan_topology`), the KV-events config, the port plan
-(overlapping or overflowing ranges are refused, naming them) and the HTTP port. Then
-one process per rank starts (see :mod:`kvevents.engine.supervisor`), the HTTP server
+(overlapping or overflowing ranges are refused, naming them) and the HTTP port. Then one
+process per rank starts (:mod:`kvevents.engine.supervisor`), the HTTP server
 (:mod:`kvevents.engine.server`) starts on ``--host``/``--port`` (0: the OS picks), and
 one machine-readable line goes to stdout::
 
     kvevents engine ready http://127.0.0.1:PORT
 
-The engine publishes KV events by default (:data:`DEFAULT_KV_EVENTS_CONFIG`): every rank
-on its own OS-chosen live and replay port, so engines on one machine never collide, and
-``/server_info`` lists each rank's endpoints (``publishers``), which is what discovery
-reads: ``kvevents engine`` and ``kvevents router --engine URL`` route with no other flag.
-``--kv-events-config '{"publisher": "null"}'`` (or ``'{}'``) turns publishing off.
-Publishers bind a wildcard host in ``--kv-events-config`` as ``--kv-events-host``
-(default 127.0.0.1) and ``/server_info`` advertises what they bound; ``--api-key`` closes
-every endpoint but ``/health`` and ``/ready``, ``--ssl-certfile`` serves HTTPS
-(docs/security.md).
+By default (:data:`DEFAULT_KV_EVENTS_CONFIG`) every rank publishes on its own OS-chosen
+live and replay port on ``--kv-events-host`` (loopback), so engines on one machine never
+collide, and ``/server_info`` lists each rank's endpoints: ``kvevents router --engine
+URL`` needs no other flag. ``'{"publisher": "null"}'`` turns publishing off.
+``--api-key`` and ``--ssl-certfile`` are docs/security.md's; ``--disaggregation-mode``
+makes the engine one half of a P/D pair (:mod:`kvevents.engine.disaggregation`).
 
-``GET /health`` is liveness (503 while a rank is dead), ``GET /ready`` readiness (503
-while a rank is starting, restarting or dead, or has no bound publisher); in Kubernetes,
-``livenessProbe`` on ``/health`` and ``readinessProbe`` on ``/ready``
-(:mod:`kvevents.engine.readiness`).
-
-``--disaggregation-mode prefill|decode`` makes the engine one half of a disaggregated
-pair (:mod:`kvevents.engine.disaggregation`); a prefill binds its bootstrap server
-(``--disaggregation-bootstrap-port``, on ``--host``) before any rank starts.
-
-The options, and how ``--help`` groups them, are :mod:`kvevents.cli.engine_options`'s;
-here are the settings they fill and the serving loop, which read best together.
-
-Ctrl-C or SIGTERM stops the server and every rank, and the command exits 0; requests
-still in flight get ``--shutdown-timeout`` seconds (default 10) to finish, then they are
-cancelled and their connections closed. A rank
-that dies on its own shows in ``/health`` (503) for ``--dead-rank-grace`` seconds, then
-the engine stops and exits 1.
+Ctrl-C or SIGTERM stops the server and every rank and exits 0, after in-flight requests
+had ``--shutdown-timeout`` seconds to finish. A rank that dies on its own shows in
+``/health`` (503) for ``--dead-rank-grace`` seconds, then the engine exits 1. The options
+and their ``--help`` groups are :mod:`kvevents.cli.engine_options`'s; here are the
+settings they fill and the serving loop.
 """
 
 from __future__ import annotations

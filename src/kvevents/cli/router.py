@@ -7,73 +7,31 @@
     kvevents router --prefill http://10.0.0.5:30000 [8998] --decode http://10.0.0.6:30001
 
 An engine is discovered through its ``/server_info`` (a vLLM through its
-``/kv_event_sources``), or described by the options after
-its ``--engine`` (``--kv-endpoint`` and friends, :mod:`kvevents.cli.engine_args`) or in an
-engines file (:mod:`kvevents.subscribe.engine_spec`). The router follows every rank's stream (a
-:class:`~kvevents.Subscriber`), asks each engine for its load or health
-(:mod:`kvevents.router.fleet.engines`), and answers (JSON in and out):
+``/kv_event_sources``), or described by the options after its ``--engine``
+(:mod:`kvevents.cli.engine_args`) or in an engines file
+(:mod:`kvevents.subscribe.engine_spec`). The router follows every rank's stream, polls
+each engine (:mod:`kvevents.router.fleet.engines`), and serves the OpenAI routes
+(:mod:`kvevents.router.serve.openai`), ``/query`` and ``/route``
+(:mod:`kvevents.router.serve.hot_path`; ``/route`` changes nothing unless the body says
+``"record": true``), ``/generate``, ``/workers``, ``/health`` and ``/ready``
+(:mod:`kvevents.router.serve.readiness`), ``/metrics``
+(:mod:`kvevents.router.serve.metrics`) and ``/dump`` (the index snapshot a ``--peer``
+replica starts from: :mod:`kvevents.router.fleet.warm_start`). With ``--prefill`` and
+``--decode`` pools it serves disaggregated prefill/decode (:mod:`kvevents.router.decide.pd`).
+Before any engine is registered routing answers 503; before any block size is known,
+requests are routed by load alone and ``/query`` answers 503.
 
-* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI requests, routed to
-  the rank holding their longest prefix and relayed (streaming too); a chat is rendered
-  with the engine's template first. See :mod:`kvevents.router.serve.openai`.
-* ``POST /query``: ``{"input_ids": [...]}``, ``{"text": "..."}`` or ``{"messages":
-  [...]}`` (a chat, with the chat body's template fields; optional ``lora``,
-  ``cache_salt``) -> per holder the matched tokens and blocks, per tier.
-* ``POST /route``: the same body -> the chosen ``worker`` and ``dp_rank`` with every
-  holder's score (see :mod:`kvevents.router.decide.scoring`), by the KV-aware cost whatever
-  ``--policy`` says. Asking changes nothing unless the body says ``"record": true``: a
-  gateway that then sends the request itself has the choice counted in the balance
-  term. The router never sees such a request end, so it is in-flight load only as the
-  engine reports it (``/load``, a vLLM's ``/metrics``; an SGLang engine reports none).
-* ``POST /generate``: an engine ``/generate`` body, forwarded to the chosen engine with
-  ``routed_dp_rank`` set (any rank in the body is replaced); the engine's answer comes
-  back with a ``router`` field saying where it went and why.
-* ``GET /workers``: engines, streams and holders with their health, load and block sizes,
-  and ``ready``: what ``/ready`` answers.
-* ``GET /health``: 200 while the process serves (liveness). ``GET /ready``: 200 when it
-  can route now (at least one engine rank known, available, its event stream connected,
-  at the router's block size), else 503 with the reasons as JSON (readiness:
-  :mod:`kvevents.router.serve.readiness`). In Kubernetes: ``livenessProbe`` on
-  ``/health``, ``readinessProbe`` on ``/ready``; both are open without the API key.
-* ``GET /metrics``: Prometheus text (:mod:`kvevents.router.serve.metrics`).
-* With ``--prefill URL [BOOTSTRAP_PORT]`` and ``--decode URL`` engines (each taking the
-  options an ``--engine`` takes; never mixed with ``--engine``) the router serves
-  disaggregated prefill/decode: the OpenAI routes and ``/generate`` go to a decode
-  instance, through a prefill one unless the decode holds all but
-  ``--max-local-prefill-tokens`` of the prompt, by the engines' hand-off protocol
-  (``--pd-protocol``), and ``/route`` answers both holders. See
-  :mod:`kvevents.router.decide.pd` and :mod:`kvevents.router.serve.pd_relay`.
-* ``GET /dump``: the index snapshot (``application/octet-stream``, see
-  :meth:`kvevents.PrefixIndex.to_bytes`), with each stream's last applied seq: what a
-  replica started with ``--peer URL`` begins from (:mod:`kvevents.router.fleet.warm_start`).
+Security is off by default, as upstream engines have it: ``--api-key`` closes every
+endpoint but the probes and the API description, ``--engine-api-key`` is what the router
+sends engines, ``--ssl-*`` serve and verify HTTPS (docs/security.md).
 
-Text is tokenized with ``--tokenizer`` (the model's ``tokenizer.json``) or
-``--tokenize-endpoint`` (the engine's ``/tokenize``, which also renders chats), by
-default with the simulated engine's byte tokenizer. A malformed body answers 400 naming
-the field; a tokenizer that fails answers 502 (the engine's ``/tokenize`` unreachable),
-the engine's own 4xx (it refused the input) or 501 (a chat ``--tokenizer`` cannot
-render). Before any engine is registered, routing answers 503; with engines registered
-but no block stored anywhere yet (so no block size known), requests are routed by load
-alone, and ``/query`` answers 503 until the block size is known.
-
-Off by default, as upstream engines are: ``--api-key`` (or ``--api-key-file``,
-``$KVEVENTS_API_KEY``) makes every endpoint but ``/health``, ``/ready``, ``/docs`` and
-``/openapi.json`` (and ``/metrics`` unless ``--metrics-auth``) answer 401 without
-``Authorization: Bearer KEY``; ``--engine-api-key`` (or its file,
-``$KVEVENTS_ENGINE_API_KEY``) is what the router sends engines instead of the client's
-header; ``--ssl-certfile``/``--ssl-keyfile`` serve HTTPS, ``--ssl-ca-certs`` verifies
-``https://`` engines. docs/security.md.
-
-With ``--port 0`` the OS picks the port; the service prints
-``kvevents router ready http://HOST:PORT`` on stdout once it accepts requests, which is
-after each engine's first poll (its ranks, block size, load and models; at most 2 s for
-an engine that hangs), so the first request is routed with them. One more line follows
-within 3 s: ``kvevents router: ready to route: N of M holders``, or ``kvevents router:
-not ready to route ...`` with the reasons ``/ready`` gives.
-
-The options, and the groups ``kvevents router --help`` shows them in, are
-:mod:`kvevents.cli.router_options`'s. Over 300 lines: the checks between the options and
-the service they build are one list a user reads top to bottom.
+With ``--port 0`` the OS picks the port; ``kvevents router ready http://HOST:PORT`` goes
+to stdout once the service accepts requests, after each engine's first poll (bounded for
+an engine that hangs), so the first request is routed with them; one more line follows
+shortly, ``kvevents router: ready to route: N of M holders`` or ``... not ready to route``
+with ``/ready``'s reasons. The options, and their ``--help`` groups, are
+:mod:`kvevents.cli.router_options`'s; here are the checks between them and the service
+they build.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "http://ENGINE:8000/tokenize (vLLM's /tokenize does both)",
     )
     add_log_level(parser)
-    parser.add_argument(  # kept only to name what replaced granian
+    parser.add_argument(  # hidden: any other server is refused, saying uvicorn serves all
         "--http-server", default="uvicorn", metavar="NAME", help=argparse.SUPPRESS
     )
     # the groups in the order --help shows them

@@ -4,24 +4,19 @@ Each worker process is a whole router: it follows every engine's streams itself 
 fans each stream out to every subscriber), keeps its own index, polls the engines, and
 listens on the same port with ``SO_REUSEPORT``, so the kernel spreads connections over
 the processes. The processes tell each other every request they route and every one
-that ends (:mod:`kvevents.router.fleet.peers`, over ``ipc://`` sockets in a private folder), so
-the balance and in-flight terms of each one's cost see all N processes' traffic.
+that ends (:mod:`kvevents.router.fleet.peers`, over ``ipc://`` sockets in a private
+folder), so each one's cost sees all N processes' traffic.
 
-The parent process only supervises: it reserves the port (bound, never listening, so
-it receives no connection; with ``--port 0`` this is where the OS picks it; a given port
-must be free, for ``SO_REUSEPORT`` would let a second group share it with the first, and
-a lock file named after the host and port marks it as this group's from the start; its
-private folder, for the ipc sockets and the metrics snapshots, is named after it too, so
-what a killed group leaves is removed by the next group on that port, and a claim no
-process holds is swept at any group's start),
-starts the workers (``multiprocessing``'s spawn), prints ``kvevents router ready URL``
-once every worker accepts requests, restarts a worker that dies (1 s later, doubling up
-to 30 s while it keeps dying within a minute of its start) or that is not ready 120 s
-after a restart (it is stopped first), and on SIGINT or SIGTERM
-stops them all (SIGTERM, then SIGKILL after 10 s). A worker stops by itself when the
-parent is gone (killed), so none is left serving the port unsupervised. A worker that
-dies comes back with an empty index that its subscriber refills by replay where the
-engines keep a replay buffer, and its peers' view of its in-flight requests ages out
+The parent only supervises. It reserves the port (bound, never listening, so it gets no
+connection), which must be free, since ``SO_REUSEPORT`` would let a second group share
+it; a lock file named after host and port marks it as this group's, and the private
+folder (ipc sockets, metrics snapshots) is named after it too, so what a killed group
+left is swept by the next. It starts the workers (spawn), prints ``kvevents router ready
+URL`` once every worker accepts requests, restarts a worker that dies (after a delay that
+doubles while it keeps dying soon after its start) or that is not ready in time after a
+restart, and on SIGINT or SIGTERM stops them all. A worker stops by itself when the
+parent is gone, so none serves the port unsupervised. A restarted worker's index refills
+by replay, and its peers' view of its in-flight requests ages out
 (:data:`~kvevents.router.fleet.peers.DEFAULT_NOTE_TTL`).
 """
 

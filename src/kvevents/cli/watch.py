@@ -7,18 +7,14 @@
     kvevents watch --endpoint tcp://10.0.0.5:5557 --replay-endpoint tcp://10.0.0.5:5600
     kvevents watch URL --jsonl | jq .                             # one JSON object per line
 
-An engine URL alone is discovered (``/server_info``, or a vLLM's ``/kv_event_sources``).
-Engines that advertise neither (an SGLang, an older vLLM) are described with ``--engine
-URL`` and the options after it (``--kv-endpoint``, ``--replay-endpoint``, ``--dp-size``,
-``--topic``, ``--block-size``, ``--name``; see :mod:`kvevents.cli.engine_args`) or
-``--engines-file``; ``--replay-endpoint``, ``--topic``, ``--name``, ``--block-size`` and
-``--dp-rank`` after an ``--endpoint`` belong to that stream. Block sizes are checked
-(:mod:`kvevents.subscribe.block_sizes`): each stored chain against the configured size, else
-against the stream's first one; a mismatch is logged, shown in the table and printed as
-a ``block_size_mismatch`` line with ``--jsonl`` (the batches themselves are still shown).
-By default a live table shows, per stream: status, last seq, batches and blocks per
-second, lag, gaps, replayed, lost, resets, errors. ``--jsonl`` (JSON Lines; ``--json``,
-its older name, is still accepted) prints instead, one object per line::
+An engine URL alone is discovered (``/server_info``, or a vLLM's ``/kv_event_sources``);
+others are described with ``--engine URL`` and the options after it, ``--engines-file``,
+or ``--endpoint`` with its own ``--replay-endpoint``, ``--topic``, ``--name``,
+``--block-size`` and ``--dp-rank`` (:mod:`kvevents.cli.engine_args`). Block sizes are
+checked per stream (:mod:`kvevents.subscribe.block_sizes`); a mismatch is logged and shown,
+and the batches are still shown. By default a live table shows per stream: status, last
+seq, batches and blocks per second, lag, gaps, replayed, lost, resets, errors. ``--jsonl``
+prints one object per line instead::
 
     {"worker": ..., "dp_rank": 0, "seq": 12, "ts": 1795975045.2, "events": [{"type": ...}, ...]}
     {"signal": "gap" | "loss" | "reset" | "unreachable", "worker": ..., "dp_rank": ..., ...}
@@ -27,17 +23,11 @@ its older name, is still accepted) prints instead, one object per line::
     {"signal": "block_size_mismatch", "worker": ..., "dp_rank": ..., "expected": 16,
      "expected_from": ..., "observed": 32, "source": "events", "count": 1}
 
-A CURVE stream (``--curve-server-key``, ``--curve-secret-key-file``: see
-:mod:`kvevents.cli.engine_args`) whose handshake is refused shows the status ``refused``
-and one ``unreachable`` signal saying why.
-
-``--count N`` stops after N batches, ``--duration S`` after S seconds. Exit status 0,
-2 for bad arguments (``kvevents watch: error: ...``), 130 on Ctrl-C. ``--json FILE``
-in ``kvevents demo`` and ``bench`` writes a results file; here the output is a stream
-on stdout, hence its own name.
-
-Over 300 lines on purpose: one command with two outputs (the live table and JSON lines)
-over the same subscription and checks.
+A CURVE stream whose handshake is refused shows the status ``refused`` and one
+``unreachable`` signal saying why. ``--count N`` stops after N batches, ``--duration S``
+after S seconds. Exit status 0, 2 for bad arguments, 130 on Ctrl-C. The flag is
+``--jsonl``, not ``--json`` (accepted as an alias), because ``--json FILE`` in ``demo``
+and ``bench`` writes a results file, while here the output is a stream on stdout.
 """
 
 from __future__ import annotations

@@ -26,11 +26,6 @@
 Whatever happens (success, error, Ctrl-C, SIGTERM), the router and the engine are
 stopped before the command returns. Exit codes: 0 when every request succeeded,
 nothing was lost and the index matched the engine; 1 otherwise; 2 for bad options.
-
-A little over 300 lines: the demo's one command, its steps in the order they run.
-
-Over 300 lines on purpose: the demo's run, step by step, in the order it happens; its
-parts (processes, replay, report, chart) are already modules of their own.
 """
 
 from __future__ import annotations

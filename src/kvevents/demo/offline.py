@@ -12,13 +12,13 @@ rank's :class:`~kvevents.engine.cache.PrefixCache` with its events. What is simu
   new tokens / decode_tokens_per_s`` seconds from its arrival, whatever else its rank
   runs (the engine batches them); it pins its pages until it finishes;
 * events: each admission's cache events reach the router at once (the engine publishes
-  them within a step, milliseconds, well under the gaps between requests).
+  them within a step, far shorter than the gaps between requests).
 
-With the demo's defaults (``overhead_s`` calibrated on its latencies) the hit rates
-land within about one point of ``kvevents demo``'s own, KV-aware and round-robin, and
-one request at a time reproduces the collapse that a real vLLM showed (see
-:mod:`kvevents.router.decide.scoring`). O(total prompt tokens) hashing plus one routing
-decision per request.
+``overhead_s`` is calibrated on the demo's latencies, so with the demo's defaults the
+hit rates follow ``kvevents demo``'s own, KV-aware and round-robin, and one request at a
+time reproduces the collapse onto one rank that the balance term of
+:mod:`kvevents.router.decide.scoring` exists for. O(total prompt tokens) hashing plus one
+routing decision per request.
 """
 
 from __future__ import annotations

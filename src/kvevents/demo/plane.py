@@ -6,7 +6,7 @@ stream, the last sequence number it received, and per holder how many blocks its
 index holds and the last sequence number applied to it. The plane has *settled* when,
 for every rank, the router's last received and last applied seqs are the engine's last
 published seq: every event has been delivered and applied.
-:func:`wait_settled` waits for that, with a deadline, and then checks that the
+:meth:`Plane.wait_settled` waits for that, with a deadline, and then checks that the
 router's index holds exactly as many blocks per rank as the engine's cache does.
 
 Every wait here polls with a fixed small interval and raises

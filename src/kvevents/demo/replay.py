@@ -1,28 +1,25 @@
 """Replaying a trace against a target: compressed arrival times, bounded concurrency.
 
 A :class:`Workload` is the first ``N`` requests of a Mooncake trace with their arrival
-offsets divided by ``speedup`` (trace seconds per demo second). :func:`replay` sends
-request ``i`` at its compressed arrival time, or as soon as one of ``concurrency``
-slots frees up if the target is behind, so the load follows the trace's own bursts
-while never exceeding ``concurrency`` requests in flight. Every request is a real
-``POST /generate`` with the request's token ids; what the target answers
-(``dp_rank``, ``prompt_tokens``, ``cached_tokens``, and through a router the blocks it
-counted as cached on the rank it chose) is recorded per request, in arrival order.
+offsets divided by ``speedup``. :func:`replay` sends request ``i`` at its compressed
+arrival time, or as soon as one of ``concurrency`` slots frees up if the target is
+behind, so the load follows the trace's own bursts and never exceeds ``concurrency``
+requests in flight. Every request is a real ``POST /generate`` with the request's token
+ids; what the target answers (``dp_rank``, ``prompt_tokens``, ``cached_tokens``, and
+through a router the blocks it counted as cached) is recorded per request, in arrival
+order. Token ids are generated as each request is sent (:func:`kvevents.traces.request_tokens`),
+so memory holds one request's tokens per slot.
 
 Several targets are taken in turn, from a list the caller may change while the replay
-runs (the demo's restart step takes a killed replica out and puts its successor in).
-A request whose connection fails (the target is gone) is sent once more, to the next
-target, as a load balancer would; :attr:`PolicyRun.retried` counts those. A caller that
-sends its requests another way (the P/D demo's baseline sends both legs itself) gives
-``send``, and keeps the arrival times and the bound on requests in flight.
+runs (the demo's restart step swaps a killed replica for its successor). A request whose
+connection fails is sent once more, to the next target, as a load balancer would
+(:attr:`PolicyRun.retried` counts those). A caller that sends requests another way (the
+P/D demo's baseline) gives ``send`` and keeps the arrival times and the bound in flight.
 
 :func:`pooled_upper_bound` replays the same requests, in the same order, on one
-in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all
-ranks together: the hit rate no placement of requests on separate caches can beat
-(up to the order in which concurrent requests happen to be admitted).
-
-Token ids come from :func:`kvevents.traces.request_tokens`, generated when a
-request is sent (about 0.1 ms each), so memory stays at one request's tokens per slot.
+in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all ranks
+together: the hit rate no placement on separate caches can beat (up to the order in
+which concurrent requests happen to be admitted).
 """
 
 from __future__ import annotations

@@ -1,34 +1,25 @@
 """The demo's restart step: one synced replica SIGKILLed mid-trace, restarted with ``--peer``.
 
 During the synced replicas' replay (``kvevents demo --routers N``, N >= 2), a thread
-waits until half the trace's requests have been answered (:meth:`RestartStep.answered`
-counts them), then:
+waits until half the trace's requests are answered (:meth:`RestartStep.answered`), then:
 
-1. sends SIGKILL to the last replica's process group (no clean shutdown) and takes its
-   URL out of the replay's target list, as a load balancer's health check would
-   (requests that hit the dead replica first are sent to the next one:
-   :func:`kvevents.demo.replay.replay`);
+1. SIGKILLs the last replica's process group and takes its URL out of the replay's
+   targets, as a load balancer's health check would;
 2. starts a new ``kvevents router`` with the same options plus ``--peer URL`` for each
-   surviving replica, on a new port, and puts it in the target list once it is ready;
-3. polls until the new replica's index has caught up with the engine, rank by rank: a
-   rank has **caught up** at a poll where the engine's ``/load`` is the same just before
-   and just after the replica's ``/workers`` (the rank published nothing meanwhile), the
-   replica's last applied seq of that rank's stream is the rank's last published one,
-   and the replica's index holds as many of its blocks as the rank does. The index has
-   caught up when every rank has; the time is counted from the new process's launch
-   (Python start-up included). These answers are small, so the poll is cheap while the
-   trace runs; comparing whole block sets (``/dump`` against ``/kv_blocks``) costs
-   seconds of CPU at a few hundred thousand blocks, so that is done once, after the
-   trace has settled (:meth:`RestartStep.exact_check`): the replica's blocks of every
-   rank must then be exactly the rank's ``/kv_blocks``.
+   surviving replica, and adds it to the targets once it is ready;
+3. polls until the new replica has **caught up** with the engine, rank by rank: the
+   engine's ``/load`` is the same just before and after the replica's ``/workers``, the
+   replica's last applied seq of the rank's stream is the rank's last published one, and
+   it holds as many of the rank's blocks (timed from the new process's launch). These
+   answers are small, so polling is cheap while the trace runs; comparing whole block
+   sets (``/dump`` against ``/kv_blocks``) is costly at fleet scale, so it is done once,
+   after the trace settled (:meth:`RestartStep.exact_check`).
 
-:func:`restart_figures` then reads the replay's outcomes between the kill and that
-moment (*meanwhile*; to the end of the trace if it never came): a request **missed its predicted prefix** when the engine's
-``cached_tokens`` is below the tokens of the blocks the router counted as cached on the
-rank it chose (``router.cached_blocks`` of its answer, whole blocks, times the block
-size): the router sent it to a rank that did not hold the prefix it expected there.
-Also the hit rate of the requests the restarted replica routed meanwhile, against the
-surviving replicas' in the same window.
+:func:`restart_figures` then reads the outcomes between the kill and that moment: a
+request **missed its predicted prefix** when the engine's ``cached_tokens`` is below the
+tokens of the blocks the router counted as cached on the rank it chose (the router
+expected a prefix the rank did not hold); and the hit rate of the requests the restarted
+replica routed meanwhile, against the surviving replicas' in the same window.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Ctrl-C and SIGTERM in ``kvevents demo``: stop at a safe point, then clean up.
 
 Python runs a signal handler in the main thread between two bytecodes, wherever that
-thread is. Raising ``KeyboardInterrupt`` there, as Python's own SIGINT handler does,
-is fine in plain synchronous code, but not inside an event loop: when it lands in an
-anyio task group (httpx runs one while it opens a connection), anyio wraps it in a
-``BaseExceptionGroup``, which ``except KeyboardInterrupt`` does not catch, and
-``asyncio.run`` logs the tasks that died of it as it shuts down. The demo then exited
-1 with a traceback instead of 130, depending on where the signal happened to land.
+thread is. Raising ``KeyboardInterrupt`` there, as Python's own SIGINT handler does, is
+fine in plain synchronous code but not inside an event loop: in an anyio task group
+(httpx runs one while it opens a connection) it is wrapped in a ``BaseExceptionGroup``,
+which ``except KeyboardInterrupt`` does not catch, and the demo would exit 1 with a
+traceback instead of 130, depending on where the signal landed.
 
 :class:`Interrupts` handles SIGINT and SIGTERM alike, in one of three modes:
 

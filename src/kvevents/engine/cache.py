@@ -1,78 +1,37 @@
 """A paged radix prefix cache that records the KV events a real engine would send.
 
-Structure
----------
-The cache holds pages (blocks) of ``page_size`` tokens. Each cached page is a node of a
-radix tree whose root-to-node path is the token prefix the page completes. Because the
-engine's page hash is a chain (a page's digest depends on every page before it, see
-:mod:`kvevents.wire.hashing`), the digest alone names the whole path, so the tree's child
-lookup is one dict probe: ``_nodes[digest]``. Each node keeps its parent and a child
-count, which is all eviction needs.
+The cache holds pages (blocks) of ``page_size`` tokens, each a node of a radix tree whose
+root-to-node path is the prefix the page completes. The engine's page hash is a chain
+(:mod:`kvevents.wire.hashing`), so a digest names the whole path and the tree's child
+lookup is one dict probe, ``_nodes[digest]``; a node keeps its parent and a child count,
+which is all eviction needs.
 
-Invariants (checked by :meth:`PrefixCache.check_invariants`)
-------------------------------------------------------------
+Invariants (checked by :meth:`PrefixCache.check_invariants`):
+
 1. A node's parent is cached: every cached page's whole prefix is cached.
-2. ``node.refs`` counts the running admissions that pin it. An admission pins a
-   root-anchored path, so ``refs(parent) >= refs(child)``: a pinned node's ancestors are
-   pinned, and an unpinned node has only unpinned descendants.
-3. ``_evictable`` holds exactly the unpinned nodes, ordered so that every node comes
-   before its ancestors. Nodes enter it at the end when their last pin is released,
-   released leaf first; so the order is least recently released first, and the first
-   entry is always an unpinned *leaf* (its descendants would precede it). Eviction of
-   the least-recently-used unpinned leaf is therefore ``popitem(last=False)``, O(1),
-   with no scan, heap or timestamp. (A heap of leaves keyed by access time, the obvious
-   choice, costs O(log n) per touch and needs lazy deletion; a single recency list
-   over all nodes would have to skip pinned and inner nodes.)
-4. ``len(_nodes) <= capacity``.
+2. ``node.refs`` counts the running admissions that pin it; an admission pins a
+   root-anchored path, so ``refs(parent) >= refs(child)``.
+3. ``_evictable`` holds exactly the unpinned nodes, every node before its ancestors
+   (pins are released leaf first, appended at the end), so its first entry is always the
+   least recently released unpinned *leaf*: eviction is ``popitem(last=False)``, O(1). A
+   heap of leaves by access time, the obvious choice, costs O(log n) per touch and lazy
+   deletion; one recency list over all nodes would have to skip pinned and inner nodes.
+4. ``len(_nodes) <= capacity``. When every page is pinned, an admission caches what fits
+   (possibly nothing) and still runs: a simulated engine needs no memory admission control.
 
-Events
-------
-Every change is recorded in order, as a real engine reports it: one ``BlockStored``
-per newly inserted chain (all its hashes, the parent's hash, its tokens, ``block_size``,
-``medium="GPU"``), one ``BlockRemoved`` per eviction pass (the run of pages evicted to
-make room for one admission, leaf first), ``AllBlocksCleared`` on :meth:`flush`.
-Replaying the recorded events into an empty set of hashes reproduces exactly the pages
-the cache holds.
+Every change is recorded in order, as an engine reports it: one ``BlockStored`` per newly
+inserted chain, one ``BlockRemoved`` per eviction pass (leaf first), ``AllBlocksCleared``
+on :meth:`PrefixCache.flush`; replaying them into an empty set reproduces exactly the pages held.
+``admit`` is O(tokens) in C plus O(pages) dict operations.
 
-Complexity
-----------
-``admit`` is O(tokens) in C (one conversion to bytes, one hash call per page) plus
-O(pages) dict operations in Python; ``release`` is O(pages pinned); each evicted page
-is O(1); ``flush`` is O(1) plus freeing the dicts.
-
-When every page is pinned and the cache is full, an admission caches only the pages
-that fit (possibly none); the request still runs. A simulated engine needs no
-admission control for memory.
-
-LoRA adapters
--------------
-A request run under an adapter (``admit(..., lora_name=, lora_id=)``) has its own
-namespace: its pages chain from a root of their own, so the same tokens under another
-adapter, or under the base model, never share a page. With the vLLM scheme the
-adapter's name is hashed into every block as vLLM does (``extra_keys=(name,)``); with
-SGLang's, the first page chains from a digest of the name. The adapter's
-``BlockStored`` events carry ``lora_name`` and ``lora_id`` (SGLang and vLLM both send
-them), and with the vLLM scheme ``extra_keys``, one ``[name]`` per block, as vLLM does.
-
-Salts, images and hybrid attention (vLLM's shapes, issue 14)
-------------------------------------------------------------
-``admit(..., cache_salt=, extra_keys=)`` names pages as vLLM does: the salt goes into
-the first page's extra keys, ``extra_keys`` (one entry per page, e.g. an image's
-``[identifier, offset]``) into each page's, and a page's digest folds its extra keys
-in after the token hash, so every later page of the chain differs too. Stored chains
-then carry vLLM's ``extra_keys`` list, one entry per hash.
-
-``sliding_window=W`` simulates a hybrid model with vLLM's two KV-cache groups: group 1
-(full attention) is the radix tree above, group 0 (sliding window) holds, of each
-admitted prompt, only the last ``ceil((W - 1) / page_size)`` pages (vLLM drops the
-pages that leave the window). Events carry ``group_idx`` and ``kv_cache_spec_kind``;
-a sliding-window store names only the window's pages but carries the tokens from the
-first page the request computed, as vLLM's does. An evicted page leaves both groups.
-A hit is what vLLM's hybrid coordinator accepts (:mod:`kvevents.index.groups`): the
-full-attention prefix, shortened until the window before its end is held.
-
-Over 300 lines on purpose: the hybrid group and the extra keys change how pages are
-named, stored and evicted, so they sit beside the tree whose events they extend.
+Namespaces follow the engines: an adapter (``lora_name``, ``lora_id``) or a ``cache_salt``
+gives a request a chain of its own, and ``extra_keys`` (e.g. an image's
+``[identifier, offset]`` per page) fold into each page's digest, as vLLM hashes them, so
+stored chains carry vLLM's ``extra_keys``. ``sliding_window=W`` simulates vLLM's hybrid
+model: group 1 (full attention) is the tree above, group 0 (sliding window) holds the
+last ``ceil((W - 1) / page_size)`` pages of each prompt; events carry ``group_idx`` and
+``kv_cache_spec_kind``, an eviction leaves both groups, and a hit is what vLLM's hybrid
+coordinator accepts (:mod:`kvevents.index.groups`).
 """
 
 from __future__ import annotations

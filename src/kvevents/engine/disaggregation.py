@@ -3,14 +3,14 @@
 ``kvevents engine --disaggregation-mode prefill|decode`` makes the engine one half of a
 P/D pair; ``null`` (the default) is an ordinary engine, which ignores P/D fields as
 SGLang and vLLM do without disaggregation. A request whose fields ask for a hand-off
-(:mod:`kvevents.engine.handoff`) runs here; one without is served locally, as on any
-engine, so a router may skip the prefill hop for a decode that already holds a prompt.
+(:mod:`kvevents.engine.handoff`) runs here; one without is served locally, so a router
+may skip the prefill hop for a decode that already holds a prompt.
 
 * **prefill**: the prompts run on one rank, generating at most one token (its cache
   stores and publishes their blocks as always), and the result is registered with the
   bootstrap server (:mod:`kvevents.engine.bootstrap`): under each SGLang room, reserved
-  before the run so that a duplicate is refused at once and a waiting decode learns of
-  a failure at once; or under a new vLLM request id, which the answer's
+  before the run so that a duplicate is refused and a waiting decode learns of a
+  failure at once; or under a new vLLM request id, which the answer's
   ``kv_transfer_params`` names beside the bootstrap server's host and port.
 * **decode**: take each room, or the request id, from the bootstrap server named
   (waiting up to ``--disaggregation-timeout``), check it against the request, wait
@@ -21,7 +21,7 @@ engine, so a router may skip the prefill hop for a decode that already holds a p
 Errors are :class:`~kvevents.engine.transfer_registry.DisaggregationError` with the
 status to answer: 400 for fields that disagree, 409 for a room registered or taken
 twice, 502 for a failed prefill or an unreachable bootstrap server, 504 for a room that
-never came. Just over 300 lines: both roles share one request flow and its settings.
+never came.
 """
 
 from __future__ import annotations

@@ -1,31 +1,21 @@
 """The models a simulated engine serves: its served names and its LoRA adapters, as vLLM has them.
 
-``kvevents engine --served-model-name A --served-model-name B`` (or ``A,B``) serves one
-base model under every name, the first being the one answers report (vLLM's
-``--served-model-name``; default :data:`DEFAULT_MODEL_NAME`). ``--lora-modules
-name=path ...`` adds adapters on top of it (vLLM's flag; the path is only reported, as
-the simulated engine has no weights). Adapters get ids 1, 2, ... in the order given,
-the ``lora_int_id`` vLLM would give them.
+``--served-model-name A --served-model-name B`` (or ``A,B``) serves one base model under
+every name, the first being the one answers report (default :data:`DEFAULT_MODEL_NAME`);
+``--lora-modules name=path ...`` adds adapters (the path is only reported: no weights),
+with ids 1, 2, ... in the order given, as vLLM's ``lora_int_id``.
 
-A request's ``model`` (absent: the base model) is resolved by
-:meth:`ServedModels.resolve`: a served name is the base model, an adapter's name is
-that adapter, anything else raises :class:`UnknownModel` (answered 404 in OpenAI's
-shape, ``type`` ``NotFoundError``, ``param`` ``model``, listing what is served). An
-engine started with neither flag is not :attr:`~ServedModels.configured`: it takes any
-``model`` as its base model, as it did before it knew models, and its
-``/server_info`` says ``served_model_names: null``, so a router treats it as an engine
-without model information (a candidate for every model).
+:meth:`ServedModels.resolve` maps a request's ``model`` (absent: the base model): a
+served name is the base model, an adapter's name that adapter, anything else raises
+:class:`UnknownModel` (404 in OpenAI's shape, listing what is served). An engine started
+with neither flag is not :attr:`~ServedModels.configured`: it takes any ``model`` as its
+base model and its ``/server_info`` says ``served_model_names: null``, so a router treats
+it as a candidate for every model.
 
-What each side sees:
-
-* ``GET /v1/models``: vLLM's list, one entry per served name (``root`` the first name,
-  ``parent`` null) and one per adapter (``root`` its path, ``parent`` the first served
-  name) -- :meth:`ServedModels.v1_models`;
-* ``GET /server_info``: ``served_model_name`` (the first, as SGLang reports it),
-  ``served_model_names`` and ``lora_modules`` (``[{"name", "path", "id"}]``);
-* the KV events of an adapter request carry ``lora_name`` and ``lora_id``, and, with
-  the vLLM hash scheme, the adapter's name as every block's ``extra_keys`` entry, as
-  vLLM sends them (:mod:`kvevents.engine.cache`).
+What each side sees: ``GET /v1/models`` in vLLM's shape (:meth:`ServedModels.v1_models`);
+``/server_info``'s ``served_model_name``, ``served_model_names`` and ``lora_modules``; and
+an adapter request's KV events carry ``lora_name`` and ``lora_id`` (and, with the vLLM
+hash scheme, the adapter's name in every block's ``extra_keys``, :mod:`kvevents.engine.cache`).
 """
 
 from __future__ import annotations

@@ -3,42 +3,27 @@
 Endpoints (JSON in and out):
 
 * ``GET /server_info``: ``dp_size``, ``tp_size``, ``page_size``, the scheduler plan, the
-  models (``served_model_name``, ``served_model_names``, ``lora_modules``:
-  :mod:`kvevents.engine.models`), and the ``kv_events`` discovery block (see
-  :mod:`kvevents.engine.server_info`; absent when publishing is off or not on TCP).
+  models (:mod:`kvevents.engine.models`), and the ``kv_events`` discovery block
+  (:mod:`kvevents.engine.server_info`; absent when publishing is off or not on TCP).
 * ``POST /generate``: ``{"input_ids": [...]} | {"text": "..."}``, optional
-  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted), ``lora_path``
-  (SGLang's name for the adapter to run under; an unknown one answers 400),
-  ``max_new_tokens`` (top level or in ``sampling_params``, default 16), ``cache_salt``
-  and ``extra_keys`` (per block, as vLLM hashes them in: the blocks are named and
-  published as vLLM's, see :mod:`kvevents.engine.cache`). Answers
-  ``dp_rank``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
-  ``output_ids``, ``text`` and SGLang's ``meta_info``. Without a rank, requests go
-  round-robin over the live ranks.
-* ``GET /health`` (liveness: 503 while a rank is dead) and ``GET /ready`` (readiness: 200
-  when every rank runs and, publishing, has bound its publisher; 503 with the reasons
-  otherwise: :mod:`kvevents.engine.readiness`). In Kubernetes: ``livenessProbe`` on
-  ``/health``, ``readinessProbe`` on ``/ready``.
-* ``POST /flush_cache[?dp_rank=r]``, ``GET /load``,
-  ``GET /kv_blocks?dp_rank=r`` (the hashes rank r holds now: the ground truth for
-  consistency checks), ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
-* ``GET /v1/models``, ``POST /v1/completions`` and ``POST /tokenize``, vLLM-style (rank by the
-  ``X-data-parallel-rank`` header or ``routed_dp_rank``): :mod:`kvevents.engine.openai_api`.
-* Disaggregated serving (``--disaggregation-mode prefill|decode``): ``/generate`` and the
-  OpenAI routes take SGLang's ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``
-  and ``disagg_prefill_dp_rank``, the OpenAI routes also vLLM's ``kv_transfer_params``
-  (:mod:`kvevents.engine.disaggregation`); ``/server_info`` tells ``disaggregation_mode``
-  and ``disaggregation_bootstrap_port``.
+  ``routed_dp_rank`` (SGLang's name; ``data_parallel_rank`` accepted), ``lora_path``,
+  ``max_new_tokens`` (top level or in ``sampling_params``), ``cache_salt`` and per-block
+  ``extra_keys`` (as vLLM hashes them: :mod:`kvevents.engine.cache`). Answers ``dp_rank``,
+  ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, ``output_ids``, ``text``
+  and SGLang's ``meta_info``. Without a rank, requests go round-robin over live ranks.
+* ``GET /health`` (liveness) and ``GET /ready`` (readiness: :mod:`kvevents.engine.readiness`).
+* ``POST /flush_cache[?dp_rank=r]``, ``GET /load``, ``GET /kv_blocks?dp_rank=r`` (the
+  hashes rank r holds: the ground truth for consistency checks),
+  ``POST /admin/restart_rank?dp_rank=r[&signal=kill|term]``.
+* ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+  ``POST /tokenize``, vLLM-style: :mod:`kvevents.engine.openai_api`.
+* With ``--disaggregation-mode``, the P/D fields of SGLang and vLLM
+  (:mod:`kvevents.engine.disaggregation`).
 
-Every endpoint, its body and its answers, is described in ``/openapi.json`` and
-``/docs`` (:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400
-with ``{"error": ...}`` naming the field (JSON nested too deeply or holding an unpaired
-surrogate included: :mod:`kvevents.engine.bodies`), a body above ``--max-body-bytes`` 413; an unavailable rank answers 503, a rank that does
-not answer within ``--request-timeout`` 504.
-
-Over 300 lines on purpose: the engine's HTTP routes and the limits they enforce (body
-size, token ceiling, rank timeouts) are read together; the OpenAI routes are already
-apart in openai_api.py.
+Every endpoint is described in ``/openapi.json`` and ``/docs``
+(:mod:`kvevents.engine.api_schema`). A malformed body or query answers 400 naming the
+field (:mod:`kvevents.engine.bodies`), a body above ``--max-body-bytes`` 413, an
+unavailable rank 503, a rank that does not answer within ``--request-timeout`` 504.
 """
 
 from __future__ import annotations

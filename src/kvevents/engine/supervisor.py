@@ -2,37 +2,22 @@
 
 :class:`RankSupervisor` runs in the HTTP server's asyncio loop. It binds one ZMQ ROUTER
 on loopback (port chosen by the OS), starts one process per rank
-(``python -m kvevents.engine.rank SPEC``, in its own session so a terminal's Ctrl-C
-reaches only the parent), and waits for each rank's hello carrying its bound publisher
-endpoints. The message layout is in :mod:`kvevents.engine.rank`.
+(``python -m kvevents.engine.rank``, in its own session so a terminal's Ctrl-C reaches
+only the parent), and waits for each rank's hello with its bound publisher endpoints
+(message layout: :mod:`kvevents.engine.rank`). :meth:`RankSupervisor.call` sends one
+request to one rank and awaits its answer, any number in flight; a watchdog marks a rank
+that exits unasked as dead (its calls fail, :attr:`RankSupervisor.failed` is set for
+``/health``); :meth:`RankSupervisor.restart` starts a rank again on the same endpoints,
+so its publisher restarts at seq 0 where consumers already listen;
+:meth:`RankSupervisor.stop` shuts every rank down, then terminates and kills. No rank
+outlives the supervisor.
 
-* :meth:`call` sends one request to one rank and awaits its answer (bounded by a
-  timeout); each call has its own id, so any number may be in flight.
-* A watchdog notices a rank process that exits when nobody asked it to: the rank is
-  marked dead, its pending calls fail, and :attr:`failed` is set so the engine can
-  report it in ``/health`` and exit non-zero.
-* :meth:`restart` kills one rank and starts it again on the same endpoints (ports
-  resolved from port 0 are reused), so its publisher restarts at seq 0 where consumers
-  already listen.
-* :meth:`stop` asks every rank to shut down, then terminates and finally kills any that
-  do not exit within the deadline. No rank outlives the supervisor; a rank whose parent
-  vanishes exits on its own.
-
-The control socket is on loopback, but any local process may connect to it, so nothing
-a peer sends is trusted:
-
-* A rank proves itself with a per-engine secret token in its hello. The token travels
-  in the rank's spec over its stdin pipe, never on the command line (``ps`` shows argv).
-* A peer cannot take over a connected rank's identity: ROUTER_HANDOVER is off, so a
-  second connection claiming ``rank-N`` is refused while rank N is connected.
-* A reply is taken only from the rank the call was sent to; any frame that is not a
-  well-formed message (wrong frame count, not msgpack, an ``id`` that is no int, a
-  ``status`` that is no HTTP error code) is counted in :attr:`RankSupervisor.malformed`
-  and skipped, the first one logged. The receive loop never dies of a peer's input.
-
-Over 300 lines on purpose: the supervisor's lifecycle (start, call, watchdog, restart,
-stop) and its checks of untrusted control messages share one socket and one table of
-ranks and pending calls.
+Any local process may connect to the loopback control socket, so nothing a peer sends is
+trusted: a rank proves itself with a per-engine secret token sent over its stdin (argv
+shows in ``ps``); ROUTER_HANDOVER is off, so nobody takes a connected rank's identity; a
+reply is taken only from the rank the call went to, and a malformed frame is counted
+(:attr:`RankSupervisor.malformed`) and skipped. The receive loop never dies of a peer's
+input.
 """
 
 from __future__ import annotations

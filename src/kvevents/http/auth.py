@@ -14,8 +14,8 @@ Server side:
 
 Client side, :class:`ClientCredentials`: the key a client sends (the router's
 ``--engine-api-key``) and the CA bundle it verifies ``https://`` servers against. A
-process builds the context of each bundle once and every client shares it: loading a
-trust store costs about 50 ms of CPU, and a router creates four clients as it starts.
+process builds the context of each bundle once and every client shares it, because
+loading a trust store is costly and a router creates several clients as it starts.
 
 :func:`resolve_secret` reads a key from its option, its file or its environment
 variable, in that order of precedence. Every error is a

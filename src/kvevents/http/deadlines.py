@@ -1,23 +1,20 @@
 """One timer for many deadlines: per-request timeouts that almost never fire.
 
-Two timeouts are armed on every request the router relays: the forwarding client's
-deadline for the engine's answer (:class:`~kvevents.http.upstream.Upstream`,
-``--forward-timeout``) and, once the answer is written, the server's keep-alive timeout
-for the client's connection (:mod:`kvevents.http.inline`); nearly every one is
-cancelled long before it would fire. A timer each (``loop.call_later``, then
-``cancel``) cost about 2 us of the event loop's CPU under uvloop, twice per relayed
-request. :class:`Deadlines` keeps the items watched in a dict, each with its deadline,
-and one timer, at the earliest deadline it has seen: watching and forgetting an item
-are a dict store and a pop. When the timer fires, the items past their deadline are
-expired (the callback given) and the timer is set again for the earliest one left, so
-each still expires at its own deadline, not later.
+Two timeouts are armed on every request the router relays, the forwarding client's
+deadline for the engine's answer (:class:`~kvevents.http.upstream.Upstream`) and the
+keep-alive timeout of the client's connection (:mod:`kvevents.http.inline`), and nearly
+every one is cancelled long before it would fire; a ``loop.call_later`` and ``cancel``
+each cost more of the event loop than the rest of the bookkeeping. :class:`Deadlines`
+keeps the watched items in a dict, each with its deadline, and one timer at the earliest
+deadline it has seen: watching and forgetting are a dict store and a pop. When the timer
+fires, the items past their deadline expire (the callback given) and the timer is set
+again for the earliest one left, so each expires at its own deadline, not later.
 
-Items watched with one timeout come in deadline order, so the dict's order is theirs
-and a firing reads only the items it expires and the next one. A deadline earlier than
-one watched before (another timeout, as the client's load polls have) makes a firing
+Items watched with one timeout come in deadline order, so a firing reads only the items
+it expires and the next one; a deadline earlier than one watched before makes a firing
 look at every item until the dict empties again. A deadline counts as due within the
-loop clock's resolution (uvloop's is a millisecond, and its timers may fire that much
-early), so a timer never fires again and again just before one.
+loop clock's resolution (uvloop's timers may fire that much early), so a timer never
+fires again and again just before one.
 """
 
 from __future__ import annotations

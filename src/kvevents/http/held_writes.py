@@ -1,26 +1,19 @@
 """Writes held to the end of the event loop's round, so that one wake-up serves many.
 
 A server under load reads requests from many connections in one round of its event
-loop (one ``epoll`` wake-up, then each ready socket's callback). Writing each answer as
-soon as it is computed wakes the client once per answer: when the client is another
-process waiting in ``epoll_wait`` (a load generator, a gateway, an engine's server),
-every write pays for waking it, and that cost (an inter-processor interrupt, a VM exit
-on a virtual machine, the scheduler) is charged to the writer. Held to the end of the
-round, the answers leave in one burst: the first wakes the client, the rest arrive while
-it is awake. Measured with the router benchmark on a 2-core VM: the bare server's
-ceiling rose about a third, and a server doing 20 us of work per request gained about
-40% (system time per request from 20 to 6 us).
+loop. Writing each answer as soon as it is computed wakes the client once per answer:
+when the client is another process waiting in ``epoll_wait`` (a load generator, a
+gateway, an engine's server), every write pays for waking it, and that cost (an
+inter-processor interrupt, a VM exit, the scheduler) is charged to the writer. Held to
+the end of the round, the answers leave in one burst: the first wakes the client, the
+rest arrive while it is awake (docs/router-performance.md).
 
 :class:`HeldWrites` wraps a transport: :meth:`HeldWrites.hold` keeps data for the end
 of the round; every other write or close through the wrapper first writes what it
-holds, so the bytes of one connection always leave in the order they were given. The
-end of the round is a callback scheduled on the loop with ``call_soon`` when the first
-data of a round is held: it runs before the loop handles any more I/O (uvloop runs it
-before it even polls again; asyncio's loop polls without waiting, then runs it ahead
-of what that poll found) and before any task step scheduled after the hold, so a held
-answer never waits for the next wake-up and never overtakes data written later. A
-request served alone (a quiet server) waits for nothing but that one callback.
-
+holds, so one connection's bytes always leave in the order given. The end of the round
+is a ``call_soon`` callback scheduled when a round's first data is held: it runs before
+the loop handles more I/O and before any task step scheduled after the hold, so a held
+answer never waits for the next wake-up and never overtakes data written later.
 ``KVEVENTS_HOLD_WRITES=0`` writes at once instead (for comparisons).
 """
 

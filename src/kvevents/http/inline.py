@@ -1,57 +1,34 @@
 """uvicorn's httptools protocol with an inline path: small POSTs answered without ASGI.
 
-uvicorn serves every request as an ASGI cycle: a scope dict, a cycle object, an
-asyncio task, and two writes (the head, then the body), with each header checked
-against two regular expressions on the way out. For the router's ``/route`` and
-``/query`` that machinery cost more CPU than the routing (measured with the router
-benchmark: about 50 us of 170 us per request on the bare server). An app that offers an
-inline answer (:class:`InlineApp`) gets it called straight from the parser's callbacks
-instead: the body is collected as it arrives, the answer computed synchronously and
-written, head and body, in one write, held to the end of the event loop's round with
-the other answers of that round (:mod:`kvevents.http.held_writes`: the connection's
-transport is wrapped for it; ``KVEVENTS_HOLD_WRITES=0`` writes at once). Everything
-else about the connection is uvicorn's own: keep-alive and its timeout, graceful
-shutdown (a request whose body is still arriving is answered, then the connection
-closes), TLS, the 400 for an unparsable request.
+uvicorn serves every request as an ASGI cycle (a scope dict, a cycle object, a task, two
+checked writes), which for the router's ``/route`` and ``/query`` costs more CPU than the
+routing itself (docs/router-performance.md). An :class:`InlineApp` instead has its answer
+called straight from the parser's callbacks: the body collected as it arrives, the answer
+computed synchronously and written, head and body, in one write held to the end of the
+loop's round (:mod:`kvevents.http.held_writes`). Everything else is uvicorn's own:
+keep-alive, graceful shutdown, TLS, the 400 for an unparsable request.
 
-A request goes inline only when all of these hold, checked when its headers are in:
-the method is POST; its path is one of the app's :attr:`InlineApp.inline_paths`; no
-earlier request on the connection is still being answered (pipelined requests keep
-their order) and the client is reading its answers (uvicorn's back-pressure applies
-otherwise); it carries neither ``Transfer-Encoding`` nor ``Expect: 100-continue``, nor
-asks to upgrade the connection (uvicorn decides a WebSocket); and its
-``Content-Length`` is within :attr:`InlineApp.inline_limit`. When the app's
-:meth:`InlineApp.answer_inline` then returns None (a body it cannot answer
-synchronously, such as text to tokenize, or a missing API key), the request becomes an
-ordinary ASGI cycle with the body already read, so every request is answered by the
-app, one way or the other, exactly once. An exception out of an inline answer is
-uvicorn's plain 500, logged, and the connection closes, as when an ASGI app raises.
-An inline answer arms uvicorn's keep-alive timer from inside the parser; a request that
-begins in the same data stops it again, as new data does.
+A request goes inline only when, at its headers: it is a POST to one of
+:attr:`InlineApp.inline_paths`; no earlier request on the connection is still being
+answered and the client reads its answers; it has no ``Transfer-Encoding``, no
+``Expect: 100-continue``, no upgrade; and its ``Content-Length`` is within
+:attr:`InlineApp.inline_limit`. When :meth:`InlineApp.answer_inline` returns None (text
+to tokenize, a missing API key), the request becomes an ordinary ASGI cycle with its body
+already read: every request is answered once, one way or the other. An exception out of
+an inline answer is uvicorn's plain 500 and the connection closes.
 
-Slow and idle clients are bounded (:class:`HttpLimits`, values from the command's
-options): a request's head and body must arrive within ``request_timeout`` seconds of
-its first byte (else 408 and the connection closes: uvicorn itself waits forever for a
-body that trickles), a connection that has not sent a byte of its first request counts
-as idle and is closed at the keep-alive timeout like one between requests (uvicorn
-keeps it forever), and past ``max_idle_connections`` idle connections in a process the
-oldest idle one is closed as a new one arrives.
+Slow and idle clients are bounded (:class:`HttpLimits`), where uvicorn alone waits
+forever: a request's head and body must arrive within ``request_timeout`` (else 408), a
+connection silent since it opened is closed at the keep-alive timeout, and past
+``max_idle_connections`` the oldest idle connection is closed.
 
-An :class:`AsyncInlineApp` may also answer some paths later: with a coroutine, which
-the protocol runs as a task, or with a future (the router's relay, resolved from its
-engine connection's callbacks: no task at all); the answer is written the same way,
-head and body in one write. Until then, uvicorn sees a stand-in for its
-request cycle, so a request arriving meanwhile waits behind it as a pipelined one does,
-a shutdown makes the answer the connection's last, and nothing is written to a client
-that went away. For the relay this saved what the ASGI cycle cost it: its scope,
-middleware, ``receive`` and the two checked writes of ``send``.
-
-:func:`protocol_for` picks the protocol class for uvicorn's ``http`` option: this one
-when the app is an :class:`InlineApp`, uvicorn's own otherwise, and uvicorn's own too if
-its protocol lacks a method this subclass relies on (:data:`UVICORN_METHODS`), or
-``KVEVENTS_INLINE_HTTP=0`` is set. What it relies on is internal to uvicorn, so
-pyproject.toml pins the uvicorn minor it is tested with, and
-``tests/test_uvicorn_contract.py`` names whatever of it an upgrade removes.
+An :class:`AsyncInlineApp` may answer some paths later, with a coroutine or a future (the
+router's relay, resolved from its engine connection's callbacks); uvicorn meanwhile sees a
+stand-in request cycle, so pipelining, shutdown and a client that went away behave as
+with ASGI. :func:`protocol_for` picks this protocol for an :class:`InlineApp`, uvicorn's
+own otherwise, or when uvicorn lacks a method this relies on (:data:`UVICORN_METHODS`), or
+with ``KVEVENTS_INLINE_HTTP=0``. It relies on uvicorn internals, so pyproject.toml pins
+the uvicorn minor and ``tests/test_uvicorn_contract.py`` names what an upgrade breaks.
 """
 
 from __future__ import annotations
@@ -290,8 +267,8 @@ def _subclass() -> type[Any] | None:
             # What uvicorn does once an answer is out (count it, read again, start the
             # next pipelined request), but an idle connection's keep-alive timeout is
             # watched by the server's one timer for every connection (kvevents.http.deadlines):
-            # a timer of its own, armed here and cancelled by the next request, cost
-            # about 2 us of the loop per answer.
+            # a timer of its own, armed here and cancelled by the next request, would
+            # cost the loop more per answer than the bookkeeping does.
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return

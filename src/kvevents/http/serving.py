@@ -53,7 +53,7 @@ def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-try:  # the C parser: about 3x the requests per second of the pure-Python h11 (docs/performance.md)
+try:  # the C parser: several times the requests per second of the pure-Python h11
     import httptools  # noqa: F401
 
     HTTP_PARSER: Literal["httptools", "h11"] = "httptools"
@@ -75,9 +75,9 @@ def bind_http(
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, not 0: asyncio's loop sets TCP_NODELAY only on accepted sockets
     # whose proto says TCP (uvloop sets it on any). Without it the simulated engine, on
-    # asyncio's loop, answered every request after a connection's first about 40 ms late
-    # (Nagle's algorithm waiting on the client's delayed ACK), so a keep-alive client,
-    # the router's relay included, saw 48 ms for a 4 ms request.
+    # asyncio's loop, answers every request after a connection's first late (Nagle's
+    # algorithm waiting on the client's delayed ACK), which a keep-alive client, the
+    # router's relay included, sees as latency many times the request's own.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:

@@ -2,48 +2,34 @@
 
 Every request the router forwards (``/v1/completions``, ``/v1/chat/completions``,
 ``/generate``) is one ``POST`` with a body the router already holds, to an engine it
-talks to all day. :class:`Upstream` does only that: a pool of kept-alive connections
-per engine, the request head and body in one write, and the answer parsed by the same
-C parser the router's server uses (httptools), handed back whole (:meth:`Response.read`)
-or chunk by chunk as it arrives (:meth:`Response.chunks`, for streams). The engines'
-load polls (``GET /load``, a vLLM's ``/health`` and ``/metrics``, twice a second per
-engine) go through :meth:`Upstream.get` on the same connections: 40-60 us of CPU per
-poll where httpx took 0.9-1.0 ms.
-
-:meth:`Upstream.post_whole` is the same exchange for an answer the caller takes whole:
-one future, resolved from the parser's callbacks when the answer's last byte is in, so
-a relay on a kept-alive connection runs no task, no coroutine and no body iterator.
-That machinery was a small part of a relay: in same-run A/Bs at 32 requests in flight
-(2,048-token completions) the router's CPU per relayed request went from 222 to 219
-and from 235 to 229 us with the relay's callback path (:mod:`kvevents.router.serve.openai_relay`).
-
-Why not aiohttp (used before): measured with ``kvevents bench router --completions-only``
-at 32 requests in flight, its client request (session, connector, timers, header
-multidicts, payload writers) was a third of the router's CPU per relayed request,
-about 450 us of 1.4 ms.
+talks to all day. :class:`Upstream` does only that: a pool of kept-alive connections per
+engine, head and body in one write, the answer parsed by httptools (the router server's
+parser), handed back whole (:meth:`Response.read`) or as it arrives
+(:meth:`Response.chunks`). The load polls go through :meth:`Upstream.get` on the same
+connections. :meth:`Upstream.post_whole` resolves one future from the parser's callbacks,
+so a relay on a kept-alive connection runs no task and no coroutine. Why its own client:
+a general client's per-request machinery (sessions, connectors, timers, header
+multidicts) cost more of the router's CPU than the relay's own work
+(docs/router-performance.md).
 
 What it does and does not do:
 
-* ``http://`` and ``https://`` (verified with the service's shared TLS context);
-  ``Host`` and ``Content-Length`` are its own, the caller's headers go as given
-  (the relay has already dropped the hop-by-hop ones).
-* One deadline per request (``timeout`` seconds, the router's ``--forward-timeout``)
-  for connecting, the head and the whole body; connecting alone has its own limit.
-  Past it, :class:`TimeoutError`; an engine that cannot be reached, closes the
-  connection midway or sends what is not HTTP, :class:`UpstreamError`.
-* An idle connection is kept ``idle_s`` seconds (2 s: before the engine's uvicorn closes
-  it at 5 s, so a request never goes out on a connection the server is closing) and
-  reused newest first; one whose answer said ``Connection: close``, whose body was not
-  read to its end, or that failed, is closed. A forwarded ``POST`` is never retried: it
-  may already have started a generation. A ``GET``, and a ``POST`` that changes nothing
-  (:meth:`Upstream.post_safe`: ``/tokenize``), that failed on a kept-alive connection
-  before its answer began is sent once more, on a new connection.
-* A stream is read as the reader takes it: past 256 KiB unread, the socket is paused.
-* An answer's head is bounded apart from the body: at most ``max_head_bytes`` (256 KiB;
-  an engine's real heads are a few hundred bytes) and ``head_timeout`` seconds from its
-  first byte to its end. Past either, :class:`HeadTooLarge` or :class:`TimeoutError`
-  and the connection is closed: a head is parsed as it arrives, so an unbounded one
-  would hold the event loop and the memory of every other request.
+* ``http://`` and ``https://`` (the service's shared TLS context); ``Host`` and
+  ``Content-Length`` are its own, the caller's headers go as given.
+* One deadline per request (``timeout``, the router's ``--forward-timeout``) for
+  connecting, the head and the whole body; connecting has its own limit too. Past it,
+  :class:`TimeoutError`; an unreachable engine, a connection closed midway or an answer
+  that is not HTTP, :class:`UpstreamError`.
+* An idle connection is kept ``idle_s`` seconds, less than uvicorn's keep-alive, so a
+  request never goes out on a connection the server is closing; newest first. A
+  forwarded ``POST`` is never retried (it may have started a generation); a ``GET`` or a
+  ``POST`` that changes nothing (:meth:`Upstream.post_safe`) that failed on a kept-alive
+  connection before its answer began is sent once more, on a new connection.
+* A stream is read as the reader takes it: past ``_PAUSE_AT`` bytes unread, the socket
+  pauses.
+* An answer's head is bounded apart from its body (``max_head_bytes``, ``head_timeout``):
+  it is parsed as it arrives, so an unbounded one would hold the event loop and memory.
+  Past either, :class:`HeadTooLarge` or :class:`TimeoutError`, and the connection closes.
 """
 
 from __future__ import annotations

@@ -1,71 +1,33 @@
 """KV-cache groups of hybrid-attention models: one mask table per group, and the reuse rule.
 
-Groups
-------
-A hybrid model (Gemma 3, gpt-oss, ...) keeps several KV caches side by side, one per
-*KV-cache group*: full-attention layers in one, sliding-window layers in another. vLLM
-stores and evicts each group's copy of a block separately (``BlockStored.group_idx``,
-``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``; ``BlockRemoved.group_idx``),
-under the same block hash in every group, since its hash depends on tokens and extra
-keys only. A holder's first full-attention group (or the only group of a model without
-group fields) is its *main* group and lives in the index's own mask table, exactly as
-before groups existed; every other group of the holder lives in a :class:`GroupTable`
-here, one per ``(kind, group_idx, window)``, shared by every holder with that group.
+A hybrid model (Gemma 3, gpt-oss, ...) keeps one KV cache per *KV-cache group*
+(full-attention layers in one, sliding-window layers in another), and vLLM stores and
+evicts each group's copy of a block separately (``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window``) under the same hash in every group. A holder's first
+full-attention group (or the only group of a model without group fields) is its *main*
+group and lives in the index's own mask table; every other group lives in a
+:class:`GroupTable` here, one per ``(kind, group_idx, window)``, shared by every holder
+with that group. A side table is itself a :class:`~kvevents.index.mask_table.MaskTable`
+with the same guarantees (no zero mask, recency order, its own ``max_entries`` bound); it
+shares the main table's slot numbering and width and the index's engine-hash map.
 
-Why a table per group, not group bits in one table
---------------------------------------------------
-Group bits would widen every mask by a factor of the number of groups, so a
-full-attention model would pay for hybrid ones on every block of every match (wider
-ints to AND, more memory per block). A side table leaves the main table, its match loop
-and its invariants (:mod:`kvevents.index.mask_table`) untouched: a model with only full
-attention has no side table, and its match costs one extra test of an empty mask per
-request, none per block. Measured with ``benchmarks/index.py --limit 3000``, before and
-after, interleaved in one session on a loaded 2-core machine: bytes per (block, holder)
-unchanged (71.1 at W=8, 63.0 at W=64); match p50 2.2-3.0 us before and 2.4-3.0 us after
-at W=8, 1.9-3.0 us before and 4.0 us after at W=64, with a load average near 16, so the
-W=64 difference is not separable from noise there and wants a rerun on a quiet machine. A side table is itself a :class:`~kvevents.index.mask_table.MaskTable`
-with the same guarantees (no zero mask, recency order, its own memory bound of
-``max_entries``); it shares the slot numbering and width of the main table and the
-index's engine-hash map, so a hash resolves once for every group.
+Why a table per group, not group bits in one table: group bits would widen every mask, so
+a full-attention model would pay for hybrid ones on every block of every match. Side
+tables leave the main table, its match loop and its invariants untouched: a model with
+only full attention has none, and pays one test of an empty mask per request.
 
-The reuse rule (what vLLM's hybrid coordinator accepts as a cache hit)
-----------------------------------------------------------------------
-vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` (``vllm/v1/core/
-kv_cache_coordinator.py``) asks each group in turn for its longest hit no longer than
-the current candidate, full attention first, and repeats until no group shortens it:
-
-* a **full-attention** group hits the longest run of leading blocks it holds (every
-  block of the prefix is attended to);
-* a **sliding-window** group of window ``W`` and block size ``B`` needs only the last
-  ``ceil((W - 1) / B)`` blocks before the hit's end (the next token attends to at most
-  ``W - 1`` earlier ones): scanning back from the candidate end, the hit ends after the
-  first run of that many consecutive held blocks; a run that reaches the sequence's
-  first block is a hit however short (the whole prefix is inside the window).
-
-:func:`reuse_length` applies the same fixed point per holder on the index's masks, per
-tier set (GPU; GPU or CPU; any tier). It is what the index reports for a holder with
-side groups; holders without any keep the plain full-attention match. vLLM starts the
-fixed point from the longest hit the request allows, never its last token
-(:mod:`kvevents.index.reusable`: a block-aligned prompt's last block is recomputed), so
-a window must be held before that end; the index starts from the same cap when the
-caller gives it (``match_keys(..., reusable=)``; :meth:`PrefixIndex.match` always does).
-
-Kinds are read by their reuse rule (:data:`REUSE_RULES`): MLA and sink full attention
-are full attention, sliding-window MLA is a sliding window. A side group's offload copy
-without a kind (vLLM's offloading connector sends only ``group_idx``) goes to the table
-the holder already has for that ``group_idx``.
-
-A holder whose every group is a sliding window (no full-attention group, so no main
-group) is matched by its window alone over the whole request, as vLLM's sliding-window
-manager does for such a model.
-
-Not modelled: groups of other kinds (Mamba state, chunked local attention) are counted
-as ``unsupported_group`` and not indexed, so a model with them is matched on its
-full-attention group alone; vLLM's alignment of a hit to the least common multiple of
-different group block sizes (every group of the captured models has the same size).
-
-A little over 300 lines on purpose: the side tables, the rule and the main-table
-operations that must reach them are one mechanism, checked together.
+The reuse rule is vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``: each group
+in turn, full attention first, shortens the candidate hit until none does. A
+full-attention group hits the longest run of leading blocks it holds; a sliding window of
+``W`` tokens with blocks of ``B`` needs only the last ``ceil((W - 1) / B)`` blocks before
+the hit's end (a run reaching the first block is a hit however short).
+:func:`reuse_length` applies that fixed point per holder and tier set, starting, as vLLM
+does, from the capped length of :mod:`kvevents.index.reusable`. Kinds map to rules
+through :data:`REUSE_RULES`; a side group's offload copy without a kind goes to the table
+the holder has for its ``group_idx``; a holder with only sliding windows is matched by its
+window alone. Not modelled: other group kinds (Mamba state, chunked local attention),
+counted as ``unsupported_group`` and not indexed, and the alignment of a hit across
+groups of different block sizes.
 """
 
 from __future__ import annotations

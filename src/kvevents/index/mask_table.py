@@ -1,15 +1,12 @@
-"""The mask table: the flat dict of per-block holder bitmasks behind :class:`PrefixIndex`.
+"""The mask table: the flat dict of per-block holder bitmasks behind ``PrefixIndex``.
 
 :class:`MaskTable` is the storage and its mechanics, addressed by content key and
 holder *slot* (a small int); :class:`~kvevents.index.prefix_index.PrefixIndex` derives
 from it and adds what names things: holders, events, tokens, snapshots. It is a base
 class rather than a member so that the hot paths (``match_keys``, ``_store``) run with
-no extra call or attribute hop: their loops below are the index's inner loops, kept as
-they were measured (method-local aliases, one dict lookup and one AND per block).
-
-This module is a little over 300 lines on purpose: every method here reads or writes
-the packed masks, and keeping them side by side is what lets a reader check the
-invariants below in one place.
+no extra call or attribute hop: their loops below are the index's inner loops, kept
+tight (method-local aliases, one dict lookup and one AND per block, helpers inlined), and
+they stay in one module with the storage invariants they keep.
 
 Structure and invariants
 ------------------------
@@ -21,8 +18,8 @@ Structure and invariants
   parent is never older than its children, and pruning the oldest blocks removes
   leaves before the prefixes they hang from. Matches defer the move to ``_touch_log``
   (at most ``_TOUCH_LOG_LIMIT`` entries), applied before the next write.
-* Equal masks share one int object (``_canon``, at most 65,536 values, reset when
-  full): a block costs no mask object of its own, and the few masks a match reads
+* Equal masks share one int object (``_canon``, at most ``_CANON_LIMIT`` values, reset
+  when full): a block costs no mask object of its own, and the few masks a match reads
   stay in cache. Values compare by value, so sharing is an optimisation only.
 * ``_entries`` = number of set bits over all values = (block, holder, tier) entries;
   ``_entries + predictions.count <= max_entries`` after every call (pruning the oldest
@@ -52,12 +49,8 @@ A tree of nodes (Dynamo, SGLang's radix cache) costs a Python object per block a
 pointer chasing per lookup; a per-holder set of keys makes a match O(blocks x holders).
 Chained content keys make the tree implicit: block i's key already names the whole
 prefix 0..i, so one flat dict answers for every holder at once. A prefix-closed mask
-with binary search would need parent or child links (about 40% more memory) to stay
+with binary search would need parent or child links (more memory per block) to stay
 exact when a block is removed from the middle of a chain, which vLLM can do.
-
-Over 300 lines on purpose: the hot loops (store, remove, match) stay together with the
-storage invariants they keep, and inline their helpers on purpose (an extra call per
-block costs measurably).
 """
 
 from __future__ import annotations
@@ -310,8 +303,8 @@ class MaskTable:
     def _not_held(self, keys: Sequence[int], slot: int) -> list[int]:
         """The ``keys`` that ``slot`` holds in no tier, in order: :meth:`_held_any` for each
         key, but in one native call over the mirror (or iterated in C) when nothing is
-        offloaded. A relayed request predicts its blocks through this, 128 of them at
-        2,048 tokens: a Python call per key was about 50 us of it."""
+        offloaded. A relayed request predicts its blocks through this, one per block of
+        its prompt, so a Python call per key would be a visible share of the relay."""
         if self._offloaded:
             return [k for k in keys if not self._held_any(k, slot)]
         words = compiled_keys(keys)

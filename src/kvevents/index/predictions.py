@@ -1,73 +1,33 @@
 """Predicted entries: blocks a holder is expected to store because a request was just sent to it.
 
 The router sends a request to a holder long before the holder's engine reports the
-request's blocks (the report follows the prefill, tens to hundreds of milliseconds on
-a real GPU). Siblings that share the new prefix and arrive in that window would find
-nobody holding it and be spread over the ranks. A *prediction* says "holder ``h`` will
-soon hold block ``k``": matches may count it (at its own credit, reported apart from
-confirmed blocks) until one of these ends it:
+request's blocks (the report follows the prefill). Siblings that share the new prefix and
+arrive in that window would find nobody holding it and be spread over the ranks. A
+*prediction* says "holder ``h`` will soon hold block ``k``": matches may count it, at its
+own credit and reported apart from confirmed blocks, until it is **confirmed** (the
+holder's ``BlockStored`` stores the block), **expired** (its time-to-live, on an injected
+clock), **withdrawn** (the request failed before the engine had it), **cleared** (a
+``Reset`` or ``AllBlocksCleared`` of the holder; a ``Loss`` keeps predictions) or
+**dropped** (the index's memory bound needs the room; predictions go first).
 
-* **confirmed**: the holder's own ``BlockStored`` stores the block; it is then an
-  ordinary entry of the mask table, and the prediction is dropped;
-* **expired**: its time-to-live passes (measured on an injected clock);
-* **withdrawn**: the request failed before the engine had it (only what that request
-  added, and only if no later request predicted it again);
-* **cleared**: a ``Reset`` or ``AllBlocksCleared`` of the holder (a ``Loss`` clears
-  the holder's confirmed blocks but keeps its predictions: see
-  :mod:`kvevents.router.decide.router`);
-* **dropped**: the index's memory bound needs the room (oldest predictions go first,
-  before any confirmed block).
+Invariants: ``masks[key]`` has bit ``slot`` set iff that slot has a live prediction for
+the block (never 0; one bit per slot, a prediction is of a GPU copy); ``_until`` holds one
+deadline per set bit, the latest given, and ``count`` their total; ``_queue`` holds one
+record per prediction in deadline order (one time-to-live), and an entry expires only by
+a record whose deadline is at least its own, so a refreshed entry outlives the first. No
+prediction is made for a block the slot already holds. ``add``, ``confirm``, ``withdraw``
+are O(blocks of the request), ``expire`` amortised O(1) per entry made.
 
-Structure and invariants
-------------------------
-* ``masks: dict[content_key, int]``: bit ``slot`` set iff that slot has a live
-  prediction for the block. No value is 0 (an empty mask is deleted). One bit per
-  slot, no tiers: a prediction is of a GPU copy.
-* ``_until: dict[slot, dict[content_key, deadline]]``: one entry per set bit of
-  ``masks``, with the latest deadline given to it (a newer prediction of the same block
-  for the same slot extends it); per slot, so that no (block, slot) pair is made per
-  block. ``count``, their total, is the number of predicted entries; the owner keeps
-  ``confirmed entries + count <= max_entries``.
-* ``_queue``: ``(deadline, slot, keys)`` per prediction made, in deadline order (the
-  time-to-live is one value, so insertion order is deadline order). An entry is
-  expired by the oldest record whose deadline has passed *and* equals or exceeds its
-  own, so a refreshed entry outlives the record that created it.
-* A prediction is never made for a block the slot already holds in some tier.
+Defaults: the time-to-live (:data:`DEFAULT_PREDICTION_TTL_S`) must cover queueing behind
+the prefills a burst puts ahead of the request, not one prefill; longer costs only when a
+prediction is never confirmed, and only for that long. The credit
+(:data:`DEFAULT_PREDICTION_CREDIT`) is full because a lower one lets the balance term
+split a burst's siblings over ranks, while a wrong prediction costs one prefill, the
+price of not predicting. ``kvevents bench burst`` measures both.
 
-Complexity
-----------
-``add``, ``confirm``, ``withdraw``: O(blocks of the request). ``expire``: amortised
-O(1) per entry ever made (each record is popped once). ``clear_slot``: O(the slot's
-predicted entries), which stay few (they live for seconds). The match walk over the
-side table (:meth:`PrefixIndex.predicted
-<kvevents.index.prefix_index.PrefixIndex.predicted>`) runs only when ``masks`` is not
-empty, so the confirmed-only match is unchanged.
-
-Defaults
---------
-Measured with ``kvevents bench burst`` (16 groups of 8 siblings, a new 2,048-token
-prefix each, dp 4, 100 ms per prefix prefill; 2 shared cores, so noisy):
-
-* time-to-live 2 s: the router's ``prediction_confirm_seconds_max`` was 0.12-0.72 s
-  (mean 0.02-0.46 s, the longest with another benchmark sharing the cores) over the
-  runs, and a time-to-live of 0.1 s already let predictions expire before their
-  confirmation. The simulated engine reports a block
-  when it admits the request; a GPU engine reports it after the prefill, which under a
-  burst waits behind the prefills queued before it (0.1 s per 2,048 tokens here), so
-  the bound must cover queueing, not one prefill. Anything from 0.5 s to 5 s scored the
-  same (every sibling on its group's rank). Longer costs only when a prediction is
-  never confirmed (the engine evicted or dropped the request without an error the
-  router sees), and then only for as long; 2 s is also llm-d's choice.
-* credit 1.0: credits 0.75 and 1.0 kept every group on one rank (100% of the ideal
-  hit rate); 0.5 already let the balance term split groups (2.0 ranks per group,
-  86%), 0.25 more (2.8 ranks, 74%). A prediction that turns out wrong costs one
-  prefill, the price of not predicting; the load terms still decide against a busy
-  rank, as for a confirmed block.
-
-Why a side table and not a fourth tier of the mask table: a tier bit would widen every
-packed mask, make every match of the table pay for it, and leave expiry needing its
-own record of what to expire anyway; predictions are few and short-lived, so a small
-dict consulted only while non-empty costs nothing when there are none.
+Why a side table, not a fourth tier of the mask table: a tier bit would widen every mask
+and make every match pay for it; predictions are few and short-lived, so a dict consulted
+only while non-empty costs nothing when there are none.
 """
 
 from __future__ import annotations

@@ -5,39 +5,21 @@ what every holder caches, fed by its event stream (:meth:`PrefixIndex.apply`), a
 answers :meth:`PrefixIndex.match`: for each holder, the exact number of leading blocks
 of a request it holds, per tier (see :mod:`kvevents.index.types`).
 
-Keys
-----
 Blocks are keyed by our own chained content key (:func:`kvevents.wire.hashing.content_keys`)
 computed from the event's ``token_ids``, so requests are keyed the same way without
-sharing any hash seed with an engine. A global map from engine hash to content key
-resolves ``BlockRemoved`` (hashes only), tier copies (empty tokens) and parents.
-A LoRA adapter or a cache salt starts the chain from its own root key
-(:func:`namespace_key`), since engines never share blocks across them.
+sharing any hash seed with an engine. A map from engine hash to content key resolves
+``BlockRemoved`` (hashes only), tier copies (empty tokens) and parents; it assumes an
+engine hash names the same content for every holder (true of SGLang's and vLLM's
+SHA-256 hashes). A LoRA adapter or a cache salt starts the chain from its own root key
+(:func:`namespace_key`), since engines never share blocks across them. The storage, its
+invariants and why it is not a radix tree: :mod:`kvevents.index.mask_table`.
 
-Structure
----------
-The index is a flat dict of per-block holder bitmasks, one bit per (holder, tier);
-its layout, invariants and the reason it is not a radix tree are in
-:mod:`kvevents.index.mask_table`, the base class that holds it. The engine-hash map
-assumes an engine hash names the same content for every holder (true for SGLang's and
-vLLM's SHA-256-based hashes); :meth:`PrefixIndex.holder_hashes` reports, for a block,
-every engine hash seen for its content.
-
-Complexity
-----------
-``match``: O(blocks), one dict lookup and one AND per block (in C), independent of
-the number of holders (a mask AND is one machine word for up to 60 holders). ``store``
-and ``remove``: O(blocks). ``clear_holder``: O(distinct blocks) (a scan: flushes and
-resets are rare, and a per-holder key set would cost about 50 bytes per (block, holder)
-for an operation that happens once per flush). Memory: about 65-80 bytes per (block,
-holder) on the conversation trace, see ``benchmarks/index.py``.
-
-Size
-----
-Over 300 lines on purpose: this is the index's whole public API (holders, events,
-precomputed keys, matching, inspection, snapshot) on one class, and the storage
-mechanics already live in :mod:`~kvevents.index.mask_table`. Splitting the API across
-more modules would scatter one class's methods without naming a new concept.
+Complexity: ``match`` is O(blocks), one dict lookup and one AND per block, independent
+of the number of holders; ``store`` and ``remove`` O(blocks); ``clear_holder``
+O(distinct blocks), a scan, because flushes are rare and a per-holder key set would cost
+memory on every (block, holder) entry. ``benchmarks/index.py`` measures memory per entry.
+This module is the index's whole public API on one class; the storage mechanics live in
+the base class.
 """
 
 from __future__ import annotations
@@ -90,7 +72,8 @@ _SYNC_AFTER = 256
 at once (``MaskMirror``, :mod:`kvevents.kernels`), so the next match does not pay for it."""
 
 DEFAULT_MAX_ENTRIES = 16_000_000
-"""Default memory bound: (block, holder, tier) entries (about 1.3 GB at the measured size)."""
+"""Default memory bound: (block, holder, tier) entries (``benchmarks/index.py`` measures
+the bytes an entry costs)."""
 
 _xxh3 = xxhash.xxh3_64_intdigest
 

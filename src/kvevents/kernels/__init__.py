@@ -1,35 +1,28 @@
 """The native core: the router's per-request work in C, behind the Python that specifies it.
 
-What a routing request costs past its HTTP parse is a loop over thousands of token ids
-and a hundred-odd blocks: reading the ids from the body, keying each block, matching
-the keys against every holder's blocks, scoring the holders. One C extension,
-``_native`` (``_native.c`` and its parts, one header per concern), does those loops:
+What a routing request costs past its HTTP parse is loops over thousands of token ids and
+a hundred-odd blocks. One C extension, ``_native`` (``_native.c``, one header per
+concern), runs them:
 
-* ``parse_input_ids`` reads a body's leading plain token-id array straight into an
-  ``array("I")`` (``token_json.h``; anything else is decoded whole by msgspec, which
-  words every error);
-* ``chain_keys`` computes the chained content keys of every block, exactly
-  :func:`kvevents.wire.hashing.content_keys` (XXH3-64 seeded by the block before), for
-  blocks of 1 to ``MAX_BLOCK_TOKENS`` (60) tokens, XXH3's short inputs (``xxh3.h``);
-  longer blocks are keyed one by one with the xxhash package;
+* ``parse_input_ids`` reads a body's leading plain token-id array into an ``array("I")``
+  (``token_json.h``; anything else is decoded whole by msgspec, which words every error);
+* ``chain_keys`` computes the chained content keys, exactly
+  :func:`kvevents.wire.hashing.content_keys`, for blocks of up to ``MAX_BLOCK_TOKENS``
+  tokens (``xxh3.h``); longer blocks are keyed with the xxhash package;
 * ``MaskMirror`` mirrors the index's block masks in a flat hash table the index keeps in
-  sync by listing its writes, and matches a request's keys over it in one call
-  (``block_table.h``, ``mask_mirror.h``; :mod:`kvevents.index.mask_table`);
-* ``best_unmatched`` picks the best holders by load from the load board's table
-  (``load_scan.h``; :mod:`kvevents.router.decide.load_board`);
+  sync, and matches a request's keys in one call (``block_table.h``, ``mask_mirror.h``);
+* ``best_unmatched`` picks the best holders from the load board's table (``load_scan.h``);
 * ``route_answer``, ``query_answer`` and ``board_choice`` answer a plain ``/route`` or
-  ``/query``, or choose a relayed request's holder, whole (:mod:`~kvevents.kernels.native`
-  and :mod:`kvevents.router.decide.native_route`).
+  ``/query``, or choose a relayed request's holder, whole
+  (:mod:`kvevents.router.decide.native_route`).
 
 Invariants: every native call answers exactly what the Python path answers (the same
-keys, ids, segments, holders and answer bytes), or declines (None) and the Python path
-answers; :mod:`~kvevents.kernels.spec` states the parts in Python, and the tests and
-``scripts/fuzz-native`` (under AddressSanitizer and UBSan) hold the two equal. Every
-buffer is read in place, with the GIL held. Importing the extension is the whole load:
-:func:`loaded` answers from the first request, in every process that imports this
-package, and nothing is compiled or cached at run time. Without the extension (no
-compiler at install), or with ``KVEVENTS_KERNELS=0``, :func:`loaded` is None and
-:func:`status` says why; the answers are the same.
+keys, ids, holders and answer bytes) or declines (None) and the Python path answers;
+:mod:`~kvevents.kernels.spec` states the parts in Python, and the tests and
+``scripts/fuzz-native`` (under AddressSanitizer and UBSan) hold the two equal. Importing
+the extension is the whole load: nothing is compiled or cached at run time. Without it,
+or with ``KVEVENTS_KERNELS=0``, :func:`loaded` is None and :func:`status` says why
+(:mod:`~kvevents.kernels.native`); the answers are the same.
 """
 
 from __future__ import annotations

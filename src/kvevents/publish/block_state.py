@@ -1,45 +1,26 @@
 """A rank's current block set, as the events it published describe it.
 
-A publisher with snapshots on (``"snapshot": true`` in its kv-events config) feeds every
-batch it sends to a :class:`BlockState`, on the sender thread, right after the batch took
-its seq: ``BlockStored`` adds blocks to a tier, ``BlockRemoved`` takes them out of one
-tier (every tier when its medium is nil), ``AllBlocksCleared`` empties the set. The
-replay thread asks :meth:`BlockState.view` for the state and the seq it corresponds to,
-and :mod:`kvevents.publish.snapshot` turns it into the events that rebuild it.
-
-What is kept per block, so that a consumer keys it as it keyed the live stream (its
-content key chains from the parent's): its parent's hash, its own tokens, what its store
-said of it (block size, adapter, salt, group, ...), its extra keys, and the tiers holding
-it with their count of copies (a store of a block a tier holds adds a copy, a removal
-takes one, as a consumer's index counts them). Blocks are kept per KV-cache group
-(``group_idx``); a removal without a group removes the hash from every group. A
-sliding-window group's block chains from the main group's parent of its hash (its own
-group names only the window's blocks).
+A publisher with snapshots on feeds every batch it sends to a :class:`BlockState`, on the
+sender thread, right after the batch took its seq; the replay thread asks
+:meth:`BlockState.view` for the state and its seq, and :mod:`kvevents.publish.snapshot`
+turns that into the events that rebuild it. Per block it keeps what a consumer needs to
+key it as it keyed the live stream: parent hash, tokens, the store's fields, extra keys,
+and the tiers holding it with their count of copies, per KV-cache group.
 
 Invariants (under the lock):
 
-* ``seq`` is the seq of the last batch applied; the set is exactly what the events up to
-  it describe, or :meth:`view` answers why it is not.
-* A main group's block held in no tier stays as a *ghost* while a block kept names it as
-  parent, so that the child is still stored under its real chain (a consumer re-learns
-  the parent from the ghost, then forgets it); a ghost goes with its last child.
-* At most ``max_blocks`` blocks (ghosts included). Past it, a dropped batch (the queue
-  was full) or a batch that could not be encoded, the set is no longer exact: it is
-  freed and :meth:`view` says why, until an ``AllBlocksCleared`` makes it exact (empty)
-  again. The group layout (which groups, which are sliding windows) outlives a clear, as
-  a consumer's does.
+* the set is exactly what the events up to ``seq`` describe, or :meth:`BlockState.view`
+  says why not;
+* a main-group block held in no tier stays as a *ghost* while a kept block names it as
+  parent, so the child is still stored under its real chain;
+* at most ``max_blocks`` blocks, ghosts included. Past it, or after a dropped or
+  unencodable batch, the set is freed until an ``AllBlocksCleared`` makes it exact again.
 
-Layout: per group, one dict per field keyed by hash (a column store), the tokens in an
-``array``. A tuple per block would be tracked by the cyclic garbage collector and, at
-thousands of blocks a second, set off collections of the engine's whole heap from the
-sender thread; ints, arrays and dict entries are not tracked. Values are never changed
-in place (a tier change stores a new tuple), so :meth:`view` copies the dicts under the
-lock at C speed and the snapshot is built outside it: the sender never waits for it.
-
-Cost: O(blocks) per batch applied, on the sender thread, only when snapshots are on.
-
-Over 300 lines on purpose: the columns, the ghosts' bookkeeping and the view types the
-snapshot reads are one structure; apart, each would reach into the others.
+Layout: per group one dict per field keyed by hash, tokens in an ``array``, never a tuple
+per block: tuples are tracked by the cyclic garbage collector and would set off
+collections of the engine's whole heap from the sender thread. Values are never changed
+in place, so :meth:`BlockState.view` copies the dicts under the lock at C speed and the sender
+never waits for a snapshot being built.
 """
 
 from __future__ import annotations

@@ -1,25 +1,20 @@
 """CURVE on a publisher's sockets: the server keys, the ZAP check, the refusals counted.
 
-When the ``--kv-events-config`` holds CURVE keys (:mod:`kvevents.publish.config`), the live PUB
-and the replay ROUTER of a :class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher`
-become CURVE servers: every connection is encrypted, and a subscriber is served only
-when its public key is among the allowed ones. Three parts:
+When the ``--kv-events-config`` holds CURVE keys (:mod:`kvevents.publish.config`), the
+live PUB and the replay ROUTER of a
+:class:`~kvevents.publish.zmq_publisher.ZmqEventPublisher` become CURVE servers: every
+connection is encrypted, and a subscriber is served only when its public key is allowed.
 
 * :meth:`CurveServer.secure` sets the server keys and a ZAP domain of this publisher's
   own on a socket, before it binds, and attaches a monitor to it.
 * The ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) answers libzmq's
-  question "may this client key in?" for every socket of a context. libzmq allows one
-  ZAP handler per context, so there is one authenticator per context, shared by every
-  CURVE publisher in it (counted, stopped by the last to close); each publisher checks
-  its own allowed keys under its own domain. (The simulated engine runs one publisher per
-  rank process, so one authenticator per process; an engine embedding several publishers
-  in one process shares one.)
-* A monitor thread reads the handshake events of both sockets and counts them. CURVE
-  refusals are silent in ZeroMQ: the client just gets no data. A client with an unknown
-  key is refused by ZAP (``HANDSHAKE_FAILED_AUTH``); one with the wrong server key or no
-  CURVE at all fails the handshake before ZAP (``HANDSHAKE_FAILED_PROTOCOL``). Each is
-  counted (:attr:`CurveServer.refused`, in the publisher's stats) and logged, at most once
-  per ``LOG_INTERVAL`` seconds per reason with the count since.
+  "may this client key in?". libzmq allows one ZAP handler per context, so one
+  authenticator serves every CURVE publisher of a context (counted, stopped by the last
+  to close), each checking its own allowed keys under its own domain.
+* A monitor thread counts the handshake failures of both sockets, because ZeroMQ refuses
+  silently: an unknown client key fails in ZAP (``HANDSHAKE_FAILED_AUTH``), a wrong server
+  key or no CURVE fails before it (``HANDSHAKE_FAILED_PROTOCOL``). Each is counted
+  (:attr:`CurveServer.refused`) and logged at most once per ``LOG_INTERVAL`` per reason.
 """
 
 from __future__ import annotations

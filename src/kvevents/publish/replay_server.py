@@ -52,8 +52,8 @@ class ReplayBuffer:
     frame, payload); the ``n``-th batch stored lives in slot ``n % capacity``. Slots go
     by batches stored, not by sequence numbers: a batch dropped or not encodable burns a
     sequence number but takes no slot, so the buffer always holds the last ``capacity``
-    batches it was given, as upstream's deque does (slots by sequence number held fewer
-    after every drop, and answered less than the buffer had). Parallel lists rather
+    batches it was given, as upstream's deque does (slots by sequence number would hold
+    fewer after every drop, and answer less than the buffer had). Parallel lists rather
     than one tuple per batch, because ints and bytes are not tracked by the cyclic
     garbage collector and tuples are: a tuple per batch would count towards the
     collector's thresholds and so, at a few hundred thousand batches a second, set off

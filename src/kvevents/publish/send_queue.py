@@ -6,52 +6,21 @@
 
 Invariants:
 
-* ``put()`` takes no lock on its fast path (``len`` and ``append`` of a deque are atomic
-  under the GIL) and never waits for the network: encoding and sending happen on the
-  sender thread, with one reused msgspec encoder and non-blocking sends.
-* When ``max_size`` entries are waiting, a batch is dropped and counted, yet it still
-  consumes a sequence number, one that is never sent nor buffered: consumers see the
-  loss as a gap that replay cannot fill. Consecutive drops share one marker in the
-  queue, so a full queue grows by one entry, not one per drop.
+* ``put()`` takes no lock on its fast path (deque ``len`` and ``append`` are atomic under
+  the GIL) and never waits for the network.
+* A batch refused because ``max_size`` entries wait is counted and still takes a
+  sequence number, never sent: consumers see a gap replay cannot fill. Consecutive drops
+  share one marker.
 * Sequence numbers are assigned as entries leave the queue, under the send lock, so they
-  are dense and in queue order. A batch enters the replay buffer *before* its send, so
-  every sequence number sent is replayable while it is in the buffer.
-* With snapshots on, each batch sent is applied to the rank's block set right after its
-  send, with its seq (:mod:`kvevents.publish.block_state`); a drop or a batch that cannot
-  be encoded makes the set inexact, since no consumer can learn what it held.
+  are dense and in order; a batch enters the replay buffer before its send.
 
-The GIL hand-off. CPython lets a thread that never blocks keep the GIL for the whole
-switch interval (5 ms), and a thread that drops it only briefly (the sender does, in
-every ZMQ send) rarely gets it back while another is running. A caller publishing in a
-tight loop would so starve the sender until the queue overflowed; and the sender, once
-running, would keep the caller waiting for the whole backlog. So when the backlog
-reaches ``handoff_backlog`` (256 by default), ``put()`` blocks on an event until the
-sender has emptied the queue, for about 1.5 ms at most: the GIL changes hands once per 256
-batches, at a point chosen here rather than by the interpreter. ``put()`` stays a bare
-append for the other 255 calls.
-
-The sender ends every hand-off itself, not only the caller's timeout: once the queue is
-empty, or once the hand-off's 1.5 ms deadline has passed, it sets the event and then
-blocks until the caller is running again (at most 5 ms, which only a caller the OS keeps
-off its core for that long would take). A timeout alone would not bound the wait: a
-caller whose timeout expires must still take the GIL back, and a sender that drops the
-GIL in every ZMQ send and retakes it at once keeps it from the caller for as long as the
-backlog lasts (CPython only forces a switch when the holder has kept the GIL for a whole
-switch interval, and each retake counts as a switch). So a ``put()`` that hands off
-returns after 1.5 ms and one chunk of sends at worst (about 2 ms), plus however long the
-OS keeps the caller's core from it.
-
-After a hand-off that did not empty the queue (the sender cannot keep up), the next
-one comes only after another ``handoff_backlog`` batches: a sender that cannot keep up
-costs the caller at most one such wait per 256 batches, and the queue fills and drops
-are counted. An engine publishing once per scheduler step never reaches the mark.
-
-Outside a hand-off the sender yields the GIL after each millisecond of continuous work,
-so a long backlog never holds the engine's own threads back for long.
-
-Over 300 lines on purpose: the queue, the drop markers, the sender loop and the GIL
-hand-off are one mechanism whose timing constants tune each other; they are measured
-together (``benchmarks/publisher.py``) and read best together.
+Why a GIL hand-off: CPython lets a thread that never blocks keep the GIL for a whole
+switch interval, so a caller publishing in a tight loop would starve the sender until
+the queue overflowed. When the backlog reaches ``handoff_backlog``, ``put()`` waits (at
+most ``_HANDOFF_TIMEOUT_S``) for the sender to empty the queue; the sender then ends the
+hand-off itself and waits for the caller to run again, because a caller whose timeout
+expired could still not get the GIL back from a sender that retakes it after every send.
+Outside a hand-off the sender yields the GIL after each ``_SLICE_S`` of continuous work.
 """
 
 from __future__ import annotations
@@ -78,13 +47,13 @@ __all__ = ["SendQueue"]
 _SEQ_PACK = struct.Struct(">Q").pack
 _SLICE_S = 0.001  # the sender yields the GIL after this much continuous work
 _YIELD_S = 50e-6  # ... for this long
-# Longest put() waits for the sender to empty the queue. 1.5 ms lets a sender at 5 us a
-# batch (32-block batches here) send the 256 queued in one hand-off, and keeps the
-# worst publish() well under 5 ms; at 1 ms the queue grew (256 did not fit).
+# Longest put() waits for the sender to empty the queue: long enough for the sender to
+# send a whole backlog of 32-block batches in one hand-off (shorter, the queue grows),
+# short enough that the worst publish() stays within a few milliseconds.
 _HANDOFF_TIMEOUT_S = 0.0015
 _RESUME_WAIT_S = 0.005  # longest the sender blocks after a hand-off for the caller to run
 _CHUNK = 32  # entries sent per hold of the send lock
-_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums costs ~0.5 us
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: or-ing zmq's flag enums is a Python call
 _LAST = int(zmq.NOBLOCK)
 
 
@@ -127,7 +96,7 @@ class SendQueue:
         self._pub = pub
         self._state = state
         # pyzmq's Socket.send adds keyword handling in Python on top of the same C call;
-        # the sender calls the C-level method directly (about 0.5 us less per batch).
+        # the sender calls the C-level method directly, skipping that per batch.
         self._send_frame: Callable[[bytes, int], Any] = super(zmq.Socket, pub).send
         self._topic = topic
         self._encode = encode

@@ -7,36 +7,22 @@ accepted wherever ``attn_dp_rank=`` is.
 
 A :class:`ZmqEventPublisher` is three parts, each on its own thread:
 
-* the caller's ``publish(batch)``: a lock-free append; once per 256 waiting batches a
-  wait of at most about 2 ms that hands the GIL to the sender (:mod:`kvevents.publish.send_queue`);
+* the caller's ``publish(batch)``: a lock-free append, with a bounded wait that hands the
+  GIL to the sender when the backlog grows (:mod:`kvevents.publish.send_queue`);
 * the sender thread: sequence number, encoding, replay buffer, then the PUB socket;
   a full queue drops the batch and leaves a sequence gap (same module);
 * the replay thread: answers DEALER requests from the replay buffer on a ROUTER
-  (:mod:`kvevents.publish.replay_server`) and never touches the PUB socket.
+  (:mod:`kvevents.publish.replay_server`), and with ``snapshot=True`` a snapshot request
+  with the rank's current block set (:mod:`kvevents.publish.block_state`).
 
-With ``snapshot=True`` (or ``snapshot_max_blocks=N``; it needs a replay endpoint) the
-sender also keeps the rank's current block set (:mod:`kvevents.publish.block_state`), and
-the replay thread answers a snapshot request with it, so a consumer that joins after the
-replay buffer wrapped, or whose gap replay cannot fill, rebuilds the rank whole.
-
-Exposure: the default ``endpoint`` is SGLang's and vLLM's, ``tcp://*:5557``, bound on
-every interface with no authentication: anyone who can reach the port can subscribe and
-read every batch (each stored block's token ids, from which the prompt text can be
-recovered), and anyone who can reach a replay port can ask for the buffered history. Bind
-a specific address (``tcp://127.0.0.1:5557``, with ``bind=True``) to keep a stream on one
-host or network; ``kvevents engine`` binds loopback unless ``--kv-events-host`` says
-otherwise (docs/security.md).
+Exposure: the default ``endpoint``, SGLang's and vLLM's ``tcp://*:5557``, binds every
+interface with no authentication, and a batch's token ids reveal the prompt text. Bind a
+specific address, or use CURVE keys (:mod:`kvevents.publish.curve_server`), as
+docs/security.md says; ``kvevents engine`` binds loopback unless told otherwise.
 
 Lifecycle: RUNNING from construction (sockets bound, threads started), DRAINING while
 ``shutdown()`` sends what was accepted, CLOSED after. ``shutdown()`` is idempotent and
 bounded by ``shutdown_timeout``; ZMQ gets what is left of it to deliver (linger).
-
-With CURVE keys (``curve_secret_key_file`` or ``curve_secret_key``, plus
-``curve_allowed_keys`` and/or ``curve_allowed_keys_dir``) both sockets are CURVE
-servers that serve only the allowed subscribers (:mod:`kvevents.publish.curve_server`).
-
-Over 300 lines on purpose: the constructor wires the sockets of three threads (and their
-cleanup when one fails), and the factory stays where SGLang's callers import it from.
 """
 
 from __future__ import annotations

@@ -1,41 +1,25 @@
 """Block sizes: what each holder's configuration says, what its events say, and mismatches.
 
-A consumer keys blocks by content over ``block_size`` tokens, so a stream whose blocks
-have another size than expected cannot be matched against requests: a wrong
-``--block-size``, a misread ``/server_info`` or two engines with different page sizes
-would otherwise go unnoticed (every lookup a silent miss). :class:`BlockSizes` holds:
+A consumer keys blocks by content over ``block_size`` tokens, so a stream at another size
+than expected can never match a request: a wrong ``--block-size`` or two engines with
+different page sizes would make every lookup a silent miss. :class:`BlockSizes` holds the
+*expected* size with its source (one for all holders with ``shared=True``, the router's
+case; one per holder for ``kvevents watch``; the first known wins), the sizes a
+configuration, ``/server_info`` or a vLLM's ``/metrics`` *declares*
+(:meth:`BlockSizes.declare`), and the ``block_size`` every stored chain *shows*
+(:meth:`BlockSizes.check`).
 
-* the *expected* size, with where it came from ("router --block-size",
-  "configured for engine X", "/server_info of X", "first events of X"). ``shared=True``
-  (the router: one size keys every request) keeps one expected size for all holders;
-  ``shared=False`` (``kvevents watch``) one per holder. The first size known wins.
-* *declarations*: sizes a configuration, ``/server_info`` or (a vLLM's) ``/metrics``
-  states for a holder (:meth:`declare`);
-* *observations*: ``BlockStored.block_size`` of every stored chain (:meth:`check`).
+Each disagreement is logged once per (holder, source, size), naming both sizes and
+sources, and counted in :attr:`BlockSizes.mismatches`. :meth:`BlockSizes.check` returns
+the batch without the mismatching ``BlockStored`` events: blocks keyed at another size
+are reachable by no request. Offload copies (no tokens) carry no size and pass.
 
-Each disagreement is logged as an error naming the holder, both sizes and both sources,
-once per (holder, source, size), and counted in :attr:`mismatches` (for metrics and
-``/workers``). :meth:`check` returns the batch without the mismatching ``BlockStored``
-events: the router skips them, because blocks keyed at another size are reachable by
-no request and would only fill the index. Offload copies (no tokens) carry no size and
-always pass.
-
-A fleet that changes its block size (engines restarted with another page size) is
-followed when the expected size came from the engines themselves (``/server_info``,
-events or a peer's snapshot), not from an operator's ``--block-size`` or engine
-configuration. A new size is taken when the engines declare it (``/server_info``, or
-``vllm:cache_config_info`` in a vLLM's ``/metrics``) and every holder
-:attr:`followed` names agrees: its own last declaration says it, or, never declared, every
-chain it stored since its last reset (:meth:`forget`) had it. That size becomes the
-expected one, ``on_change`` is called (the router drops what it keyed at the old size)
-and a warning says so. Until then the new size's events are skipped as mismatches.
-Events alone never change the size: one vLLM stream may carry chains of two sizes (a
-model whose KV-cache groups differ in block size), which must not flip it to and fro;
-so an engine that declares no size (a vLLM whose ``/metrics`` states none plainly:
-:func:`kvevents.router.fleet.engines.cache_config_block_size`) is not followed to a new one.
-
-Cost: :meth:`check` is O(events of the batch), and builds a new batch only when an
-event mismatches. Not thread-safe: one consumer thread.
+A fleet restarted at another page size is followed only when the expected size came
+from the engines, not from an operator: once the engines declare the new size and every
+:attr:`BlockSizes.followed` holder agrees, it becomes the expected one and ``on_change``
+lets the router drop what it keyed at the old size. Events alone never change it,
+because one vLLM stream may carry chains of two sizes (KV-cache groups with different
+block sizes). O(events) per batch; not thread-safe.
 """
 
 from __future__ import annotations

@@ -1,35 +1,23 @@
 """Engines described by hand: URL, event endpoints, dp size — for engines without ``/server_info``.
 
-An engine that advertises its streams (our simulated engine, SGLang with the kv_events
-block) is found by discovery (:mod:`kvevents.subscribe.discovery`). Others, vLLM first, need the
-user to say where the streams are. An :class:`EngineSpec` is that description::
+An engine that advertises its streams is found by discovery
+(:mod:`kvevents.subscribe.discovery`); others, vLLM first, need the user to say where the
+streams are. An :class:`EngineSpec` is that description::
 
     EngineSpec(url="http://10.0.0.5:8000", kv_endpoint="tcp://*:5557",
                replay_endpoint="tcp://*:5600", dp_size=2, topic="kv", kind="vllm")
 
-Rank ``r`` publishes on the endpoint offset for ``r`` (:meth:`Endpoint.for_rank`: tcp port
-+ r, ipc/inproc ``_dp{r}``), the replay endpoint likewise; a wildcard host (``*``,
-``0.0.0.0``, ``::``) means the host of the engine URL, as in discovery. Without
-``kv_endpoint`` the spec names an engine to discover; ``block_size`` and ``kind`` then
-still apply (a configured block size is cross-checked against what the engine
-advertises and sends).
+Rank ``r`` publishes on the endpoint offset for ``r`` (:meth:`Endpoint.for_rank`), the
+replay endpoint likewise; a wildcard host means the engine URL's host. Without
+``kv_endpoint`` the spec names an engine to discover, and its ``block_size`` and ``kind``
+still apply. ``snapshot: true`` says the engine's kvevents publisher serves snapshots
+(never for SGLang or vLLM); ``model`` names the models it serves
+(:mod:`kvevents.router.decide.models`). ``kind`` says how a request reaches one rank:
+``vllm`` by the ``X-data-parallel-rank`` header, ``sglang`` and ``kvevents`` by
+``routed_dp_rank`` in the body (``kvevents`` engines also report ``/load``); by default
+``vllm`` when described, ``kvevents`` when discovered.
 
-``snapshot: true`` says the described engine publishes with kvevents' own publisher with
-snapshots on (``"snapshot": true`` in its kv-events config): a gap its replay cannot
-fill is then asked for as the rank's whole state. Leave it out for SGLang and vLLM, whose
-publishers have no such request; a discovered engine says it in ``/server_info``.
-
-``model`` names the models the engine serves (a name, a comma list, or in a file a list
-of names); the router then routes requests for them there without asking the engine
-(:mod:`kvevents.router.decide.models`).
-
-``kind`` says how a request is sent to one rank: ``vllm`` with the HTTP header
-``X-data-parallel-rank``, ``sglang`` and ``kvevents`` (our simulated engine) with
-``routed_dp_rank`` in the JSON body; ``kvevents`` engines also report their load at
-``/load``. When not given: ``vllm`` for a described engine (the engine that needs
-describing), ``kvevents`` for a discovered one.
-
-Specs come from the command line (:mod:`kvevents.cli.engine_args`) or from a file
+Specs come from the command line (:mod:`kvevents.cli.engine_args`) or a file
 (:func:`load_engines_file`, JSON, or TOML on Python 3.11+)::
 
     {"engines": [{"url": "http://127.0.0.1:8000", "kv_endpoint": "tcp://*:5557",

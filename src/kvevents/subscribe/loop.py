@@ -2,26 +2,21 @@
 
 Per stream it holds a :class:`~kvevents.subscribe.stream_sockets.StreamSockets` (SUB socket,
 monitor socket, replay client, tracker, counters). What arrives is fed to the stream's
-:class:`~kvevents.subscribe.stream.StreamTracker`; what the tracker answers is carried out here:
-payloads are decoded into :class:`~kvevents.subscribe.items.Delivery` items, signals passed on,
-replays requested. Everything one poll produced goes to the consumer as one chunk
-through a :class:`~kvevents.subscribe.handoff.Handoff`. The loop also keeps each stream's
-quiet clock (``check_at``): a stream with a replay endpoint asks what follows its last
-seq ``tail_probe`` seconds after its last batch or connection, then every ``idle_check``
-seconds of quiet (why: :mod:`kvevents.subscribe.subscriber`).
+:class:`~kvevents.subscribe.stream.StreamTracker`; what the tracker answers is carried out
+here: payloads decoded into :class:`~kvevents.subscribe.items.Delivery` items, signals
+passed on, replays requested. Everything one poll produced goes to the consumer as one
+chunk through a :class:`~kvevents.subscribe.handoff.Handoff`. The loop also keeps each
+stream's quiet clock (``check_at``) for the tail probes of :mod:`kvevents.subscribe.subscriber`.
 
 Other threads talk to the loop only through :meth:`SubscriberLoop.submit` (a command
 deque plus a wake-up byte on a socketpair the poller watches); every ZMQ socket is
-created, used and closed on the loop's thread.
+created, used and closed on the loop's thread. A socket ZMQ refuses to open is reported
+as ``Unreachable``; it never stops the loop.
 
-Per message cost on the in-order path: three zero-copy frame receives, a frame-shape
-check, one comparison in the tracker, ``decode_batch``, and an append. A socket that
-cannot be opened (ZMQ refuses the address) is reported as ``Unreachable``; it never
-stops the loop.
-
-Over 300 lines on purpose: the socket thread's one poll loop and the handlers of
-everything it polls (live, replay, commands, timers) share its per-stream state; split,
-each handler would reach back into the loop's tables.
+The in-order path per message: three zero-copy frame receives, a frame-shape check, one
+comparison in the tracker, ``decode_batch``, an append. The poll loop and the handlers of
+everything it polls (live, replay, commands, timers) share its per-stream tables, so they
+stay in one module.
 """
 
 from __future__ import annotations
@@ -352,7 +347,7 @@ class SubscriberLoop:
             self._apply(st, st.handshake_done(), now, out)
         skipped, first_reason = 0, ""
         for _ in range(_DRAIN):
-            # Frame by frame without copying: about 3x cheaper than recv_multipart, whose
+            # Frame by frame without copying: cheaper than recv_multipart, whose
             # per-frame RCVMORE getsockopt dominates for small messages.
             try:
                 frame = recv(_NOBLOCK, copy=False)

@@ -1,7 +1,8 @@
 """Per-stream statistics of a subscriber: live counters and a readable snapshot.
 
-:class:`StreamCounters` is written by the socket thread only; :meth:`StreamCounters.snapshot`
-may run on any thread and reads plain ints and floats (each read is atomic under the
+:class:`StreamCounters` is written by the socket thread only; a :class:`StreamStats`
+snapshot of it (:meth:`StreamSockets.stats <kvevents.subscribe.stream_sockets.StreamSockets.stats>`)
+may be taken on any thread and reads plain ints and floats (each read is atomic under the
 GIL, so a snapshot is consistent per field, not across fields).
 
 Rates come from a window of samples the socket thread takes about every

@@ -3,87 +3,57 @@
 A :class:`StreamTracker` is fed what arrived (live messages, replay replies, the replay
 end marker, a replay timeout, connection events) and answers with actions for the
 socket loop: deliver this payload, send this signal, ask for a replay from this seq.
+Keeping it free of sockets and time is what lets every transition be tested alone.
 
 Invariants
 ----------
 * ``last`` is the seq of the last payload handed out (delivered, or reported lost);
-  ``-1`` before the first. Deliveries are strictly increasing in seq and never skip a
-  seq silently: every seq between two deliveries is covered by a :class:`Loss`.
-* While a replay is outstanding (``replaying``), live messages are buffered in arrival
-  order and handed out only after the replay ends, so nothing newer overtakes the
-  missed batches. The buffer is bounded (``max_pending``); overflowing it abandons the
-  replay and reports what it would have filled as lost.
-* Every replay makes progress or ends the gap: when the same replay twice delivered
-  nothing, a remaining gap is reported lost instead of replayed again, so there is no
-  loop. A replay that times out after delivering something (the publisher dropped the
-  rest of its answer) is asked again from where it stopped, at most twice in a row; one
-  that timed out with nothing while live messages wait is asked again once, and so is
-  a verifying one (see below). A gap is signalled once, however often it is asked for.
-* A gap at the very end of a burst shows no symptom until the next message. With a
-  replay endpoint the socket loop calls :meth:`probe` when a stream has been quiet for
-  a while (and again while it stays quiet): a replay from ``last + 1`` that returns
-  only the end marker when nothing was missed. A live message arriving meanwhile
-  cancels the probe (it reveals any gap itself), so probing never holds live messages
-  back.
-* A live connection that comes up (:meth:`on_connected`, the first one included) is
-  checked the same way: batches published before the SUB's subscription took effect
-  (ZMQ's reconnect backoff, the slow joiner) reach nobody live, and a lone one would
-  show no symptom. A replay already out when the connection comes up is taken as the
-  check; if it times out with nothing waiting, the check is asked once more.
+  ``-1`` before the first. Deliveries strictly increase and never skip a seq silently:
+  every seq between two deliveries is covered by a :class:`Loss`.
+* While a replay is outstanding, live messages are buffered in arrival order (at most
+  ``max_pending``; overflowing abandons the replay and reports its gap lost) and handed
+  out after it ends, so nothing newer overtakes the missed batches.
+* Every replay makes progress or ends the gap: a replay that twice delivers nothing has
+  its remaining gap reported lost, a timed-out one is asked again a bounded number of
+  times, and a gap is signalled once however often it is asked for.
+* A gap at the end of a burst, or batches published before the SUB's subscription took
+  effect, show no symptom; so a quiet stream (:meth:`StreamTracker.probe`) and a
+  connection that comes up (:meth:`StreamTracker.on_connected`) ask for a replay from
+  ``last + 1``. A live message arriving meanwhile cancels the probe, so probing never
+  holds live messages back.
 
 Restart detection
 -----------------
-* Live seqs from one publisher only grow. A live seq at or below the highest one seen
-  live (``live_high``) means the publisher started again: :class:`Reset`, at once even
-  while a replay is outstanding (the live messages buffered for it are the old
-  publisher's, and are dropped with the rest of its state). A live seq above
-  ``live_high`` but at or below ``last`` is the late live copy of a batch a replay
-  already delivered, and is skipped.
-* After the connection dropped and came back (``on_disconnected``/``on_connected``), a
-  restarted engine may already have published past ``last`` (seq then looks like it
-  moved forward). With a replay endpoint, the tracker asks for a replay from the last
-  batch it delivered (the anchor) and compares that payload byte for byte: different,
-  or an empty buffer, is a reset; equal means the same publisher continues. The
-  limits: a publisher that no longer buffers the anchor cannot be checked (what was
-  skipped is reported as :class:`Loss`); without a replay endpoint a forward jump after
-  a reconnect is reported as :class:`Loss`, and a reconnect that continues exactly at
-  ``last + 1`` is taken as the same publisher. When the check finds another publisher,
-  the live messages buffered before the drop (the old one's) are dropped; those that
-  came after it are the new one's and follow its replay. A restarted publisher whose
-  payload at the anchor's seq is byte-identical to the old one is not told apart (its batches
-  carry wall-clock timestamps, so this does not happen in practice).
+* Live seqs from one publisher only grow: a live seq at or below the highest seen live
+  (``live_high``) is a new publisher, a :class:`Reset` at once (buffered live messages
+  are the old one's and are dropped). One above ``live_high`` but at or below ``last`` is
+  the late live copy of a replayed batch, and is skipped.
+* After a reconnect a restarted engine may already be past ``last``. With a replay
+  endpoint the tracker replays its last delivered batch (the anchor) and compares it byte
+  for byte: different, or gone from an empty buffer, is a reset. The limits: an anchor
+  no longer buffered cannot be checked (what was skipped is a :class:`Loss`); without
+  replay, a forward jump after a reconnect is a :class:`Loss`, and continuing exactly at
+  ``last + 1`` is taken as the same publisher; a restarted publisher whose batch at the
+  anchor's seq is byte-identical is not told apart (batches carry wall-clock timestamps).
 
 Snapshots
 ---------
-A stream whose publisher advertises snapshots (``has_snapshot``) does not report the
-batches a replay cannot bring (the first seq it returns lies beyond ``last + 1``: the
-buffer wrapped, or the stream joined late) as lost: it drops that replay and asks for the
-rank's whole state (:class:`RequestSnapshot`), live messages still waiting. A complete
-answer at seq ``S`` (:meth:`StreamTracker.on_snapshot`) gives a
-:class:`~kvevents.subscribe.items.Resync` and a :class:`DeliverSnapshot` at ``S``; the
-waiting live messages after ``S`` follow as usual. An answer that does not come whole
-(unavailable, timed out, parts missing: :meth:`StreamTracker.on_snapshot_failed`) falls
-back to what replay gives: a :class:`Loss` up to the first buffered seq, then a replay
-from there; and no snapshot is asked again until a replay ends with batches delivered,
-so a publisher that cannot give one costs one round trip per gap, never a loop.
+With ``has_snapshot``, a replay that cannot reach ``last + 1`` (the buffer wrapped, or a
+late join) is dropped and the rank's whole state asked for (:class:`RequestSnapshot`). A
+complete answer at seq ``S`` gives a :class:`~kvevents.subscribe.items.Resync` and a
+:class:`DeliverSnapshot`; one that fails falls back to what replay gives (a :class:`Loss`,
+then the replay), and no snapshot is asked again until a replay delivers batches, so a
+publisher that cannot give one costs one round trip per gap, never a loop.
 
 Implausible seqs
 ----------------
-A seq is a count of batches published, so it cannot leap: a live seq more than
-:data:`MAX_SEQ_JUMP` (2**40) past the highest one seen, or the replay end marker's value
-``2**64 - 1`` on the live stream, is not taken as a gap or as 1.8e19 lost batches. The
-socket loop asks :meth:`StreamTracker.plausible` before feeding a message that is not
-the next in order, and skips and counts (as a ``Malformed`` signal) a frame that fails
-it; the stream's position is unchanged, so the next real batch follows as usual. 2**40
-batches take 35 years at 1,000 steps per second, so no real gap or late join is refused.
+A seq counts batches published, so it cannot leap: a live seq more than
+:data:`MAX_SEQ_JUMP` (2**40, decades of batches) past the highest seen, or the end
+marker's value on the live stream, is skipped and counted as ``Malformed`` (the socket
+loop asks :meth:`StreamTracker.plausible`), not taken as a gap of 1.8e19 batches.
 
-Cost: the in-order live case is one comparison (:meth:`accept_in_order`); everything
-else is O(1) per message plus O(n) over the buffered messages when a replay ends.
-
-Over 300 lines on purpose: :class:`StreamTracker` is one state machine whose invariants
-(above) hold across all its transitions; split into modules, each transition would be
-checked against invariants written elsewhere. Its action types are the few lines above
-it.
+Cost: the in-order live case is one comparison (:meth:`StreamTracker.accept_in_order`);
+everything else is O(1) per message plus O(buffered messages) when a replay ends.
 """
 
 from __future__ import annotations

@@ -24,52 +24,28 @@ URLs instead: ``Subscriber(engines=["http://127.0.0.1:30000"])``):
 2
 >>> pub.shutdown()
 
-Streams come from engines (their ``/server_info`` is read, retried with backoff until
-the engine answers) and from explicit :class:`~kvevents.subscribe.discovery.StreamSpec` values. One
-stream per holder ``(worker, dp_rank)``. Items are :class:`~kvevents.subscribe.items.Delivery`
-``(holder, seq, batch)``, in sequence order per holder, or signals
-(:mod:`kvevents.subscribe.items`: ``Gap``, ``Loss``, ``Reset``, ``Unreachable``).
+Streams come from engines (``/server_info``, retried with backoff and read again every
+``rediscover_interval``) and from explicit :class:`~kvevents.subscribe.discovery.StreamSpec`
+values, one per holder. Items are :class:`~kvevents.subscribe.items.Delivery` values in seq
+order per holder, or the signals of :mod:`kvevents.subscribe.items`.
 
 Guarantees, per stream: each seq is delivered at most once, in increasing order; a seq
-that is never delivered is covered by a ``Loss``; a gap is replayed (when the stream has
-a replay endpoint) and its batches are delivered before anything newer; a new stream
-with a replay endpoint first replays from seq 0 (slow joiner); a restarted publisher
-gives ``Reset`` before its first batch, and so does an engine that comes back on new
-endpoints (its ``/server_info`` is read again every ``rediscover_interval`` seconds).
-Malformed frames are counted and skipped. An engine that is not up yet is retried with
-backoff and reported (``Unreachable``, :meth:`Subscriber.engines`), never blocking the
-other streams. The limits of restart detection are in :mod:`kvevents.subscribe.stream`.
+never delivered is covered by a ``Loss``; a gap is replayed (with a replay endpoint) and
+delivered before anything newer; a restarted publisher gives ``Reset`` first. A batch a
+SUB missed while it was not yet listening (pods start in any order; ZMQ's slow joiner)
+reaches nobody live and leaves no gap to notice, so a stream asks its replay socket for
+what follows its last seq whenever its connection comes up and while it is quiet
+(``tail_probe``, ``idle_check``). Past the replay buffer, a publisher that advertises
+snapshots is asked for the rank's whole state (``Resync``); from any other, what replay
+no longer holds is a ``Loss``. Without a replay endpoint a missed lone batch goes
+unnoticed until a later one arrives. Restart detection's limits: :mod:`kvevents.subscribe.stream`.
 
-With a replay endpoint, a batch published while a stream's SUB was not listening yet
-is not lost. Pods start in any order: a SUB started before its engine connects only at
-its next reconnect attempt (ZMQ backs off up to ``retry_max`` seconds), and its
-subscription then takes a moment to reach the publisher (slow joiner). Live messages
-sent before that reach nobody, and a lone one leaves no gap to notice. So whenever a
-stream's connection is established (the first time or again), it asks the replay
-socket for everything after the last seq it has (one round trip, the end marker alone,
-when nothing is new); and a quiet stream asks the same ``tail_probe`` seconds after its
-last batch or connection, then every ``idle_check`` seconds while the quiet lasts. A
-batch is thus delivered while the engine's replay buffer still holds it (its last
-``buffer_steps`` batches), and once: replayed seqs the stream has are skipped, and an
-answer from a restarted publisher is a ``Reset`` as above. Past the buffer, a publisher
-that advertises snapshots (a kvevents publisher, ``StreamSpec.snapshot``) is asked for
-the rank's whole state, given as a ``Resync`` and one delivery; from any other, the
-batches replay no longer holds are a ``Loss``. A stream without a replay
-endpoint cannot ask: a batch its SUB missed is a ``Loss`` when a later one arrives, and
-until then (a lone batch, an idle engine) it is missing without a signal.
+A consumer behind by ``max_buffered`` items pauses the socket thread; ZMQ's high-water
+marks then drop live messages, which come back through replay: memory stays bounded.
 
-When the consumer falls behind by ``max_buffered`` items, the socket thread pauses;
-ZMQ's high-water marks then drop live messages, which come back through replay (or are
-reported as ``Loss``): memory stays bounded and nothing is lost silently.
-
-Threads: one socket thread per subscriber (:mod:`kvevents.subscribe.loop`) and one
-discovery thread per engine (:mod:`kvevents.subscribe.engine_watcher`), mostly asleep. Consume from one thread or
-one asyncio task at a time. From asyncio, close with ``await sub.aclose()`` (or leave
-``async with``): the threads are joined off the event loop.
-
-Over 300 lines on purpose: this is the one public class of the consumer side, with its
-runnable example; what it delegates to (the socket loop, discovery threads, hand-off)
-already lives in the modules named above.
+Threads: one socket thread (:mod:`kvevents.subscribe.loop`) and one discovery thread per
+engine (:mod:`kvevents.subscribe.engine_watcher`). Consume from one thread or one asyncio
+task at a time; from asyncio, close with ``await sub.aclose()``.
 """
 
 from __future__ import annotations

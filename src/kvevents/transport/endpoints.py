@@ -7,8 +7,8 @@ fields, never by searching the string for substrings.
 Per-rank offsets follow SGLang: rank ``r`` of a deployment whose base endpoint is
 ``tcp://*:5557`` publishes on ``tcp://*:5557+r``. Unlike upstream:
 
-* port 0 means "the OS picks" and stays 0 for every rank (upstream offset it to 1, 2, …);
-  the publisher reads the real port back after binding;
+* port 0 means "the OS picks" and stays 0 for every rank (upstream offsets it to 1, 2,
+  …); the publisher reads the real port back after binding;
 * ``port + rank`` above 65535 is refused with the range in the message;
 * ipc and inproc endpoints get a ``_dp{rank}`` suffix instead of being refused;
 * a :class:`PortPlan` refuses overlapping live and replay ranges before anything binds;
@@ -19,9 +19,9 @@ Which rank a publisher uses is :func:`select_kv_publisher_dp_rank`
 (docs/architecture.md, "The problem"): the attention-DP rank in DP-attention mode,
 else the DP rank, so both modes span ``0..dp_size-1``.
 
-Over 300 lines on purpose: parsing, per-rank offsets and the port plan are one concept
-(where rank ``r`` publishes) at the bottom layer of the import contract; the plan is the
-only consumer of the parsing rules it would otherwise have to re-derive.
+Parsing, per-rank offsets and the port plan stay in one module: they are one concept
+(where rank ``r`` publishes), and the plan applies the parsing rules rather than
+re-deriving them.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """KV-event payloads: a batch as msgpack bytes, in both event encodings, and back.
 
 A payload is the msgpack of a batch, always a positional array ``[ts, events, dp_rank]``
-(older publishers send ``[ts, events]``). Events come in two encodings and a decoder
+(some publishers send ``[ts, events]``). Events come in two encodings and a decoder
 accepts both, even mixed within one batch:
 
-* **map** (SGLang and vLLM since 2026): ``{"type": "BlockStored", field: value, ...}``.
-  Optional trailing fields whose value is nil are omitted, exactly as SGLang does, so
-  our bytes equal SGLang's for the same batch.
+* **map** (what current SGLang and vLLM send): ``{"type": "BlockStored", field: value,
+  ...}``. Optional trailing fields whose value is nil are omitted, exactly as SGLang
+  does, so our bytes equal SGLang's for the same batch.
 * **array** (older engines): ``["BlockStored", f1, f2, ...]`` in declaration order up to
   ``medium``; after it, each engine's own order (:func:`_stored_layout` tells them
   apart). Trailing fields may be missing (defaults apply) or extra (ignored).

@@ -2,37 +2,29 @@
 
 A router updates one holder's load per event (a request begun or finished, an engine's
 poll) but reads every candidate's on each decision. While the loads hold still a
-:class:`~kvevents.router.decide.scoring.Ranking` answers without looking at them all; a
-relayed request (or a ``/route`` with ``record``) changes them every time, though, and
-in Python every holder then cost about half a microsecond per request, plus the decay
-of every holder's ``recent`` work: 180 us a request at 256 ranks, 600 at 1,024. Here:
+:class:`~kvevents.router.decide.scoring.Ranking` answers without reading them all; a
+relayed request (or a ``/route`` with ``record``) changes them every time, and a Python
+step per holder plus the decay of every holder's ``recent`` work would then grow with the
+fleet on every request. So:
 
-* every holder's load is a row of six floats (routable or not, the engine's requests,
-  this router's requests and blocks in flight, the raw recent work, the requests
-  routed): a Python list per slot, which one Python pass over the candidates reads,
-  and a copy of all of them in one flat float64 table (``_STRIDE`` per slot; only the
-  rows changed since are copied, when it is read), which the native scan
-  (``best_unmatched``, :mod:`kvevents.kernels`) reads when the native core is on and the
-  candidates many (:func:`board_top_scores`);
-* ``recent`` is stored raw, beside one scale that every routed request multiplies by
-  the decay: a holder's recent work is ``raw * scale``, and a request routed adds
-  ``blocks / scale`` to its holder's raw figure, so the decay costs one multiplication,
-  not one per holder. The scale is folded into the raw figures (one pass) before it
-  gets small enough to lose precision.
+* every holder's load is a row of six floats (routable, the engine's requests, this
+  router's requests and blocks in flight, the raw recent work, the requests routed): a
+  Python list per slot for one Python pass over few candidates, and a copy in one flat
+  float64 table (``_STRIDE`` per slot, changed rows copied when read) for the native scan
+  (``best_unmatched``, :func:`board_top_scores`) over many;
+* ``recent`` is stored raw beside one scale that every routed request multiplies by the
+  decay: recent work is ``raw * scale`` and a routed request adds ``blocks / scale``, so
+  the decay is one multiplication, not one per holder. The scale is folded into the raw
+  figures before it gets small enough to lose precision.
 
-The board is a read-only ``Mapping[Holder, HolderLoad]``: what :attr:`Router.loads
-<kvevents.router.decide.router.Router.loads>` shows (``/workers``, the metrics, tests). Each
-``HolderLoad`` it hands out is a new copy, so changing one changes nothing: the router
-changes loads only through the board's methods. Scoring reads
-:meth:`LoadBoard.snapshot`, the same copies until the next change.
-
-The row's first field is 1.0 exactly when the engine says the rank is available and
-the router does not see it stalled (:mod:`kvevents.router.decide.stalls`); the engine's
-word and the stall's causes are kept beside the rows, so either one changing leaves the
-other as it was. The scans, Python and native, read only the row: a stalled holder is
-one they rank last, as a down one, and nothing of the per-request path changes for
-stalls. When no candidate is routable but some are only stalled, the router decides
-again with those rows lifted (:meth:`LoadBoard.lifted`).
+The board is a read-only ``Mapping[Holder, HolderLoad]`` (what :attr:`Router.loads
+<kvevents.router.decide.router.Router.loads>` shows); each ``HolderLoad`` it hands out is a
+copy, so loads change only through the board's methods. A row's first field is 1.0
+exactly when the engine says the rank is available and the router does not see it
+stalled (:mod:`kvevents.router.decide.stalls`); both are kept beside the rows, so the
+scans read only the row and rank a stalled holder last, as a down one. When no
+candidate is routable but some are only stalled, the router decides again with those
+rows lifted (:meth:`LoadBoard.lifted`).
 """
 
 from __future__ import annotations

@@ -2,36 +2,28 @@
 
 Each engine's models come, in this order of preference, from
 
-1. ``model`` in its description (``--engine URL --model NAME[,NAME]``, or ``model`` in an
-   engines file): names of base models, no adapters;
-2. its ``GET /v1/models`` (vLLM and SGLang serve it): every entry's ``id``; an entry
-   whose ``parent`` names another model is a LoRA adapter of it (vLLM lists adapters
-   that way);
+1. ``model`` in its description (``--engine URL --model NAME[,NAME]``, or an engines
+   file): base models only;
+2. its ``GET /v1/models`` (vLLM and SGLang): every entry's ``id``, an entry whose
+   ``parent`` names another model being a LoRA adapter of it;
 3. its ``GET /server_info``: the simulated engine's ``served_model_names`` and
-   ``lora_modules`` (a ``kvevents`` engine is asked only this: ``null`` names mean it
-   takes any model), else SGLang's ``served_model_name`` (with ``model_path`` as root).
+   ``lora_modules`` (``null`` names: it takes any model), else SGLang's
+   ``served_model_name``.
 
-An engine none of these tells about has no model information: it is a candidate for
-every request, whatever its ``model``, and a router where no engine has any behaves
-exactly as one without this module. A request's ``model`` is resolved by
-:meth:`Router.candidates <kvevents.router.decide.router.Router.candidates>`:
+An engine none of these tells about is a candidate for every request, so a router where
+no engine has model information behaves as if models did not exist. A request's
+``model`` (:meth:`Router.candidates <kvevents.router.decide.router.Router.candidates>`):
+none, every engine; a served model, the engines serving it plus those without
+information; a model no engine serves, with every engine's models known,
+:class:`UnknownModelError` (404, listing the models); an adapter's name, the engines
+serving it, and the request is keyed under the adapter (``lora=<name>``), as the engines'
+events key its blocks (``lora_name`` in every ``BlockStored``). A vLLM that sends only
+``lora_id`` keys an adapter by a number ``/v1/models`` does not list: its adapters'
+blocks never match (a miss, never a wrong hit).
 
-* no ``model``: every engine is a candidate (as today);
-* a model some engine serves: the engines serving it, plus those without information;
-* a model no engine serves, with every engine's models known: :class:`UnknownModelError`
-  (the router answers 404, listing the models);
-* an adapter's name (an entry with a ``parent``, on any engine): the engines serving
-  it, and the request is keyed under that adapter (``lora=<name>``), as the engines'
-  events key the adapter's blocks: vLLM (since it sends ``lora_name``) and SGLang
-  both put the adapter's name in every ``BlockStored`` of its blocks, and the index
-  roots a parentless store at ``namespace_key(lora=lora_name)``
-  (:mod:`kvevents.index.prefix_index`). An older vLLM that sends only ``lora_id``
-  keys the adapter by its number, which ``/v1/models`` does not list: such adapters'
-  blocks never match (a miss, never a wrong hit).
-
-``GET /v1/models`` of the router answers the union (:meth:`ModelCatalog.v1_models`) in
+The router's ``GET /v1/models`` answers the union (:meth:`ModelCatalog.v1_models`) in
 vLLM's shape, each model once, with the first engine's ``owned_by``, ``root`` and
-``parent`` for it.
+``parent``.
 """
 
 from __future__ import annotations

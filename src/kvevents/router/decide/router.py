@@ -1,76 +1,37 @@
 """Router: the prefix index, holder loads and the routing decision, usable in-process.
 
-The HTTP service (:mod:`kvevents.cli.router`) is a thin shell around this class;
-a demo or a test may drive it directly: feed it the subscriber's items
-(:meth:`Router.handle`), engines' ``/load`` bodies (:meth:`Router.update_load`), and
-ask :meth:`Router.query` / :meth:`Router.route`. Requests it forwards are bracketed by
-:meth:`Router.begin` and :meth:`Router.finish`, so its own in-flight work counts as load;
-``begin`` also adds the request's prompt to the holder's recent work, the balance term
-of the cost. :meth:`Router.route` alone changes nothing: a caller that routes without
-``begin`` (``POST /route``) gets no balance for those requests.
+The HTTP service (:mod:`kvevents.cli.router`) is a thin shell around this class; a demo
+or a test may drive it directly: feed it the subscriber's items (:meth:`Router.handle`)
+and engines' loads (:meth:`Router.update_load`), ask :meth:`Router.query` /
+:meth:`Router.route`. Requests it forwards are bracketed by :meth:`Router.begin` and
+:meth:`Router.finish`, so its own in-flight work counts as load and the prompt adds to
+the holder's recent work; :meth:`Router.route` alone changes nothing.
 
-Block sizes: the router keys every request with one block size (``block_size``, else
-the first one declared for a holder, else the first one seen in events). Declared
-sizes (configuration, ``/server_info``) and every stored chain are checked against it
-by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a mismatch is logged and counted, and
-mismatching ``BlockStored`` events are skipped (they could never match a request). A
-size that came from the engines follows them: once a ``/server_info`` declares a new one
-and every holder agrees, it is the router's and the index starts over (events alone
-never change it).
+* Block sizes: every request is keyed with one block size, checked against declared and
+  observed ones by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a size that came
+  from the engines follows them, and the index then starts over.
+* Policies: ``kv-aware`` (:mod:`kvevents.router.decide.scoring`) or ``round-robin`` (for
+  comparisons; scores are still computed and reported).
+* Predictions (``prediction_ttl_s``): :meth:`Router.begin` and :meth:`Router.record`
+  predict the request's blocks on the chosen holder (:mod:`kvevents.index.predictions`);
+  a failed :meth:`Router.finish` withdraws them.
+* Signals: a ``reset`` and a ``loss`` both clear the holder's blocks: after a loss the
+  index cannot know which removals it missed, and stale blocks would draw requests
+  again and again, while dropping them costs at most one prefill per prefix. A loss keeps
+  the holder's predictions: they stand for requests this router just sent, which the
+  missed events say nothing of (a router joining a busy engine gets a loss while its
+  first sibling bursts are being routed).
+* Models: ``model`` limits the candidates to the engines serving it, or whose models are
+  unknown (:mod:`kvevents.router.decide.models`); an adapter's name also keys the
+  request under it. Candidates per model are cached until the catalog or holders change.
+* Batches and pools: :meth:`Router.route_batch` puts several prompts on one holder
+  (:mod:`kvevents.router.decide.batch`); :meth:`Router.key_request` and
+  :meth:`Router.route_keyed` choose among a subset, as P/D's pools need.
+* Stalls (``stall_after_s``): a holder whose requests stop completing, or whose engine
+  stops answering, ranks after every available one (:mod:`kvevents.router.decide.stalls`).
 
-Policies: ``kv-aware`` (the cost of :mod:`kvevents.router.decide.scoring`) or ``round-robin``
-(the next available holder in turn, for comparisons; scores are still computed, so the
-decision still reports what each holder had cached).
-
-Predictions: with ``prediction_ttl_s`` set (``kvevents router`` sets it by default,
-``--prediction-ttl``; the class leaves it off), :meth:`Router.begin` and
-:meth:`Router.record` predict the request's blocks on the chosen holder
-(:mod:`kvevents.index.predictions`): a sibling routed before the engine reports them
-counts them at ``weights.predicted_credit``, and :meth:`Router.finish` with
-``failed=True`` withdraws them. ``clock`` (monotonic seconds) times them.
-
-Signals: a ``reset`` (the engine restarted) and a ``loss`` (events that will never
-arrive) both clear the holder's blocks. After a loss the index cannot know which
-removals it missed; keeping the blocks would send requests, again and again, to a rank
-that no longer has them, while dropping them costs at most one prefill per prefix
-until the rank stores it again. A loss keeps the holder's predictions (a reset drops
-them, with the engine's requests): they stand for requests this router sent in the
-last seconds, and the missed events say nothing of those. A router that joins a busy
-engine reports a loss for the history the engine can no longer replay, often while
-the first requests are already routed; dropping their predictions there split
-sibling bursts.
-
-Models: :attr:`Router.models` (:class:`~kvevents.router.decide.models.ModelCatalog`, fed by
-:mod:`kvevents.router.fleet.engines`) says which engine serves which model. ``model`` given
-to :meth:`Router.query`, :meth:`Router.route` or :meth:`Router.route_batch` limits the
-candidates to the holders of engines serving it (and of engines whose models are
-unknown); they are then matched and scored exactly as every holder is without a model.
-A model naming a LoRA adapter also keys the request under it (``lora=<name>``, unless
-``lora`` is given). An unknown model raises
-:class:`~kvevents.router.decide.models.UnknownModelError`. Candidates per model are cached
-until the catalog or the set of holders changes, so a request with a model costs one
-dict lookup more than one without.
-
-Batches: :meth:`Router.route_batch` places several prompts (one ``/v1/completions``
-request) on one holder, the one whose summed per-prompt cost is lowest
-(:func:`~kvevents.router.decide.batch.combine_scores`).
-
-Pools: :meth:`Router.key_request` keys and matches a request once, and
-:meth:`Router.route_keyed` chooses among any subset of its candidates, as
-:meth:`Router.route_batch` chooses among all of them (disaggregated serving's prefill
-and decode pools, :mod:`kvevents.router.decide.pd`).
-
-Stalls: with ``stall_after_s`` set (``kvevents router`` sets it by default,
-``--stall-after``; the class leaves it off), a holder whose requests begun here stop
-completing for that long, or whose engine's load poll stops answering, is stalled
-(:mod:`kvevents.router.decide.stalls`): ranked after every available holder, and chosen
-only when no candidate is otherwise available (the decision is then made again with the
-stalled ones counted available). It is routable again once a request there is answered.
-
-Not thread-safe: call it from one thread (the service uses its event loop).
-
-Over 300 lines on purpose: Router is the consumer side's one in-process decision object:
-feeding, deciding, in-flight bookkeeping and peers' notes all update the same loads.
+Feeding, deciding, in-flight bookkeeping and peers' notes all update the same loads, so
+they stay on one class. Not thread-safe: call it from one thread (the service's loop).
 """
 
 from __future__ import annotations

@@ -14,80 +14,50 @@ For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefi
     balance(h) = recent(h) - min(recent(a) for every available holder a)
     cost(h)    = prefill(h) + load_weight * pending(h) + balance_weight * balance(h)
 
-``prefill`` is the blocks the holder must compute for this request (a block served
-from CPU still costs a quarter of its prefill by default). ``predicted`` is the blocks
-that predictions (:mod:`kvevents.index.predictions`) add to the holder's confirmed
-prefix: a sibling of a request just sent there counts its shared prefix as (almost)
-cached, so the cost, not a rule, decides between the prefix and the holder's load. ``pending`` is the work
-queued on the holder now, in blocks: the uncached blocks of requests this router sent
-and has not seen finish, plus the requests the engine reports running or waiting
-(``/load``, or vLLM's ``/metrics``) that this router did not send, each counted as
-``foreign_request_blocks``. Those are counted as of the engine's last poll: the
-requests this router begins and ends between two polls move ``engine_requests`` with
-``inflight_requests`` (:meth:`LoadBoard.add_inflight
-<kvevents.router.decide.load_board.LoadBoard.add_inflight>`), so a request that has just
-ended is not taken for a foreign one until the next poll.
+``prefill`` is the blocks the holder must compute; ``predicted`` the blocks predictions
+(:mod:`kvevents.index.predictions`) add to its confirmed prefix, so the cost, not a rule,
+weighs a sibling's shared prefix against the holder's load. ``pending`` is the work queued
+there now: the uncached blocks of this router's requests in flight, plus the requests the
+engine reports (``/load``, vLLM's ``/metrics``) that this router did not send, each
+``foreign_request_blocks``; requests begun and ended between two polls move
+``engine_requests`` with ``inflight_requests`` (:meth:`LoadBoard.add_inflight
+<kvevents.router.decide.load_board.LoadBoard.add_inflight>`). ``recent`` is the prompt
+blocks this router sent the holder, halved every ``balance_half_life`` requests routed.
 
-``recent`` is the work this router gave the holder lately: the prompt blocks of each
-request sent to it, halved every ``balance_half_life`` requests routed (to any
-holder). ``pending`` alone vanishes between requests: with one request in flight at a
-time every holder looks idle, so the holder of the one block all of a trace's requests
-share (a system prompt) wins every new conversation, and one rank's cache takes the
-whole workload while the others stay empty (a real vLLM with DP 2 then hit less than
-round-robin). ``recent`` does not vanish: new conversations, which tie on the shared
-block, go to the holder with the least recent work, while a follow-up whose long
-prefix is cached stays with its holder unless that holder's excess of recent work,
-times ``balance_weight``, outweighs the prefix.
+Why ``balance``: ``pending`` vanishes between requests, so with one request in flight
+every holder looks idle and the holder of a block every request shares (a system prompt)
+wins every new conversation, until one rank's cache takes the whole workload. ``recent``
+does not vanish: new conversations go to the holder with the least recent work, and a
+follow-up stays with its holder unless that holder's excess, times ``balance_weight``,
+outweighs its cached prefix. The choices behind the defaults (``benchmarks/routing_weights.py``
+replays them over several scenarios):
 
-Defaults and choices, measured with ``benchmarks/routing_weights.py`` (the offline
-replay of :mod:`kvevents.demo.offline` on seven scenarios: the demo's, one request at a
-time, 8 ranks, Mooncake's synthetic trace, the real-vLLM workload) and ``kvevents demo``:
+* ``load_weight`` is small because ``pending`` counts a prompt for as long as its request
+  runs, though its prefill ends after the first step: a large weight lets any request in
+  flight outweigh a cached conversation; not 0, so queues and other routers' requests
+  still break ties.
+* ``recent`` counts whole prompts, not their uncached part: a running request holds KV
+  memory for its whole prompt and refreshes all of it in the holder's LRU.
+* Decay per request routed, not per second: the balance means the same at any
+  concurrency and engine speed, and idle time, when no cache changes, does not erase it.
+* A continuous term, not a guard that routes by load alone past thresholds (SGLang's
+  router): the guard also ends the collapse but gives up more prefix hits, and adds two
+  thresholds to tune.
 
-* ``load_weight`` 0.1 (it was 1.0): ``pending`` counts a request's uncached prompt for
-  as long as it runs, though its prefill ends after the first step, so at 1.0 any
-  request in flight outweighs a cached conversation (86% of the pooled bound on the
-  demo's replay; 77% measured by ``kvevents demo``), and 0.5 already misses 90% in
-  places. 0 scores as well as 0.1 in the replay, which models no queueing, but would
-  ignore queues and other routers' requests altogether; 0.1 keeps them as tie-breakers.
-* ``balance_weight`` 0.05 and ``balance_half_life`` 64: at least 98% of the bound and
-  load max/min <= 1.12 in every scenario; 0.02-0.1 and 32-128 all stay >= 95% and
-  <= 1.14, so the choice is not a knife edge.
-* ``recent`` counts whole prompts, not only their uncached part: a running request
-  holds KV memory for its whole prompt and refreshes every block of it in the
-  holder's LRU, so prompt blocks are the holder's share of cache and memory. Counting
-  prefill blocks only balanced worse (tokens served max/min up to 1.38 with 8 ranks).
-* Decay per request routed, not per second: the balance then means the same at one
-  request in flight as at 32, on a fast engine as on a slow one, and idle time (when
-  no cache changes) does not erase it.
-* A continuous term rather than a guard that routes by load alone once the imbalance
-  passes absolute and relative thresholds (as SGLang's router does): in the same
-  replay the guard also ended the collapse but gave up more prefix hits (92% of the
-  bound at 32 in flight), and adds two thresholds to tune.
+The lowest cost wins; ties go to the lower ``pending``, then the lower ``recent``, then
+the holder sent fewer requests so far, then the earlier holder. Holders reported down or
+seen stalled (:mod:`kvevents.router.decide.stalls`) rank after every other, whatever
+their cost.
 
-The lowest cost wins; ties go to the lower ``pending``, then the lower ``recent`` (new
-conversations that tie on a shared prefix spread by work, not by request count), then
-to the holder this router has sent fewer requests so far, then to the earlier holder.
-Holders the engine reports down, and those the router sees stalled (their requests stopped
-completing: :mod:`kvevents.router.decide.stalls`), rank after every other, whatever
-their cost; the router chooses a stalled one only when no candidate is otherwise available.
-
-:func:`score` and :func:`choose` are pure functions, O(holders) per decision. The
-router keeps its loads in a table (:mod:`kvevents.router.decide.load_board`), where a routed
-request decays every holder's ``recent`` in O(1), and while the loads change under
-every request (relayed ones) it takes the best few from one compiled scan of it
-(:func:`~kvevents.router.decide.load_board.board_top_scores`, ``score(...)[:top]`` exactly).
-
-:class:`Ranking` answers the best few of :func:`score`'s list, exactly, without scoring
-every holder: a holder that caches nothing of the request (no match, no prediction)
-costs ``prefill = n`` plus a part that depends on its load alone, so those holders rank
-among themselves as that part does, whatever the request. A Ranking sorts the holders by
-it once (O(holders log holders)); each request then scores only the holders it matched
-and adds the ``top`` best holders as if nobody had matched (a match only lowers a cost,
-so the rest of the answer is among them), O(matched + top). Those are scored once per
-request size and kept, the same objects from request to request. The router keeps a
-Ranking until the loads change (:meth:`~kvevents.router.decide.router.Router.route` with
-``top``): across a fleet of 64 ranks, a ``/route`` answer no longer costs a Python step
-per rank, and on a fleet of any size the holders that cache nothing cost none.
+:func:`score` and :func:`choose` are pure functions, O(holders). While the loads change
+under every request (relayed ones), the router takes the best few from one native scan of
+its load table (:func:`~kvevents.router.decide.load_board.board_top_scores`, exactly
+``score(...)[:top]``). While they hold still, a :class:`Ranking` answers the same without
+scoring every holder: a holder that caches nothing of the request costs ``n`` plus a part
+fixed by its load, so those holders rank among themselves the same for every request. A
+Ranking sorts them once (O(holders log holders)); a request then scores its matched
+holders and adds the ``top`` best unmatched ones (a match only lowers a cost, so the rest
+of the answer is among them), O(matched + top).
 """
 
 from __future__ import annotations

@@ -1,52 +1,31 @@
 """Stalled holders: ranks whose requests stop completing, or whose engine stops answering.
 
-A rank can stop without dying: its process stopped (SIGSTOP), a device hung, a
-scheduler stuck behind one step. Its engine may say nothing of it for a while (the
-simulated engine's ``/load`` waits a second for the rank before it reports it down; a
-vLLM's ``/health`` answers for the whole engine), and meanwhile a loaded router fills
-the rank with requests: its cached prefixes keep it the cheapest holder for theirs, and
-its share of recent work, which only decays while it serves nothing, makes it the
-cheapest for new ones. The router's own requests tell sooner.
+A rank can stop without dying (SIGSTOP, a hung device, a stuck scheduler) while its
+engine says nothing for a while, and meanwhile a loaded router fills it: its cached
+prefixes keep it the cheapest holder for theirs, and its recent work, decaying while it
+serves nothing, makes it the cheapest for new ones. The router's own requests tell sooner.
 
-:class:`StallWatch` counts, per holder, the requests this router sent there and has not
-seen end (:meth:`Router.begin <kvevents.router.decide.router.Router.begin>` to
-:meth:`~kvevents.router.decide.router.Router.finish`), and when the holder last
-*progressed*: when it became busy (a first request in flight) or a request there ended
-with the engine's answer. A holder with requests in flight that has not progressed for
-the *stall time* is stalled, cause :data:`REQUESTS`: the oldest of its requests is
-older than that, and none ended since. It is routable again as soon as a
-request there ends answered, or once none is in flight there any more (they failed or
-were given up: nothing then says it is still stuck, and the next request sent there
-finds out, as a half-open circuit breaker does).
+:class:`StallWatch` counts, per holder, the requests this router has in flight there and
+when the holder last *progressed* (became busy, or answered a request). A busy holder
+that has not progressed for the *stall time* is stalled (cause :data:`REQUESTS`) until a
+request there ends answered or none is in flight (then the next request finds out, as a
+half-open circuit breaker does). The stall time is ``stall_after_s`` at most and
+:data:`STALL_FACTOR` times the typical request duration when requests are fast (never
+under :data:`STALL_FLOOR_S`), because a stopped rank fills up within a few request
+durations; the typical duration is a running average over answered requests, each
+clipped at :data:`_CLIPPED` times it, so a resumed rank's stuck requests barely move it.
+A rank busy with one unusually long request may be taken for stalled: it then loses its
+share of new requests for that long, never a request.
 
-The stall time (:attr:`StallWatch.after_s`) is ``stall_after_s`` at most, and less when
-requests are fast: :data:`STALL_FACTOR` times their typical duration, at least
-:data:`STALL_FLOOR_S`. Under load a stopped rank fills up within a few request
-durations, not within a fixed second, so the time to notice it must shrink with them
-(``benchmarks/rank_stall.py`` stops one rank of four under 32 clients). The typical
-duration is a running average of the durations of answered requests, over every holder
-(a stalled holder has none to add), each taken at most :data:`_CLIPPED` times the
-average, so that the stuck requests a rank answers at once when it resumes barely move
-it. A rank busy with one request much longer than the others may be taken for stalled:
-it is then passed over until that request ends, which costs it its share of new
-requests for that long, never a request failed.
+An engine whose load poll has gone unanswered for :attr:`StallWatch.engine_after_s`
+(:mod:`kvevents.router.fleet.engines`) has every rank stalled (cause :data:`ENGINE`): a
+whole engine stopped, with no request in flight there to tell. The margin over
+``stall_after_s`` is the engine's own wait before it reports a stopped rank down.
 
-An engine whose load poll has had no answer for :attr:`StallWatch.engine_after_s`
-seconds (:mod:`kvevents.router.fleet.engines`) has every rank stalled, cause
-:data:`ENGINE`, until it answers again: a whole engine stopped, with no request of this
-router in flight there to tell. The margin over ``stall_after_s`` is the engine's own
-wait: the simulated engine's ``/load`` takes up to a second to report a stopped rank
-down, which is the engine answering, not the engine stalled.
-
-A stalled holder ranks with the unavailable ones (:mod:`kvevents.router.decide.load_board`):
-never chosen while a candidate is available and not stalled, and chosen among the
-stalled ones, by cost, when none is: a fleet whose requests are all slower than
-``stall_after_s`` is stalled everywhere by this rule, and must still route.
-
-What it costs a request: a clock read at begin and at finish, and one comparison of the
-clock with :attr:`StallWatch.due` (the earliest moment a busy holder can become
-stalled) per decision. Only past it are the busy holders scanned, O(busy holders), and
-a stall changes one row of the board, which the routing scans read anyway.
+A stalled holder ranks with the unavailable ones (:mod:`kvevents.router.decide.load_board`),
+and is chosen by cost only when no other candidate is available: a fleet whose requests
+are all slow must still route. Per request it costs two clock reads and one comparison
+with :attr:`StallWatch.due`; only past it are the busy holders scanned.
 """
 
 from __future__ import annotations

@@ -2,63 +2,35 @@
 
 One :func:`watch_engine` task per engine, until the service stops:
 
-1. Register the engine's holders with the router. A described engine
-   (:attr:`EngineSpec.described <kvevents.subscribe.engine_spec.EngineSpec.described>`) has its ranks
-   from the spec; its ``/server_info`` is then read once, best effort, only to cross-check
-   a block size it may advertise (vLLM has none). A discovered engine is registered from
-   its ``/server_info``, or a vLLM's ``/kv_event_sources`` (retried until one answers). A configured block size and the
-   advertised one are both declared to the router, which checks them
-   (:mod:`kvevents.subscribe.block_sizes`).
-2. Every ``interval`` seconds: ``kvevents`` engines report per-rank load and
-   availability at ``GET /load`` (a rank is routable exactly when that says so);
-   ``vllm`` and ``sglang`` engines are asked ``GET /health`` (200 = every rank
-   available), and ``vllm`` engines also ``GET /metrics``: the gauges
-   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, labelled
-   ``engine="r"`` for data-parallel rank ``r``, are each rank's load. That load counts
-   requests other routers and clients sent, which the router's own in-flight count
-   cannot see. Metrics are best effort: a vLLM whose ``/metrics`` fails or lacks the
-   gauges is still available, with only this router's requests as its load, and
-   :attr:`EngineState.load_source` says which applies. The router's own in-flight
-   requests count as load for every kind. The same scrape's ``vllm:cache_config_info``
-   states each rank's block size (:func:`cache_config_block_size`); it is declared to
-   the router as ``/server_info``'s is, so a vLLM known by URL that comes back at
-   another block size is followed to it.
+1. Register the engine's holders. A described engine
+   (:attr:`EngineSpec.described <kvevents.subscribe.engine_spec.EngineSpec.described>`)
+   has its ranks from the spec, its ``/server_info`` read once only to cross-check a
+   block size; a discovered one is registered from its ``/server_info`` or a vLLM's
+   ``/kv_event_sources``, retried until one answers. Block sizes are declared to the
+   router, which checks them (:mod:`kvevents.subscribe.block_sizes`).
+2. Every ``interval`` seconds, poll its load: ``kvevents`` engines answer ``GET /load``
+   per rank; ``vllm`` and ``sglang`` engines ``GET /health`` (200: every rank available),
+   and ``vllm`` engines also ``GET /metrics`` (``vllm:num_requests_running`` and
+   ``_waiting`` per ``engine="r"`` label, best effort, which counts the requests other
+   routers sent; :attr:`EngineState.load_source` says which applies; its
+   ``vllm:cache_config_info`` declares the block size, so a restart at another is followed).
+3. Read its models (:mod:`kvevents.router.decide.models`) at registration, every
+   :data:`MODELS_RECHECK_S`, and when it answers again after failing; a failed read keeps
+   what was known (:attr:`EngineState.models_error`) and never makes it unavailable.
 
-3. The engine's models (:mod:`kvevents.router.decide.models`): from the description's
-   ``model``, else its ``GET /v1/models``, else its ``/server_info``; read at
-   registration, again every :data:`MODELS_RECHECK_S` seconds (``models_interval``), and at once when the
-   engine answers again after failing (it may have restarted serving another model).
-   A failed read keeps what was known and is kept in :attr:`EngineState.models_error`;
-   it never makes the engine unavailable.
+Failures: a poll unanswered for the stall watch's ``engine_after_s``
+(:mod:`kvevents.router.decide.stalls`) stalls the engine's ranks, since a stopped engine
+still accepts connections; a read timeout after the engine accepted the request keeps
+the ranks as last known for up to :data:`SLOW_POLLS_TOLERATED` polls in a row
+(:attr:`EngineState.slow`), as a loaded engine is slow, not dead; any other error (a
+refused connection, a 401 or 403 for a missing ``--engine-api-key``) marks the ranks
+unavailable at once, is kept in :attr:`EngineState.error` and logged once. Errors never
+end the task.
 
-A load poll with no answer for the router's stall watch's ``engine_after_s`` (2 s by
-default; :mod:`kvevents.router.decide.stalls`) stalls the engine's ranks: no new request
-goes there while another engine's rank can take it. Any answer ends that stall. A whole
-engine stopped (its process, every rank) still accepts connections, so only this notices
-it before the poll's timeout.
-
-A slow answer is not a dead engine: a load poll that times out *after the engine accepted
-the request* (a read timeout: a loaded engine, or one whose ``/load`` waits on a busy
-rank) keeps the ranks as last known, up to :data:`SLOW_POLLS_TOLERATED` polls in a row;
-:attr:`EngineState.slow_polls` and :attr:`EngineState.slow` say so in ``/workers``. One
-more in a row is an error like any other. A refused or reset connection, or a connect
-timeout, is an error at once.
-
-The load polls, twice a second per engine by default, go through the router's own
-engine client (:meth:`Upstream.get <kvevents.http.upstream.Upstream.get>`, the
-connections requests are forwarded on); registration and the models, read rarely, go
-through httpx. Measured in one process with a minimal asyncio server answering, a poll
-cost 0.9-1.0 ms of CPU through httpx (four failed imports of ``sniffio`` among it, before
-it became a dependency) and 40-60 us through :class:`~kvevents.http.upstream.Upstream`:
-CPU the router's event loop spends away from ``/route`` once per engine every half second.
-
-Errors never end the task: they mark the engine's ranks unavailable, are kept in
-:attr:`EngineState.error` for ``/workers`` and logged (once per new error). An engine
-that answers 401 or 403 (it requires an API key, and the router's ``--engine-api-key`` is
-missing or wrong) is such an error, worded as one.
-
-Over 300 lines on purpose: registration, the load poll of each engine kind, the models
-and the poll loop's error handling are one conversation with one engine, read together.
+The polls go through the router's own engine client
+(:meth:`Upstream.get <kvevents.http.upstream.Upstream.get>`): they run on the event loop
+that answers ``/route``, where a general-purpose client's per-request cost would show;
+registration and models, read rarely, use httpx.
 """
 
 from __future__ import annotations

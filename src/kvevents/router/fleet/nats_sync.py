@@ -1,51 +1,32 @@
 """Load notes across machines over NATS Core (``kvevents router --sync nats://HOST:PORT``).
 
-Router replicas on different machines each follow every engine and keep their own
-index; what they share is in-flight load, the :class:`~kvevents.router.fleet.peers.LoadNote`
-of :mod:`kvevents.router.fleet.peers`, under one NATS subject per router group
-(``--sync-subject``; by default derived from the engines followed, :func:`default_subject`,
-so replicas of one fleet meet without configuration). NATS Core is at-most-once, which
-is what the notes need: a lost note only ages out (its ttl).
+Router replicas on different machines each follow every engine and keep their own index;
+they share in-flight load, the :class:`~kvevents.router.fleet.peers.LoadNote` of
+:mod:`kvevents.router.fleet.peers`, under one subject per router group (``--sync-subject``,
+by default derived from the engines followed: :func:`default_subject`). NATS Core is
+at-most-once, which is what the notes need: a lost note only ages out.
 
-Trust. Each replica publishes on ``<group subject>.<NAME>`` (its replica name,
-``--sync-name``: :mod:`kvevents.router.fleet.senders`) and hears ``<group subject>.*``;
-every note it hears is handed on with the last token of its subject, and a note whose
-sender is not of that replica is dropped as malformed. A NATS server that lets each
-replica's credentials publish on its own subject only therefore keeps any credential
-holder from speaking for another replica (docs/security.md). Credentials and TLS come
-from :class:`~kvevents.router.fleet.sync_security.SyncSecurity`; with a ``tls://`` URL or
-a TLS option the connection is TLS or nothing (:mod:`kvevents.router.fleet.nats_link`).
+Trust: each replica publishes on ``<group subject>.<NAME>`` (:mod:`kvevents.router.fleet.senders`)
+and hears ``<group subject>.*``; a note whose sender is not the subject's last token is
+dropped, so NATS permissions per subject keep a credential from speaking for another
+replica (docs/security.md). Credentials and TLS: :mod:`kvevents.router.fleet.sync_security`,
+and a TLS connection is TLS or nothing (:mod:`kvevents.router.fleet.nats_link`).
 
-:class:`NatsNoteTransport` is a :class:`~kvevents.router.fleet.peers.NoteTransport`. The hot
-path never waits for NATS: :meth:`~NatsNoteTransport.send` appends to a bounded queue
-that a task publishes from. That task waits ``batch_window`` seconds (default 5 ms)
-after the first note and then publishes everything queued as one NATS message: one
-publish, and one socket write, costs about 60 us of CPU in nats-py, which per note
-was about a tenth of a ``/route`` request's CPU (``kvevents bench router``); per batch it
-is shared by every note of the batch. A batch of several notes is a msgpack array of
-the encoded notes (each a msgpack ``bin``); a lone note goes as itself, so a receiver
-takes either (:func:`split_notes`). Load notes a few milliseconds late change nothing
-that matters: the engines' own load reports are slower. While NATS is unreachable (at start, or after it went
-away) notes are dropped and counted, not buffered (stale notes would only arrive
-late), the replica routes on its own knowledge, and :meth:`~NatsNoteTransport.status`
-says so (``/workers`` ``process.sync``, the ``kvevents_router_sync_connected`` metric);
-nats-py reconnects by itself, every ``reconnect_wait`` seconds, and the subscription
-comes back with the connection. A connection that goes silent without closing (a network
-partition) is noticed by its unanswered pings, within seconds (:data:`PING_INTERVAL`).
+The hot path never waits for NATS: :meth:`~NatsNoteTransport.send` appends to a bounded
+queue; a task publishes everything queued ``batch_window`` seconds after the first note as
+one message (a msgpack array of notes, or a lone note as itself: :func:`split_notes`),
+because one nats-py publish costs a real share of a ``/route`` request's CPU and a
+batch shares it. Notes a few milliseconds late change nothing: engines' load reports are
+slower. While NATS is unreachable notes are dropped and counted, not buffered (stale
+notes would arrive late), and :meth:`~NatsNoteTransport.status` says so; nats-py
+reconnects by itself, and a silent connection is noticed by unanswered pings
+(:data:`PING_INTERVAL`).
 
-Notes can also be lost on the way in: when this replica reads its subscription more
-slowly than peers publish (a burst while its event loop is busy), nats-py drops the
-messages that no longer fit its pending queue (a *slow consumer*), each one note or a
-batch of them. A lost ``finish`` would leave a peer's finished request in flight here
-until its ttl, a lost ``begin`` would hide one. Each dropped message is counted
-(``missed`` in :meth:`~NatsNoteTransport.status`, the
-``kvevents_router_sync_missed_messages`` metric), and once the drops stop
-(:data:`RESYNC_DELAY` without one, or :data:`RESYNC_INTERVAL` after the first) the
-replica starts again from what is true now, as after a lost link: it drops the peers'
-load it heard over NATS and says hello, so every peer sends its requests in flight
-again (at most once a :data:`RESYNC_INTERVAL`).
-
-Needs the optional ``nats-py`` package: ``pip install 'kvevents[sync]'``.
+A replica that reads more slowly than peers publish loses messages in nats-py (a *slow
+consumer*), and a lost ``finish`` or ``begin`` would skew the load until its ttl. Each
+loss is counted (``missed``), and once the losses stop (:data:`RESYNC_DELAY`, at most
+once a :data:`RESYNC_INTERVAL`) the replica drops the peers' load it heard over NATS and
+says hello, so every peer sends its requests in flight again. Needs ``kvevents[sync]``.
 """
 
 from __future__ import annotations

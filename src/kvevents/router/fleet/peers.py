@@ -1,63 +1,35 @@
 """Load notes between router processes, so N routers balance like one.
 
-Each router process keeps its own index (every one follows every engine's streams), but
-the load terms of the cost (:mod:`kvevents.router.decide.scoring`) are about *requests*, which
-each process sees only for itself. So every process tells the others, in a note, each
-request it routes and each that ends:
+Each router process keeps its own index, but the load terms of the cost
+(:mod:`kvevents.router.decide.scoring`) are about *requests*, which each sees only for
+itself. So every process tells the others, in a note, each request it routes and ends:
+``routed`` (a ``/route`` with ``record``: the holder's recent work grows), ``begin`` (a
+forwarded request: recent work grows and its uncached blocks are in flight until its
+``finish``), ``finish`` (answered or failed).
 
-* ``routed``: a decision someone else forwards (``/route`` with ``record``): the
-  holder's ``recent`` work grows by the prompt's blocks, as for a local decision;
-* ``begin``: a request this process forwards: ``recent`` grows, and the request's
-  uncached blocks are in flight on the holder until its ``finish`` note;
-* ``finish``: the forwarded request ended (answered or failed).
+What a note does is :class:`LoadNotes`; how it travels is a :class:`NoteTransport`.
+Within one ``--workers`` group: ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the
+parent makes (:class:`ZmqNoteTransport`, :class:`PeerNotes`), a non-blocking send on the
+hot path; across machines, NATS (:mod:`kvevents.router.fleet.nats_sync`).
 
-What a note does is :class:`LoadNotes`; how it travels is a :class:`NoteTransport`,
-and one :class:`LoadNotes` may send on and hear from several. Within one ``--workers``
-group the transport is ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the parent
-process makes (:class:`ZmqNoteTransport`: one PUB per process, bound; one SUB per
-process, connected to every other), so notes never leave the machine and cost a
-non-blocking send on the hot path; :class:`PeerNotes` is that pairing. Across machines
-it is NATS (``kvevents router --sync``, :mod:`kvevents.router.fleet.nats_sync`).
+Best effort, never double-counted: every ``begin`` carries a ``ttl`` after which it is
+dropped even without its ``finish``, so a dead peer's load goes with it; a duplicated
+``begin`` or ``routed``, a ``finish`` without its ``begin`` and a ``begin`` after its
+``finish`` change nothing. A process ignores its own notes. A note with a negative count
+or rank, non-finite blocks, more than one request can carry, or a ``begin`` past
+:data:`MAX_PEER_INFLIGHT` is counted ``malformed`` and ignored; so is one whose sender is
+not of the replica it came from (:func:`~kvevents.router.fleet.senders.bus_name`), so
+nobody speaks, or says ``hello``, for a replica but that replica.
 
-Best effort: a note that is lost only leaves load that ages out, because every
-``begin`` carries a time-to-live (``ttl``) after which the receiver drops it even
-without a ``finish``; so a peer that dies takes its in-flight load with it after at
-most ``ttl`` seconds. A process ignores its own notes. Each note counts once: a
-duplicated ``begin`` or ``routed`` (``routed`` notes carry a negative note number for
-this), a ``finish`` whose ``begin`` never came, and a ``begin`` arriving after its own
-``finish`` change nothing; what is remembered for that is forgotten after ``ttl``. A note
-with a negative count or rank, or non-finite blocks, is counted ``malformed`` and ignored;
-so is one claiming more than one request carries (more blocks than the router's largest
-request makes at its block size, a rank past :data:`MAX_DP_RANK`) or a ``begin`` past
-:data:`MAX_PEER_INFLIGHT` requests of its replica (``oversized``).
-
-Who a note speaks for. A transport hands each note on with its origin: over NATS the
-replica whose subject it came on (:mod:`kvevents.router.fleet.nats_sync`). A note whose
-sender is not of that replica (:func:`~kvevents.router.fleet.senders.bus_name`), or that
-came on this replica's own subject from another process, is ``malformed`` (``forged``)
-and changes nothing: with NATS permissions that let each replica publish on its own
-subject only, nobody can speak, or say ``hello``, for a replica but that replica.
-
-A restarted peer. A sender id may name its seat and its run, ``SEAT#RUN``
-(:func:`~kvevents.router.fleet.senders.sender_id`; a ``--workers`` process's seat is its
-group and index). The first note of a new run drops the in-flight requests of the run
-before it in that seat (it died: they will never finish, and would count until their
-``ttl``; runs that end in their start time are ordered by it, so a dead run's late note
-heard after its replacement's changes nothing), and the first note of any sender never
-heard before makes this process send ``begin`` again for each request it has in flight:
-the newcomer did not hear the first ones, and the others take the copies as the
-duplicates they are.
-
-A lost link. A transport that can lose its connection (NATS: :class:`SyncTransport`'s
-``on_link``) says so: while it is down, the notes of the requests heard over it (their
-finishes too) are lost, so this router drops the peers' in-flight requests it learned
-over it (counted ``reset``) rather than keep them up to their ``ttl``. Once it is up
-(the first connection too, so a replica that just started hears of the requests already
-in flight before it routes any), this router sends a ``hello`` over it and then ``begin``
-again for each request it has in flight; a peer hearing ``hello`` from a sender it knows drops that sender's requests
-(``reset``: their finishes may have been lost) and sends its own ``begin`` again, so both
-sides count what is in flight now. (A router of an earlier version counts a ``hello`` as
-malformed.)
+Restarts and lost links: a sender id names its seat and run, ``SEAT#RUN``
+(:mod:`kvevents.router.fleet.senders`). A new run's first note drops the in-flight
+requests of the seat's previous run (they will never finish); a sender never heard
+before makes this process send ``begin`` again for each request it has in flight. A
+transport that loses its link (:class:`SyncTransport`'s ``on_link``) makes this router
+drop the peers' requests heard over it (``reset``); once it is up, this router says
+``hello`` and sends its ``begin`` notes again, and a peer hearing ``hello`` from a known
+sender drops that sender's requests and sends its own again, so both sides count what is
+in flight now.
 """
 
 from __future__ import annotations

@@ -1,41 +1,26 @@
 """Warm restarts: start a router from a live peer's index (``kvevents router --peer URL``).
 
-A router that starts with an empty index rebuilds it from the engines' replay buffers,
-which may have wrapped (then only their tail comes back, and the rest is lost) or may
-not exist (the default config: nothing comes back). A peer router that kept running
-holds the same index, so a restarted replica asks it first: ``GET /dump`` is the peer's
-snapshot (:meth:`~kvevents.index.prefix_index.PrefixIndex.to_bytes`), which carries,
-per stream, the seq of the last batch the peer applied. The restarted replica adopts
-that index and follows each stream from there
-(:class:`~kvevents.subscribe.subscriber.Subscriber` ``resume``), replaying only what
-the peer had not applied yet; see :meth:`kvevents.subscribe.stream.StreamTracker.start`
-for what happens when the engine's buffer no longer reaches back that far.
+A router that starts empty rebuilds its index from the engines' replay buffers, which may
+have wrapped or not exist. A peer router that kept running holds the same index, so a
+restarted replica asks it first: ``GET /dump`` is the peer's snapshot
+(:meth:`~kvevents.index.prefix_index.PrefixIndex.to_bytes`), carrying per stream the seq
+of the last batch the peer applied; the replica adopts it and follows each stream from
+there (:class:`~kvevents.subscribe.subscriber.Subscriber` ``resume``,
+:meth:`kvevents.subscribe.stream.StreamTracker.start`).
 
-Serving the snapshot (:func:`dump_bytes`): the peer copies its index's dicts on its
-event loop (:meth:`~kvevents.index.prefix_index.PrefixIndex.freeze`, milliseconds) and
-encodes the copy on a worker thread, so it goes on routing meanwhile; the copy is one
-consistent state, seqs included. Loading it costs a few C-level passes over columns of
-ints (:mod:`kvevents.index.snapshot`), about 0.2 s at 270,000 blocks; ``kvevents bench
-warm_start`` measures every step.
+Serving it (:func:`dump_bytes`): the peer copies its index on its event loop
+(:meth:`~kvevents.index.prefix_index.PrefixIndex.freeze`, one consistent state, seqs
+included) and encodes the copy on a worker thread, so it goes on routing meanwhile;
+loading is a few C-level passes over columns (:mod:`kvevents.index.snapshot`).
 
-Peers are tried in the order given, each with a bounded timeout; the first snapshot
-that loads, at this router's block size (``--block-size``, when given), and holds a rank
-this router follows wins (the ranks it does not follow dropped). None reachable: the router starts empty, as without ``--peer``. A peer
-URL with credentials in it (``http://user:password@host``) is refused, as an engine's
-is (:func:`peer_url_problem`): a peer is asked with the router's own ``--api-key``, and
-the URL is shown in ``/workers`` and the log.
-
-A peer's answer is bounded before it is trusted: its size (``max_bytes``, by default
-what ``--max-entries`` entries can take, :func:`snapshot_bytes_bound`) is checked against
-the ``Content-Length`` it claims before a byte of the body is read, and against what
-arrived while it is read; the whole download has a deadline (``total_timeout``) beside
-the per-read timeout. A peer past a bound is skipped with a log line naming the bound,
-and the next peer is asked (or the router starts from the engines' replay).
-
-The limit: batches published between the peer's snapshot and this router's
-subscription reaching the publisher come back only through replay; without a replay
-endpoint they are reported as a ``Loss`` (and the router clears that holder, as for
-any loss).
+Peers are tried in order, each with bounded timeouts; the first snapshot that loads, at
+this router's block size, holding a rank this router follows, wins; none: the router
+starts empty. A peer URL with credentials is refused (:func:`peer_url_problem`): a peer
+is asked with the router's own ``--api-key``, and the URL shows in ``/workers``. An answer
+is bounded before it is trusted: its size (``max_bytes``, :func:`snapshot_bytes_bound`)
+against its ``Content-Length`` and what arrived, the whole download by ``total_timeout``.
+Batches published between the snapshot and the subscription come back only through
+replay; without it they are a ``Loss``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
 """The fields of a ``/v1/completions`` body the relay reads, without a Python int per token.
 
 The relay forwards a completions body as it came and reads only a few of its members:
-the prompt (to route), ``model``, ``cache_salt`` and ``stream``, and whether a rank is
-named in it. Decoding the whole body into a dict built a Python list of 2,048 ints for
-a 2,048-token prompt, and checking those ints made a set and an array of them: about
-130 us of the relay's CPU per request. :func:`token_prompt` reads the prompt's array
-straight from the body into an ``array("I")`` with the native core's token parser
-(:mod:`kvevents.kernels`) and has msgspec decode only the other members into
-:class:`RelayFields`; a body it cannot read that way is decoded with the prompt kept as
-its JSON text (``msgspec.Raw``), which the kernel then reads.
+the prompt (to route), ``model``, ``cache_salt``, ``stream``, and whether a rank is named.
+Decoding the whole body would build a Python int per token and then check them all, a
+cost that grows with the prompt and exceeds the rest of the relay's work on long ones.
+:func:`token_prompt` reads the prompt's array straight into an ``array("I")`` with the
+native core's token parser (:mod:`kvevents.kernels`) and has msgspec decode only the
+other members into :class:`RelayFields`; a body it cannot read that way is decoded with
+the prompt kept as its JSON text (``msgspec.Raw``), which the parser then reads.
 
 It takes only the plain case, one prompt of token ids, and only when the native core is
 loaded; every other body (text, a batch, anything to refuse) gives None and is decoded
-whole as before, so the errors a client sees are unchanged.
+whole, so the errors a client sees are the same either way.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """The body of a request the router keys: token ids, text or a chat, and how it is decoded.
 
 :func:`decode_tokens_body` is the one decoder of every body the router matches
-(``/route``, ``/query``, ``/generate``, the bare ceiling of the benchmark). A body whose
-first member is a plain ``"input_ids"`` array (the usual ``/route`` body) is read by the
-native core (:mod:`kvevents.kernels`): the ids go
-straight into an ``array("I")`` and only the members after the array are decoded by
-msgspec. Every other body, and any body while the core is off, is decoded whole
-by msgspec as before; errors are always those of that decoder.
+(``/route``, ``/query``, ``/generate``, the benchmark's bare ceiling). A body whose first
+member is a plain ``"input_ids"`` array (the usual ``/route`` body) is read by the native
+core (:mod:`kvevents.kernels`): the ids go straight into an ``array("I")`` and only the
+members after the array are decoded by msgspec. Every other body, and any body while the
+core is off, is decoded whole by msgspec; errors are always that decoder's.
 
 A ``/route`` or ``/query`` body is the router's own: a member it does not know is a 400
 naming it (a misspelt ``"top"`` or ``"input_id"`` would otherwise be ignored in silence),
-on every path, since the compiled one decodes the members after the ids with the same
+on every path, since the native one decodes the members after the ids with the same
 strict struct. An engine's ``/generate`` body is decoded with ``strict=False``: its other
 members are the engine's (sampling parameters...) and are forwarded as they are.
 """

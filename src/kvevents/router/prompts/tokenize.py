@@ -177,8 +177,8 @@ class EndpointTokenizer:
 
     Posted through the router's engine client (:class:`~kvevents.http.upstream.Upstream`,
     which the service hands over at start): kept-alive connections, the engines' key and
-    CA bundle. Through httpx, as before, one request cost about 1 ms of the router's CPU;
-    through it, as for the load polls, a tenth of that. Without one (the class used on
+    CA bundle: a general-purpose client costs the router's CPU many times what this one
+    does per request (``benchmarks/tokenize_endpoint.py``). Without one (the class used on
     its own), each request opens and closes a client of its own. Each request has
     ``timeout`` seconds (:data:`TOKENIZE_TIMEOUT_S`); one that failed on a kept-alive
     connection before any answer began (the engine closed it as the request left) is

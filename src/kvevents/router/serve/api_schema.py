@@ -2,9 +2,9 @@
 
 ``/openapi.json`` and ``/docs`` are built from :data:`OPERATIONS` (see
 :mod:`kvevents.api.document`). The request bodies are the structs the handlers decode
-with (:class:`~kvevents.router.serve.service.TokensBody`), or, for the OpenAI routes that
-check by hand, the structs of :mod:`kvevents.api.openai`; the answers are the structs
-the hot path encodes, or those :func:`kvevents.router.serve.app.create_fastapi_app` builds
+with (:class:`~kvevents.router.prompts.token_body.TokensBody`), or, for the OpenAI routes
+that check by hand, the structs of :mod:`kvevents.api.openai`; the answers are the structs
+the hot path encodes, or those :func:`kvevents.router.serve.fastapi_app.create_fastapi_app` builds
 its answers from. ``/route`` and ``/query`` are served by the bare ASGI hot path in
 front of FastAPI, so only this table puts them in the document.
 

@@ -1,13 +1,13 @@
 """The router's HTTP app: the hot path in front, FastAPI behind it, built once serving.
 
 :class:`~kvevents.router.serve.hot_path.HotPath` answers ``/route``, ``/query``, the OpenAI
-relay's routes, ``/workers``, ``/health`` and ``/ready`` itself, and runs the lifespan (starting
-and stopping the :class:`~kvevents.router.serve.service.RouterService`). Every other path
-(``/generate``, ``/metrics``, ``/dump``, ``/v1/models``, ``/docs``) goes to the FastAPI
-app of :mod:`kvevents.router.serve.fastapi_app`, which is a :class:`DeferredApp`: importing
-FastAPI costs about half a second, so it is built in a thread once the server accepts
-requests (a restarted replica serves routing that much sooner), and a request that
-comes before it is built waits for it.
+relay's routes, ``/workers``, ``/health`` and ``/ready`` itself, and runs the lifespan
+(starting and stopping the :class:`~kvevents.router.serve.service.RouterService`). Every
+other path (``/generate``, ``/metrics``, ``/dump``, ``/v1/models``, ``/docs``) goes to the
+FastAPI app of :mod:`kvevents.router.serve.fastapi_app`, which is a :class:`DeferredApp`:
+importing FastAPI is a large part of the router's start-up, so it is built in a thread
+once the server accepts requests (a restarted replica routes that much sooner), and a
+request that comes before it is built waits for it.
 
 The endpoints are listed in :mod:`kvevents.cli.router` (the ``kvevents router``
 command) and described, bodies and answers, in :mod:`kvevents.router.serve.api_schema`

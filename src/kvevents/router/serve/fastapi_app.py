@@ -2,8 +2,9 @@
 
 ``/generate``, ``/metrics``, ``/dump``, ``/v1/models``, ``/openapi.json`` and ``/docs``
 (and, so that this app alone answers like the whole router, ``/workers``, ``/health``,
-``/ready`` and the OpenAI relay's routes too). :mod:`kvevents.router.serve.app` builds it once the
-router serves, in a thread: importing FastAPI costs about half a second of start-up.
+``/ready`` and the OpenAI relay's routes too). :mod:`kvevents.router.serve.app` builds it
+once the router serves, in a thread, because importing FastAPI is a large part of
+start-up.
 """
 
 from __future__ import annotations

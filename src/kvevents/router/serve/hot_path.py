@@ -2,49 +2,34 @@
 
 Every routing request goes through here, so it avoids what a framework adds per request:
 no middleware stack, no request object, no dict built for the answer. A body is read
-(bounded: a ``Content-Length`` past the limit is refused before the body is kept, and a
-chunked body is counted as it arrives), decoded once
-(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`: the compiled kernels of
-:mod:`kvevents.kernels` when loaded, msgspec otherwise), matched and scored by the
-in-process :class:`~kvevents.router.decide.router.Router`, and answered with a
-msgspec struct encoded by one reused encoder. ``POST /v1/completions`` and
-``/v1/chat/completions`` go to the OpenAI relay (:mod:`kvevents.router.serve.openai_relay`) on
-both interfaces; ``GET /workers``, ``GET /health`` and ``GET /ready`` are answered here too
-(:mod:`kvevents.router.serve.status`), so they need no framework. The app's lifespan starts
-and stops the service. Every other path goes to the app behind it (FastAPI:
-``/generate``, ``/metrics``, ``/docs``), where a framework costs nothing that matters.
+with a bound (:mod:`kvevents.router.serve.bodies`), decoded once
+(:func:`~kvevents.router.prompts.token_body.decode_tokens_body`), matched and scored by
+the in-process :class:`~kvevents.router.decide.router.Router`, and answered with a
+msgspec struct encoded by one reused encoder; on uvicorn the plain cases are answered
+from the parser's callbacks (:mod:`kvevents.http.inline`). The OpenAI routes go to the
+relay (:mod:`kvevents.router.serve.openai_relay`); ``/workers``, ``/health`` and
+``/ready`` are answered here too (:mod:`kvevents.router.serve.status`). The lifespan
+starts and stops the service. Every other path goes to the FastAPI app behind it.
 
 Answers (JSON):
 
 * ``/query``: ``{"prompt_tokens", "block_size", "matches": [{"worker", "dp_rank",
   "matched_blocks", "matched_tokens", "tiers": {"gpu", "cpu", "disk"},
   "predicted_blocks", "predicted_tokens"}]}``, one entry per known holder (tiers in
-  tokens). ``matched_*`` and ``tiers`` are confirmed blocks only (the engine reported
-  them); ``predicted_*``, present only when not zero, are the blocks predictions add
-  after them (:mod:`kvevents.index.predictions`).
+  tokens). ``matched_*`` and ``tiers`` count confirmed blocks; ``predicted_*``, present
+  only when not zero, the blocks predictions add after them.
 * ``/route``: ``{"worker", "dp_rank", "recorded", "n_blocks", "block_size", "holders",
   "predicted_blocks", "by_prediction", "scores": [...]}``: the chosen holder's score
-  first, then the next best ``top - 1`` (``top`` in the body, default
-  :data:`DEFAULT_TOP`), so the answer does not grow with the fleet; ``"all_scores":
-  true`` returns every holder's. ``holders`` counts them all. Each score's ``matched``
-  is confirmed blocks per tier and its ``predicted_blocks`` the predicted ones after
-  them; the top-level ``predicted_blocks`` is the chosen holder's, and ``by_prediction``
-  says whether confirmed blocks alone would have chosen another holder.
+  first, then the next best ``top - 1`` (default :data:`DEFAULT_TOP`), so the answer does
+  not grow with the fleet (``"all_scores": true`` returns every holder's). ``holders``
+  counts them all; ``by_prediction`` says whether confirmed blocks alone would have
+  chosen another holder.
 
-Both take ``model`` (:mod:`kvevents.router.decide.models`): only the holders of engines serving
-it are matched, scored and answered, and an adapter's name keys the request under it.
-
-Errors answer ``{"error": message}``: 400 for a body the router cannot use (malformed
-JSON, nesting too deep, a wrong field type, a member it does not take, named, text that
-is not valid Unicode), 405 with ``Allow: POST`` for another method than ``POST`` on
-``/route``, ``/query`` and the OpenAI routes (those answer OpenAI's error shape), 404 for a
-``model`` no engine serves (the message lists those served), 413 past the body limit,
-503 before any engine rank is known, and the tokenizer's own status when tokenizing text
-fails, 401 without the ``--api-key`` (any path but the open ones). The connection stays
-usable after every one of them.
-
-Over 300 lines: the answers' structs, the handlers that write them and the lifespan,
-read together.
+Both take ``model`` (:mod:`kvevents.router.decide.models`). Errors answer ``{"error":
+message}``: 400 for a body the router cannot use (naming the member), 405 for a method
+other than ``POST``, 404 for a ``model`` no engine serves, 413 past the body limit, 503
+before any engine rank is known, the tokenizer's status when tokenizing fails, 401
+without the ``--api-key``. The connection stays usable after every one of them.
 """
 
 from __future__ import annotations
@@ -184,9 +169,9 @@ def route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) ->
 
 
 def encode_route_answer(decision: RouteDecision, *, recorded: bool, top: int | None) -> bytes:
-    """:func:`route_answer` as JSON. Its scores are encoded with it each time: those of a
+    """:func:`route_answer` as JSON, its scores encoded with it each time: those of a
     one-pass choice (a recorded or relayed request) are new objects per request, so
-    keeping the encoding of some by identity cost more than it saved."""
+    there is no earlier encoding of them to reuse."""
     return _ENCODER.encode(route_answer(decision, recorded=recorded, top=top))
 
 

@@ -327,7 +327,7 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         info = self.process()
         labels = ["index", "workers", "pid", "kernels"]
-        # compiled, waiting, loading or off (its reason is in /workers)
+        # compiled or off (its reason is in /workers)
         kernels = str(info.get("kernels", "off")).split(":", 1)[0]
         values = [str(info["index"]), str(info["workers"]), str(info["pid"]), kernels]
         family = GaugeMetricFamily(

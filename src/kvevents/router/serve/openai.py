@@ -2,54 +2,36 @@
 
 ``POST /v1/completions``: ``prompt`` is text, a list of token ids, or a list of several
 of either (a batch). Text is tokenized as the engine would
-(:mod:`kvevents.router.prompts.tokenize`, honouring vLLM's ``add_special_tokens``). A batch is
-forwarded whole to the one holder with the lowest summed cost over its prompts
-(:mod:`kvevents.router.decide.batch` says why it is not split), so the engine's answer, its
-``choices[i].index`` and usage come back as the engine gave them.
+(:mod:`kvevents.router.prompts.tokenize`, honouring vLLM's ``add_special_tokens``). A
+batch is forwarded whole to the one holder with the lowest summed cost
+(:mod:`kvevents.router.decide.batch` says why it is not split). ``POST
+/v1/chat/completions``: ``messages`` are rendered with the engine's chat template and
+tokenized (by the engine's own ``/tokenize`` with ``--tokenize-endpoint``; with the byte
+tokenizer, the simulated engine's template; ``--tokenizer FILE`` answers 501). ``model``
+limits the candidates to the engines serving it (:mod:`kvevents.router.decide.models`);
+``GET /v1/models`` answers the union of the engines' models in vLLM's shape.
 
-``POST /v1/chat/completions``: ``messages`` are rendered with the engine's chat template
-and tokenized (with ``--tokenize-endpoint``, by the engine's own ``/tokenize``; with the
-default byte tokenizer, the simulated engine's template; ``--tokenizer FILE`` answers
-501, as a ``tokenizer.json`` holds no template).
-
-``model`` (both endpoints) limits the candidates to the engines serving it, and a LoRA
-adapter's name keys the request under the adapter (:mod:`kvevents.router.decide.models`); a
-model no engine serves answers 404 (``type`` ``NotFoundError``, ``param`` ``model``)
-listing the models served. ``GET /v1/models`` answers the union of the engines' models
-in vLLM's shape.
-
-The router then chooses ``(engine, rank)`` and the request goes to the same path on that
-engine:
-
-* ``vllm`` engines: the body bytes unchanged, with the header ``X-data-parallel-rank: r``;
-* ``sglang`` and ``kvevents`` engines: ``routed_dp_rank: r`` set in the JSON body (a
-  client's ``data_parallel_rank`` removed).
-
-The client's headers go along except hop-by-hop ones, any ``X-data-parallel-rank`` of
-its own and its ``Authorization``: the engine gets the router's own key
-(``--engine-api-key``) instead, or none. ``"stream": true`` relays the engine's
-server-sent events chunk by chunk as they arrive; an engine failing midway ends the
-stream with an SSE ``error`` event. Every answer carries the decision::
+The request goes to the same path on the chosen engine: to ``vllm`` engines the body
+bytes unchanged with ``X-data-parallel-rank: r``; to ``sglang`` and ``kvevents`` engines
+with ``routed_dp_rank: r`` set in the body. The client's headers go along except
+hop-by-hop ones, its own rank header and its ``Authorization`` (the engine gets
+``--engine-api-key`` instead, or none). ``"stream": true`` relays the engine's events as
+they arrive; an engine failing midway ends the stream with an SSE ``error`` event. Every
+answer carries the decision::
 
     x-kvevents-worker: http://10.0.0.5:8000      x-kvevents-dp-rank: 1
     x-kvevents-matched-tokens: 96                x-kvevents-prompt-tokens: 130
     x-kvevents-policy: kv-aware                  x-kvevents-predicted-tokens: 0
 
-(``matched-tokens`` counts blocks the engine reported, ``predicted-tokens`` the
-predicted ones after them, :mod:`kvevents.index.predictions`)
+and is counted (:mod:`kvevents.router.serve.request_stats`). Errors use OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``: 413 past ``--max-body-bytes``, 400
+for a bad body (or the engine's own 400, 413 or 422 from ``/tokenize``), 501 for a chat
+the tokenizer cannot render, 404 for an unknown model, 503 with no rank available, 502
+when tokenizing or the engine fails otherwise.
 
-and it is counted (:mod:`kvevents.router.serve.request_stats`, endpoint ``completions`` or
-``chat``), with the engine's own ``cached_tokens`` when it reports them. Errors use
-OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 413 for a body over
-``--max-body-bytes`` (refused before it is buffered whole), 400 for a bad body (the
-engine's own 400, 413 or 422 when its ``/tokenize`` refused the input), 501 for a chat
-the tokenizer cannot render, 404 for an unknown model, 502 when tokenizing failed
-otherwise, 503 with no rank
-available, and 502 when the engine cannot be reached.
-
-How it is served: :mod:`kvevents.router.serve.openai_relay` answers both endpoints off the
-framework (the hot path hands them over before FastAPI sees them); the FastAPI routes
-here hand the request to the same relay unread, so the FastAPI app alone answers alike.
+:mod:`kvevents.router.serve.openai_relay` answers both endpoints off the framework; the
+FastAPI routes here hand the request to the same relay unread, so the FastAPI app alone
+answers alike.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """The OpenAI relay: ``/v1/completions`` and ``/v1/chat/completions`` without a framework.
 
-What the endpoints do, for clients, is :mod:`kvevents.router.serve.openai`'s docstring. This
-module is how: :class:`OpenAIRelay` reads the body (bounded: :mod:`kvevents.router.serve.bodies`),
-decodes it once with msgspec (a prompt of token ids only into the fields it reads:
-:mod:`kvevents.router.prompts.completion_body`), tokenizes what is text, routes, and forwards
-the body bytes with the service's kept-alive client (:mod:`kvevents.http.upstream`);
-the engine's answer comes back as the engine sent it, never decoded and encoded again
-(of a complete answer only its ``usage`` is decoded, for the metrics). :class:`~kvevents.router.serve.hot_path.HotPath`
-hands it these two paths (:meth:`OpenAIRelay.asgi`, or from the inline protocol's
-callbacks: :meth:`OpenAIRelay.inline`) before FastAPI sees them; FastAPI's own
-routes for them hand the request over unread, so the app alone (its OpenAPI document,
-the tests that build it) answers the same.
-
-Why not FastAPI: measured with ``kvevents bench router --completions-only`` (2,048-token
-prompts, 32 requests in flight), the framework's middleware stack, request object and
-response classes were about a third of the router's CPU per relayed request.
+What the endpoints do, for clients, is :mod:`kvevents.router.serve.openai`'s docstring.
+This module is how: :class:`OpenAIRelay` reads the body (bounded:
+:mod:`kvevents.router.serve.bodies`), decodes it once (a prompt of token ids only into the
+fields it reads: :mod:`kvevents.router.prompts.completion_body`), tokenizes what is text,
+routes, and forwards the body bytes with the service's kept-alive client
+(:mod:`kvevents.http.upstream`). The engine's answer comes back as the engine sent it,
+never decoded and encoded again (of a complete answer only ``usage`` is read, for the
+metrics). :class:`~kvevents.router.serve.hot_path.HotPath` hands it these paths
+(:meth:`OpenAIRelay.asgi`, or from the inline protocol's callbacks:
+:meth:`OpenAIRelay.inline`) before FastAPI sees them, because the framework's middleware,
+request object and response classes cost a large share of the router's CPU per relayed
+request (docs/router-performance.md); FastAPI's own routes hand the request over unread,
+so the app alone answers the same.
 
 A stream (``"stream": true`` answered 200) is relayed chunk by chunk as the engine sends
 it; when the client goes away the relay stops, releases the engine's connection and
 ends the request's in-flight count, as it does when the stream ends.
-
-Over 300 lines on purpose: the forwarding path (routing, headers, relay, usage, errors
-in OpenAI's shape) and its two server interfaces read best in one place.
 """
 
 from __future__ import annotations
@@ -325,7 +320,7 @@ class OpenAIRelay:
         """:func:`token_prompt` of ``raw``, decoded once: a stream :meth:`inline` left to
         the ASGI path arrives here with the same bytes (uvicorn copies them into its
         cycle), so its decode is taken instead of done again: comparing the bytes costs
-        well under a microsecond, decoding them about 12 us at 2,048 tokens. Equal bytes
+        far less than decoding them again. Equal bytes
         decode alike, whichever request sent them. Any other body, or that one after a
         later stream took its place, is decoded here."""
         streamed = self._streamed

@@ -14,10 +14,9 @@ Kubernetes, point the ``livenessProbe`` at ``/health`` and the ``readinessProbe`
 
 Otherwise ``/ready`` answers 503. Either way the answer lists the reasons found, one
 line per engine or per problem of an engine's ranks, saying what to fix (a fleet with
-one engine down is ready, and still says so). Two things are not reasons, on purpose:
-a connected stream that has sent nothing yet (an idle engine publishes only once it
-serves: waiting for its first event would keep an idle fleet unready, and so idle,
-for ever) and compiled kernels still loading (the plain path answers the same).
+one engine down is ready, and still says so). A connected stream that has sent nothing
+yet is not a reason, on purpose: an idle engine publishes only once it serves, so
+waiting for its first event would keep an idle fleet unready, and so idle, for ever.
 
 Cost: O(engines + holders) and one snapshot of the subscriber's stream stats, cheap
 enough for the hot path to answer it as it answers ``/health``.

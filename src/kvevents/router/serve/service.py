@@ -1,15 +1,13 @@
 """The router as a service: :class:`RouterService` owns what feeds the router.
 
-It holds the in-process :class:`~kvevents.router.decide.router.Router`, the subscriber that
-follows every engine's streams into its index, the engine pollers, the tokenizer and
-one long-lived HTTP client for the engines, which sends the router's own engine key
-(``--engine-api-key``) on every request and never a client's. The routes that answer over HTTP are
-:mod:`kvevents.router.serve.app` and :mod:`kvevents.router.serve.openai`; both import this module,
-and it imports neither. It also runs start-up's deferred work once the server serves
-(:meth:`RouterService.defer`: the index's native mirror, then the FastAPI app).
-
-Just over 300 lines: the service's start, stop and deferred work are one lifecycle,
-read together.
+It holds the in-process :class:`~kvevents.router.decide.router.Router`, the subscriber
+that follows every engine's streams into its index, the engine pollers, the tokenizer
+and one long-lived HTTP client for the engines, which sends the router's own engine key
+(``--engine-api-key``) on every request and never a client's. The routes that answer
+over HTTP are :mod:`kvevents.router.serve.app` and :mod:`kvevents.router.serve.openai`;
+both import this module, and it imports neither. It also runs start-up's deferred work
+once the server serves (:meth:`RouterService.defer`: the index's native mirror, then the
+FastAPI app). Start, stop and deferred work are one lifecycle, kept in one module.
 """
 
 from __future__ import annotations
@@ -81,9 +79,9 @@ APPLY_STEP_BLOCKS = 256
 """Blocks of a long stored or removed chain applied between two checks of the clock."""
 APPLY_SLICE_S = 0.0005
 """Seconds of applying events after which the loop answers waiting requests. A batch of
-an engine serving long prompts holds thousands of block operations (the ingest
-benchmark's Mooncake batches: 1,500 on average, up to 8,000, 1 to 22 ms to apply in
-one piece), and a request arriving meanwhile waited for all of it."""
+an engine serving long prompts holds thousands of block operations (``kvevents bench
+ingest`` feeds such batches), and a request arriving while it is applied in one piece
+would wait for all of it."""
 _JSON_BODY = {"content-type": "application/json"}
 
 __all__ = [
@@ -317,8 +315,8 @@ class RouterService:
             timeout=httpx.Timeout(30.0, connect=5.0), headers=creds.headers(), verify=verify
         )
         # Forwarding, on every routed request, and the engines' load polls go through the
-        # router's own client (kvevents.http.upstream: a third of aiohttp's CPU per
-        # request, which was a tenth of httpx's). Idle connections close after 2 s, before the engine's
+        # router's own client (kvevents.http.upstream, far cheaper per request than a
+        # general-purpose client). Idle connections close after 2 s, before the engine's
         # (uvicorn: 5 s) keep-alive timeout, so a request never goes out on a connection
         # the server is closing. Bodies are relayed as they come (no decoding).
         if self._upstream is None:
