@@ -47,6 +47,26 @@ def await_ready_line(proc: subprocess.Popen[str], prefix: str, timeout: float) -
     return None
 
 
+def stopped(pid: int) -> bool:
+    """True once ``pid`` is gone or a zombie (exited, waiting for a parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def still_running(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running after ``timeout`` seconds (an empty list when all stopped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if not stopped(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 class KVEventsProcess:
     """``python -m kvevents.cli.main COMMAND ARGS`` until :meth:`stop` (fixtures call it).
 

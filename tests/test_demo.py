@@ -37,28 +37,9 @@ from kvevents.demo.restart import RestartStep, restart_figures
 from kvevents.engine.cache import PrefixCache
 from kvevents.results import finite_json
 from kvevents.traces import request_tokens
+from process_support import still_running
 
 DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
-
-
-def _stopped(pid: int) -> bool:
-    """True once ``pid`` is gone or a zombie (exited, waiting for a parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
-def _all_stopped(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The pids still running after ``timeout`` seconds (an empty list when all stopped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if not _stopped(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -91,7 +72,7 @@ def test_short_demo_orders_the_policies_and_stops_everything(tmp_path: Path) -> 
     procs = doc["processes"]
     pids = [procs["engine"], procs["router"], *procs["ranks"]]
     assert len(procs["ranks"]) == 4
-    assert _all_stopped(pids) == []
+    assert still_running(pids) == []
 
 
 def _read_lines(pipe: Any, lines: queue.Queue[str]) -> None:
@@ -137,7 +118,7 @@ def test_interrupted_demo_stops_engine_router_and_ranks(sig: signal.Signals) -> 
     assert code == 130, stderr
     assert "Traceback" not in stderr, stderr
     assert len(children) >= 2 and len(ranks) == 4
-    assert _all_stopped(children + ranks) == []
+    assert still_running(children + ranks) == []
 
 
 def test_bad_options_exit_2_naming_the_option(

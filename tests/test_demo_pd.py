@@ -22,28 +22,9 @@ from kvevents.cli.main import main
 from kvevents.demo.pd_baseline import RoundRobinPrefill
 from kvevents.demo.pd_figures import counts_over, summarize_pd, targets_met, unbounded_hits
 from kvevents.demo.replay import Outcome, PolicyRun
+from process_support import still_running
 
 DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
-
-
-def _stopped(pid: int) -> bool:
-    """True once ``pid`` is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
-def _alive_after(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The pids still running after ``timeout`` seconds (empty when all stopped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if not _stopped(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -87,7 +68,7 @@ def test_short_pd_demo_reports_both_pools_and_stops_everything(tmp_path: Path) -
     procs = doc["processes"]
     pids = [*procs["prefill"], *procs["decode"], procs["router"], *procs["ranks"]]
     assert len(procs["ranks"]) == 6
-    assert _alive_after(pids) == []
+    assert still_running(pids) == []
 
 
 @pytest.mark.slow
@@ -137,7 +118,7 @@ def test_sigterm_mid_trace_stops_every_engine_rank_and_the_router() -> None:
     assert code == 130, stderr
     assert "Traceback" not in stderr, stderr
     assert len(engines) == 2 and len(children) == 3 and len(ranks) == 2
-    assert _alive_after(children + ranks) == []
+    assert still_running(children + ranks) == []
 
 
 @pytest.mark.parametrize(

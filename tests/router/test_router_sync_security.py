@@ -9,8 +9,6 @@ import asyncio
 import re
 import ssl
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,8 +21,6 @@ from sync_security_support import (
     GROUP,
     PASSWORDS,
     Pki,
-    fleet_config,
-    make_pki,
     tls_url,
     until,
 )
@@ -40,28 +36,6 @@ from process_support import run_kvevents
 
 DP = 2  # the ranks of the shared `engine` (tests/conftest.py)
 H = Holder("http://engine", 0)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def fleet(pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsServer]:
-    """nats-server running docs/security.md's configuration, on 127.0.0.1 and a free port."""
-    monkeypatch.setenv("ROUTER_A_PASSWORD", PASSWORDS["router-a"])
-    monkeypatch.setenv("ROUTER_B_PASSWORD", PASSWORDS["router-b"])
-    server = NatsServer(extra=("-c", str(fleet_config(pki, tmp_path))))
-    yield server
-    server.kill()
-
-
-@pytest.fixture
-def plain() -> Iterator[NatsServer]:
-    server = NatsServer()
-    yield server
-    server.kill()
 
 
 def replica(name: str, server: NatsServer, pki: Pki, *, user: str | None = None) -> LoadNotes:

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import nkeys
@@ -20,8 +19,6 @@ from sync_security_support import (
     PASSWORDS,
     Pki,
     Recorder,
-    fleet_config,
-    make_pki,
     operator_mode,
     tls_url,
     until,
@@ -36,28 +33,6 @@ from kvevents.router.fleet.sync_security import SyncSecurity
 
 DP = 2  # the ranks of the shared `engine` (tests/conftest.py)
 H = Holder("http://engine", 0)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def fleet(pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsServer]:
-    """nats-server running docs/security.md's configuration, on 127.0.0.1 and a free port."""
-    monkeypatch.setenv("ROUTER_A_PASSWORD", PASSWORDS["router-a"])
-    monkeypatch.setenv("ROUTER_B_PASSWORD", PASSWORDS["router-b"])
-    server = NatsServer(extra=("-c", str(fleet_config(pki, tmp_path))))
-    yield server
-    server.kill()
-
-
-@pytest.fixture
-def plain() -> Iterator[NatsServer]:
-    server = NatsServer()
-    yield server
-    server.kill()
 
 
 def link_of(notes: LoadNotes) -> NatsNoteTransport:
