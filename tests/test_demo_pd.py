@@ -20,8 +20,16 @@ import pytest
 
 from kvevents.cli.main import main
 from kvevents.demo.pd_baseline import RoundRobinPrefill
-from kvevents.demo.pd_figures import counts_over, summarize_pd, targets_met, unbounded_hits
-from kvevents.demo.replay import Outcome, PolicyRun
+from kvevents.demo.pd_figures import (
+    capacity_hits,
+    counts_over,
+    request_keys,
+    summarize_pd,
+    targets_met,
+    unbounded_hits,
+)
+from kvevents.demo.replay import Outcome, PolicyRun, Workload
+from kvevents.traces import BLOCK_TOKENS, TraceRequest
 from process_support import still_running
 
 DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
@@ -52,6 +60,8 @@ def test_short_pd_demo_reports_both_pools_and_stops_everything(tmp_path: Path) -
         assert p["prefill_prompt_tokens"] > 0 and p["blocks_transferred"] > 0
         assert p["prefill_hit_rate"] <= p["prefill_bound_hit_rate"] + 0.005
         assert abs(p["placement_hit_rate"] - p["prefill_hit_rate"]) < 0.01
+        # 300 requests fit the pool's 4 x 65,536 pages: one such cache reaches the bound
+        assert p["prefill_capacity_pages"] == 4 * 65536 and p["capacity_of_bound"] == 1.0
         assert p["tokens_computed"] == p["prefill_tokens_computed"] + p["decode_tokens_computed"]
         assert len(p["prompt_tokens_per_rank"]["prefill"]) == 4
         assert len(p["prompt_tokens_per_rank"]["decode"]) == 2
@@ -214,6 +224,30 @@ def test_unbounded_hits_are_the_leading_keys_each_place_has_seen() -> None:
     keys = [[1, 2, 3], [1, 2, 9], [1, 2, 3, 4], [1, 2], [5]]
     assert unbounded_hits(keys, ["a", "a", "b", None, "a"], 16) == [0, 32, 0, None, 0]
     assert unbounded_hits(keys, ["a"] * 5, 16) == [0, 32, 48, 32, 0]
+
+
+def test_one_cache_of_the_pools_pages_hits_as_the_unbounded_one_until_it_must_evict() -> None:
+    """With room for every page, the pooled LRU cache hits exactly what the unbounded one
+    does; with less, it evicts as an engine does (least recent leaf first), and an unsent
+    request is neither served nor stored."""
+    ids = [[1, 2], [1, 2, 3], [7, 8], [1, 2, 3, 4]]
+    requests = tuple(TraceRequest(float(i), len(h) * BLOCK_TOKENS, 4, h) for i, h in enumerate(ids))
+    workload = Workload(requests, 1.0, 4, "test")
+    keys = request_keys(workload, 16)
+    sent = [True, True, True, True]
+    unbounded = unbounded_hits(keys, ["pool"] * 4, 16)
+    assert capacity_hits(workload, sent, 16, 10_000) == unbounded
+    assert unbounded == [0, 2 * BLOCK_TOKENS, 0, 3 * BLOCK_TOKENS]
+    # room for three hash ids' pages: [7, 8] evicts the chain 1, 2, 3 leaf first, so its
+    # head (id 1) is all the last request finds
+    three_ids = 3 * BLOCK_TOKENS // 16
+    assert capacity_hits(workload, sent, 16, three_ids) == [0, 2 * BLOCK_TOKENS, 0, BLOCK_TOKENS]
+    assert capacity_hits(workload, [True, False, True, True], 16, 10_000) == [
+        0,
+        None,
+        0,
+        2 * BLOCK_TOKENS,
+    ]
 
 
 def test_pd_figures_add_up_from_outcomes_and_engine_counters() -> None:

@@ -10,6 +10,12 @@ Definitions (the same in the table and the JSON):
   legs in the same order (:func:`unbounded_hits`): no placement of them on separate
   caches can beat it (up to the order concurrent requests are admitted in).
   ``trace_bound_hit_rate`` is the same for every request of the trace.
+* **pooled LRU at the pool's capacity**: the same prefill legs, in the same order, on
+  one cache of as many pages as the prefill pool has (ranks x ``--max-blocks``), evicting
+  as an engine's cache does (:func:`capacity_hits`): where it stays under the pooled
+  bound, caches of that size cannot hold what the trace reuses, whatever the placement
+  (one cache shares what separate ones must each hold), and the bound's shortfall is
+  theirs, not the choice's.
 * **prefill tokens computed**: prompt tokens the prefill pool computed (not cached);
   **decode tokens computed**: those each decode computed itself, its answer's prompt
   tokens less its cached ones, received blocks counting as cached (all it lacked of a
@@ -36,11 +42,13 @@ from typing import Any
 from kvevents.demo.pd_fleet import Counts
 from kvevents.demo.replay import Outcome, PolicyRun, Workload
 from kvevents.demo.report import percentile
+from kvevents.engine.cache import PrefixCache
 from kvevents.traces import request_tokens
 from kvevents.wire.hashing import content_key_array
 
 __all__ = [
     "PD_TARGETS",
+    "capacity_hits",
     "counts_over",
     "request_keys",
     "summarize_pd",
@@ -81,6 +89,24 @@ def unbounded_hits(
     return out
 
 
+def capacity_hits(
+    workload: Workload, sent: Sequence[bool], page_size: int, pages: int
+) -> list[int | None]:
+    """Per request, its cached tokens on one engine cache of ``pages`` pages fed the
+    requests ``sent`` says were, in request order (None for the others). O(tokens)."""
+    cache = PrefixCache(page_size, pages)
+    out: list[int | None] = []
+    for request, was_sent in zip(workload.requests, sent, strict=True):
+        if not was_sent:
+            out.append(None)
+            continue
+        admission = cache.admit(request_tokens(request))
+        cache.release(admission)
+        cache.take_events()
+        out.append(admission.cached_tokens)
+    return out
+
+
 def _rate(hits: Sequence[int | None], prompts: Sequence[int]) -> float:
     """Cached tokens over prompt tokens, of the requests sent somewhere."""
     total = sum(p for p, hit in zip(prompts, hits, strict=True) if hit is not None)
@@ -105,12 +131,16 @@ def summarize_pd(
     keys: Sequence[Sequence[int]],
     page_size: int,
     counts: dict[str, Counts],
+    *,
+    capacity: tuple[Workload, int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[tuple[int, int]]]]:
     """One policy's figures (module docstring) and the chart's curves: per handed-off
     request in trace order, its ``(prompt, cached)`` pair by ``placement`` and on the
     ``pooled`` cache.
 
-    ``counts``: per pool, each rank's counters over the replay (after less before).
+    ``counts``: per pool, each rank's counters over the replay (after less before);
+    ``capacity``: the workload and the prefill pool's pages, for the pooled LRU figures
+    (``prefill_capacity_hit_rate``, ``capacity_of_bound``; left out without it).
     """
     done = [o if isinstance(o, Outcome) and o.error is None else None for o in run.outcomes]
     ok = [o for o in done if o is not None]
@@ -157,6 +187,12 @@ def summarize_pd(
         "latency_ms_p50": percentile(latencies, 0.50),
         "latency_ms_p99": percentile(latencies, 0.99),
     }
+    if capacity is not None:
+        workload, pages = capacity
+        lru = _rate(capacity_hits(workload, handed, page_size, pages), prompts)
+        figures["prefill_capacity_pages"] = pages
+        figures["prefill_capacity_hit_rate"] = lru
+        figures["capacity_of_bound"] = lru / bound if bound else 0.0
     curves = {
         name: [(p, hit) for p, hit in zip(prompts, hits, strict=True) if hit is not None]
         for name, hits in (("placement", placed), ("pooled", pooled))

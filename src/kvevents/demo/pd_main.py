@@ -18,7 +18,8 @@
    cannot do that itself).
 3. After each replay, waits until the router has applied every batch of every engine,
    checks its index against each engine's caches, and reads each rank's counters.
-4. Prints per policy the prefill pool's hit rate against its pooled bound, the tokens
+4. Prints per policy the prefill pool's hit rate against its pooled bound (and what one
+   cache of the pool's pages would reach: the bound's part the cache size forbids), the tokens
    computed per pool, blocks transferred, prefills skipped and each pool's load max/min
    (:mod:`kvevents.demo.pd_figures`, :mod:`kvevents.demo.pd_report`), draws the chart
    and writes ``--json``.
@@ -199,8 +200,11 @@ def run_pd_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     keys = request_keys(workload, args.page_size)
     policies: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    pages = args.prefill_engines * args.dp_size * args.max_blocks
     for name, run in runs.items():
-        policies[name], curves[name] = summarize_pd(run, keys, args.page_size, counts[name])
+        policies[name], curves[name] = summarize_pd(
+            run, keys, args.page_size, counts[name], capacity=(workload, pages)
+        )
     chart = None
     if not args.no_chart and not chart_available():
         say("no chart: matplotlib is not installed (pip install 'kvevents[demo]')")

@@ -1,7 +1,8 @@
 """The disaggregated demo's output: its tables and its chart.
 
 The figures are :mod:`kvevents.demo.pd_figures`' (definitions there). One table per
-run of the trace: the prefill pool's hit rate against its pooled bound, the tokens
+run of the trace: the prefill pool's hit rate against its pooled bound (and what one
+cache of the pool's pages reaches of it), the tokens
 computed on each pool, blocks transferred, prefills skipped, each pool's load max/min
 and the latencies; then the targets, each said met or not; then the event plane, as
 the one-pool demo prints it. The chart is :func:`kvevents.demo.chart.draw_chart` over
@@ -44,6 +45,10 @@ def render_pd_table(doc: dict[str, Any], console: Console) -> None:
         ("prefill hit rate (prefill engines)", lambda p: _pct(p["prefill_hit_rate"])),
         ("pooled bound (one unbounded cache)", lambda p: _pct(p["prefill_bound_hit_rate"])),
         ("of the bound", lambda p: _pct(p["prefill_of_bound"])),
+        (
+            "one LRU cache of the pool's pages, of the bound",
+            lambda p: _pct(p["capacity_of_bound"]) if "capacity_of_bound" in p else "-",
+        ),
         ("prefill tokens computed", lambda p: _n(p["prefill_tokens_computed"])),
         ("decode tokens computed", lambda p: _n(p["decode_tokens_computed"])),
         ("blocks transferred", lambda p: _n(p["blocks_transferred"])),
@@ -61,10 +66,18 @@ def render_pd_table(doc: dict[str, Any], console: Console) -> None:
     console.print(table)
     t = doc["targets"]
     ratio = t["kv_aware_over_round_robin"]
-    loads = doc["policies"]["kv_aware"]["load_max_over_min"]
+    kv = doc["policies"]["kv_aware"]
+    loads = kv["load_max_over_min"]
+    lru = kv.get("capacity_of_bound")
+    within = (
+        ""
+        if lru is None
+        else f", where one LRU cache of the pool's {kv['prefill_capacity_pages']:,} pages "
+        f"reaches {_pct(lru)}"
+    )
     console.print(
         f"targets: KV-aware prefill hit rate {_pct(t['kv_aware_prefill_of_bound'])} of its "
-        f"pooled bound (>= 95%: {_yes(t['prefill_of_bound_met'])}); against round-robin "
+        f"pooled bound (>= 95%: {_yes(t['prefill_of_bound_met'])}{within}); against round-robin "
         f"{'-' if ratio is None else f'{ratio:.2f}x'} (beats it: {_yes(t['beats_round_robin'])}); "
         f"load max/min prefill {loads['prefill']:.2f}, decode {loads['decode']:.2f} (<= 1.15: "
         f"{_yes(t['load_met']['prefill'])}, {_yes(t['load_met']['decode'])}). Every request of "
