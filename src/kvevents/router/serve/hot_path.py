@@ -155,6 +155,9 @@ class ErrorAnswer(msgspec.Struct, gc=False):
 
 
 T = TypeVar("T")
+InlineRelay = Callable[[bytes, list[tuple[bytes, bytes]], bytes], Awaitable[InlineAnswer] | None]
+"""A relay's answer from the parser's callbacks: ``(path, headers, body)`` to the answer to
+come, or None to serve the request as ASGI."""
 
 log = logging.getLogger("kvevents.router")
 
@@ -236,21 +239,26 @@ class HotPath:
         """Relayed from uvicorn's parser callbacks when they can be (:meth:`answer_async_inline`);
         chats are rendered by the engine's tokenizer first, so they go the ASGI way."""
         self.inline_limit = max_body_bytes
+        self._inline_relay: InlineRelay | None = None
+        """The P/D relay's hook for :attr:`async_inline_paths` (:meth:`disaggregate`)."""
 
     def disaggregate(
         self,
         relay: OpenAIRelay,
         paths: frozenset[str],
         route: Callable[[bytes], Awaitable[bytes]],
+        inline: InlineRelay,
     ) -> None:
         """Serve in disaggregated (P/D) mode (:mod:`kvevents.router.serve.pd_route`):
-        ``POST`` of ``paths`` goes to ``relay`` and ``/route`` to ``route``; nothing but
-        ``/query`` is answered from the parser's callbacks."""
+        ``POST`` of ``paths`` goes to ``relay`` and ``/route`` to ``route``; from the
+        parser's callbacks, ``/query`` is answered and ``paths`` are given to ``inline``
+        (``None`` from it: the request is served as ASGI)."""
         self.relay = relay
         self.relay_paths = paths
         self._handlers["/route"] = route
         self.inline_paths = frozenset({b"/query"})
-        self.async_inline_paths = frozenset()
+        self.async_inline_paths = frozenset(path.encode("latin-1") for path in paths)
+        self._inline_relay = inline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -350,6 +358,9 @@ class HotPath:
         key = self.api_key
         if key is not None and not key.matches(headers):
             return None
+        pd = self._inline_relay
+        if pd is not None:
+            return pd(path, headers, body)
         return self.relay.inline(headers, body)
 
     async def _query(self, raw: bytes) -> bytes:

@@ -85,7 +85,7 @@ class LegFailed(Exception):
 class PDExchange:
     """One request's legs (see the module docstring). ``background`` keeps the tasks
     still reading a prefill's answer after the decode's began (the caller cancels them
-    at shutdown)."""
+    at shutdown); ``loop`` is the running one."""
 
     def __init__(
         self,
@@ -95,7 +95,11 @@ class PDExchange:
         background: set[asyncio.Task[None]],
         decode: Leg,
         prefill: Leg | None = None,
+        *,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
+        self.loop = loop
+        """The running loop (asked for once per request by the caller)."""
         self.upstream = upstream
         self.router = router
         self.stats = stats
@@ -214,20 +218,21 @@ class PDExchange:
         """
         prefill = self.prefill
         assert prefill is not None
-        prefilling = asyncio.ensure_future(self.whole(prefill))
-        decoding = asyncio.ensure_future(self.send(self.decode))
+        loop = self.loop
+        prefilling = loop.create_task(self.whole(prefill))
+        decoding = loop.create_task(self.send(self.decode))
         try:
-            while not decoding.done():
-                pending = (decoding,) if prefilling.done() else (prefilling, decoding)
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if prefilling.done() and not decoding.done():
-                    failure = self._prefill_failure(prefilling)
-                    if failure is not None:
-                        await _cancelled(decoding)
-                        raise failure
+            if not decoding.done():
+                await _first_of(loop, prefilling, decoding)
+            if not decoding.done():  # the prefill's answer came first
+                failure = self._prefill_failure(prefilling)
+                if failure is not None:
+                    await _cancelled(loop, decoding)
+                    raise failure
+                await _first_of(loop, decoding)
             error = decoding.exception()
             if error is not None:
-                await _cancelled(prefilling)
+                await _cancelled(loop, prefilling)
                 if isinstance(error, (UpstreamError, TimeoutError)):
                     raise self.fail(self.decode, error) from None
                 raise error
@@ -244,7 +249,7 @@ class PDExchange:
         if prefilling.done():
             self._prefill_ended(prefilling, on_prefill)
         else:
-            reading = asyncio.ensure_future(self._read_on(prefilling, on_prefill))
+            reading = loop.create_task(self._read_on(prefilling, on_prefill))
             self.background.add(reading)
             reading.add_done_callback(self.background.discard)
         return response
@@ -282,17 +287,34 @@ class PDExchange:
         self, prefilling: asyncio.Future[Whole], on_prefill: Callable[[Whole | None], None]
     ) -> None:
         try:
-            await asyncio.wait((prefilling,))
+            await _first_of(self.loop, prefilling)
         finally:
             if not prefilling.done():
-                await _cancelled(prefilling)
+                await _cancelled(self.loop, prefilling)
             self._prefill_ended(prefilling, on_prefill)
 
 
-async def _cancelled(task: asyncio.Future[Any]) -> None:
+def _first_of(
+    loop: asyncio.AbstractEventLoop, *futures: asyncio.Future[Any]
+) -> asyncio.Future[None]:
+    """A future of ``loop`` done once any of ``futures`` is (their outcomes left unread):
+    what ``asyncio.wait(..., return_when=FIRST_COMPLETED)`` waits for, without the
+    running loop asked for (a system call each time) and the set of futures it builds."""
+    first: asyncio.Future[None] = loop.create_future()
+
+    def done(_: asyncio.Future[Any]) -> None:
+        if not first.done():
+            first.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return first
+
+
+async def _cancelled(loop: asyncio.AbstractEventLoop, task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it has ended (its connection closed)."""
     task.cancel()
-    await asyncio.wait((task,))
+    await _first_of(loop, task)
     if not task.cancelled():
         task.exception()  # retrieved: it ended as it would, the request is answered apart
 

@@ -1,10 +1,11 @@
 """The router's relay in disaggregated (P/D) mode: ``/v1/completions``, chat, ``/generate``.
 
-Each request is read (bounded), its prompts tokenized as in one-pool mode (a batch of
-prompts, a chat, text or token ids; ``/generate`` takes ``input_ids`` or ``text``, one
-or a list), routed by :func:`~kvevents.router.decide.pd.decide_pd` (the decode holder,
-and the prefill holder unless the decode can prefill alone), counted on each leg's
-holder (:meth:`Router.begin`), and sent:
+Each request is read (bounded; :mod:`kvevents.router.serve.pd_read`), its prompts
+tokenized as in one-pool mode (a batch of prompts, a chat, text or token ids;
+``/generate`` takes ``input_ids`` or ``text``, one or a list), routed by
+:func:`~kvevents.router.decide.pd.decide_pd` (the decode holder, and the prefill holder
+unless the decode can prefill alone), counted on each leg's holder
+(:meth:`Router.begin`), and sent:
 
 * prefill skipped: to the decode instance alone, its rank pinned as the protocol pins
   ranks, no hand-off fields;
@@ -23,17 +24,26 @@ member saying the same. A leg that fails (:mod:`kvevents.router.serve.pd_exchang
 one error for the client, in the route's shape: OpenAI's ``{"error": {...}}`` on
 ``/v1/*``, ``{"error": message}`` on ``/generate``; 502 for an engine down or failing
 (the 4xx of a prefill that refused the body), 504 past a leg's deadline.
+
+A request that asks for no stream is served from uvicorn's parser callbacks
+(:meth:`PDRelay.inline_path`, :mod:`kvevents.http.inline`), as the one-pool relay's
+completions are: a framework's request cycle costs more than the relay's own work. A
+body of one prompt of token ids is read without decoding its prompt, and SGLang's legs
+are its bytes with their members appended (:mod:`kvevents.router.serve.pd_body`); any
+other body is decoded and each leg encoded from it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
 from kvevents.errors import RouterNotReadyError
+from kvevents.http.inline import InlineAnswer
 from kvevents.http.upstream import Response
 from kvevents.router.decide.models import UnknownModelError
 from kvevents.router.decide.pd import PDDecision, Pool, decide_pd
@@ -45,11 +55,12 @@ from kvevents.router.serve.openai_relay import (
     OpenAIError,
     OpenAIRelay,
     _engine_headers,
-    _json_object,
+    _forwarded,
     _request_lines,
     _UsageTracker,
     prompts_of,
 )
+from kvevents.router.serve.pd_body import pinned_bytes, sglang_leg_bytes
 from kvevents.router.serve.pd_exchange import Leg, LegFailed, PDExchange, Whole
 from kvevents.router.serve.pd_legs import (
     new_rooms,
@@ -59,16 +70,20 @@ from kvevents.router.serve.pd_legs import (
     vllm_prefill_body,
 )
 from kvevents.router.serve.pd_mode import PDMode
+from kvevents.router.serve.pd_read import (
+    PDRequest,
+    asks_stream,
+    generate_request,
+    read_request,
+    samples_of,
+)
 from kvevents.router.serve.pd_request import (
     PD_PATHS,
     Endpoint,
-    PDRequest,
     error_answer,
     error_kind,
     generate_answer,
-    generate_request,
     pd_headers,
-    samples_of,
 )
 from kvevents.router.serve.pd_sse import merged_first_event
 from kvevents.router.serve.request_stats import engine_usage_of_json
@@ -77,6 +92,7 @@ from kvevents.router.serve.service import FORWARD_ERRORS, RouterService
 __all__ = ["PDRelay"]
 
 _PATHS: Mapping[Endpoint, str] = {endpoint: path for path, endpoint in PD_PATHS.items()}
+_ENDPOINTS: Mapping[bytes, Endpoint] = {path.encode(): e for path, e in PD_PATHS.items()}
 _RANK_HEADER = RANK_HEADER.encode("latin-1")
 _ENCODER = msgspec.json.Encoder()
 _JSON = (b"content-type", b"application/json")
@@ -88,39 +104,96 @@ class PDRelay(OpenAIRelay):
     def __init__(self, service: RouterService, pd: PDMode, *, max_body_bytes: int) -> None:
         super().__init__(service, max_body_bytes=max_body_bytes)
         self.pd = pd
+        self._kept: tuple[bytes, PDRequest | dict[str, Any]] | None = None
+        """The last body :meth:`inline_path` read and left to the ASGI path (a stream)."""
+        self._hosts: dict[str, str] = {}
+        """Each prefill engine URL's host (its bootstrap server's), parsed once."""
 
-    def inline(self, raw_headers: list[tuple[bytes, bytes]], raw: bytes) -> None:
-        """Never inline: every P/D request goes the ASGI way (two legs, tasks)."""
+    def inline(
+        self, raw_headers: list[tuple[bytes, bytes]], raw: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """Never through the one-pool hook: P/D requests come in by :meth:`inline_path`."""
         return None
+
+    def inline_path(
+        self, path: bytes, raw_headers: list[tuple[bytes, bytes]], raw: bytes
+    ) -> Awaitable[InlineAnswer] | None:
+        """The answer to come for a request of ``path`` (one of :data:`PD_PATHS`) from
+        uvicorn's parser callbacks (:mod:`kvevents.http.inline`), or None to serve it
+        as ASGI (:meth:`answer_path`): when it asks for a stream (what was read of it
+        is kept for that path), or its body is to be refused (worded there)."""
+        endpoint = _ENDPOINTS[path]
+        try:
+            read = read_request(endpoint, raw)
+        except OpenAIError:
+            return None
+        if asks_stream(endpoint, read):
+            self._kept = (raw, read)
+            return None
+        return self._inline_answer(endpoint, _forwarded(raw_headers), raw, read)
+
+    async def _inline_answer(
+        self,
+        endpoint: Endpoint,
+        headers: dict[bytes, bytes],
+        raw: bytes,
+        read: PDRequest | dict[str, Any],
+    ) -> InlineAnswer:
+        try:
+            answer = await self._answer(endpoint, headers, raw, read)
+        except OpenAIError as exc:
+            answer = error_answer(endpoint, exc.status, str(exc), exc.kind, exc.param)
+        assert answer.stream is None, "a request that asks for no stream gets none"
+        return answer.status, answer.headers, answer.body
 
     async def answer_path(self, path: str, headers: dict[bytes, bytes], raw: bytes) -> Answer:
         endpoint = PD_PATHS[path]
         try:
-            request = await self._request(endpoint, raw)
-            decision = self._decide(request)
-            return await self._serve(request, decision, headers)
+            # a stream :meth:`inline_path` read comes here with the same bytes: equal
+            # bytes read alike, whichever request sent them
+            kept = self._kept
+            if kept is not None and kept[0] == raw:
+                self._kept = None
+                read = kept[1]
+            else:
+                read = read_request(endpoint, raw)
+            return await self._answer(endpoint, headers, raw, read)
         except OpenAIError as exc:
             return error_answer(endpoint, exc.status, str(exc), exc.kind, exc.param)
 
+    async def _answer(
+        self,
+        endpoint: Endpoint,
+        headers: dict[bytes, bytes],
+        raw: bytes,
+        read: PDRequest | dict[str, Any],
+    ) -> Answer:
+        request = read if isinstance(read, PDRequest) else await self._request(endpoint, raw, read)
+        decision = self._decide(request)
+        return await self._serve(request, decision, headers)
+
     # --- reading and deciding ---
 
-    async def _request(self, endpoint: Endpoint, raw: bytes) -> PDRequest:
-        what = {"completions": "completions", "chat": "chat completions", "generate": "generate"}
-        body = _json_object(raw, what[endpoint])
+    async def _request(self, endpoint: Endpoint, raw: bytes, body: dict[str, Any]) -> PDRequest:
+        """A body decoded whole (:func:`read_request`) read as a request: its prompts
+        tokenized."""
         if endpoint == "generate":
-            return await generate_request(body, self.service.text_tokenizer)
+            return await generate_request(raw, body, self.service.text_tokenizer)
         samples = samples_of(body.get("n", 1), "n")
         stream = RelayFields.of(body).wants_stream
         if endpoint == "chat":
             prompts: list[Sequence[int]] = [await self._chat_tokens(body)]
-            return PDRequest(endpoint, body, prompts, batched=False, samples=samples, stream=stream)
+            return PDRequest(
+                endpoint, raw, body, prompts, batched=False, samples=samples, stream=stream
+            )
         given = prompts_of(body)
         prompts = [await self._prompt_tokens(body, p) for p in given]
         batched = isinstance(body["prompt"], list) and isinstance(body["prompt"][0], (str, list))
-        return PDRequest(endpoint, body, prompts, batched=batched, samples=samples, stream=stream)
+        return PDRequest(
+            endpoint, raw, body, prompts, batched=batched, samples=samples, stream=stream
+        )
 
     def _decide(self, request: PDRequest) -> PDDecision:
-        extra = request.body.get("extra_keys") if request.endpoint == "generate" else None
         try:
             return decide_pd(
                 self.service.router,
@@ -131,7 +204,7 @@ class PDRelay(OpenAIRelay):
                 lora=request.lora,
                 cache_salt=request.salt,
                 model=request.model,
-                extra_keys=extra if isinstance(extra, list) and len(request.prompts) == 1 else None,
+                extra_keys=request.extra_keys,
             )
         except UnknownModelError as exc:
             raise OpenAIError(404, str(exc), "NotFoundError", "model") from None
@@ -163,7 +236,10 @@ class PDRelay(OpenAIRelay):
         if decision.prefill is not None:
             prefill = self._leg("prefill", decision.prefill, request, lines, pd.prefill_timeout)
         pd.stats.decided(decision)
-        exchange = PDExchange(service.upstream, router, pd.stats, pd.background, decode, prefill)
+        loop = asyncio.get_running_loop()
+        exchange = PDExchange(
+            service.upstream, router, pd.stats, pd.background, decode, prefill, loop=loop
+        )
         prefilled: asyncio.Future[Whole | None] | None = None
         try:
             if prefill is None:
@@ -180,12 +256,13 @@ class PDRelay(OpenAIRelay):
                 response = await exchange.decode_head()
             else:
                 await self._sglang_bodies(request, decision, prefill, decode)
-                prefilled = asyncio.get_running_loop().create_future()
-                done = prefilled
+                on_prefill = _ignored
+                if request.logprob:  # the prefill's input logprobs go in front
+                    prefilled = done = loop.create_future()
 
-                def on_prefill(whole: Whole | None) -> None:
-                    if not done.done():
-                        done.set_result(whole)
+                    def on_prefill(whole: Whole | None) -> None:
+                        if not done.done():
+                            done.set_result(whole)
 
                 response = await exchange.concurrent(on_prefill)
         except LegFailed as exc:
@@ -220,7 +297,9 @@ class PDRelay(OpenAIRelay):
 
     def _alone_body(self, request: PDRequest, decision: RouteDecision) -> bytes:
         if self.pd.protocol == "vllm":  # the rank is the header
-            return _ENCODER.encode(request.body)
+            return request.raw
+        if request.spliced_alone:
+            return pinned_bytes(request.raw, decision.dp_rank)
         return _ENCODER.encode(pinned_body(request.body, decision.dp_rank))
 
     async def _sglang_bodies(
@@ -230,13 +309,20 @@ class PDRelay(OpenAIRelay):
         worker = decision.prefill.worker
         port = await self.pd.bootstrap_port(worker, self.service.client)
         rooms = new_rooms(len(request.prompts), request.samples, batched=request.batched)
+        host = self._hosts.get(prefill.url)
+        if host is None:
+            if len(self._hosts) >= 1024:  # a fleet has a few engines: this is only a bound
+                self._hosts.clear()
+            host = self._hosts[prefill.url] = urlsplit(prefill.url).hostname or "127.0.0.1"
+        ranks = {"prefill_rank": decision.prefill.dp_rank, "decode_rank": decision.decode.dp_rank}
+        fields = request.fields
+        if fields is not None and not fields.leg_keys:
+            prefill.content, decode.content = sglang_leg_bytes(
+                request.raw, fields, host=host, port=port, rooms=rooms, **ranks
+            )
+            return
         prefill_body, decode_body = sglang_legs(
-            request.body,
-            host=urlsplit(prefill.url).hostname or "127.0.0.1",
-            port=port,
-            rooms=rooms,
-            prefill_rank=decision.prefill.dp_rank,
-            decode_rank=decision.decode.dp_rank,
+            request.body, host=host, port=port, rooms=rooms, **ranks
         )
         prefill.content = _ENCODER.encode(prefill_body)
         decode.content = _ENCODER.encode(decode_body)
@@ -256,7 +342,7 @@ class PDRelay(OpenAIRelay):
         status = response.status
         service.requests.record(request.endpoint, decision.decode, decision.prompt_tokens, status)
         headers = [*_engine_headers(response.headers), *shown]
-        logprobs = prefilled if request.logprob else None
+        logprobs = prefilled
         if not request.stream or status != 200:
             try:
                 payload = await response.read()
@@ -301,3 +387,7 @@ class PDRelay(OpenAIRelay):
                 service.requests.record_usage(decode.ticket.holder, tracker.usage())
 
         return Answer(status, headers, stream=relay(), release=response.release)
+
+
+def _ignored(whole: Whole | None) -> None:
+    """A prefill's answer nobody reads (no input logprobs asked for)."""

@@ -1,31 +1,28 @@
-"""What the P/D relay reads from a request, and what it tells the client of the decision.
+"""What the P/D relay tells the client of a decision, and its errors in the route's shape.
 
-:class:`PDRequest` is one request as read (its body, its prompts as token ids, how many
-prompts and samples, whether it streams); :func:`generate_request` reads SGLang's
-``/generate`` body (``input_ids`` or ``text``, one prompt or a list: a batch).
-:func:`pd_headers` and :func:`routed_info` say where a request went (response headers;
-a ``/generate`` answer's ``router`` member, :func:`generate_answer`), :func:`error_answer` words an error in the
-route's shape: OpenAI's ``{"error": {...}}`` on ``/v1/*``, ``{"error": message}`` on
-``/generate`` (the one-pool router's shape there).
+:data:`PD_PATHS` are the relay's paths. :func:`pd_headers` and :func:`routed_info` say
+where a request went (response headers; a ``/generate`` answer's ``router`` member,
+:func:`generate_answer`), :func:`error_answer` words an error in the route's shape:
+OpenAI's ``{"error": {...}}`` on ``/v1/*``, ``{"error": message}`` on ``/generate`` (the
+one-pool router's shape there). What the relay reads of a request is
+:mod:`kvevents.router.serve.pd_read`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
-from urllib.parse import quote
 
 import msgspec
 
 from kvevents.router.decide.pd import PDDecision
 from kvevents.router.decide.router import RouteDecision
-from kvevents.router.prompts.tokenize import TextTokenizer, TokenizeError
 from kvevents.router.serve.openai_relay import (
     Answer,
     OpenAIError,
-    _tokenize_error,
+    _quoted_worker,
     decision_headers,
 )
 from kvevents.router.serve.pd_exchange import Whole
@@ -34,14 +31,11 @@ from kvevents.router.serve.pd_legs import merge_input_logprobs
 __all__ = [
     "PD_PATHS",
     "Endpoint",
-    "PDRequest",
     "error_answer",
     "error_kind",
     "generate_answer",
-    "generate_request",
     "pd_headers",
     "routed_info",
-    "samples_of",
 ]
 
 Endpoint = Literal["completions", "chat", "generate"]
@@ -54,45 +48,6 @@ PD_PATHS: Mapping[str, Endpoint] = {
 
 _ENCODER = msgspec.json.Encoder()
 _JSON = (b"content-type", b"application/json")
-_URL_SAFE = ":/?&=@[]+,;~!$'()*"
-"""Kept as they are in a worker's header value (as ``x-kvevents-worker`` keeps them)."""
-
-
-class PDRequest:
-    """One request as read: its body, prompts (token ids) and what shapes its legs."""
-
-    __slots__ = ("batched", "body", "endpoint", "logprob", "lora", "prompts", "samples", "stream")
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        prompts: list[Sequence[int]],
-        *,
-        batched: bool,
-        samples: int,
-        stream: bool,
-        lora: str | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.body = body
-        self.prompts = prompts
-        self.batched = batched
-        """The prompt was given as a list (even of one): its legs take lists of rooms."""
-        self.samples = samples
-        self.stream = stream
-        self.lora = lora
-        self.logprob = endpoint == "generate" and _any_true(body.get("return_logprob"))
-
-    @property
-    def model(self) -> str | None:
-        model = self.body.get("model")
-        return model if isinstance(model, str) else None
-
-    @property
-    def salt(self) -> str | None:
-        salt = self.body.get("cache_salt")
-        return salt if isinstance(salt, str) else None
 
 
 def pd_headers(decision: PDDecision) -> list[tuple[bytes, bytes]]:
@@ -105,46 +60,9 @@ def pd_headers(decision: PDDecision) -> list[tuple[bytes, bytes]]:
         return shown
     reason = (decision.prefill_reason or "load").encode("latin-1")
     shown.append((b"x-kvevents-prefill", reason))
-    shown.append((b"x-kvevents-prefill-worker", quote(prefill.worker, safe=_URL_SAFE).encode()))
+    shown.append((b"x-kvevents-prefill-worker", _quoted_worker(prefill.worker)))
     shown.append((b"x-kvevents-prefill-dp-rank", b"%d" % prefill.dp_rank))
     return shown
-
-
-async def generate_request(body: dict[str, Any], tokenizer: TextTokenizer) -> PDRequest:
-    """A ``/generate`` body read: ``input_ids`` or ``text``, one prompt or a list."""
-    if "messages" in body:
-        raise OpenAIError(400, '"messages" is for chats: send them to /v1/chat/completions')
-    given = [k for k in ("input_ids", "text") if body.get(k) is not None]
-    if len(given) != 1:
-        raise OpenAIError(400, 'give exactly one of "input_ids" (token ids) or "text"')
-    value = body[given[0]]
-    batched = isinstance(value, list) and bool(value) and isinstance(value[0], (list, str))
-    items = value if batched else [value]
-    prompts: list[Sequence[int]] = []
-    for i, item in enumerate(items):
-        where = f"{given[0]}[{i}]" if batched else given[0]
-        if isinstance(item, str) and given[0] == "text":
-            try:
-                prompts.append(await tokenizer.encode(item))
-            except TokenizeError as exc:
-                raise _tokenize_error(exc) from None
-        elif isinstance(item, list) and item and all(type(t) is int and t >= 0 for t in item):
-            prompts.append(item)
-        else:
-            kind = "a string" if given[0] == "text" else "a non-empty list of token ids"
-            raise OpenAIError(400, f"{where} must be {kind}, or a list of them")
-    params = body.get("sampling_params")
-    samples = samples_of(params.get("n", 1) if isinstance(params, dict) else 1, "sampling_params.n")
-    lora = body.get("lora_path", body.get("lora"))
-    return PDRequest(
-        "generate",
-        body,
-        prompts,
-        batched=batched,
-        samples=samples,
-        stream=body.get("stream") is True,
-        lora=lora if isinstance(lora, str) else None,
-    )
 
 
 async def generate_answer(
@@ -208,16 +126,3 @@ def error_answer(
 def error_kind(status: int) -> str:
     """OpenAI's error ``type`` for a status the P/D relay answers."""
     return {502: "bad_gateway", 504: "timeout"}.get(status, "invalid_request_error")
-
-
-def samples_of(value: Any, where: str) -> int:
-    """A request's samples (``n``): 1 when not given; OpenAIError 400 unless an int >= 1."""
-    if value is None:
-        return 1
-    if type(value) is not int or value < 1:
-        raise OpenAIError(400, f"{where} must be an integer >= 1, not {value!r}", param=where)
-    return value
-
-
-def _any_true(value: Any) -> bool:
-    return any(v is True for v in value) if isinstance(value, list) else value is True

@@ -19,9 +19,9 @@ sends the legs itself needs. Errors as one-pool ``/route``'s.
 
 :func:`serve_pd` turns a :class:`~kvevents.router.serve.hot_path.HotPath` to P/D mode:
 the relay's paths (:data:`~kvevents.router.serve.pd_request.PD_PATHS`, ``/generate``
-included) go to :class:`~kvevents.router.serve.pd_relay.PDRelay` and ``/route`` here;
-nothing is answered from the parser's callbacks but ``/query`` (which answers every
-holder of both pools as in one-pool mode).
+included) go to :class:`~kvevents.router.serve.pd_relay.PDRelay`, from the parser's
+callbacks when their answer is written whole (:meth:`PDRelay.inline_path`), and
+``/route`` here; ``/query`` is answered as in one-pool mode (every holder of both pools).
 """
 
 from __future__ import annotations
@@ -109,4 +109,4 @@ class PDRoute:
 def serve_pd(hot: HotPath, pd: PDMode) -> None:
     """Put ``hot`` in P/D mode (see the module docstring)."""
     relay = PDRelay(hot.service, pd, max_body_bytes=hot.max_body_bytes)
-    hot.disaggregate(relay, frozenset(PD_PATHS), PDRoute(hot.service, pd).answer)
+    hot.disaggregate(relay, frozenset(PD_PATHS), PDRoute(hot.service, pd).answer, relay.inline_path)
