@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import queue
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from router_support import Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
+from kvevents.router.serve.pd_mode import PDEngine, PDMode
 from kvevents.router.serve.readiness import MAX_REASONS, Readiness, readiness
 from kvevents.router.serve.service import RouterService
 from process_support import KVEventsProcess
@@ -50,6 +45,29 @@ def test_a_holder_known_available_and_at_the_block_size_is_routable() -> None:
     assert state.reasons[1] == "engine b rank 0: unavailable: the engine reports the rank down"
     router.set_worker_available("a", False)
     assert not readiness(service).ok
+
+
+def test_a_disaggregated_router_is_ready_only_with_a_routable_rank_in_each_pool() -> None:
+    """In P/D mode a routable decode rank alone is not ready (a request that needs a
+    prefill would answer 503): the reason names the empty pool and its engines, and the
+    router turns ready once a prefill rank is routable too."""
+    router = Router(block_size=16)
+    pd = PDMode(
+        [PDEngine("http://p:1", "p", "prefill"), PDEngine("http://d:1", "d", "decode")], "sglang"
+    )
+    service = RouterService(router, [], pd=pd)
+    router.add_holder(Holder("d", 0), block_size=16)
+    state = readiness(service)
+    assert (state.ok, state.routable) == (False, 1), state
+    assert state.reasons == [
+        "no prefill engine rank is routable: requests that need one answer 503 until one "
+        "of the prefill engines (p) is up and followed"
+    ]
+    router.add_holder(Holder("p", 0), block_size=16)
+    assert readiness(service) == Readiness(ok=True, reasons=[], routable=2, holders=2)
+    router.set_worker_available("d", False)
+    state = readiness(service)
+    assert not state.ok and state.reasons[-1].startswith("no decode engine rank is routable")
 
 
 def test_reasons_are_capped_and_the_rest_counted() -> None:

@@ -3,7 +3,8 @@
 ``/health`` says the process answers (liveness: restart it if not); ``/ready`` says a
 request routed now would go where its cache is (readiness: send it traffic). In
 Kubernetes, point the ``livenessProbe`` at ``/health`` and the ``readinessProbe`` at
-``/ready``. The router is ready when at least one holder (one engine rank's KV cache) is
+``/ready``. The router is ready when at least one holder (one engine rank's KV cache;
+in disaggregated mode, one in each pool, prefill and decode) is
 
 * known and available: its engine registered it and its last poll says the rank is up;
 * followed: its event stream is connected (the publisher's ZMQ handshake succeeded, or
@@ -97,10 +98,12 @@ def readiness(service: RouterService) -> Readiness:
     holders = router.holders()
     problems: dict[tuple[str, str], list[int]] = {}
     routable = 0
+    routable_workers: set[str] = set()
     for holder in holders:
         problem = _problem(service, holder, streams)
         if problem is None:
             routable += 1
+            routable_workers.add(holder.worker)
         elif holder.worker not in troubled:
             problems.setdefault((holder.worker, problem), []).append(holder.dp_rank)
     for (worker, problem), ranks in problems.items():
@@ -110,10 +113,34 @@ def readiness(service: RouterService) -> Readiness:
             "no engine rank is known yet"
             + ("" if service.states else ": the router follows no engine (--engine URL)")
         )
+    empty_pools = _empty_pools(service, routable_workers)
+    reasons.extend(empty_pools)
     if len(reasons) > MAX_REASONS:
         more = len(reasons) - MAX_REASONS
         reasons = [*reasons[:MAX_REASONS], f"... and {more} more: see GET /workers"]
-    return Readiness(ok=routable > 0, reasons=reasons, routable=routable, holders=len(holders))
+    return Readiness(
+        ok=routable > 0 and not empty_pools,
+        reasons=reasons,
+        routable=routable,
+        holders=len(holders),
+    )
+
+
+def _empty_pools(service: RouterService, routable_workers: set[str]) -> list[str]:
+    """In disaggregated mode, one reason per pool with no routable holder: a request needs
+    a decode rank, and one whose prompt the decode would not prefill alone a prefill rank,
+    so the router is not ready without both."""
+    pd = service.pd
+    if pd is None:
+        return []
+    reasons = []
+    for pool, workers in (("prefill", pd.pools.prefill), ("decode", pd.pools.decode)):
+        if not workers & routable_workers:
+            reasons.append(
+                f"no {pool} engine rank is routable: requests that need one answer 503 until "
+                f"one of the {pool} engines ({', '.join(sorted(workers))}) is up and followed"
+            )
+    return reasons
 
 
 def _problem(
