@@ -92,3 +92,19 @@ def test_the_fleet_stops_every_process_still_running_newest_first() -> None:
     assert eng.proc.poll() == 0 and left.proc.poll() == 0
     assert fleet.started == []
     fleet.stop_all()
+
+
+def test_no_test_module_edits_sys_path() -> None:
+    """Helpers are found through pytest's ``pythonpath`` (pyproject.toml), so no test or
+    helper under tests/ inserts into ``sys.path`` (a script outside tests/ may be loaded by
+    path: tests/real_engines loads scripts/real_vllm that way)."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    editing = [
+        str(path.relative_to(tests))
+        for path in sorted(tests.rglob("*.py"))
+        if "sys.path.insert" in path.read_text(encoding="utf-8")
+        and path.name not in ("test_harness.py", "real_vllm_helpers.py")
+    ]
+    assert editing == [], f"use pytest's pythonpath instead of sys.path.insert in {editing}"

@@ -4,15 +4,10 @@ alone, the compiled kernels' (ids first), and uvicorn's inline path."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from router_support import Engine, RouterProc, wait_until
 
 from kvevents import kernels
