@@ -27,6 +27,7 @@ from kvevents.router.decide.router import Router
 from kvevents.router.serve import api_schema as router_api
 from kvevents.router.serve.fastapi_app import create_fastapi_app
 from kvevents.router.serve.hot_path import HotPath
+from kvevents.router.serve.pd_mode import PDEngine, PDMode
 from kvevents.router.serve.service import RouterService
 
 LIMIT = 65_536
@@ -108,6 +109,26 @@ def test_the_hot_path_routes_are_the_ones_documented() -> None:
     assert set(hot._handlers) <= set(paths)
     body = paths["/route"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/TokensBody"}
+
+
+def test_a_disaggregated_router_describes_its_own_route_answer() -> None:
+    """In P/D mode /openapi.json describes /route's two-holder answer and the prefill
+    headers of the relayed routes, and every reference in it resolves."""
+    pd = PDMode(
+        [PDEngine("http://p:1", "p", "prefill"), PDEngine("http://d:1", "d", "decode")], "sglang"
+    )
+    app = create_fastapi_app(RouterService(Router(), [], pd=pd))
+    _check_described(app, router_api.PD_OPERATIONS, {("post", "/route"), ("post", "/query")})
+    doc = app.openapi()
+    ok = doc["paths"]["/route"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert ok["schema"] == {"$ref": "#/components/schemas/PDRouteAnswer"}
+    assert {"prefill", "decode", "prefill_skipped"} <= set(
+        doc["components"]["schemas"]["PDRouteAnswer"]["properties"]
+    )
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert "x-kvevents-prefill-worker" in doc["paths"][path]["post"]["description"]
+    one_pool = _router_app().openapi()
+    assert "PDRouteAnswer" not in one_pool["components"]["schemas"]
 
 
 def _exchange(sock: socket.socket, request: bytes) -> tuple[int, bytes]:

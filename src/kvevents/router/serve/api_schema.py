@@ -6,7 +6,9 @@ with (:class:`~kvevents.router.prompts.token_body.TokensBody`), or, for the Open
 that check by hand, the structs of :mod:`kvevents.api.openai`; the answers are the structs
 the hot path encodes, or those :func:`kvevents.router.serve.fastapi_app.create_fastapi_app` builds
 its answers from. ``/route`` and ``/query`` are served by the bare ASGI hot path in
-front of FastAPI, so only this table puts them in the document.
+front of FastAPI, so only this table puts them in the document. A router in
+disaggregated mode describes itself with :data:`PD_OPERATIONS`: ``/route`` answers both
+holders, and the relayed answers carry the prefill's headers too.
 
 For Kubernetes: the ``livenessProbe`` goes to ``/health`` (the process serves), the
 ``readinessProbe`` to ``/ready`` (it can route now; 503 with the reasons otherwise); both
@@ -15,6 +17,7 @@ are open without ``--api-key``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -30,10 +33,11 @@ from kvevents.api.openai import (
 )
 from kvevents.router.prompts.token_body import GenerateBody
 from kvevents.router.serve.hot_path import ErrorAnswer, QueryAnswer, RouteAnswer
+from kvevents.router.serve.pd_route import PDRouteAnswer
 from kvevents.router.serve.readiness import Readiness
 from kvevents.router.serve.service import TokensBody
 
-__all__ = ["OPERATIONS", "GenerateAnswer", "RoutedTo", "WorkersAnswer"]
+__all__ = ["OPERATIONS", "PD_OPERATIONS", "GenerateAnswer", "RoutedTo", "WorkersAnswer"]
 
 
 class RoutedTo(msgspec.Struct):
@@ -142,7 +146,8 @@ class RouterHealth(msgspec.Struct):
 
 
 _READY = (
-    "200 when at least one engine rank is routable: known and available, its event stream "
+    "200 when at least one engine rank is routable (in disaggregated mode, one in each "
+    "pool): known and available, its event stream "
     "connected, at the router's block size. Otherwise 503 with the reasons (an engine "
     "unreachable or publishing no events, streams not connected, a block-size mismatch); "
     "the reasons of ranks that cannot be routed to are listed when ready too. For "
@@ -260,3 +265,38 @@ OPERATIONS: tuple[Operation, ...] = (
         ),
     ),
 )
+
+
+_PD_HEADERS = (
+    " In disaggregated mode the answer also carries x-kvevents-prefill (`skipped`, or why "
+    "the prefill holder was chosen: `cache`, `prediction`, `load`), "
+    "x-kvevents-prefill-worker, x-kvevents-prefill-dp-rank and x-kvevents-uncached-tokens; "
+    "x-kvevents-worker and x-kvevents-dp-rank name the decode holder."
+)
+_PD_RELAYED = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _pd_operation(op: Operation) -> Operation:
+    """``op`` as a router in disaggregated mode serves it."""
+    if op.path == "/route":
+        return replace(
+            op,
+            summary="Choose the decode and prefill ranks for a prompt",
+            ok=Body(
+                PDRouteAnswer,
+                description="The decode holder (it answers the client), whether the prefill "
+                "is skipped and why, and each pool's choice with its scores",
+            ),
+            description="Chooses the decode holder by cost; when its uncached part of the "
+            "prompt is over --max-local-prefill-tokens, the prefill holder by the prefill "
+            "pool's cost too (`prefill` is null when skipped). "
+            '`"record": true` counts both as sent (a gateway sending the legs itself).'
+            + _POST_ONLY,
+        )
+    if op.path in _PD_RELAYED:
+        return replace(op, description=op.description + _PD_HEADERS)
+    return op
+
+
+PD_OPERATIONS: tuple[Operation, ...] = tuple(_pd_operation(op) for op in OPERATIONS)
+"""The router's API in disaggregated mode (``--prefill``/``--decode``)."""

@@ -17,7 +17,7 @@ from kvevents.api import install
 from kvevents.errors import RouterNotReadyError
 from kvevents.router.decide.models import UnknownModelError
 from kvevents.router.fleet.warm_start import dump_bytes
-from kvevents.router.serve.api_schema import OPERATIONS, RoutedTo
+from kvevents.router.serve.api_schema import OPERATIONS, PD_OPERATIONS, RoutedTo
 from kvevents.router.serve.bodies import BodyTooLarge, Disconnected, read_body
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES, keyed
 from kvevents.router.serve.openai import add_openai_routes
@@ -149,5 +149,5 @@ def create_fastapi_app(
         return Response(snapshot, media_type="application/octet-stream")
 
     add_openai_routes(app, service, max_body_bytes=max_body_bytes)
-    install(app, OPERATIONS)
+    install(app, OPERATIONS if service.pd is None else PD_OPERATIONS)
     return app
