@@ -6,10 +6,10 @@ import asyncio
 import logging
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from pd_support import FakePD, Handoffs
 
+from kvevents.http.upstream import Upstream
 from kvevents.router.serve.pd_mode import DEFAULT_BOOTSTRAP_PORT, PDEngine, PDMode
 
 
@@ -58,9 +58,10 @@ def test_watch_reads_the_port_and_follows_a_restart_to_another(prefill: FakePD) 
 
         async def run() -> None:
             stopping = asyncio.Event()
-            async with httpx.AsyncClient() as client:
-                assert await pd.bootstrap_port(prefill.url, client) == prefill.bootstrap_port
-                watching = asyncio.create_task(pd.watch(client, stopping))
+            upstream = Upstream(timeout=10.0)
+            try:
+                assert await pd.bootstrap_port(prefill.url, upstream) == prefill.bootstrap_port
+                watching = asyncio.create_task(pd.watch(upstream, stopping))
                 prefill.bootstrap_port = 7321
 
                 async def followed() -> None:
@@ -70,6 +71,8 @@ def test_watch_reads_the_port_and_follows_a_restart_to_another(prefill: FakePD) 
                 await asyncio.wait_for(followed(), 10)
                 stopping.set()
                 await asyncio.wait_for(watching, 5)
+            finally:
+                await upstream.close()
             assert engines[1].advertised_mode == "decode"
 
         asyncio.run(run())

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
-import httpx
 import pytest
 import zmq
 
@@ -229,16 +228,15 @@ async def _watching(router: Router, state: EngineState) -> AsyncIterator[None]:
     """``watch_engine`` polling every 0.05 s with a 0.2 s timeout, stopped on exit."""
     stopping = asyncio.Event()
     upstream = Upstream(timeout=60.0)
-    async with httpx.AsyncClient() as client:
-        task = asyncio.create_task(
-            watch_engine(router, state, client, upstream, 0.05, stopping, load_timeout=0.2)
-        )
-        try:
-            yield
-        finally:
-            stopping.set()
-            await asyncio.wait_for(task, 10.0)
-            await upstream.close()
+    task = asyncio.create_task(
+        watch_engine(router, state, upstream, 0.05, stopping, load_timeout=0.2)
+    )
+    try:
+        yield
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, 10.0)
+        await upstream.close()
 
 
 def _two_rank_engine(url: str) -> tuple[EngineState, list[Holder]]:
@@ -485,8 +483,7 @@ def test_a_vllm_given_by_url_alone_gets_every_discovered_ranks_metrics_load() ->
         state = EngineState(EngineSpec.create(url, kind="vllm"))
         upstream = Upstream(timeout=10.0)
         try:
-            async with httpx.AsyncClient() as client:
-                await asyncio.wait_for(_register(router, state, client, 5.0), 10.0)
+            await asyncio.wait_for(_register(router, state, upstream, 5.0), 10.0)
             await asyncio.wait_for(_poll_load(router, state, upstream, 5.0), 10.0)
         finally:
             await upstream.close()

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
-import httpx
 import pytest
 
 from kvevents import Holder
@@ -374,27 +373,26 @@ def test_an_engine_whose_load_poll_goes_unanswered_is_stalled_until_it_answers()
         holders = [Holder(spec.worker, r) for r in (0, 1)]
         stopping = asyncio.Event()
         upstream = Upstream(timeout=60.0)
-        async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(
-                watch_engine(router, state, client, upstream, 0.05, stopping, load_timeout=10.0)
-            )
-            try:
-                await _until("both ranks polled", lambda: all(h in router.loads for h in holders))
-                assert not router.loads.any_stalled
-                _QuietEngine.quiet.set()
-                began = time.monotonic()
-                await _until("the engine stalled", lambda: router.loads.any_stalled)
-                assert time.monotonic() - began >= 1.0  # 0.2 s + the engine's own margin
-                assert [router.loads.stalled_by(h) for h in holders] == [ENGINE, ENGINE]
-                assert all(router.loads[h].available for h in holders)
-                assert state.error is None and state.slow_polls == 0
-                _QuietEngine.quiet.clear()
-                _QuietEngine.speak.set()
-                await _until("the engine heard", lambda: not router.loads.any_stalled)
-            finally:
-                stopping.set()
-                await asyncio.wait_for(task, 15.0)
-                await upstream.close()
+        task = asyncio.create_task(
+            watch_engine(router, state, upstream, 0.05, stopping, load_timeout=10.0)
+        )
+        try:
+            await _until("both ranks polled", lambda: all(h in router.loads for h in holders))
+            assert not router.loads.any_stalled
+            _QuietEngine.quiet.set()
+            began = time.monotonic()
+            await _until("the engine stalled", lambda: router.loads.any_stalled)
+            assert time.monotonic() - began >= 1.0  # 0.2 s + the engine's own margin
+            assert [router.loads.stalled_by(h) for h in holders] == [ENGINE, ENGINE]
+            assert all(router.loads[h].available for h in holders)
+            assert state.error is None and state.slow_polls == 0
+            _QuietEngine.quiet.clear()
+            _QuietEngine.speak.set()
+            await _until("the engine heard", lambda: not router.loads.any_stalled)
+        finally:
+            stopping.set()
+            await asyncio.wait_for(task, 15.0)
+            await upstream.close()
 
     with _quiet_engine() as url:
         asyncio.run(run(url))

@@ -27,10 +27,10 @@ take consumes the key.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from typing import Annotated, Any
 
-import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -48,6 +48,7 @@ from kvevents.engine.transfer_registry import (
 from kvevents.errors import EndpointError
 from kvevents.http.auth import ApiKey, ApiKeyGate
 from kvevents.http.serving import bind_http, start_http
+from kvevents.http.upstream import MidwayError, Upstream, UpstreamError
 
 __all__ = ["BootstrapClient", "BootstrapServer", "TakeRequest"]
 
@@ -68,6 +69,7 @@ class TakeRequest(msgspec.Struct, forbid_unknown_fields=True):
 _TAKE_DECODER = msgspec.json.Decoder(TakeRequest)
 _TRANSFER_DECODER = msgspec.json.Decoder(Transfer)
 _ENCODE = msgspec.json.Encoder().encode
+_JSON = {"content-type": "application/json"}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -155,12 +157,14 @@ class BootstrapServer:
 
 
 class BootstrapClient:
-    """A decode engine's client of prefill engines' bootstrap servers (one pool for all)."""
+    """A decode engine's client of prefill engines' bootstrap servers: the client the
+    router sends engines requests with (:class:`~kvevents.http.upstream.Upstream`), one
+    pool of kept-alive connections for all, never through a proxy from the environment
+    (none may sit between two engines)."""
 
     def __init__(self, api_key: str | None = None) -> None:
         headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
-        # trust_env off: a proxy from the environment must not sit between two engines
-        self._http = httpx.AsyncClient(headers=headers, trust_env=False)
+        self._http = Upstream(timeout=_CONNECT_S, connect_timeout=_CONNECT_S, headers=headers)
 
     async def take(self, host: str, port: int, key: TransferKey, wait: float) -> Transfer:
         """The transfer of ``key`` from the bootstrap server at ``host:port``, waiting up
@@ -168,40 +172,47 @@ class BootstrapClient:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         ask: dict[str, Any] = {"room": key} if isinstance(key, int) else {"request_id": key}
         try:
-            response = await self._http.post(
-                f"http://{address}/take",
-                content=_ENCODE(ask | {"wait": wait}),
-                headers={"content-type": "application/json"},
-                timeout=httpx.Timeout(wait + _CONNECT_S, connect=_CONNECT_S),
-            )
-        except httpx.TimeoutException:
-            raise DisaggregationError(
-                f"the bootstrap server at {address} did not answer for {describe(key)} "
-                f"within {wait + _CONNECT_S:g} s",
-                504,
-            ) from None
-        except httpx.HTTPError as exc:
+            status, body = await self._post(address, _ENCODE(ask | {"wait": wait}), wait)
+        except (TimeoutError, UpstreamError) as exc:
+            cause = exc.cause if isinstance(exc, MidwayError) else exc
+            if isinstance(cause, TimeoutError):
+                raise DisaggregationError(
+                    f"the bootstrap server at {address} did not answer for {describe(key)} "
+                    f"within {wait + _CONNECT_S:g} s",
+                    504,
+                ) from None
             raise DisaggregationError(
                 f"cannot reach the bootstrap server at {address} for {describe(key)} "
                 f"({exc or type(exc).__name__}): is the prefill engine running there, and is "
                 "that its disaggregation_bootstrap_port (/server_info)?",
                 502,
             ) from None
-        if response.status_code == 200:
+        if status == 200:
             try:
-                return _TRANSFER_DECODER.decode(response.content)
+                return _TRANSFER_DECODER.decode(body)
             except msgspec.DecodeError as exc:
                 raise DisaggregationError(
                     f"the bootstrap server at {address} answered no transfer: {exc}", 502
                 ) from None
         try:
-            message = str(response.json()["error"])
+            message = str(json.loads(body)["error"])
         except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
+            message = body[:200].decode("utf-8", "replace")
         raise DisaggregationError(
             f"bootstrap server {address}: {message}",
-            _DECODE_STATUS.get(response.status_code, 502),
+            _DECODE_STATUS.get(status, 502),
         )
+
+    async def _post(self, address: str, ask: bytes, wait: float) -> tuple[int, bytes]:
+        """POST ``ask`` to ``/take`` once (a take consumes its key: never sent again),
+        within ``wait`` s and the time to connect; the status and the whole body."""
+        response = await self._http.post(
+            f"http://{address}", "/take", ask, _JSON, timeout=wait + _CONNECT_S
+        )
+        try:
+            return response.status, await response.read()
+        finally:
+            response.release()
 
     async def take_all(
         self, host: str, port: int, keys: list[TransferKey], wait: float
@@ -216,4 +227,4 @@ class BootstrapClient:
         return dict(zip(keys, taken, strict=True))  # type: ignore[arg-type]
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._http.close()

@@ -1,16 +1,19 @@
-"""The router's client for forwarding requests to engines: kept-alive HTTP/1.1, nothing more.
+"""The client for requests to engines: kept-alive HTTP/1.1, nothing more.
 
 Every request the router forwards (``/v1/completions``, ``/v1/chat/completions``,
 ``/generate``) is one ``POST`` with a body the router already holds, to an engine it
 talks to all day. :class:`Upstream` does only that: a pool of kept-alive connections per
 engine, head and body in one write, the answer parsed by httptools (the router server's
 parser), handed back whole (:meth:`Response.read`) or as it arrives
-(:meth:`Response.chunks`). The load polls go through :meth:`Upstream.get` on the same
-connections. :meth:`Upstream.post_whole` resolves one future from the parser's callbacks,
-so a relay on a kept-alive connection runs no task and no coroutine. Why its own client:
-a general client's per-request machinery (sessions, connectors, timers, header
-multidicts) cost more of the router's CPU than the relay's own work
-(docs/router-performance.md).
+(:meth:`Response.chunks`). Every other request the router sends an engine (the load
+polls, registration and discovery, its models, a prefill's bootstrap port) is a ``GET``
+through :meth:`Upstream.get` or :meth:`Upstream.get_json` on the same connections, with
+the same key and TLS context. :meth:`Upstream.post_whole` resolves one future from the
+parser's callbacks, so a relay on a kept-alive connection runs no task and no coroutine.
+Why its own client: a general client's per-request machinery (sessions, connectors,
+timers, header multidicts) cost more of the router's CPU than the relay's own work
+(docs/router-performance.md). A decode engine takes its prefills' hand-offs with it too
+(:mod:`kvevents.engine.bootstrap`).
 
 What it does and does not do:
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -85,6 +89,11 @@ class FullResponse:
         self.status = status
         self.headers = headers
         self.body = body
+
+    def json(self) -> Any:
+        """The body parsed as JSON (UTF-8, -16 or -32, as :func:`json.loads` reads bytes);
+        ValueError when it is not JSON."""
+        return json.loads(self.body)
 
 
 class _Origin:
@@ -529,6 +538,25 @@ class Upstream:
         )
         conn = self._idle(origin, now)
         return await self._send_safe(origin, now + timeout, conn, head, b"", on_head)
+
+    async def get_json(self, base: str, path: str, *, timeout: float) -> tuple[int, Any]:
+        """GET ``base + path`` within ``timeout`` seconds: the answer's status and, for a
+        200, its body parsed as JSON (None for any other status: that body is the
+        engine's error page, not the document asked for). The engines' rare reads
+        (``/server_info``, ``/v1/models``) take this.
+
+        ValueError, naming the URL, when a 200's body is not JSON; otherwise errors as
+        :meth:`get`'s (sent once more on a new connection in the same case).
+        """
+        response = await self.get(base, path, timeout=timeout)
+        if response.status != 200:
+            return response.status, None
+        try:
+            return 200, response.json()
+        except ValueError as exc:
+            raise ValueError(
+                f"GET {base}{path} answered 200 with a body that is not JSON: {exc}"
+            ) from None
 
     async def post_safe(
         self,

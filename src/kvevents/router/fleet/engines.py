@@ -27,10 +27,11 @@ refused connection, a 401 or 403 for a missing ``--engine-api-key``) marks the r
 unavailable at once, is kept in :attr:`EngineState.error` and logged once. Errors never
 end the task.
 
-The polls go through the router's own engine client
-(:meth:`Upstream.get <kvevents.http.upstream.Upstream.get>`): they run on the event loop
-that answers ``/route``, where a general-purpose client's per-request cost would show;
-registration and models, read rarely, use httpx.
+Every request here goes through the router's one engine client
+(:class:`~kvevents.http.upstream.Upstream`, the relays' own, with their key and TLS
+context): the polls run on the event loop that answers ``/route``, where a
+general-purpose client's per-request cost would show, and registration and the models,
+read rarely, share its kept-alive connections rather than keep a second client.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvevents.errors import DiscoveryError
@@ -199,16 +199,8 @@ def _refusal(request: str, status: int) -> DiscoveryError:
     )
 
 
-def _check_authorized(response: httpx.Response) -> httpx.Response:
-    """``response``, unless the engine refused the router's key (DiscoveryError saying so)."""
-    if response.status_code in (401, 403):
-        request = response.request
-        raise _refusal(f"{request.method} {request.url}", response.status_code)
-    return response
-
-
 async def _register(
-    router: Router, state: EngineState, client: httpx.AsyncClient, timeout: float = LOAD_TIMEOUT_S
+    router: Router, state: EngineState, upstream: Upstream, timeout: float = LOAD_TIMEOUT_S
 ) -> None:
     spec = state.spec
     configured = f"--block-size of engine {spec.worker}"
@@ -218,14 +210,13 @@ async def _register(
             router.add_holder(h, block_size=spec.block_size, source="configured", origin=configured)
         state.registered = True
         try:  # best effort: only to cross-check an advertised block size
-            response = _check_authorized(
-                await client.get(f"{spec.url}/server_info", timeout=timeout)
-            )
-            advertised = _advertised_block_size(response.json()) if response.is_success else None
-        except (httpx.HTTPError, ValueError, DiscoveryError):
+            response = await _polled(upstream, spec.url, "/server_info", timeout)
+            success = 200 <= response.status < 300
+            advertised = _advertised_block_size(response.json()) if success else None
+        except (UpstreamError, TimeoutError, ValueError, DiscoveryError):
             advertised = None  # a refused key shows in the /load poll's error
     else:
-        streams = await _discover(spec, client, timeout)
+        streams = await _discover(spec, upstream, timeout)
         holders = [Holder(s.worker, s.dp_rank) for s in streams]
         advertised = streams[0].block_size if streams else None
         for h in holders:
@@ -240,15 +231,15 @@ async def _register(
 
 
 async def _discover(
-    spec: EngineSpec, client: httpx.AsyncClient, timeout: float = LOAD_TIMEOUT_S
+    spec: EngineSpec, upstream: Upstream, timeout: float = LOAD_TIMEOUT_S
 ) -> list[StreamSpec]:
     """The engine's streams from ``/server_info``, else (a vLLM) from ``/kv_event_sources``."""
-    response = _check_authorized(await client.get(f"{spec.url}/server_info", timeout=timeout))
+    response = await _polled(upstream, spec.url, "/server_info", timeout)
     try:
         return streams_from_server_info(response.json(), engine_url=spec.url, worker=spec.worker)
     except (DiscoveryError, ValueError):
-        sources = await client.get(f"{spec.url}/kv_event_sources", timeout=timeout)
-        if sources.status_code != 200:
+        sources = await _polled(upstream, spec.url, "/kv_event_sources", timeout)
+        if sources.status != 200:
             raise
     return streams_from_kv_event_sources(sources.json(), engine_url=spec.url, worker=spec.worker)
 
@@ -260,7 +251,7 @@ async def _polled(
     timeout: float,
     on_head: Callable[[], None] | None = None,
 ) -> FullResponse:
-    """``GET url + path`` whole (``_check_authorized``'s refusal for a 401 or 403;
+    """``GET url + path`` whole (:func:`_refusal` for a 401 or 403;
     ``on_head`` as :meth:`Upstream.get` takes it). An answer that began but was not
     whole within ``timeout`` is a TimeoutError (a slow engine), as one that never began is."""
     try:
@@ -387,22 +378,25 @@ def _declare_stated_sizes(
             router.declare_block_size(holder, size, source="metrics", origin=origin)
 
 
-async def read_models(spec: EngineSpec, client: httpx.AsyncClient) -> EngineModels | None:
+async def read_models(spec: EngineSpec, upstream: Upstream) -> EngineModels | None:
     """The engine's models: described, else (see :mod:`kvevents.router.decide.models`) from its
     ``/v1/models`` or its ``/server_info``; a ``kvevents`` engine's from ``/server_info``
     only (one started without model flags says ``served_model_names: null``: it takes
-    any model). None when it names none; ``httpx.HTTPError`` when none answers.
+    any model). None when it names none; :class:`~kvevents.http.upstream.UpstreamError`
+    or TimeoutError when none answers.
     """
     if spec.models:
         return models_from_names(spec.models)
     paths = ["/server_info"] if spec.engine_kind == "kvevents" else ["/v1/models", "/server_info"]
-    failure: httpx.HTTPError | None = None
+    failure: UpstreamError | TimeoutError | None = None
     for path in paths:
         try:
-            response = await client.get(f"{spec.url}{path}", timeout=5.0)
-            body = response.json() if response.status_code == 200 else None
-        except httpx.HTTPError as exc:
+            _, body = await upstream.get_json(spec.url, path, timeout=5.0)
+        except UpstreamError as exc:
             failure = exc
+            continue
+        except TimeoutError:
+            failure = TimeoutError(f"GET {spec.url}{path}: no answer within 5 s")
             continue
         except ValueError:
             continue
@@ -418,12 +412,12 @@ async def read_models(spec: EngineSpec, client: httpx.AsyncClient) -> EngineMode
 
 
 async def _refresh_models(
-    router: Router, state: EngineState, client: httpx.AsyncClient, now: float
+    router: Router, state: EngineState, upstream: Upstream, now: float
 ) -> None:
     state.models_read_at = now
     try:
-        models = await read_models(state.spec, client)
-    except httpx.HTTPError as exc:
+        models = await read_models(state.spec, upstream)
+    except (UpstreamError, TimeoutError) as exc:
         state.models_error = f"{type(exc).__name__}: {exc}"
         return
     state.models, state.models_error = models, None
@@ -435,7 +429,6 @@ async def _refresh_models(
 async def watch_engine(
     router: Router,
     state: EngineState,
-    client: httpx.AsyncClient,
     upstream: Upstream,
     interval: float,
     stopping: asyncio.Event,
@@ -444,7 +437,8 @@ async def watch_engine(
 ) -> None:
     """Register the engine, then poll it every ``interval`` s until ``stopping`` is set
     (its models every ``models_interval`` s; each load poll waits ``load_timeout`` s).
-    ``client`` registers it and reads its models; ``upstream`` polls its load.
+    ``upstream`` (the router's engine client) registers it, polls its load and reads its
+    models.
 
     Each new error is logged once (a warning), and again only after it changed or cleared.
     """
@@ -453,7 +447,7 @@ async def watch_engine(
     while not stopping.is_set():
         try:
             if not state.registered:
-                await _register(router, state, client, load_timeout)
+                await _register(router, state, upstream, load_timeout)
             await _poll_load(router, state, upstream, load_timeout)
             state.slow_polls, state.slow = 0, None
             now = loop.time()
@@ -462,9 +456,9 @@ async def watch_engine(
                 or state.error is not None  # back after failing: it may have restarted
                 or now - state.models_read_at >= models_interval
             ):
-                await _refresh_models(router, state, client, now)
+                await _refresh_models(router, state, upstream, now)
             state.error = None
-        except (httpx.ReadTimeout, TimeoutError) as exc:
+        except TimeoutError as exc:
             # The engine took the connection and is slow to answer (a vLLM busy on CPU can
             # take seconds over /server_info too): slow, not down, registered or not yet.
             state.slow_polls += 1
@@ -484,7 +478,7 @@ async def watch_engine(
                     f"{type(exc).__name__}: no answer to {state.slow_polls} load polls in a "
                     f"row within {load_timeout:g} s each"
                 )
-        except (httpx.HTTPError, UpstreamError, ValueError, DiscoveryError) as exc:
+        except (UpstreamError, ValueError, DiscoveryError) as exc:
             state.slow_polls, state.slow = 0, None
             router.set_worker_available(state.spec.worker, False)
             state.error = f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,9 @@ prefill may have another port); an engine whose role is not its pool's is logged
 per change) and shown in ``/workers``, not refused (a real engine may advertise nothing). A prefill's
 bootstrap port is the one given on the command line, else the advertised one, else
 SGLang's default (:data:`DEFAULT_BOOTSTRAP_PORT`); a request that needs it before the
-first read is done reads it then, bounded (:meth:`PDMode.bootstrap_port`).
+first read is done reads it then, bounded (:meth:`PDMode.bootstrap_port`). The reads go
+through the router's engine client (:meth:`Upstream.get_json
+<kvevents.http.upstream.Upstream.get_json>`), with the key and TLS context of its relays.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import contextlib
 import logging
 from typing import Any
 
-import httpx
-
+from kvevents.http.upstream import Upstream, UpstreamError
 from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, PDPools, Pool
 from kvevents.router.serve.pd_legs import PDProtocol
 from kvevents.router.serve.pd_stats import PDStats
@@ -140,7 +141,7 @@ class PDMode:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def watch(self, client: httpx.AsyncClient, stopping: asyncio.Event) -> None:
+    async def watch(self, upstream: Upstream, stopping: asyncio.Event) -> None:
         """Read every engine's ``/server_info``: every :data:`RECHECK_S` seconds until it
         answers, then every ``reread_s`` (:data:`REREAD_S`), until ``stopping`` is set."""
         loop = asyncio.get_running_loop()
@@ -148,24 +149,31 @@ class PDMode:
         while not stopping.is_set():
             now = loop.time()
             reading = [self.engines[w] for w, at in due.items() if at <= now]
-            await asyncio.gather(*(self._read(e, client) for e in reading))
+            await asyncio.gather(*(self._read(e, upstream) for e in reading))
             for engine in reading:
                 due[engine.worker] = loop.time() + (self.reread_s if engine.read else RECHECK_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), max(0.0, min(due.values()) - loop.time()))
 
-    async def bootstrap_port(self, worker: str, client: httpx.AsyncClient) -> int:
+    async def bootstrap_port(self, worker: str, upstream: Upstream) -> int:
         """The bootstrap port of prefill engine ``worker`` (read now if not read yet)."""
         engine = self.engines[worker]
         if engine.configured_port is None and not engine.read:
-            await self._read(engine, client)
+            await self._read(engine, upstream)
         return engine.port()[0]
 
-    async def _read(self, engine: PDEngine, client: httpx.AsyncClient) -> None:
+    async def _read(self, engine: PDEngine, upstream: Upstream) -> None:
         try:
-            response = await client.get(f"{engine.url}/server_info", timeout=SERVER_INFO_TIMEOUT_S)
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+            _, info = await upstream.get_json(
+                engine.url, "/server_info", timeout=SERVER_INFO_TIMEOUT_S
+            )
+        except TimeoutError:
+            engine.error = (
+                f"TimeoutError: GET {engine.url}/server_info: no answer within "
+                f"{SERVER_INFO_TIMEOUT_S:g} s"
+            )
+            return
+        except (UpstreamError, ValueError) as exc:
             engine.error = f"{type(exc).__name__}: {exc}"
             return
         engine.learn(info)

@@ -307,7 +307,7 @@ class PDRelay(OpenAIRelay):
     ) -> None:
         assert decision.prefill is not None
         worker = decision.prefill.worker
-        port = await self.pd.bootstrap_port(worker, self.service.client)
+        port = await self.pd.bootstrap_port(worker, self.service.upstream)
         rooms = new_rooms(len(request.prompts), request.samples, batched=request.batched)
         host = self._hosts.get(prefill.url)
         if host is None:

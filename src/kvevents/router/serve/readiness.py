@@ -49,7 +49,7 @@ __all__ = [
 MAX_REASONS = 20
 """Reasons listed at most; past them one more line counts the rest (see ``/workers``)."""
 
-READY_REPORT_WAIT_S = 3.0
+READY_REPORT_WAIT_S = 10.0
 """The longest :func:`report_readiness` waits for the router to turn ready before it
 prints what still holds it back (streams connect, and ranks register, just after start)."""
 

@@ -2,12 +2,14 @@
 
 It holds the in-process :class:`~kvevents.router.decide.router.Router`, the subscriber
 that follows every engine's streams into its index, the engine pollers, the tokenizer
-and one long-lived HTTP client for the engines, which sends the router's own engine key
-(``--engine-api-key``) on every request and never a client's. The routes that answer
-over HTTP are :mod:`kvevents.router.serve.app` and :mod:`kvevents.router.serve.openai`;
-both import this module, and it imports neither. It also runs start-up's deferred work
-once the server serves (:meth:`RouterService.defer`: the index's native mirror, then the
-FastAPI app). Start, stop and deferred work are one lifecycle, kept in one module.
+and the one HTTP client for the engines (:class:`~kvevents.http.upstream.Upstream`:
+relays, load polls, registration, models, P/D bootstrap ports), which sends the
+router's own engine key (``--engine-api-key``) on every request and never a client's.
+The routes that answer over HTTP are :mod:`kvevents.router.serve.app` and
+:mod:`kvevents.router.serve.openai`; both import this module, and it imports neither. It
+also runs start-up's deferred work once the server serves (:meth:`RouterService.defer`:
+the index's native mirror, then the FastAPI app). Start, stop and deferred work are one
+lifecycle, kept in one module.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import httpx
 import msgspec
 
 from kvevents import kernels
@@ -141,7 +142,7 @@ async def _run_deferred(
 
 
 class RouterService:
-    """The router plus what feeds it: the subscriber, the engine pollers, an HTTP client.
+    """The router plus what feeds it: the subscriber, the engine pollers, the engine client.
 
     ``engines``: URLs (discovered) or :class:`~kvevents.subscribe.engine_spec.EngineSpec` values.
     The subscriber is the caller's (``build_service`` adds every spec's streams to it).
@@ -224,7 +225,6 @@ class RouterService:
         """The NATS transport of those notes (``--sync``), for ``/workers`` and ``/metrics``."""
         self.warm_start: WarmStart | None = None
         """How the index started when peers were given (``--peer``)."""
-        self._client: httpx.AsyncClient | None = None
         self._upstream: Upstream | None = upstream
         """The client that forwards requests (``upstream``, else one :meth:`start` opens)."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -258,12 +258,6 @@ class RouterService:
                 "RouterService.start() has not run: the forwarding client is not open"
             )
         return self._upstream
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("RouterService.start() has not run: the HTTP client is not open")
-        return self._client
 
     def process_info(self) -> dict[str, Any]:
         """Which process answers, and its load notes (``/workers``, ``/metrics``)."""
@@ -304,27 +298,23 @@ class RouterService:
             await asyncio.wait_for(self._serving.wait(), timeout)
 
     async def start(self) -> None:
-        """Open the clients, start the consumer and one poller per engine, and return once
-        every engine's first poll is done (at most :data:`FIRST_POLL_WAIT_S` seconds)."""
+        """Open the engine client, start the consumer and one poller per engine, and return
+        once every engine's first poll is done (at most :data:`FIRST_POLL_WAIT_S` seconds)."""
         self._tasks.append(asyncio.create_task(_run_deferred(self, self._deferred)))
-        # Idle connections expire before the engine's (uvicorn: 5 s) keep-alive timeout, so a
-        # request never goes out on a connection the server is closing (a ReadError, 502).
+        # Every request to an engine (forwarding, on every routed request, the load polls,
+        # registration, models, the P/D bootstrap ports) goes through the router's own
+        # client (kvevents.http.upstream, far cheaper per request than a general-purpose
+        # client), with the engine key and the TLS context of --ssl-ca-certs. Idle
+        # connections close after 2 s, before the engine's (uvicorn: 5 s) keep-alive
+        # timeout, so a request never goes out on a connection the server is closing.
+        # Bodies are relayed as they come (no decoding).
         creds = self.engine_credentials
-        verify = creds.verify()
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(30.0, connect=5.0), headers=creds.headers(), verify=verify
-        )
-        # Forwarding, on every routed request, and the engines' load polls go through the
-        # router's own client (kvevents.http.upstream, far cheaper per request than a
-        # general-purpose client). Idle connections close after 2 s, before the engine's
-        # (uvicorn: 5 s) keep-alive timeout, so a request never goes out on a connection
-        # the server is closing. Bodies are relayed as they come (no decoding).
         if self._upstream is None:
             self._upstream = Upstream(
                 timeout=self.forward_timeout,
                 connect_timeout=5.0,
                 headers=creds.headers(),
-                tls=verify,
+                tls=creds.verify(),
                 max_head_bytes=self.engine_max_head_bytes,
                 head_timeout=self.engine_head_timeout,
             )
@@ -341,7 +331,6 @@ class RouterService:
                     watch_engine(
                         self.router,
                         state,
-                        self._client,
                         self.upstream,
                         self.load_interval,
                         self._stopping,
@@ -350,7 +339,7 @@ class RouterService:
                 )
             )
         if self.pd is not None:  # the engines' roles and the prefills' bootstrap ports
-            self._tasks.append(asyncio.create_task(self.pd.watch(self._client, self._stopping)))
+            self._tasks.append(asyncio.create_task(self.pd.watch(self.upstream, self._stopping)))
         # Serving before an engine's first poll answered would refuse /query (no block
         # size yet) and route without its models or load: wait for it, bounded, since an
         # engine that is down fails its poll at once and one that hangs must not hold the
@@ -368,8 +357,6 @@ class RouterService:
         self._tasks.clear()
         if self.pd is not None:
             await self.pd.close()
-        if self._client is not None:
-            await self._client.aclose()
         if self._upstream is not None:
             await self._upstream.close()
         if self.subscriber is not None:
