@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvevents import Holder, HolderLoad, HolderMatch, ScoringWeights, TierCredits
@@ -41,6 +43,21 @@ def test_engine_requests_not_sent_by_the_router_count_as_foreign_work() -> None:
     load = HolderLoad(engine_requests=4, inflight_requests=1, inflight_blocks=2.0)
     assert pending_blocks(load, weights) == 2.0 + 3 * 5.0
     assert pending_blocks(HolderLoad(engine_requests=1, inflight_requests=3), weights) == 0.0
+
+
+@pytest.mark.parametrize("foreign", [0.0, 5.0, math.inf])
+def test_pending_blocks_is_the_pending_work_score_ranks_by(foreign: float) -> None:
+    """pending_blocks() is the figure score() reports for any mix of the engine's and the
+    router's requests, an infinite weight per foreign request included: with no foreign
+    request that weight adds nothing (not NaN)."""
+    weights = ScoringWeights(foreign_request_blocks=foreign)
+    for engine in range(4):
+        for inflight in range(3):
+            load = HolderLoad(
+                engine_requests=engine, inflight_requests=inflight, inflight_blocks=2.5
+            )
+            scored = score(4, [H0], {}, {H0: load}, weights=weights)[0]
+            assert pending_blocks(load, weights) == scored.pending_blocks
 
 
 def test_load_outweighs_a_small_cache_advantage() -> None:

@@ -8,7 +8,9 @@ has a Python statement here, written for reading, not speed, that the tests and
 * :class:`MirrorModel` is ``MaskMirror`` as a dict (the index's own storage, its GPU tier),
   with its writes, match and ``not_held``;
 * :func:`best_unmatched` is ``load_scan.h``'s pass, step for step, comparisons included
-  (so the two agree on NaN and infinities too).
+  (so the two agree on NaN and infinities too). It restates the cost rather than call
+  :mod:`kvevents.router.decide.cost`: the router sits above this package in the layers,
+  and the router's tests hold the scan's answers to ``score()``'s bit for bit.
 
 The keys' reference is :func:`kvevents.wire.hashing.content_keys_per_block` (the xxhash
 package), and the whole answers' is the router's own Python path. Nothing here runs on

@@ -36,6 +36,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from kvevents import kernels
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.router.decide.cost import least_recent, own_part, request_part
 from kvevents.router.decide.scoring import HolderLoad, HolderScore, ScoringWeights
 from kvevents.types import Holder
 
@@ -357,8 +358,7 @@ def board_top_scores(
     order: Sequence[int]
     if len(slots) < _COMPILED_FROM or top > _COMPILED_TOP or (compiled := kernels.loaded()) is None:
         order = range(len(slots))
-        least = min([row[_RAW] for row in rows if row[_AVAILABLE]], default=0.0)
-        least *= scale  # the least product: multiplying by scale > 0 keeps the order
+        least = least_recent([row[_RAW] * scale for row in rows if row[_AVAILABLE]])
     else:
         touched = [positions[h] for h in matches if h in positions]
         if predicted:
@@ -380,18 +380,11 @@ def board_top_scores(
     for i in order:
         h = holders[i]
         available, engine, inflight, blocks, raw, routed = rows[i]
-        m = get_match(h, _ZERO)
-        on_gpu, on_cpu, on_disk = m
-        cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
-        p = 0 if get_predicted is None else get_predicted(h, 0)
-        if p:
-            cached += p * pcredit
-        prefill = n_blocks - cached if n_blocks > cached else 0.0
-        foreign = engine - inflight
-        pending = blocks + (fb * foreign if foreign > 0.0 else 0.0)
         recent = raw * scale
-        balance = recent - least if recent > least else 0.0
-        cost = prefill + (lw * pending + bw * balance)
+        pending, balance, own = own_part(engine, inflight, blocks, recent, least, lw, bw, fb)
+        m = get_match(h, _ZERO)
+        p = 0 if get_predicted is None else get_predicted(h, 0)
+        cached, prefill, cost = request_part(n_blocks, m, p, own, gpu, cpu, disk, pcredit)
         unavailable = available == 0.0
         if bound is not None and (unavailable, cost, pending, recent, routed, i) > bound:
             continue

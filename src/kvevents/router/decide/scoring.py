@@ -5,13 +5,14 @@ For a request of ``n`` full blocks and a holder ``h`` whose longest cached prefi
 
 .. code-block:: text
 
-    prefill(h) = n - (gpu * credit_gpu + cpu * credit_cpu + disk * credit_disk
-                      + predicted * predicted_credit)
+    cached(h)  = gpu * credit_gpu + cpu * credit_cpu + disk * credit_disk
+                 + predicted * predicted_credit
+    prefill(h) = max(0, n - cached(h))
     pending(h) = inflight_blocks(h)
                  + foreign_request_blocks * max(0, engine_requests(h) - inflight_requests(h))
     recent(h)  = sum over the requests r this router sent to h:
                      blocks(r) * 0.5 ** (routed_since(r) / balance_half_life)
-    balance(h) = recent(h) - min(recent(a) for every available holder a)
+    balance(h) = max(0, recent(h) - min(recent(a) for every routable holder a))
     cost(h)    = prefill(h) + load_weight * pending(h) + balance_weight * balance(h)
 
 ``prefill`` is the blocks the holder must compute; ``predicted`` the blocks predictions
@@ -49,15 +50,14 @@ the holder sent fewer requests so far, then the earlier holder. Holders reported
 seen stalled (:mod:`kvevents.router.decide.stalls`) rank after every other, whatever
 their cost.
 
-:func:`score` and :func:`choose` are pure functions, O(holders). While the loads change
-under every request (relayed ones), the router takes the best few from one native scan of
-its load table (:func:`~kvevents.router.decide.load_board.board_top_scores`, exactly
-``score(...)[:top]``). While they hold still, a :class:`Ranking` answers the same without
-scoring every holder: a holder that caches nothing of the request costs ``n`` plus a part
-fixed by its load, so those holders rank among themselves the same for every request. A
-Ranking sorts them once (O(holders log holders)); a request then scores its matched
-holders and adds the ``top`` best unmatched ones (a match only lowers a cost, so the rest
-of the answer is among them), O(matched + top).
+:func:`score`, the reference, and :func:`choose` are pure functions, O(holders). While the
+loads change under every request (relayed ones), the best few come from one native scan of
+the load table (:func:`~kvevents.router.decide.load_board.board_top_scores`); while they
+hold still, from a :class:`Ranking`, which sorts once the holders as if none matched (each
+costs ``n`` plus a part fixed by its load), then per request scores the matched ones and
+adds the ``top`` best others (a match only lowers a cost), O(matched + top). All three
+compute the cost through :mod:`kvevents.router.decide.cost`, where it is written once (its
+C twin in :mod:`kvevents.kernels`): the two are ``score(...)[:top]`` to the bit.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ import msgspec
 from kvevents.errors import RouterNotReadyError
 from kvevents.index.predictions import DEFAULT_PREDICTION_CREDIT
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
+from kvevents.router.decide.cost import least_recent, own_part, request_part
 from kvevents.types import Holder, NonNegativeFloat, PositiveFiniteFloat, check_bound
 
 __all__ = [
@@ -171,8 +172,17 @@ class HolderScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 def pending_blocks(load: HolderLoad, weights: ScoringWeights) -> float:
     """The holder's queued work in blocks (see the module docstring)."""
-    foreign = max(0, load.engine_requests - load.inflight_requests)
-    return load.inflight_blocks + weights.foreign_request_blocks * foreign
+    recent = load.recent_blocks
+    return own_part(
+        load.engine_requests,
+        load.inflight_requests,
+        load.inflight_blocks,
+        recent,
+        recent,
+        weights.load_weight,
+        weights.balance_weight,
+        weights.foreign_request_blocks,
+    )[0]
 
 
 def score(
@@ -194,30 +204,29 @@ def score(
     weights = weights or _DEFAULT_WEIGHTS
     get_load = loads.get
     held = [get_load(h, _IDLE) for h in holders]
-    least = min([load.recent_blocks for load in held if load.routable], default=0.0)
+    least = least_recent([load.recent_blocks for load in held if load.routable])
     gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
-    load_weight, balance_weight = weights.load_weight, weights.balance_weight
-    foreign_blocks = weights.foreign_request_blocks
+    lw, bw, fb = weights.load_weight, weights.balance_weight, weights.foreign_request_blocks
     pcredit = weights.predicted_credit
     get_match = matches.get
     get_predicted = predicted.get if predicted else None
     ranked: list[tuple[bool, float, float, float, int, int, HolderScore]] = []
     for i, h in enumerate(holders):
         load = held[i]
-        m = get_match(h, _ZERO)
-        on_gpu, on_cpu, on_disk = m
-        cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
-        p = 0 if get_predicted is None else get_predicted(h, 0)
-        if p:
-            cached += p * pcredit
-        prefill = n_blocks - cached if n_blocks > cached else 0.0
-        foreign = load.engine_requests - load.inflight_requests  # pending_blocks(), inlined
-        pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
         recent = load.recent_blocks
-        balance = recent - least if recent > least else 0.0
-        # prefill plus the holder's request-independent part, added last: Ranking ranks
-        # holders that cache nothing of the request by that part alone
-        cost = prefill + (load_weight * pending + balance_weight * balance)
+        pending, balance, own = own_part(
+            load.engine_requests,
+            load.inflight_requests,
+            load.inflight_blocks,
+            recent,
+            least,
+            lw,
+            bw,
+            fb,
+        )
+        m = get_match(h, _ZERO)
+        p = 0 if get_predicted is None else get_predicted(h, 0)
+        cached, prefill, cost = request_part(n_blocks, m, p, own, gpu, cpu, disk, pcredit)
         available, routed = load.routable, load.routed
         # i is unique, so the ranking never compares the scores themselves
         ranked.append(
@@ -269,17 +278,22 @@ class Ranking:
         weights = self.weights = weights or _DEFAULT_WEIGHTS
         get_load = loads.get
         held = [get_load(h, _IDLE) for h in holders]
-        least = min([load.recent_blocks for load in held if load.routable], default=0.0)
-        load_weight, balance_weight = weights.load_weight, weights.balance_weight
-        foreign_blocks = weights.foreign_request_blocks
+        least = least_recent([load.recent_blocks for load in held if load.routable])
+        lw, bw, fb = weights.load_weight, weights.balance_weight, weights.foreign_request_blocks
         entries: list[_Entry] = []
         for i, h in enumerate(holders):
             load = held[i]
-            foreign = load.engine_requests - load.inflight_requests
-            pending = load.inflight_blocks + (foreign_blocks * foreign if foreign > 0 else 0.0)
             recent = load.recent_blocks
-            balance = recent - least if recent > least else 0.0
-            own = load_weight * pending + balance_weight * balance
+            pending, balance, own = own_part(
+                load.engine_requests,
+                load.inflight_requests,
+                load.inflight_blocks,
+                recent,
+                least,
+                lw,
+                bw,
+                fb,
+            )
             entries.append((not load.routable, own, pending, recent, load.routed, i, h, balance))
         entries.sort()  # i is unique: the holders and balances are never compared
         self._entries = entries
@@ -326,13 +340,8 @@ class Ranking:
                 continue  # not a candidate: score() ignores it too
             scored.add(entry[5])
             m = matches.get(h, _ZERO)
-            on_gpu, on_cpu, on_disk = m
-            cached = on_gpu * gpu + on_cpu * cpu + on_disk * disk
             p = predicted.get(h, 0) if predicted else 0
-            if p:
-                cached += p * pcredit
-            prefill = n_blocks - cached if n_blocks > cached else 0.0
-            cost = prefill + entry[1]
+            cached, prefill, cost = request_part(n_blocks, m, p, entry[1], gpu, cpu, disk, pcredit)
             score = _score_of(entry, m, cached, prefill, cost, p)
             ranked.append((entry[0], cost, entry[2], entry[3], entry[4], entry[5], score))
         # The others among the best ``top`` were nobody matched are the others among
@@ -357,21 +366,22 @@ class Ranking:
         exact, so at most ``count`` of a group can count; once ``count`` are taken, a
         later group counts only if its cost rounds to the cost of the last one taken
         (its later fields may then rank it first)."""
-        nothing = 0 * credits.gpu + 0 * credits.cpu + 0 * credits.disk  # as score(): 0 or 0.0
+        gpu, cpu, disk = credits.gpu, credits.cpu, credits.disk
+        pcredit = self.weights.predicted_credit
+        nothing = request_part(n_blocks, _ZERO, 0, 0.0, gpu, cpu, disk, pcredit)[0]  # 0 or 0.0
         key = (n_blocks, count, type(nothing))
         found = self._rest.get(key)
         if found is not None:
             return found
         if len(self._rest) >= _REST_KEPT:
             self._rest.clear()
-        prefill = n_blocks - nothing if n_blocks > nothing else 0.0
         entries, group_ends = self._entries, self._group_ends
         size, j, taken = len(entries), 0, 0
         last: tuple[bool, float] | None = None
         out: list[_Ranked] = []
         while j < size:
             head = entries[j]
-            cost = prefill + head[1]
+            _, prefill, cost = request_part(n_blocks, _ZERO, 0, head[1], gpu, cpu, disk, pcredit)
             if taken >= count and (head[0], cost) != last:
                 break
             end = min(group_ends[j], j + count)
