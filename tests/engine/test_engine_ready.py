@@ -86,10 +86,12 @@ def test_the_null_publisher_turns_publishing_off_and_the_engine_is_ready() -> No
 @pytest.mark.slow
 def test_a_dead_rank_makes_the_engine_not_ready() -> None:
     """A rank killed from outside makes /ready answer 503 naming it and its exit code (and
-    /health 503), for the --dead-rank-grace before the engine exits; /ready needs no key."""
+    /health 503), for the --dead-rank-grace before the engine exits; /ready and the API's
+    description (/docs, /openapi.json) need no key, /server_info does."""
     eng = Engine(["--dp-size", "2", "--dead-rank-grace", "60", "--api-key", "sesame"], None)
     try:
-        assert eng.http.get("/ready").status_code == 200
+        for path in ("/ready", "/docs", "/openapi.json"):
+            assert eng.http.get(path).status_code == 200, path
         assert eng.http.get("/server_info").status_code == 401
         pid = eng.rank_pids()[1]
         os.kill(pid, signal.SIGKILL)

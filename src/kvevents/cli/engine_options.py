@@ -22,10 +22,11 @@ from kvevents.wire.hashing import HASH_SCHEMES
 
 __all__ = ["OPEN_PATHS", "add_arguments"]
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})
 """What an engine with an API key answers without it: health and readiness, for probes and
-SGLang-style routers. ``/server_info`` and ``/load`` need the key (the router sends its
-engine key)."""
+SGLang-style routers, and the API's description (no state; a browser opening ``/docs``
+cannot send a header), as the router does. ``/server_info`` and ``/load`` need the key
+(the router sends its engine key)."""
 
 _USAGE = "%(prog)s [--dp-size N] [--host HOST] [--port PORT] [OPTIONS]"
 """``kvevents engine``'s usage: every option is optional, its 35 listed by ``--help``."""
@@ -113,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_simulation(simulation)
     _add_bounds(bounds)
-    add_engine_server_arguments(security, " and ".join(sorted(OPEN_PATHS)))
+    *first, last = sorted(OPEN_PATHS)
+    add_engine_server_arguments(security, f"{', '.join(first)} and {last}")
     pd.add_argument(
         "--disaggregation-mode",
         choices=[str(m) for m in DisaggregationMode],

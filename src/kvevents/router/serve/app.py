@@ -28,9 +28,7 @@ from kvevents.router.serve.service import RouterService
 __all__ = ["OPEN_PATHS", "DeferredApp", "create_app"]
 
 
-OPEN_PATHS = frozenset(
-    {"/health", "/ready", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
-)
+OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})
 """Paths answered without the API key: health and readiness for probes, and the API's description
 (it holds no state, and a browser opening ``/docs`` cannot send the header)."""
 
