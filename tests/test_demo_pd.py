@@ -21,14 +21,15 @@ import pytest
 from kvevents.cli.main import main
 from kvevents.demo.pd_baseline import RoundRobinPrefill
 from kvevents.demo.pd_figures import (
-    capacity_hits,
     counts_over,
+    pooled_bound_hits,
     request_keys,
     summarize_pd,
     targets_met,
+    trace_bounds,
     unbounded_hits,
 )
-from kvevents.demo.replay import Outcome, PolicyRun, Workload
+from kvevents.demo.replay import Outcome, PolicyRun, Workload, hit_rate, pooled_upper_bound
 from kvevents.traces import BLOCK_TOKENS, TraceRequest
 from process_support import still_running
 
@@ -40,7 +41,8 @@ DEMO = [sys.executable, "-m", "kvevents.cli.main", "demo"]
 def test_short_pd_demo_reports_both_pools_and_stops_everything(tmp_path: Path) -> None:
     """A 300-request P/D demo (2 prefill and 1 decode engines, dp 2): every request served,
     KV-aware prefill choice beats round-robin on the prefill pool's hit rate without
-    passing its pooled bound, the figures add up, and every process it started is stopped."""
+    passing its pooled bound (one cache of the pool's pages), the figures add up, and
+    every process it started is stopped."""
     out = tmp_path / "pd.json"
     argv = ["--prefill-engines", "2", "--decode-engines", "1", "--dp-size", "2"]
     proc = subprocess.run(
@@ -60,15 +62,18 @@ def test_short_pd_demo_reports_both_pools_and_stops_everything(tmp_path: Path) -
         assert p["prefill_prompt_tokens"] > 0 and p["blocks_transferred"] > 0
         assert p["prefill_hit_rate"] <= p["prefill_bound_hit_rate"] + 0.005
         assert abs(p["placement_hit_rate"] - p["prefill_hit_rate"]) < 0.01
-        # 300 requests fit the pool's 4 x 65,536 pages: one such cache reaches the bound
-        assert p["prefill_capacity_pages"] == 4 * 65536 and p["capacity_of_bound"] == 1.0
+        # 300 requests fit the pool's 4 x 65,536 pages: the pooled bound's cache evicts
+        # nothing, so it hits as the unbounded one does
+        assert p["prefill_bound_pages"] == 4 * 65536 and p["bound_of_unbounded"] == 1.0
+        assert p["prefill_unbounded_hit_rate"] == p["prefill_bound_hit_rate"]
+        assert p["prefill_of_bound"] == p["prefill_of_unbounded"]
         assert p["tokens_computed"] == p["prefill_tokens_computed"] + p["decode_tokens_computed"]
         assert len(p["prompt_tokens_per_rank"]["prefill"]) == 4
         assert len(p["prompt_tokens_per_rank"]["decode"]) == 2
         assert set(p["load_max_over_min"]) == {"prefill", "decode"}
     assert kv["prefill_hit_rate"] > rr["prefill_hit_rate"] > 0
     assert doc["targets"]["beats_round_robin"] is True
-    assert doc["trace_bound_hit_rate"] > 0
+    assert doc["trace_bound_hit_rate"] == doc["trace_unbounded_hit_rate"] > 0
     events = doc["events"]
     assert events["lost"] == 0 and events["batches_delivered"] == events["batches_published"] > 0
     assert len(doc["index_consistency"]) == 6  # two runs x three engines
@@ -226,61 +231,108 @@ def test_unbounded_hits_are_the_leading_keys_each_place_has_seen() -> None:
     assert unbounded_hits(keys, ["a"] * 5, 16) == [0, 32, 48, 32, 0]
 
 
-def test_one_cache_of_the_pools_pages_hits_as_the_unbounded_one_until_it_must_evict() -> None:
-    """With room for every page, the pooled LRU cache hits exactly what the unbounded one
-    does; with less, it evicts as an engine does (least recent leaf first), and an unsent
-    request is neither served nor stored."""
-    ids = [[1, 2], [1, 2, 3], [7, 8], [1, 2, 3, 4]]
+def _workload(ids: list[list[int]]) -> Workload:
+    """A workload of one request per list of hash ids (each id a block of trace tokens)."""
     requests = tuple(TraceRequest(float(i), len(h) * BLOCK_TOKENS, 4, h) for i, h in enumerate(ids))
-    workload = Workload(requests, 1.0, 4, "test")
+    return Workload(requests, 1.0, 4, "test")
+
+
+def test_the_pooled_bound_is_one_cache_of_the_pools_pages_evicting_as_an_engine_does() -> None:
+    """With room for every page the pooled bound's cache hits exactly what the unbounded
+    one does; with less, it evicts as an engine does (least recent leaf first); an unsent
+    request is neither served nor stored."""
+    workload = _workload([[1, 2], [1, 2, 3], [7, 8], [1, 2, 3, 4]])
     keys = request_keys(workload, 16)
     sent = [True, True, True, True]
     unbounded = unbounded_hits(keys, ["pool"] * 4, 16)
-    assert capacity_hits(workload, sent, 16, 10_000) == unbounded
+    assert pooled_bound_hits(workload, sent, 16, 10_000) == unbounded
     assert unbounded == [0, 2 * BLOCK_TOKENS, 0, 3 * BLOCK_TOKENS]
     # room for three hash ids' pages: [7, 8] evicts the chain 1, 2, 3 leaf first, so its
     # head (id 1) is all the last request finds
     three_ids = 3 * BLOCK_TOKENS // 16
-    assert capacity_hits(workload, sent, 16, three_ids) == [0, 2 * BLOCK_TOKENS, 0, BLOCK_TOKENS]
-    assert capacity_hits(workload, [True, False, True, True], 16, 10_000) == [
+    assert pooled_bound_hits(workload, sent, 16, three_ids) == [
+        0,
+        2 * BLOCK_TOKENS,
+        0,
+        BLOCK_TOKENS,
+    ]
+    assert pooled_bound_hits(workload, [True, False, True, True], 16, 10_000) == [
         0,
         None,
         0,
         2 * BLOCK_TOKENS,
     ]
+    assert pooled_bound_hits(workload, [False] * 4, 16, 10_000) == [None] * 4
+
+
+def test_the_pooled_bound_is_the_one_pool_demos_bound_on_the_legs_sent() -> None:
+    """The P/D pooled bound of the requests sent is the one-pool demo's pooled bound of
+    those requests alone: one implementation of the pooled cache."""
+    workload = _workload([[1, 2], [5, 6], [1, 2, 3], [5, 9], [1, 2, 3, 4], [5, 6, 7]])
+    sent = [True, False, True, True, False, True]
+    alone = Workload(
+        tuple(r for r, s in zip(workload.requests, sent, strict=True) if s), 1.0, 4, "test"
+    )
+    pages = 5 * BLOCK_TOKENS // 16
+    hits = pooled_bound_hits(workload, sent, 16, pages)
+    assert [h for h in hits if h is not None] == [
+        cached for _, cached in pooled_upper_bound(alone, 16, pages)
+    ]
+
+
+def test_an_unbounded_cache_never_hits_less_than_the_pooled_bound() -> None:
+    """On a small workload that makes the pooled bound's cache evict, the unbounded
+    cache's hit rate (per request and in all) is at least the pooled bound's, and above it."""
+    workload = _workload([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [8, 9], [4, 5, 6, 7], [1, 2, 3]])
+    keys = request_keys(workload, 16)
+    sent = [True] * len(workload)
+    pages = 4 * BLOCK_TOKENS // 16
+    bounded = pooled_bound_hits(workload, sent, 16, pages)
+    unbounded = unbounded_hits(keys, ["pool"] * len(workload), 16)
+    assert all(u >= b for u, b in zip(unbounded, bounded, strict=True))  # type: ignore[operator]
+    figures = trace_bounds(workload, keys, 16, pages)
+    assert figures["trace_unbounded_hit_rate"] > figures["trace_bound_hit_rate"] > 0
+    pairs = pooled_upper_bound(workload, 16, pages)
+    assert figures["trace_bound_hit_rate"] == hit_rate(pairs)
 
 
 def test_pd_figures_add_up_from_outcomes_and_engine_counters() -> None:
-    """The prefill hit rate is the engines' counters', the pooled bound and placement come
-    from the keys, skipped and handed-off requests are told apart by the router's verdict,
-    and a failed request counts as failed only."""
+    """The prefill hit rate is the engines' counters', the pooled bound, the unbounded
+    cache and placement come from the requests sent, skipped and handed-off requests are
+    told apart by the router's verdict, and a failed request counts as failed only."""
+    b = BLOCK_TOKENS  # one page per hash id
 
-    def handed(rank: int, cached: int = 64) -> Outcome:
+    def handed(rank: int, cached: int = 4 * b) -> Outcome:
         routed = {"prefill": {"worker": "p", "dp_rank": rank}, "prefill_skipped": False}
-        return Outcome(0, 64, cached, 0.0, 0.01, routed=routed)
+        return Outcome(0, 4 * b, cached, 0.0, 0.01, routed=routed)
 
-    skipped = Outcome(0, 64, 48, 0.0, 0.02, routed={"prefill": None, "prefill_skipped": True})
+    skipped = Outcome(0, 4 * b, 3 * b, 0.0, 0.02, routed={"prefill": None, "prefill_skipped": True})
     failed = Outcome(-1, 0, 0, 0.0, 0.0, error="HTTP 502")
-    run = PolicyRun("kv_aware", [handed(0), handed(1), handed(0, cached=48), skipped, failed], 1.0)
-    keys = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 7], [1, 2, 3, 7], [9]]
+    run = PolicyRun(
+        "kv_aware", [handed(0), handed(1), handed(0, cached=3 * b), skipped, failed], 1.0
+    )
+    workload = _workload([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 7], [1, 2, 3, 7], [9]])
+    keys = request_keys(workload, b)
     counts = {
-        "prefill": {("p", 0): (128, 48), ("p", 1): (64, 0)},
-        "decode": {("d", 0): (256, 0)},
+        "prefill": {("p", 0): (8 * b, 3 * b), ("p", 1): (4 * b, 0)},
+        "decode": {("d", 0): (16 * b, 0)},
     }
-    figures, curves = summarize_pd(run, keys, 16, counts)
+    figures, curves = summarize_pd(run, workload, keys, counts, page_size=b, pages=10_000)
     assert figures["requests"] == 4 and figures["failed"] == 1
     assert figures["handed_off"] == 3 and figures["prefills_skipped"] == 1
-    assert figures["prefill_hit_rate"] == 48 / 192
-    assert figures["prefill_bound_hit_rate"] == (64 + 48) / 192
-    assert curves["placement"] == [(64, 0), (64, 0), (64, 48)]
-    assert curves["pooled"] == [(64, 0), (64, 64), (64, 48)]
-    assert figures["prefill_tokens_computed"] == 144
-    assert figures["decode_tokens_computed"] == 0 + 0 + 16 + 16
+    assert figures["prefill_hit_rate"] == 3 / 12
+    assert figures["prefill_bound_pages"] == 10_000
+    assert figures["prefill_bound_hit_rate"] == figures["prefill_unbounded_hit_rate"] == 7 / 12
+    assert figures["prefill_of_bound"] == figures["prefill_of_unbounded"] == (3 / 12) / (7 / 12)
+    assert curves["placement"] == [(4 * b, 0), (4 * b, 0), (4 * b, 3 * b)]
+    assert curves["pooled"] == [(4 * b, 0), (4 * b, 4 * b), (4 * b, 3 * b)]
+    assert figures["prefill_tokens_computed"] == 9 * b
+    assert figures["decode_tokens_computed"] == 0 + 0 + b + b
     assert figures["blocks_transferred"] == 12
     assert figures["load_max_over_min"] == {"prefill": 2.0, "decode": 1.0}
-    assert counts_over(counts, {"prefill": {("p", 0): (28, 8)}, "decode": {}}) == {
-        "prefill": {("p", 0): (100, 40), ("p", 1): (64, 0)},
-        "decode": {("d", 0): (256, 0)},
+    assert counts_over(counts, {"prefill": {("p", 0): (b, b // 2)}, "decode": {}}) == {
+        "prefill": {("p", 0): (7 * b, 3 * b - b // 2), ("p", 1): (4 * b, 0)},
+        "decode": {("d", 0): (16 * b, 0)},
     }
     rr = dict(figures, prefill_hit_rate=0.1, prefill_of_bound=0.2)
     met = targets_met({"kv_aware": figures, "round_robin": rr})

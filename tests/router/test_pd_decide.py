@@ -6,6 +6,7 @@ import pytest
 
 from kvevents import BlockStored, Delivery, Holder, KVEventBatch, Router, RouterNotReadyError
 from kvevents.router.decide.pd import PDPools, decide_pd
+from kvevents.router.decide.scoring import ScoringWeights
 
 BS = 4
 P0, P1 = Holder("http://prefill:1", 0), Holder("http://prefill:1", 1)
@@ -151,3 +152,28 @@ def test_round_robin_turns_each_pool_through_all_its_ranks() -> None:
     ]
     assert {d.decode.holder for d in chosen} == {D0, D1}
     assert {d.prefill.holder for d in chosen if d.prefill is not None} == {P0, P1}
+
+
+@pytest.mark.parametrize("counted", ["begin", "record"])
+def test_recent_work_decays_once_per_request_as_in_one_pool_mode(counted: str) -> None:
+    """Counting both legs of a request (begun by the relay, or recorded by /route) decays
+    every holder's recent work once, so each pool's recent work is what a one-pool router
+    holds after the same requests: only the decode choice advances the decay."""
+    weights = ScoringWeights(balance_half_life=1.0)  # recent work halves per request
+    router = Router(block_size=BS, weights=weights)
+    for holder in (P0, P1, D0, D1):
+        router.add_holder(holder, block_size=BS)
+    one_pool = Router(block_size=BS, weights=weights)
+    one_pool.add_holder(D0, block_size=BS)
+    prompts = [PROMPT, [*PROMPT, *PROMPT], PROMPT[:32]]
+    for prompt in prompts:
+        decision = decide_pd(router, POOLS, [prompt], max_local_prefill_tokens=0)
+        assert decision.decode.decays and decision.prefill is not None
+        assert not decision.prefill.decays
+        for leg in (decision.decode, decision.prefill):
+            router.begin(leg) if counted == "begin" else router.record(leg)
+        one_pool.record(one_pool.route(prompt))
+    alone = one_pool.loads[D0].recent_blocks
+    assert alone == 16 / 4 + 32 / 2 + 8  # each request's blocks, halved per later request
+    for pool in ((P0, P1), (D0, D1)):
+        assert sum(router.loads[h].recent_blocks for h in pool) == pytest.approx(alone)

@@ -6,16 +6,21 @@ Definitions (the same in the table and the JSON):
   admitted, as the prefill engines count them (each rank's ``/load`` counters, the
   difference over the replay): the requests handed off, not those the decode served
   alone.
-* **pooled bound**: the hit rate one unbounded cache reaches when fed the same prefill
-  legs in the same order (:func:`unbounded_hits`): no placement of them on separate
-  caches can beat it (up to the order concurrent requests are admitted in).
-  ``trace_bound_hit_rate`` is the same for every request of the trace.
-* **pooled LRU at the pool's capacity**: the same prefill legs, in the same order, on
-  one cache of as many pages as the prefill pool has (ranks x ``--max-blocks``), evicting
-  as an engine's cache does (:func:`capacity_hits`): where it stays under the pooled
-  bound, caches of that size cannot hold what the trace reuses, whatever the placement
-  (one cache shares what separate ones must each hold), and the bound's shortfall is
-  theirs, not the choice's.
+* **pooled bound** (``prefill_bound_hit_rate``; the target's ``prefill_of_bound`` is the
+  hit rate over it): the hit rate of one pooled cache with the prefill pool's capacity
+  (ranks x ``--max-blocks`` pages) fed the same prefill legs in the same order, evicting
+  as an engine's cache does (:func:`pooled_bound_hits`, the one-pool demo's
+  :func:`~kvevents.demo.replay.pooled_upper_bound` on those legs): the one-pool demo's
+  bound, for the prefill pool. While nothing is evicted no placement of the legs on the
+  pool's separate caches beats it (up to the order concurrent requests are admitted
+  in); once LRU evicts, a placement may pass it a little, where a rank keeps a
+  conversation that the pooled cache evicts for another's. ``trace_bound_hit_rate`` is
+  the same cache fed every request of the trace.
+* **unbounded cache** (``prefill_unbounded_hit_rate``, ``prefill_of_unbounded``): the
+  same legs on one cache that never evicts (:func:`unbounded_hits`); where the pooled
+  bound stays under it (``bound_of_unbounded``), caches of the pool's size cannot hold
+  what the trace reuses, whatever the placement. ``trace_unbounded_hit_rate``: every
+  request of the trace on it.
 * **prefill tokens computed**: prompt tokens the prefill pool computed (not cached);
   **decode tokens computed**: those each decode computed itself, its answer's prompt
   tokens less its cached ones, received blocks counting as cached (all it lacked of a
@@ -36,30 +41,30 @@ the run of its leading keys in it: equal to the engine's prefix cache without ev
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvevents.demo.pd_fleet import Counts
-from kvevents.demo.replay import Outcome, PolicyRun, Workload
+from kvevents.demo.replay import Outcome, PolicyRun, Workload, pooled_upper_bound
 from kvevents.demo.report import percentile
-from kvevents.engine.cache import PrefixCache
 from kvevents.traces import request_tokens
 from kvevents.wire.hashing import content_key_array
 
 __all__ = [
     "PD_TARGETS",
-    "capacity_hits",
     "counts_over",
+    "pooled_bound_hits",
     "request_keys",
     "summarize_pd",
     "targets_met",
-    "trace_bound",
+    "trace_bounds",
     "unbounded_hits",
 ]
 
 PD_TARGETS = {"prefill_of_bound": 0.95, "load_max_over_min": 1.15}
-"""The targets: the KV-aware prefill's hit rate against its pooled bound, and each pool's
-load max/min with it."""
+"""The targets: the KV-aware prefill's hit rate against its pooled bound (one cache of the
+prefill pool's pages), and each pool's load max/min with it."""
 
 
 def request_keys(workload: Workload, page_size: int) -> list[Sequence[int]]:
@@ -89,22 +94,19 @@ def unbounded_hits(
     return out
 
 
-def capacity_hits(
+def pooled_bound_hits(
     workload: Workload, sent: Sequence[bool], page_size: int, pages: int
 ) -> list[int | None]:
-    """Per request, its cached tokens on one engine cache of ``pages`` pages fed the
-    requests ``sent`` says were, in request order (None for the others). O(tokens)."""
-    cache = PrefixCache(page_size, pages)
-    out: list[int | None] = []
-    for request, was_sent in zip(workload.requests, sent, strict=True):
-        if not was_sent:
-            out.append(None)
-            continue
-        admission = cache.admit(request_tokens(request))
-        cache.release(admission)
-        cache.take_events()
-        out.append(admission.cached_tokens)
-    return out
+    """Per request, its cached tokens on one cache of ``pages`` pages fed the requests
+    ``sent`` says were, in request order (None for the others): the pooled bound's cache,
+    :func:`~kvevents.demo.replay.pooled_upper_bound` on those requests. O(tokens)."""
+    chosen = tuple(r for r, was_sent in zip(workload.requests, sent, strict=True) if was_sent)
+    pairs = iter(
+        pooled_upper_bound(dataclasses.replace(workload, requests=chosen), page_size, pages)
+        if chosen
+        else ()
+    )
+    return [next(pairs)[1] if was_sent else None for was_sent in sent]
 
 
 def _rate(hits: Sequence[int | None], prompts: Sequence[int]) -> float:
@@ -128,32 +130,35 @@ def _prefill_holder(o: Outcome) -> tuple[str, int] | None:
 
 def summarize_pd(
     run: PolicyRun,
+    workload: Workload,
     keys: Sequence[Sequence[int]],
-    page_size: int,
     counts: dict[str, Counts],
     *,
-    capacity: tuple[Workload, int] | None = None,
+    page_size: int,
+    pages: int,
 ) -> tuple[dict[str, Any], dict[str, list[tuple[int, int]]]]:
     """One policy's figures (module docstring) and the chart's curves: per handed-off
     request in trace order, its ``(prompt, cached)`` pair by ``placement`` and on the
-    ``pooled`` cache.
+    ``pooled`` bound's cache.
 
-    ``counts``: per pool, each rank's counters over the replay (after less before);
-    ``capacity``: the workload and the prefill pool's pages, for the pooled LRU figures
-    (``prefill_capacity_hit_rate``, ``capacity_of_bound``; left out without it).
+    ``keys``: :func:`request_keys` of ``workload``; ``counts``: per pool, each rank's
+    counters over the replay (after less before); ``pages``: the prefill pool's pages
+    (the pooled bound's capacity).
     """
     done = [o if isinstance(o, Outcome) and o.error is None else None for o in run.outcomes]
     ok = [o for o in done if o is not None]
     holders = [None if o is None else _prefill_holder(o) for o in done]
     prompts = [0 if o is None else o.prompt_tokens for o in done]
     handed = [h is not None for h in holders]
-    pooled = unbounded_hits(keys, ["pool" if h else None for h in handed], page_size)
+    pooled = pooled_bound_hits(workload, handed, page_size, pages)
+    unbounded = unbounded_hits(keys, ["pool" if h else None for h in handed], page_size)
     placed = unbounded_hits(keys, holders, page_size)
     prefill, decode = counts["prefill"], counts["decode"]
     prefill_prompt = sum(p for p, _ in prefill.values())
     prefill_cached = sum(c for _, c in prefill.values())
     hit = prefill_cached / prefill_prompt if prefill_prompt else 0.0
     bound = _rate(pooled, prompts)
+    without_eviction = _rate(unbounded, prompts)
     decode_computed = sum(o.prompt_tokens - o.cached_tokens for o in ok)
     latencies = [o.latency_s * 1000.0 for o in ok]
     figures: dict[str, Any] = {
@@ -163,8 +168,12 @@ def summarize_pd(
         "handed_off": sum(handed),
         "prefills_skipped": sum(1 for o in ok if (o.routed or {}).get("prefill_skipped") is True),
         "prefill_hit_rate": hit,
+        "prefill_bound_pages": pages,
         "prefill_bound_hit_rate": bound,
         "prefill_of_bound": hit / bound if bound else 0.0,
+        "prefill_unbounded_hit_rate": without_eviction,
+        "prefill_of_unbounded": hit / without_eviction if without_eviction else 0.0,
+        "bound_of_unbounded": bound / without_eviction if without_eviction else 0.0,
         "placement_hit_rate": _rate(placed, prompts),
         "prefill_prompt_tokens": prefill_prompt,
         "prefill_tokens_computed": prefill_prompt - prefill_cached,
@@ -187,12 +196,6 @@ def summarize_pd(
         "latency_ms_p50": percentile(latencies, 0.50),
         "latency_ms_p99": percentile(latencies, 0.99),
     }
-    if capacity is not None:
-        workload, pages = capacity
-        lru = _rate(capacity_hits(workload, handed, page_size, pages), prompts)
-        figures["prefill_capacity_pages"] = pages
-        figures["prefill_capacity_hit_rate"] = lru
-        figures["capacity_of_bound"] = lru / bound if bound else 0.0
     curves = {
         name: [(p, hit) for p, hit in zip(prompts, hits, strict=True) if hit is not None]
         for name, hits in (("placement", placed), ("pooled", pooled))
@@ -200,10 +203,21 @@ def summarize_pd(
     return figures, curves
 
 
-def trace_bound(workload: Workload, keys: Sequence[Sequence[int]], page_size: int) -> float:
-    """The hit rate of every request of the trace, in order, on one unbounded cache."""
-    hits = unbounded_hits(keys, ["all"] * len(keys), page_size)
-    return _rate(hits, [r.input_length for r in workload.requests])
+def trace_bounds(
+    workload: Workload, keys: Sequence[Sequence[int]], page_size: int, pages: int
+) -> dict[str, float]:
+    """Every request of the trace, in order, on the pooled bound's cache of ``pages``
+    pages (``trace_bound_hit_rate``) and on one unbounded cache (``trace_unbounded_hit_rate``)."""
+    every = [True] * len(workload)
+    prompts = [r.input_length for r in workload.requests]
+    return {
+        "trace_bound_hit_rate": _rate(
+            pooled_bound_hits(workload, every, page_size, pages), prompts
+        ),
+        "trace_unbounded_hit_rate": _rate(
+            unbounded_hits(keys, ["all"] * len(keys), page_size), prompts
+        ),
+    }
 
 
 def counts_over(after: dict[str, Counts], before: dict[str, Counts]) -> dict[str, Counts]:

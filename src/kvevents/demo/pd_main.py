@@ -18,11 +18,11 @@
    cannot do that itself).
 3. After each replay, waits until the router has applied every batch of every engine,
    checks its index against each engine's caches, and reads each rank's counters.
-4. Prints per policy the prefill pool's hit rate against its pooled bound (and what one
-   cache of the pool's pages would reach: the bound's part the cache size forbids), the tokens
-   computed per pool, blocks transferred, prefills skipped and each pool's load max/min
-   (:mod:`kvevents.demo.pd_figures`, :mod:`kvevents.demo.pd_report`), draws the chart
-   and writes ``--json``.
+4. Prints per policy the prefill pool's hit rate against its pooled bound (one cache of
+   the pool's pages fed the same prefill legs, as the one-pool demo's bound) and against
+   one unbounded cache, the tokens computed per pool, blocks transferred, prefills
+   skipped and each pool's load max/min (:mod:`kvevents.demo.pd_figures`,
+   :mod:`kvevents.demo.pd_report`), draws the chart and writes ``--json``.
 
 Everything it started is stopped before it returns, whatever happens. Exit codes as
 the one-pool demo's: 0 when every request succeeded, nothing was lost and every index
@@ -48,7 +48,7 @@ from kvevents.demo.pd_figures import (
     request_keys,
     summarize_pd,
     targets_met,
-    trace_bound,
+    trace_bounds,
 )
 from kvevents.demo.pd_fleet import PDFleet
 from kvevents.demo.pd_report import PD_LABELS, draw_pd_chart, render_pd_table
@@ -203,7 +203,7 @@ def run_pd_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     pages = args.prefill_engines * args.dp_size * args.max_blocks
     for name, run in runs.items():
         policies[name], curves[name] = summarize_pd(
-            run, keys, args.page_size, counts[name], capacity=(workload, pages)
+            run, workload, keys, counts[name], page_size=args.page_size, pages=pages
         )
     chart = None
     if not args.no_chart and not chart_available():
@@ -238,7 +238,7 @@ def run_pd_demo(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             "protocol": "sglang",
         },
         "policies": policies,
-        "trace_bound_hit_rate": trace_bound(workload, keys, args.page_size),
+        **trace_bounds(workload, keys, args.page_size, pages),
         "targets": targets_met(policies),
         "events": dataclasses.asdict(events),
         "index_consistency": {

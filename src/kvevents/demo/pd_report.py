@@ -1,13 +1,13 @@
 """The disaggregated demo's output: its tables and its chart.
 
-The figures are :mod:`kvevents.demo.pd_figures`' (definitions there). One table per
-run of the trace: the prefill pool's hit rate against its pooled bound (and what one
-cache of the pool's pages reaches of it), the tokens
-computed on each pool, blocks transferred, prefills skipped, each pool's load max/min
-and the latencies; then the targets, each said met or not; then the event plane, as
-the one-pool demo prints it. The chart is :func:`kvevents.demo.chart.draw_chart` over
-the prefill legs: the placement hit rate per policy, request by request, against the
-KV-aware run's pooled bound, and the prompt tokens each prefill rank admitted.
+The figures are :mod:`kvevents.demo.pd_figures`' (definitions there). One table, a
+column per policy: the prefill pool's hit rate against its pooled bound (one cache of
+the pool's pages) and against one unbounded cache, the tokens computed on each pool,
+blocks transferred, prefills skipped, each pool's load max/min and the latencies; then
+the targets, each said met or not; then the event plane, as the one-pool demo prints
+it. The chart is :func:`kvevents.demo.chart.draw_chart` over the prefill legs: the
+placement hit rate per policy, request by request, against the KV-aware run's pooled
+bound (the target's), and the prompt tokens each prefill rank admitted.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ def render_pd_table(doc: dict[str, Any], console: Console) -> None:
         table.add_column(PD_LABELS.get(name, name), justify="right")
     rows: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
         ("prefill hit rate (prefill engines)", lambda p: _pct(p["prefill_hit_rate"])),
-        ("pooled bound (one unbounded cache)", lambda p: _pct(p["prefill_bound_hit_rate"])),
-        ("of the bound", lambda p: _pct(p["prefill_of_bound"])),
         (
-            "one LRU cache of the pool's pages, of the bound",
-            lambda p: _pct(p["capacity_of_bound"]) if "capacity_of_bound" in p else "-",
+            "pooled bound (one cache of the pool's pages)",
+            lambda p: _pct(p["prefill_bound_hit_rate"]),
         ),
+        ("of the pooled bound", lambda p: _pct(p["prefill_of_bound"])),
+        ("unbounded cache", lambda p: _pct(p["prefill_unbounded_hit_rate"])),
+        ("of the unbounded cache", lambda p: _pct(p["prefill_of_unbounded"])),
         ("prefill tokens computed", lambda p: _n(p["prefill_tokens_computed"])),
         ("decode tokens computed", lambda p: _n(p["decode_tokens_computed"])),
         ("blocks transferred", lambda p: _n(p["blocks_transferred"])),
@@ -68,20 +69,16 @@ def render_pd_table(doc: dict[str, Any], console: Console) -> None:
     ratio = t["kv_aware_over_round_robin"]
     kv = doc["policies"]["kv_aware"]
     loads = kv["load_max_over_min"]
-    lru = kv.get("capacity_of_bound")
-    within = (
-        ""
-        if lru is None
-        else f", where one LRU cache of the pool's {kv['prefill_capacity_pages']:,} pages "
-        f"reaches {_pct(lru)}"
-    )
     console.print(
         f"targets: KV-aware prefill hit rate {_pct(t['kv_aware_prefill_of_bound'])} of its "
-        f"pooled bound (>= 95%: {_yes(t['prefill_of_bound_met'])}{within}); against round-robin "
-        f"{'-' if ratio is None else f'{ratio:.2f}x'} (beats it: {_yes(t['beats_round_robin'])}); "
-        f"load max/min prefill {loads['prefill']:.2f}, decode {loads['decode']:.2f} (<= 1.15: "
-        f"{_yes(t['load_met']['prefill'])}, {_yes(t['load_met']['decode'])}). Every request of "
-        f"the trace on one unbounded cache: {_pct(doc['trace_bound_hit_rate'])} hit.",
+        f"pooled bound, one cache of the pool's {kv['prefill_bound_pages']:,} pages (>= 95%: "
+        f"{_yes(t['prefill_of_bound_met'])}; {_pct(kv['prefill_of_unbounded'])} of an unbounded "
+        f"cache); against round-robin {'-' if ratio is None else f'{ratio:.2f}x'} (beats it: "
+        f"{_yes(t['beats_round_robin'])}); load max/min prefill {loads['prefill']:.2f}, decode "
+        f"{loads['decode']:.2f} (<= 1.15: {_yes(t['load_met']['prefill'])}, "
+        f"{_yes(t['load_met']['decode'])}). Every request of the trace on the pooled bound's "
+        f"cache: {_pct(doc['trace_bound_hit_rate'])} hit (unbounded: "
+        f"{_pct(doc['trace_unbounded_hit_rate'])}).",
         soft_wrap=True,
     )
     ev = doc["events"]
@@ -106,7 +103,7 @@ def draw_pd_chart(
     title: str,
 ) -> Path:
     """The chart (see the module docstring); ``placements``: per policy, each handed-off
-    request's ``(prompt, cached)``; ``bound``: the same on the pooled cache."""
+    request's ``(prompt, cached)``; ``bound``: the same on the pooled bound's cache."""
     from kvevents.demo.chart import draw_chart
 
     runs = [
@@ -122,6 +119,6 @@ def draw_pd_chart(
         title,
         x_label="prefill leg (trace order)",
         y_label="prefill-pool hit rate (placement)",
-        bound_label="one unbounded prefill cache (bound)",
+        bound_label="one cache of the prefill pool's pages (bound)",
         rank_label="prefill rank (engines in order)",
     )

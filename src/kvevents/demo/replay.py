@@ -18,8 +18,10 @@ P/D demo's baseline) gives ``send`` and keeps the arrival times and the bound in
 
 :func:`pooled_upper_bound` replays the same requests, in the same order, on one
 in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all ranks
-together: the hit rate no placement on separate caches can beat (up to the order in
-which concurrent requests happen to be admitted).
+together: the hit rate no placement on separate caches can beat while nothing is
+evicted (up to the order in which concurrent requests happen to be admitted); once LRU
+evicts, separate caches may pass it a little. The P/D demo's pooled bound is this
+function on the prefill legs.
 """
 
 from __future__ import annotations

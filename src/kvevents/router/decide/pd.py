@@ -15,6 +15,12 @@ instance, which computes the prompt's KV and hands it over. :func:`decide_pd` ch
    predictions changed the choice, ``cache`` when the holder has part of the prompt
    cached, else ``load``.
 
+Recent work (the cost's balance term) decays once per request, as in one-pool mode:
+the decode choice advances the decay, the prefill choice does not
+(:attr:`RouteDecision.decays <kvevents.router.decide.router.RouteDecision.decays>`).
+Both legs advancing it would halve every holder's recent work twice as often, and so
+weaken the balance of both pools.
+
 One :class:`~kvevents.router.decide.router.Router` serves both pools, each choice
 restricted to a pool's holders (:class:`PDPools`), rather than one Router per pool:
 one subscriber, one index and one load board already follow every engine, so a request
@@ -169,7 +175,9 @@ def _route(
     model: str | None,
 ) -> RouteDecision:
     try:
-        return router.route_keyed(request, holders, policy=policy, rotation=pool)
+        return router.route_keyed(
+            request, holders, policy=policy, rotation=pool, decays=pool == "decode"
+        )
     except RouterNotReadyError:
         serving = "" if model is None else f" serving model {model!r}"
         raise RouterNotReadyError(

@@ -100,6 +100,11 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """True when the choice differs from what confirmed blocks alone would have chosen."""
     candidates: int = 0
     """How many holders were scored: ``len(scores)`` unless routed with ``top``."""
+    decays: bool = True
+    """Counting it (:meth:`Router.begin`, :meth:`Router.record`) advances the decay of
+    every holder's recent work by one request; False for a second choice made for the
+    same request (P/D's prefill leg, whose decode leg advances it), so that recent work
+    halves every ``balance_half_life`` requests in both modes."""
 
     @property
     def holder(self) -> Holder:
@@ -742,31 +747,43 @@ class Router:
         *,
         policy: Policy = "kv-aware",
         rotation: str = "",
+        decays: bool = True,
     ) -> RouteDecision:
         """:meth:`route_batch`'s choice for a :meth:`key_request` among ``holders`` (some
         of its candidates). :class:`~kvevents.errors.RouterNotReadyError` when none is
         given or available. ``rotation``: the round-robin turns this choice takes its
-        turn from (each P/D pool keeps its own, so the two never step each other's)."""
+        turn from (each P/D pool keeps its own, so the two never step each other's);
+        ``decays``: the decision's :attr:`RouteDecision.decays`."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         if not holders:
             raise self._no_rank(None)
-        return self._decide(request, holders, policy, rotation)
+        return self._decide(request, holders, policy, rotation, decays)
 
     def _decide(
-        self, request: KeyedRequest, holders: list[Holder], policy: Policy, rotation: str = ""
+        self,
+        request: KeyedRequest,
+        holders: list[Holder],
+        policy: Policy,
+        rotation: str = "",
+        decays: bool = True,
     ) -> RouteDecision:
         self._watch_stalls()
         try:
-            return self._decide_now(request, holders, policy, rotation)
+            return self._decide_now(request, holders, policy, rotation, decays)
         except RouterNotReadyError:
             if not self.loads.any_stalled:
                 raise
             with self._stalls_lifted():  # none is routable but some are only stalled
-                return self._decide_now(request, holders, policy, rotation)
+                return self._decide_now(request, holders, policy, rotation, decays)
 
     def _decide_now(
-        self, request: KeyedRequest, holders: list[Holder], policy: Policy, rotation: str
+        self,
+        request: KeyedRequest,
+        holders: list[Holder],
+        policy: Policy,
+        rotation: str,
+        decays: bool,
     ) -> RouteDecision:
         each, matched = request.keys, request.matched
         scored = [
@@ -802,6 +819,7 @@ class Router:
             keys=keys,
             by_prediction=by_prediction,
             candidates=len(holders),
+            decays=decays,
         )
 
     def _order(self, holder: Holder) -> int:
@@ -887,7 +905,8 @@ class Router:
         return self.index.predict(holder, decision.keys)
 
     def _record(self, decision: RouteDecision, holder: Holder) -> None:
-        self.loads.note_routed(holder, decision.n_blocks, self.weights.decay, count=True)
+        decay = self.weights.decay if decision.decays else 1.0
+        self.loads.note_routed(holder, decision.n_blocks, decay, count=True)
         self._loads_version += 1
         self.routes[holder] += 1
         if decision.by_prediction:
