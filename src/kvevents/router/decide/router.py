@@ -150,9 +150,10 @@ class Ticket(msgspec.Struct, frozen=True, gc=False):
 
 
 NoteKind = Literal["routed", "begin", "finish"]
-NoteListener = Callable[[NoteKind, Holder, int, "Ticket | None"], None]
-"""Called with ``(kind, holder, prompt_blocks, ticket)`` for every ``routed``/``begin``/
-``finish`` of this router (see :mod:`kvevents.router.fleet.peers`)."""
+NoteListener = Callable[[NoteKind, Holder, int, "Ticket | None", bool], None]
+"""Called with ``(kind, holder, prompt_blocks, ticket, decays)`` for every ``routed``/
+``begin``/``finish`` of this router (see :mod:`kvevents.router.fleet.peers`); ``decays``:
+the decision's :attr:`RouteDecision.decays` (True for a ``finish``)."""
 
 
 class Router:
@@ -882,7 +883,7 @@ class Router:
             if added[0]:
                 self._predicted_keys[ticket.id] = added
         for listener in self.note_listeners:
-            listener("begin", holder, decision.n_blocks, ticket)
+            listener("begin", holder, decision.n_blocks, ticket, decision.decays)
         return ticket
 
     def record(self, decision: RouteDecision) -> None:
@@ -894,7 +895,7 @@ class Router:
         if self.predicting and decision.keys:
             self._predict(decision, holder)
         for listener in self.note_listeners:
-            listener("routed", holder, decision.n_blocks, None)
+            listener("routed", holder, decision.n_blocks, None, decision.decays)
 
     def _predict(self, decision: RouteDecision, holder: Holder) -> tuple[list[int], float]:
         self.predictions_made += 1
@@ -924,7 +925,7 @@ class Router:
         if failed and added is not None:
             self.index.withdraw(ticket.holder, *added)
         for listener in self.note_listeners:
-            listener("finish", ticket.holder, 0, ticket)
+            listener("finish", ticket.holder, 0, ticket, True)
         watch = self.stall_watch
         if watch is not None and watch.ended(ticket.holder, self.clock(), ticket.began, not failed):
             self._loads_version += 1
@@ -932,9 +933,12 @@ class Router:
 
     # --- peers' requests (kvevents.router.fleet.peers) --------------------------------------
 
-    def remote_routed(self, holder: Holder, n_blocks: int) -> None:
-        """A peer router sent a request of ``n_blocks`` prompt blocks to ``holder``."""
-        self.loads.note_routed(holder, n_blocks, self.weights.decay, count=False)
+    def remote_routed(self, holder: Holder, n_blocks: int, *, decays: bool = True) -> None:
+        """A peer router sent a request of ``n_blocks`` prompt blocks to ``holder``.
+        ``decays``: its decision advanced the decay of recent work (its
+        :attr:`RouteDecision.decays`), so it does here too, as :meth:`begin` does."""
+        decay = self.weights.decay if decays else 1.0
+        self.loads.note_routed(holder, n_blocks, decay, count=False)
         self._loads_version += 1
 
     def remote_inflight(self, holder: Holder, requests: int, blocks: float) -> None:

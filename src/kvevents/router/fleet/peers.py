@@ -5,7 +5,10 @@ Each router process keeps its own index, but the load terms of the cost
 itself. So every process tells the others, in a note, each request it routes and ends:
 ``routed`` (a ``/route`` with ``record``: the holder's recent work grows), ``begin`` (a
 forwarded request: recent work grows and its uncached blocks are in flight until its
-``finish``), ``finish`` (answered or failed).
+``finish``), ``finish`` (answered or failed). A ``routed`` or ``begin`` note also says
+whether its decision advanced the decay of every holder's recent work (``decays``: false
+for P/D's prefill choice, whose decode choice advanced it), so recent work fades here
+once per request, as it does on the sender.
 
 What a note does is :class:`LoadNotes`; how it travels is a :class:`NoteTransport`.
 Within one ``--workers`` group: ZeroMQ PUB/SUB over ``ipc://`` sockets in a folder the
@@ -16,10 +19,11 @@ Best effort, never double-counted: every ``begin`` carries a ``ttl`` after which
 dropped even without its ``finish``, so a dead peer's load goes with it; a duplicated
 ``begin`` or ``routed``, a ``finish`` without its ``begin`` and a ``begin`` after its
 ``finish`` change nothing. A process ignores its own notes. A note with a negative count
-or rank, non-finite blocks, more than one request can carry, or a ``begin`` past
-:data:`MAX_PEER_INFLIGHT` is counted ``malformed`` and ignored; so is one whose sender is
-not of the replica it came from (:func:`~kvevents.router.fleet.senders.bus_name`), so
-nobody speaks, or says ``hello``, for a replica but that replica.
+or rank, non-finite blocks, more than one request can carry, a ``decays`` that is not a
+boolean, or a ``begin`` past :data:`MAX_PEER_INFLIGHT` is counted ``malformed`` and
+ignored; so is one whose sender is not of the replica it came from
+(:func:`~kvevents.router.fleet.senders.bus_name`), so nobody speaks, or says ``hello``,
+for a replica but that replica.
 
 Restarts and lost links: a sender id names its seat and run, ``SEAT#RUN``
 (:mod:`kvevents.router.fleet.senders`). A new run's first note drops the in-flight
@@ -102,7 +106,18 @@ a link it lost: see the module docstring; its holder and numbers are zero)."""
 
 
 class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """One note on the wire (msgpack array): who sent it, what happened, to which holder."""
+    """One note on the wire: who sent it, what happened, to which holder.
+
+    A msgpack array, positional: ``[sender, kind, worker, dp_rank, ticket, n_blocks,
+    inflight_blocks, ttl, decays]``; ``sender`` the sender id
+    (:mod:`~kvevents.router.fleet.senders`), ``kind`` a :data:`WireKind`, ``worker`` and
+    ``dp_rank`` the holder, ``ticket`` the request's id within the sender (negative for a
+    ``routed`` note), ``n_blocks`` its prompt blocks, ``inflight_blocks`` its uncached
+    blocks (a ``begin``), ``ttl`` seconds it counts in flight without its ``finish``,
+    ``decays`` whether its decision advanced the decay of recent work (a boolean).
+    Fields are only ever appended, with a default for notes of older senders (which
+    lack ``decays``: it advances); older receivers ignore the fields they do not know.
+    """
 
     sender: str
     kind: WireKind
@@ -112,6 +127,7 @@ class LoadNote(msgspec.Struct, array_like=True, gc=False, frozen=True):
     n_blocks: int
     inflight_blocks: float
     ttl: float
+    decays: bool = True
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -310,16 +326,30 @@ class LoadNotes:
 
     # --- sending ----------------------------------------------------------------------
 
-    def _local(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
+    def _local(
+        self,
+        kind: NoteKind,
+        holder: Holder,
+        n_blocks: int,
+        ticket: Ticket | None,
+        decays: bool = True,
+    ) -> None:
         if ticket is not None:
             if kind == "begin":
                 self._own[ticket.id] = (ticket, n_blocks)
             else:
                 self._own.pop(ticket.id, None)
-        self._send(kind, holder, n_blocks, ticket)
+        self._send(kind, holder, n_blocks, ticket, decays)
 
-    def _send(self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None) -> None:
-        raw = self._encode(kind, holder, n_blocks, ticket)
+    def _send(
+        self,
+        kind: NoteKind,
+        holder: Holder,
+        n_blocks: int,
+        ticket: Ticket | None,
+        decays: bool = True,
+    ) -> None:
+        raw = self._encode(kind, holder, n_blocks, ticket, decays)
         went = False
         for transport in self.transports:
             if transport.send(raw):
@@ -329,7 +359,12 @@ class LoadNotes:
         self.sent += went
 
     def _encode(
-        self, kind: NoteKind, holder: Holder, n_blocks: int, ticket: Ticket | None
+        self,
+        kind: NoteKind,
+        holder: Holder,
+        n_blocks: int,
+        ticket: Ticket | None,
+        decays: bool = True,
     ) -> bytes:
         note = LoadNote(
             self.sender,
@@ -340,6 +375,7 @@ class LoadNotes:
             n_blocks,
             0.0 if ticket is None else ticket.blocks,
             self.ttl,
+            decays,
         )
         return _ENCODER.encode(note)
 
@@ -371,7 +407,7 @@ class LoadNotes:
     def _on_raw(self, raw: bytes, origin: str | None = None, *, transport: NoteTransport) -> None:
         try:
             note = _DECODER.decode(raw)
-        except msgspec.DecodeError:
+        except msgspec.DecodeError:  # and a field of the wrong type: ``decays`` of 1, nil
             self.malformed += 1
             return
         if origin is not None and bus_name(note.sender) != origin:
@@ -440,10 +476,10 @@ class LoadNotes:
         # the sender's time-to-live, but never longer than ours (nor NaN, infinite or <= 0)
         until = now + (min(note.ttl, self.ttl) if note.ttl > 0 else self.ttl)
         if note.kind == "routed":
-            self.router.remote_routed(holder, note.n_blocks)
+            self.router.remote_routed(holder, note.n_blocks, decays=note.decays)
             self._forget_at(key, until)
         elif note.kind == "begin":
-            self.router.remote_routed(holder, note.n_blocks)
+            self.router.remote_routed(holder, note.n_blocks, decays=note.decays)
             self.router.remote_inflight(holder, 1, note.inflight_blocks)
             self._remote[key] = (holder, note.inflight_blocks, until)
             name = bus_name(note.sender)
@@ -518,12 +554,12 @@ class LoadNotes:
 
     def _resend_own(self, via: NoteTransport | None) -> None:
         """``begin`` again for each request this router has in flight: on ``via`` only (a
-        peer back on it), or on every transport (None). With no blocks routed: they count
-        in flight again, not as a second routing in the holder's recent work."""
+        peer back on it), or on every transport (None). With no blocks routed and no decay:
+        they count in flight again, not as a second routing in the holders' recent work."""
         for ticket, _ in list(self._own.values()):
             if via is None:
-                self._send("begin", ticket.holder, 0, ticket)
-            elif not via.send(self._encode("begin", ticket.holder, 0, ticket)):
+                self._send("begin", ticket.holder, 0, ticket, decays=False)
+            elif not via.send(self._encode("begin", ticket.holder, 0, ticket, decays=False)):
                 self.dropped += 1
             self.resent += 1
 
