@@ -6,7 +6,8 @@
                     ingest|burst|warm_start|all]
                    [--json OUT] [--quick]
     kvevents bench router --completions-only [--rounds N]  # the relay's added latency
-    kvevents bench router --pd-only [--rounds N]    # what the router adds to a P/D request
+    kvevents bench router --pd-only [--rounds N] [--pd-protocol sglang|vllm] [--pin-router]
+                                                # what the router adds to a P/D request
     kvevents bench --markdown [--json FILE]     # docs/performance.md's table, from a results file
 
 Each benchmark is the library function its own script under ``benchmarks/`` calls
@@ -42,6 +43,7 @@ from rich.console import Console
 from kvevents.bench.report import render_markdown, render_table
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.results import write_results
+from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
 
 __all__ = ["BENCHMARKS", "add_arguments", "run", "run_benchmarks"]
 
@@ -113,13 +115,15 @@ def _router_completions(quick: bool, rounds: int) -> dict[str, Any]:
     return run_router_bench(completions_only=True, completions_rounds=rounds)
 
 
-def _router_pd(quick: bool, rounds: int) -> dict[str, Any]:
-    """Only the router's disaggregated (P/D) comparison, ``rounds`` alternating rounds."""
+def _router_pd(quick: bool, rounds: int, protocol: PDProtocol, pin: bool) -> dict[str, Any]:
+    """Only the router's disaggregated (P/D) comparison, ``rounds`` alternating rounds,
+    with ``protocol``'s legs, the router on CPUs of its own when ``pin``."""
     from kvevents.bench.router import run_router_bench
 
+    options: dict[str, Any] = {"pd_only": True, "pd_protocol": protocol, "pin_router": pin}
     if quick:
-        return run_router_bench(prompts=16, duration=2.0, pd_only=True, pd_rounds=1)
-    return run_router_bench(pd_only=True, pd_rounds=rounds)
+        return run_router_bench(prompts=16, duration=2.0, pd_rounds=1, **options)
+    return run_router_bench(pd_rounds=rounds, **options)
 
 
 def _instructions(quick: bool) -> dict[str, Any]:
@@ -194,6 +198,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with router: only disaggregated serving, both legs sent directly against "
         "through the router (no wrk needed)",
+    )
+    parser.add_argument(
+        "--pd-protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help="with --pd-only: the hand-off the legs use, sglang (both at once) or vllm "
+        "(prefill, then decode; the router run with --pd-protocol vllm) (default sglang)",
+    )
+    parser.add_argument(
+        "--pin-router",
+        action="store_true",
+        help="with --pd-only: run the router on a CPU of its own and the client and the "
+        "engines on the others, in both paths alike (Linux), as a deployment gives a "
+        "router its own cores; without it all of them share every CPU",
     )
     parser.add_argument(
         "--rounds",
@@ -274,6 +292,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--completions-only and --pd-only each run one comparison alone: give one of them"
         )
+    for given, flag in (
+        (args.pd_protocol is not None, "--pd-protocol"),
+        (args.pin_router, "--pin-router"),
+    ):
+        if given and not args.pd_only:
+            raise ConfigError(
+                f"{flag} is an option of `kvevents bench router --pd-only`: add --pd-only"
+            )
     for only, flag in ((args.completions_only, "--completions-only"), (args.pd_only, "--pd-only")):
         if not only:
             continue
@@ -284,9 +310,15 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give at least 1")
-        only_one = _router_pd if args.pd_only else _router_completions
-        runners["router"] = functools.partial(only_one, rounds=args.rounds)
         command += f" {flag} --rounds {args.rounds}"
+        if args.pd_only:
+            protocol: PDProtocol = "sglang" if args.pd_protocol is None else args.pd_protocol
+            runners["router"] = functools.partial(
+                _router_pd, rounds=args.rounds, protocol=protocol, pin=args.pin_router
+            )
+            command += f" --pd-protocol {protocol}" + (" --pin-router" if args.pin_router else "")
+        else:
+            runners["router"] = functools.partial(_router_completions, rounds=args.rounds)
     if args.json is not None:
         command += f" --json {args.json}"
     doc = run_benchmarks(names, quick=args.quick, command=command, console=console, runners=runners)

@@ -12,10 +12,16 @@ answer) and the CPU seconds this process spent per request. A request is one
   :func:`kvevents.router.serve.pd_legs.sglang_legs` with a fixed pair of ranks. The
   decode's answer is awaited; the prefill's is read as it comes and only checked, as the
   router reads it behind the decode's.
+* :class:`VllmDirectLegs`: vLLM's legs in turn, the fixed ranks in the
+  ``X-data-parallel-rank`` header: the prefill leg
+  (:func:`~kvevents.router.serve.pd_legs.vllm_prefill_body`), then the client's body with
+  the ``kv_transfer_params`` the prefill answered, read and appended as the router does
+  (:func:`~kvevents.router.serve.pd_body.transfer_params`).
 
-Each leg body is encoded once per prompt with a placeholder ``bootstrap_room``
-(:data:`ROOM_PLACEHOLDER`) and a fresh room is spliced in per request, so neither
-client spends more on a body than a copy: the two differ by what the router does.
+Each SGLang leg body is encoded once per prompt with a placeholder ``bootstrap_room``
+(:data:`ROOM_PLACEHOLDER`) and a fresh room is spliced in per request (vLLM's prefill
+legs are encoded once per prompt), so neither client spends more on a body than a copy:
+the two differ by what the router does.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from typing import Any, Protocol
 import msgspec
 
 from kvevents.http.upstream import FullResponse, Upstream, UpstreamError
-from kvevents.router.serve.pd_legs import sglang_legs
+from kvevents.router.serve.openai_relay import RANK_HEADER
+from kvevents.router.serve.pd_body import transfer_params, vllm_decode_bytes
+from kvevents.router.serve.pd_legs import sglang_legs, vllm_prefill_body
 
-__all__ = ["ROOM_PLACEHOLDER", "DirectLegs", "Send", "ViaRouter", "run_load"]
+__all__ = ["ROOM_PLACEHOLDER", "DirectLegs", "Send", "ViaRouter", "VllmDirectLegs", "run_load"]
 
 ROOM_PLACEHOLDER = 1_234_567_890_123_456_789
 """The room the leg bodies are encoded with; 19 digits no other field of them holds."""
@@ -110,6 +118,47 @@ class DirectLegs:
     def _prefill_done(self, answer: asyncio.Future[FullResponse]) -> None:
         if answer.cancelled() or answer.exception() is not None or answer.result().status != 200:
             self.prefill_failures += 1
+
+
+class VllmDirectLegs:
+    """Sends vLLM's legs of ``bodies[i % len(bodies)]`` itself, one after the other (see
+    the module docstring); ``ranks``: the fixed ``(prefill, decode)`` DP ranks.
+    ``prefill_failures`` counts prefill legs that did not answer 200 (the decode leg is
+    then not sent, as the router would not send it)."""
+
+    def __init__(
+        self,
+        prefill_url: str,
+        decode_url: str,
+        bodies: Sequence[dict[str, Any]],
+        ranks: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.prefill_url = prefill_url
+        self.decode_url = decode_url
+        self.prefill_failures = 0
+        self.legs = [
+            (msgspec.json.encode(vllm_prefill_body(b)), msgspec.json.encode(b)) for b in bodies
+        ]
+        self._headers = [{**_HEADERS, RANK_HEADER: str(rank)} for rank in ranks]
+
+    async def __call__(self, upstream: Upstream, i: int) -> bool:
+        prefill_body, body = self.legs[i % len(self.legs)]
+        prefill_headers, decode_headers = self._headers
+        prefilled: FullResponse = await upstream.post_whole(
+            self.prefill_url, _PATH, prefill_body, prefill_headers
+        )
+        if prefilled.status != 200:
+            self.prefill_failures += 1
+            return False
+        try:
+            decode = vllm_decode_bytes(body, transfer_params(prefilled.body))
+        except msgspec.DecodeError:  # the router answers 502 for it
+            self.prefill_failures += 1
+            return False
+        answer: FullResponse = await upstream.post_whole(
+            self.decode_url, _PATH, decode, decode_headers
+        )
+        return answer.status == 200
 
 
 def _percentile(ordered: Sequence[float], q: float) -> float:

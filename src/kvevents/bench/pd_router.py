@@ -11,31 +11,51 @@ token ids], "max_tokens": 1}`` over ``prompts`` distinct prompts, each first sen
 through the router (both engines then cache it, and the router's index holds it).
 
 Then ``rounds`` rounds, each a run of the direct client and one of the router's
-(:mod:`kvevents.bench.pd_load`: SGLang's protocol, ``connections`` requests in flight,
+(:mod:`kvevents.bench.pd_load`: ``protocol``'s legs, ``connections`` requests in flight,
 ``duration`` seconds measured after ``warmup``), alternating as
 :mod:`kvevents.bench.completions`' rounds do (direct then via, then via then direct,
 ...), so drift in what else runs on the machine falls on both alike. The added latency
-is the difference of the p50s within each round; the summary is their median. Each run
-also reads the CPU time of the router and engine processes per request
-(:func:`~kvevents.bench.completions.process_cpu_s`).
+is the difference of the p50s within each round; the target (at most
+:data:`TARGET_ADDED_P50_MS` added) is checked against their median, reported with the
+rounds' spread. Each run also reads the CPU time of the router and engine processes per
+request (:func:`~kvevents.bench.completions.process_cpu_s`). ``protocol`` chooses the
+hand-off: SGLang's legs at once, or vLLM's in turn (``kvevents router --pd-protocol
+vllm``; the direct client then sends the prefill, then the decode with its answer).
+
+Placement (``pin_router``, :mod:`kvevents.bench.placement`): unpinned, the client, the
+engines and the router share every core, as on a laptop, so the router's CPU is taken
+from the engines'. Pinned, the router has a core of its own and the client and engines
+the rest, in both paths alike, as a deployment gives a router cores of its own. Either
+way the closed loop keeps the busiest cores saturated, so a round's added p50 follows
+the CPU per request spent on them (which each run records per process, and the report
+shows beside the figure for both paths), more than the relay's own delay. The placement
+read back from each process tree is in the results (``setup.placement``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 from kvevents.bench.completions import process_cpu_s
-from kvevents.bench.pd_load import DirectLegs, Send, ViaRouter, run_load
+from kvevents.bench.pd_load import DirectLegs, Send, ViaRouter, VllmDirectLegs, run_load
+from kvevents.bench.placement import Placement, cpus_of, pinned
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 from kvevents.http.serving import run_event_loop
+from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
 
-__all__ = ["run_pd_bench"]
+__all__ = ["TARGET_ADDED_P50_MS", "run_pd_bench"]
+
+TARGET_ADDED_P50_MS = 2.0
+"""The bar: the router adds at most this to the p50, at 32 requests in flight."""
 
 _BLOCK = 16
 _TOKENS = 2048
@@ -88,12 +108,19 @@ def run_pd_bench(
     connections: int = 32,
     rounds: int = 5,
     warmup: float = 1.0,
+    protocol: PDProtocol = "sglang",
+    pin_router: bool = False,
 ) -> dict[str, Any]:
     """Set up, warm up and run the rounds (see the module docstring); JSON-ready results:
-    ``setup``, ``rounds`` (each ``direct``, ``via`` and ``added_p50_ms``), ``added_p50_ms``
-    and ``added_p50_ms_median``."""
+    ``setup`` (with ``placement``), ``rounds`` (each ``direct``, ``via`` and
+    ``added_p50_ms``), ``added_p50_ms`` and its ``_median``, ``_min`` and ``_max``,
+    ``router_cpu_us_per_request`` per round and its median, and ``target`` (what was
+    checked against what)."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: the comparison needs at least one round")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r}: give one of {', '.join(PROTOCOLS)}")
+    placement = Placement.split() if pin_router else None
     rng = random.Random(3)
     bodies = [
         {
@@ -107,48 +134,38 @@ def run_pd_bench(
     router: Child | None = None
     runs: list[dict[str, Any]] = []
     try:
-        prefill_url = prefill.start(timeout=60.0)
-        decode_url = decode.start(timeout=60.0)
-        router = Child(
-            "router",
-            ["--port", "0", "--workers", "1", "--prefill", prefill_url, "--decode", decode_url,
-             "--max-local-prefill-tokens", "0"],
-        )  # fmt: skip
-        router_url = router.start(timeout=60.0)
-        port = _warm(router_url, prefill_url, decode_url, bodies)
-        sides: dict[str, Send] = {
-            "direct": DirectLegs(prefill_url, decode_url, ("127.0.0.1", port), bodies),
-            "via": ViaRouter(router_url, bodies),
-        }
-        pids = {"router": router.pid, "prefill": prefill.pid, "decode": decode.pid}
-        for i in range(rounds):
-            pair: dict[str, Any] = {}
-            for side in ("direct", "via") if i % 2 == 0 else ("via", "direct"):
-                before = {name: process_cpu_s(pid) for name, pid in pids.items()}
-                run = run_event_loop(
-                    run_load(sides[side], connections=connections, duration=duration, warmup=warmup)
-                )
-                for name, pid in pids.items():
-                    after, start = process_cpu_s(pid), before[name]
-                    if after is not None and start is not None and run["requests_all"]:
-                        run[f"{name}_cpu_us_per_request"] = (
-                            (after - start) / run["requests_all"] * 1e6
-                        )
-                pair[side] = run
-            pair["added_p50_ms"] = pair["via"]["p50_ms"] - pair["direct"]["p50_ms"]
-            runs.append(pair)
-        direct = sides["direct"]
-        assert isinstance(direct, DirectLegs)
+        with _on(None if placement is None else placement.others):
+            prefill_url = prefill.start(timeout=60.0)
+            decode_url = decode.start(timeout=60.0)
+            router = Child(
+                "router",
+                ["--port", "0", "--workers", "1", "--prefill", prefill_url, "--decode",
+                 decode_url, "--max-local-prefill-tokens", "0", "--pd-protocol", protocol],
+            )  # fmt: skip
+            with _on(None if placement is None else placement.router):
+                router_url = router.start(timeout=60.0)
+            port = _warm(router_url, prefill_url, decode_url, bodies)
+            direct: DirectLegs | VllmDirectLegs = (
+                DirectLegs(prefill_url, decode_url, ("127.0.0.1", port), bodies)
+                if protocol == "sglang"
+                else VllmDirectLegs(prefill_url, decode_url, bodies)
+            )
+            sides: dict[str, Send] = {"direct": direct, "via": ViaRouter(router_url, bodies)}
+            pids = {"router": router.pid, "prefill": prefill.pid, "decode": decode.pid}
+            held = _placement(placement, pids)
+            for i in range(rounds):
+                runs.append(_round(sides, pids, i, connections, duration, warmup))
         prefill_failures = direct.prefill_failures
     finally:
         if router is not None:
             router.stop()
         decode.stop()
         prefill.stop()
-    added = [r["added_p50_ms"] for r in runs]
-    return {
-        "setup": {
-            "protocol": "sglang",
+    return _results(
+        runs,
+        held,
+        {
+            "protocol": protocol,
             "dp_size_per_engine": 1,
             "ranks": {"prefill": 0, "decode": 0},
             "prompts": prompts,
@@ -158,10 +175,86 @@ def run_pd_bench(
             "duration_s": duration,
             "warmup_s": warmup,
             "load_generator": "asyncio client, kvevents.http.upstream.Upstream",
-            "router_args": ["--max-local-prefill-tokens", "0"],
+            "router_args": ["--max-local-prefill-tokens", "0", "--pd-protocol", protocol],
         },
+        prefill_failures,
+    )
+
+
+@contextlib.contextmanager
+def _on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """This thread (and what it starts) on ``cpus``, or as it is when None."""
+    if cpus is None:
+        yield
+        return
+    with pinned(cpus):
+        yield
+
+
+def _placement(placement: Placement | None, pids: dict[str, int | None]) -> dict[str, Any]:
+    """Each process tree's CPUs as read back (the client: this thread); KVEventsError
+    when a pinned one is not where it was put."""
+    held = {name: cpus_of(pid) for name, pid in pids.items() if pid is not None}
+    held["client"] = sorted(os.sched_getaffinity(0))
+    if placement is None:
+        return {"pinned": False, "read_back": held}
+    wanted = {name: sorted(placement.others) for name in held}
+    wanted["router"] = sorted(placement.router)
+    if held != wanted:
+        raise KVEventsError(f"the CPU placement did not hold: wanted {wanted}, read {held}")
+    return {"pinned": True, **placement.as_json(), "read_back": held}
+
+
+def _round(
+    sides: dict[str, Send],
+    pids: dict[str, int | None],
+    i: int,
+    connections: int,
+    duration: float,
+    warmup: float,
+) -> dict[str, Any]:
+    """Round ``i``: both clients' runs, back to back (the direct one first in even rounds)."""
+    pair: dict[str, Any] = {}
+    for side in ("direct", "via") if i % 2 == 0 else ("via", "direct"):
+        before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+        run = run_event_loop(
+            run_load(sides[side], connections=connections, duration=duration, warmup=warmup)
+        )
+        for name, pid in pids.items():
+            after, start = process_cpu_s(pid), before[name]
+            if after is not None and start is not None and run["requests_all"]:
+                run[f"{name}_cpu_us_per_request"] = (after - start) / run["requests_all"] * 1e6
+        pair[side] = run
+    pair["added_p50_ms"] = pair["via"]["p50_ms"] - pair["direct"]["p50_ms"]
+    return pair
+
+
+def _results(
+    runs: list[dict[str, Any]],
+    placement: dict[str, Any],
+    setup: dict[str, Any],
+    prefill_failures: int,
+) -> dict[str, Any]:
+    added = [r["added_p50_ms"] for r in runs]
+    median = statistics.median(added)
+    cpu = [r["via"].get("router_cpu_us_per_request") for r in runs]
+    known = [c for c in cpu if c is not None]
+    return {
+        "setup": {**setup, "placement": placement},
         "rounds": runs,
         "direct_prefill_failures": prefill_failures,
         "added_p50_ms": added,
-        "added_p50_ms_median": statistics.median(added),
+        "added_p50_ms_median": median,
+        "added_p50_ms_min": min(added),
+        "added_p50_ms_max": max(added),
+        "router_cpu_us_per_request": cpu,
+        "router_cpu_us_per_request_median": statistics.median(known) if known else None,
+        "target": {
+            "added_p50_ms_at_most": TARGET_ADDED_P50_MS,
+            "checked_against": "added_p50_ms_median: the median over the rounds of the p50 "
+            "through the router minus the p50 of the legs sent directly, each round's two "
+            "runs back to back, with the placement in setup.placement",
+            "met": median <= TARGET_ADDED_P50_MS,
+            "rounds_within": sum(a <= TARGET_ADDED_P50_MS for a in added),
+        },
     }

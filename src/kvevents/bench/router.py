@@ -52,6 +52,7 @@ from kvevents.bench.pd_router import run_pd_bench
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 from kvevents.http.serving import HttpServer
+from kvevents.router.serve.pd_legs import PDProtocol
 
 __all__ = ["EVENTS_CONFIG_WITH_REPLAY", "run_router_bench"]
 
@@ -189,6 +190,8 @@ def run_router_bench(
     pd: bool = True,
     pd_rounds: int = 5,
     pd_only: bool = False,
+    pd_protocol: PDProtocol = "sglang",
+    pin_router: bool = False,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
@@ -196,10 +199,11 @@ def run_router_bench(
     ``completions_only``: only the
     ``/v1/completions`` comparison (one uvicorn router process, the 2,048-token prompts
     stored; no bare server, no ``/route`` or ``/query`` loads, no note-cost rounds).
-    ``pd``: the disaggregated comparison too; ``pd_only``: that alone.
+    ``pd``: the disaggregated comparison too; ``pd_only``: that alone; ``pd_protocol``
+    and ``pin_router``: its hand-off and its CPU placement (:func:`run_pd_bench`).
     """
     if pd_only:
-        return _pd_only(prompts, duration, connections, pd_rounds)
+        return _pd_only(prompts, duration, connections, pd_rounds, pd_protocol, pin_router)
     _wrk()
     if completions_only:
         completions, workers, http_servers, sync_rounds = True, (1,), ("uvicorn",), 0
@@ -311,16 +315,35 @@ def run_router_bench(
                 bare.stop()
             engine.stop()
     if pd:
-        _add_pd(results, run_pd_bench(duration=duration, connections=connections, rounds=pd_rounds))
+        compared = run_pd_bench(
+            duration=duration,
+            connections=connections,
+            rounds=pd_rounds,
+            protocol=pd_protocol,
+            pin_router=pin_router,
+        )
+        _add_pd(results, compared)
     _summarise(results)
     return results
 
 
-def _pd_only(prompts: int, duration: float, connections: int, rounds: int) -> dict[str, Any]:
+def _pd_only(
+    prompts: int,
+    duration: float,
+    connections: int,
+    rounds: int,
+    protocol: PDProtocol,
+    pin_router: bool,
+) -> dict[str, Any]:
     setup = {"connections": connections, "duration_s": duration, "pd_only": True}
     results: dict[str, Any] = {"setup": {**setup, "pd_rounds": rounds}, "runs": {}}
     compared = run_pd_bench(
-        prompts=prompts, duration=duration, connections=connections, rounds=rounds
+        prompts=prompts,
+        duration=duration,
+        connections=connections,
+        rounds=rounds,
+        protocol=protocol,
+        pin_router=pin_router,
     )
     _add_pd(results, compared)
     _summarise(results)

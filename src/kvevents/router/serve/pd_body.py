@@ -12,12 +12,18 @@ exactly when that decode finds a valid object whose member is that ``0`` and the
 shortened text has no other such key and no ``\\u`` escape (so no other key decodes to
 it), as :mod:`kvevents.router.prompts.completion_body` reads completions.
 
-:func:`spliced` appends members to the body's bytes, which is what each leg's dict
-would encode to when the body has none of the members a leg sets or drops
-(:attr:`PlainFields.leg_keys`); a body with any of them is rebuilt from its decode
-instead. Every other body (text, a chat, a batch, anything to refuse), and every body
-while the native core is off, gives None here and is decoded whole, so what a client
-sees is the same either way.
+:func:`spliced` appends members to the body's bytes. SGLang's legs are spliced only when
+the body has none of the members they set or drop (:attr:`PlainFields.leg_keys`), so
+each leg's bytes are what its dict would encode to, member for member. vLLM's legs
+(:func:`vllm_prefill_bytes`, :func:`vllm_decode_bytes`) also override members a client
+may give (``stream``, ``max_tokens``, ``kv_transfer_params``): appended, such a member
+is there twice, and the later one is what the engine reads (Python's ``json`` and
+msgspec keep the last of repeated keys, at the first one's place, which is exactly
+where the dict leg sets it); a member a leg removes cannot be removed by appending, so
+a body with one (:attr:`PlainFields.vllm_drops`) has that leg rebuilt from its decode.
+Every other body (text, a chat, a batch, anything to refuse), and every body while the
+native core is off, gives None here and is decoded whole, so what a client sees is the
+same either way.
 """
 
 from __future__ import annotations
@@ -28,8 +34,18 @@ from typing import Any
 import msgspec
 
 from kvevents import kernels
+from kvevents.router.serve.pd_legs import VLLM_PREFILL_PARAMS
 
-__all__ = ["PlainFields", "pinned_bytes", "read_plain", "sglang_leg_bytes", "spliced"]
+__all__ = [
+    "PlainFields",
+    "pinned_bytes",
+    "read_plain",
+    "sglang_leg_bytes",
+    "spliced",
+    "transfer_params",
+    "vllm_decode_bytes",
+    "vllm_prefill_bytes",
+]
 
 _UNSET: Any = msgspec.UNSET
 _WHITESPACE = b" \t\r\n"
@@ -62,6 +78,11 @@ class PlainFields(msgspec.Struct):
     bootstrap_host: Any = _UNSET
     bootstrap_port: Any = _UNSET
     bootstrap_room: Any = _UNSET
+    min_tokens: msgspec.Raw = msgspec.Raw()
+    max_tokens: msgspec.Raw = msgspec.Raw()
+    max_completion_tokens: msgspec.Raw = msgspec.Raw()
+    """These three as they came (empty: not in the body): only their presence, and
+    whether a value is the ``1`` vLLM's prefill leg sets, are read."""
 
     @property
     def names_rank(self) -> bool:
@@ -85,9 +106,24 @@ class PlainFields(msgspec.Struct):
             or not (self.stream is _UNSET or self.stream is False)
         )
 
+    @property
+    def vllm_drops(self) -> bool:
+        """The body has a member vLLM's prefill leg removes: that leg is rebuilt."""
+        return self.stream_options is not _UNSET or len(self.min_tokens) > 0
+
+
+class _PrefillAnswer(msgspec.Struct):
+    """What the relay reads of a vLLM prefill leg's answer (its JSON kept as it came)."""
+
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+
 
 _DECODER = msgspec.json.Decoder(PlainFields)
+_ANSWER = msgspec.json.Decoder(_PrefillAnswer)
 _ENCODER = msgspec.json.Encoder()
+_VLLM_PREFILL = b',"kv_transfer_params":%s' % _ENCODER.encode(VLLM_PREFILL_PARAMS)
+_NULL = b"null"
+_ONE = b"1"
 
 
 def read_plain(raw: bytes, key: bytes) -> tuple[array[int], PlainFields] | None:
@@ -121,8 +157,9 @@ def read_plain(raw: bytes, key: bytes) -> tuple[array[int], PlainFields] | None:
 
 
 def spliced(raw: bytes, members: bytes) -> bytes:
-    """``raw`` (a non-empty JSON object, read by :func:`read_plain`) with ``members``
-    (``,"name":value`` each, already JSON) appended before its closing brace."""
+    """``raw`` (a non-empty JSON object, as a decode found it) with ``members``
+    (``,"name":value`` each, already JSON) appended before its closing brace: the one
+    splice of the P/D legs and of the one-pool relay's rank pin."""
     end = raw.rstrip(_WHITESPACE)
     return b"".join((memoryview(end)[:-1], members, b"}"))
 
@@ -157,6 +194,43 @@ def sglang_leg_bytes(
 
 
 def pinned_bytes(raw: bytes, rank: int) -> bytes:
-    """:func:`~kvevents.router.serve.pd_legs.pinned_body` spliced into ``raw``, whose
-    fields name no rank (:attr:`PlainFields.names_rank`)."""
+    """:func:`~kvevents.router.serve.pd_legs.pinned_body` spliced into ``raw``, a body
+    that names no rank (:attr:`PlainFields.names_rank`; the one-pool relay's
+    ``RelayFields.names_rank``): the rank pin of both relays."""
     return spliced(raw, b',"routed_dp_rank":%d' % rank)
+
+
+def vllm_prefill_bytes(raw: bytes, fields: PlainFields) -> bytes:
+    """:func:`~kvevents.router.serve.pd_legs.vllm_prefill_body` spliced into ``raw``, whose
+    ``fields`` have no :attr:`~PlainFields.vllm_drops`: the hand-off's
+    ``kv_transfer_params``, then ``stream``, ``max_tokens`` and ``max_completion_tokens``
+    each appended unless the body has it already as the leg sets it (see the module
+    docstring on members given twice)."""
+    members = [_VLLM_PREFILL]
+    if fields.stream is not False:
+        members.append(b',"stream":false')
+    if bytes(fields.max_tokens) != _ONE:
+        members.append(b',"max_tokens":1')
+    given = bytes(fields.max_completion_tokens)
+    if given and given != _ONE:
+        members.append(b',"max_completion_tokens":1')
+    return spliced(raw, b"".join(members))
+
+
+def transfer_params(answer: bytes) -> bytes:
+    """A vLLM prefill answer's ``kv_transfer_params``, its JSON as it came; ``b""`` when
+    the answer has none, null, or is not a JSON object. Raises ``msgspec.DecodeError``
+    when the answer is not JSON."""
+    try:
+        params = bytes(_ANSWER.decode(answer).kv_transfer_params)
+    except msgspec.ValidationError:  # not an object: no parameters, if it is JSON at all
+        msgspec.json.decode(answer)
+        return b""
+    return b"" if params == _NULL else params
+
+
+def vllm_decode_bytes(raw: bytes, params: bytes) -> bytes:
+    """:func:`~kvevents.router.serve.pd_legs.vllm_decode_body` spliced into ``raw`` (a
+    body :func:`read_plain` read): ``params`` (:func:`transfer_params`) appended as its
+    ``kv_transfer_params``, or ``raw`` as it came when there are none."""
+    return spliced(raw, b',"kv_transfer_params":%s' % params) if params else raw

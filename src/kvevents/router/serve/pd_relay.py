@@ -28,9 +28,10 @@ one error for the client, in the route's shape: OpenAI's ``{"error": {...}}`` on
 A request that asks for no stream is served from uvicorn's parser callbacks
 (:meth:`PDRelay.inline_path`, :mod:`kvevents.http.inline`), as the one-pool relay's
 completions are: a framework's request cycle costs more than the relay's own work. A
-body of one prompt of token ids is read without decoding its prompt, and SGLang's legs
-are its bytes with their members appended (:mod:`kvevents.router.serve.pd_body`); any
-other body is decoded and each leg encoded from it.
+body of one prompt of token ids is read without decoding its prompt, and its legs
+(either protocol's) are its bytes with their members appended
+(:mod:`kvevents.router.serve.pd_body`); any other body is decoded and each leg encoded
+from it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ from kvevents.router.serve.openai_relay import (
     _UsageTracker,
     prompts_of,
 )
-from kvevents.router.serve.pd_body import pinned_bytes, sglang_leg_bytes
+from kvevents.router.serve.pd_body import (
+    pinned_bytes,
+    sglang_leg_bytes,
+    transfer_params,
+    vllm_decode_bytes,
+    vllm_prefill_bytes,
+)
 from kvevents.router.serve.pd_exchange import Leg, LegFailed, PDExchange, Whole
 from kvevents.router.serve.pd_legs import (
     new_rooms,
@@ -246,13 +253,12 @@ class PDRelay(OpenAIRelay):
                 decode.content = self._alone_body(request, decision.decode)
                 response = await exchange.decode_head()
             elif pd.protocol == "vllm":
-                prefill.content = _ENCODER.encode(vllm_prefill_body(request.body))
+                prefill.content = _vllm_prefill(request)
                 answer = await exchange.prefill_whole()
                 try:
-                    prefill_json = msgspec.json.decode(answer.body)
+                    decode.content = _vllm_decode(request, answer.body)
                 except msgspec.DecodeError:
                     raise exchange.fail(prefill, ValueError("its answer is not JSON")) from None
-                decode.content = _ENCODER.encode(vllm_decode_body(request.body, prefill_json))
                 response = await exchange.decode_head()
             else:
                 await self._sglang_bodies(request, decision, prefill, decode)
@@ -387,6 +393,24 @@ class PDRelay(OpenAIRelay):
                 service.requests.record_usage(decode.ticket.holder, tracker.usage())
 
         return Answer(status, headers, stream=relay(), release=response.release)
+
+
+def _vllm_prefill(request: PDRequest) -> bytes:
+    """vLLM's prefill leg: spliced into the client's bytes when its body allows, else
+    rebuilt (:mod:`kvevents.router.serve.pd_body`)."""
+    fields = request.fields
+    if fields is not None and not fields.vllm_drops:
+        return vllm_prefill_bytes(request.raw, fields)
+    return _ENCODER.encode(vllm_prefill_body(request.body))
+
+
+def _vllm_decode(request: PDRequest, answer: bytes) -> bytes:
+    """vLLM's decode leg, with the prefill's ``answer``'s ``kv_transfer_params``: spliced
+    when the body was read plain, else rebuilt; ``msgspec.DecodeError`` when the answer
+    is not JSON."""
+    if request.fields is not None:
+        return vllm_decode_bytes(request.raw, transfer_params(answer))
+    return _ENCODER.encode(vllm_decode_body(request.body, msgspec.json.decode(answer)))
 
 
 def _ignored(whole: Whole | None) -> None:
