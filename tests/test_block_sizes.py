@@ -109,7 +109,7 @@ def test_router_skips_mismatching_events_and_reports_them() -> None:
         ("server_info", 1),
         ("events", 1),
     }
-    decision = router.route(list(range(8)))
+    decision = router.route([*range(8), 99])
     assert (decision.dp_rank, decision.matched_tokens) == (0, 8)
 
 
@@ -137,7 +137,7 @@ def test_the_router_follows_its_engines_to_a_new_block_size(
     assert (router.index.holder_size(A), router.index.holder_size(B)) == (0, 0)
     assert any("block size changed from 4 to 8" in r.getMessage() for r in caplog.records)
     router.handle(Delivery(A, 2, batch(stored(list(range(16)), 8, 40))))
-    decision = router.route(list(range(16)))
+    decision = router.route([*range(16), 99])
     assert (decision.dp_rank, decision.matched_tokens, decision.n_blocks) == (0, 16, 2)
     router.handle(Delivery(B, 2, batch(stored(list(range(24)), 8, 50))))
     assert router.index.holder_size(B) == 3 and router.block_sizes.mismatch_events(B) == 1
@@ -192,4 +192,4 @@ def test_a_warm_start_from_a_peer_at_the_old_size_follows_the_engines_to_the_new
     router.add_holder(A, block_size=8, source="server_info")
     assert router.index.block_size == 8 and router.block_sizes.changes == 1
     router.handle(Delivery(A, 5, batch(stored(list(range(100, 116)), 8, 7))))
-    assert router.route(list(range(100, 116))).matched_tokens == 16
+    assert router.route([*range(100, 116), 99]).matched_tokens == 16

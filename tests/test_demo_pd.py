@@ -227,8 +227,18 @@ def test_unbounded_hits_are_the_leading_keys_each_place_has_seen() -> None:
     """A request's hit is the run of its leading keys its place has already seen; other
     places' keys do not count, and unsent requests get None."""
     keys = [[1, 2, 3], [1, 2, 9], [1, 2, 3, 4], [1, 2], [5]]
-    assert unbounded_hits(keys, ["a", "a", "b", None, "a"], 16) == [0, 32, 0, None, 0]
-    assert unbounded_hits(keys, ["a"] * 5, 16) == [0, 32, 48, 32, 0]
+    partial = [49, 49, 65, 33, 17]  # each prompt ends in a partial block
+    assert unbounded_hits(keys, partial, ["a", "a", "b", None, "a"], 16) == [0, 32, 0, None, 0]
+    assert unbounded_hits(keys, partial, ["a"] * 5, 16) == [0, 32, 48, 32, 0]
+
+
+def test_an_unbounded_hit_leaves_out_a_block_aligned_prompts_last_block() -> None:
+    """A prompt ending on a block boundary reuses every block but its last, which an engine
+    computes again, while all its blocks are stored for the requests after it."""
+    keys = [[1, 2, 3], [1, 2, 9], [1, 2, 3, 4], [1, 2], [5]]
+    aligned = [48, 48, 64, 32, 16]
+    assert unbounded_hits(keys, aligned, ["a"] * 5, 16) == [0, 32, 48, 16, 0]
+    assert unbounded_hits([[1, 2], [1, 2]], [32, 33], ["a", "a"], 16) == [0, 32]
 
 
 def _workload(ids: list[list[int]]) -> Workload:
@@ -244,7 +254,7 @@ def test_the_pooled_bound_is_one_cache_of_the_pools_pages_evicting_as_an_engine_
     workload = _workload([[1, 2], [1, 2, 3], [7, 8], [1, 2, 3, 4]])
     keys = request_keys(workload, 16)
     sent = [True, True, True, True]
-    unbounded = unbounded_hits(keys, ["pool"] * 4, 16)
+    unbounded = unbounded_hits(keys, [r.input_length for r in workload.requests], ["pool"] * 4, 16)
     assert pooled_bound_hits(workload, sent, 16, 10_000) == unbounded
     assert unbounded == [0, 2 * BLOCK_TOKENS, 0, 3 * BLOCK_TOKENS]
     # room for three hash ids' pages: [7, 8] evicts the chain 1, 2, 3 leaf first, so its
@@ -288,7 +298,8 @@ def test_an_unbounded_cache_never_hits_less_than_the_pooled_bound() -> None:
     sent = [True] * len(workload)
     pages = 4 * BLOCK_TOKENS // 16
     bounded = pooled_bound_hits(workload, sent, 16, pages)
-    unbounded = unbounded_hits(keys, ["pool"] * len(workload), 16)
+    lengths = [r.input_length for r in workload.requests]
+    unbounded = unbounded_hits(keys, lengths, ["pool"] * len(workload), 16)
     assert all(u >= b for u, b in zip(unbounded, bounded, strict=True))  # type: ignore[operator]
     figures = trace_bounds(workload, keys, 16, pages)
     assert figures["trace_unbounded_hit_rate"] > figures["trace_bound_hit_rate"] > 0
@@ -302,7 +313,7 @@ def test_pd_figures_add_up_from_outcomes_and_engine_counters() -> None:
     told apart by the router's verdict, and a failed request counts as failed only."""
     b = BLOCK_TOKENS  # one page per hash id
 
-    def handed(rank: int, cached: int = 4 * b) -> Outcome:
+    def handed(rank: int, cached: int = 3 * b) -> Outcome:
         routed = {"prefill": {"worker": "p", "dp_rank": rank}, "prefill_skipped": False}
         return Outcome(0, 4 * b, cached, 0.0, 0.01, routed=routed)
 
@@ -322,12 +333,12 @@ def test_pd_figures_add_up_from_outcomes_and_engine_counters() -> None:
     assert figures["handed_off"] == 3 and figures["prefills_skipped"] == 1
     assert figures["prefill_hit_rate"] == 3 / 12
     assert figures["prefill_bound_pages"] == 10_000
-    assert figures["prefill_bound_hit_rate"] == figures["prefill_unbounded_hit_rate"] == 7 / 12
-    assert figures["prefill_of_bound"] == figures["prefill_of_unbounded"] == (3 / 12) / (7 / 12)
+    assert figures["prefill_bound_hit_rate"] == figures["prefill_unbounded_hit_rate"] == 6 / 12
+    assert figures["prefill_of_bound"] == figures["prefill_of_unbounded"] == (3 / 12) / (6 / 12)
     assert curves["placement"] == [(4 * b, 0), (4 * b, 0), (4 * b, 3 * b)]
-    assert curves["pooled"] == [(4 * b, 0), (4 * b, 4 * b), (4 * b, 3 * b)]
+    assert curves["pooled"] == [(4 * b, 0), (4 * b, 3 * b), (4 * b, 3 * b)]
     assert figures["prefill_tokens_computed"] == 9 * b
-    assert figures["decode_tokens_computed"] == 0 + 0 + b + b
+    assert figures["decode_tokens_computed"] == b + b + b + b
     assert figures["blocks_transferred"] == 12
     assert figures["load_max_over_min"] == {"prefill": 2.0, "decode": 1.0}
     assert counts_over(counts, {"prefill": {("p", 0): (b, b // 2)}, "decode": {}}) == {

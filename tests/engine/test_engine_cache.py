@@ -53,6 +53,25 @@ def test_admit_stores_one_chain_and_matches_prefix() -> None:
     assert cache.stats.hit_rate == pytest.approx(4 / 13)
 
 
+def test_a_page_aligned_prompt_reuses_every_page_but_its_last() -> None:
+    """A prompt ending on a page boundary, cached whole, reuses all its pages but the last
+    (an engine computes at least the last token), and stores nothing new; one token more
+    reuses every page."""
+    cache = PrefixCache(page_size=16, capacity=100)
+    prompt = list(range(64))
+    assert cache.admit(prompt).inserted_blocks == 4
+    cache.take_events()
+    again = cache.admit(prompt)
+    assert (again.prompt_tokens, again.cached_tokens, again.inserted_blocks) == (64, 48, 0)
+    assert cache.take_events() == []
+    assert cache.match(prompt) == 48
+    longer = cache.admit([*prompt, 7])
+    assert (longer.cached_tokens, longer.inserted_blocks) == (64, 0)
+    assert cache.match([*prompt, 7]) == 64
+    assert cache.match(prompt[:16]) == 0 and cache.match(prompt[:17]) == 16
+    assert cache.stats.cached_tokens == 48 + 64
+
+
 def test_evicts_least_recently_released_unpinned_leaves() -> None:
     """When full, the cache evicts unpinned leaves, least recently released first, in one BlockRemoved."""
     cache = PrefixCache(page_size=1, capacity=4)

@@ -69,7 +69,7 @@ def test_an_empty_salt_names_pages_as_no_salt_as_vllm_does() -> None:
     cache = PrefixCache(PAGE, 64, get_hash_scheme("vllm"))
     tokens = list(range(8))
     assert cache.admit(tokens, cache_salt="").cached_tokens == 0
-    assert cache.match(tokens) == 8
+    assert cache.match(tokens) == 4
     (store,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
     assert store.extra_keys is None
 
@@ -83,7 +83,7 @@ def test_an_adapter_and_a_salt_together_name_pages_as_vllm_does() -> None:
     assert cache.admit(tokens, lora_name="sql", lora_id=1, cache_salt="s").cached_tokens == 0
     assert cache.match(tokens, lora_name="sql") == 0
     assert cache.match(tokens, cache_salt="s") == 0
-    assert cache.match(tokens, lora_name="sql", cache_salt="s") == 8
+    assert cache.match(tokens, lora_name="sql", cache_salt="s") == 4
     (store,) = [e for e in cache.take_events() if isinstance(e, BlockStored)]
     assert (store.lora_name, store.lora_id) == ("sql", 1)
     assert store.extra_keys == [["sql", "s"], ["sql"]]
@@ -109,8 +109,8 @@ def test_adapter_pages_live_in_their_own_namespace(scheme: str) -> None:
     assert cache.admit(tokens).cached_tokens == 0
     assert cache.admit(tokens, lora_name="sql", lora_id=1).cached_tokens == 0
     assert cache.admit(tokens, lora_name="chat", lora_id=2).cached_tokens == 0
-    assert cache.admit(tokens, lora_name="sql", lora_id=1).cached_tokens == 8
-    assert cache.match(tokens) == 8 and cache.match(tokens, lora_name="sql") == 8
+    assert cache.admit(tokens, lora_name="sql", lora_id=1).cached_tokens == 4
+    assert cache.match(tokens) == 4 and cache.match(tokens, lora_name="sql") == 4
     assert cache.match(tokens, lora_name="other") == 0
     stores = [e for e in cache.take_events() if isinstance(e, BlockStored)]
     assert len(stores) == 3
@@ -187,9 +187,9 @@ def test_adapter_requests_keep_their_own_prefix_cache(engine: Engine) -> None:
     request, nor the reverse; each adapter reuses its own."""
     prompt = list(range(100, 108))
     assert _cached(engine, "tiny", prompt) == 0
-    assert _cached(engine, "tiny-8b", prompt) == 8  # another name of the same model
+    assert _cached(engine, "tiny-8b", prompt) == 4  # another name of the same model
     assert _cached(engine, "sql", prompt) == 0
-    assert _cached(engine, "sql", prompt) == 8
+    assert _cached(engine, "sql", prompt) == 4
     assert _cached(engine, "chat", prompt) == 0
     other = list(range(200, 208))
     assert _cached(engine, "sql", other) == 0
@@ -197,7 +197,7 @@ def test_adapter_requests_keep_their_own_prefix_cache(engine: Engine) -> None:
     generated = engine.http.post(
         "/generate", json={"input_ids": other, "max_new_tokens": 1, "lora_path": "sql"}
     )
-    assert generated.json()["cached_tokens"] == 8
+    assert generated.json()["cached_tokens"] == 4
     refused = engine.http.post("/generate", json={"input_ids": other, "lora_path": "nope"})
     assert refused.status_code == 400 and "sql, chat" in refused.json()["error"]
     # a served model's name is no adapter (it ran the base model, answering 200)

@@ -263,3 +263,21 @@ def test_received_blocks_are_stored_published_and_counted_as_cached() -> None:
     assert stored[0].token_ids == list(range(1, 9))
     (done,) = sched.step().finished
     assert (done.cached_tokens, done.prompt_tokens, done.completion_tokens) == (8, 10, 2)
+
+
+def test_received_blocks_of_a_block_aligned_prompt_count_all_but_the_last_as_cached() -> None:
+    """A decode given every block of a prompt ending on a block boundary stores them all,
+    and reports every block but the last as cached (it computes the last token, as vLLM's
+    decode reports it); one token more, every received block is cached."""
+    sink = _Sink()
+    sched = Scheduler(0, PrefixCache(4, 64), sink, prefill_tokens_per_s=10.0)
+    sched.submit("r", list(range(1, 13)), 1, received_blocks=3)
+    step = sched.step()
+    assert step.duration_s == pytest.approx(4 / 10.0)  # the last block is computed again
+    stored = [e for b in sink.batches for e in b.events if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [3]
+    (done,) = step.finished
+    assert (done.cached_tokens, done.prompt_tokens) == (8, 12)
+    sched.submit("s", list(range(101, 114)), 1, received_blocks=3)
+    (longer,) = sched.step().finished
+    assert (longer.cached_tokens, longer.prompt_tokens) == (12, 13)

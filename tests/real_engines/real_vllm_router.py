@@ -188,14 +188,15 @@ class RouterProcess:
         worker: str | None = None,
     ) -> None:
         """Until ``/query`` shows every full block of ``tokens`` on ``rank`` (of ``worker``,
-        default the engine).
+        default the engine), asked with one token more: a match counts only the blocks an
+        engine reuses, every one but a block-aligned prompt's last.
 
         Each rank's events are applied in seq order, so once a block vLLM stored last is
         in, everything the rank published before it is in too (a barrier).
         """
         full = len(tokens) // block_size * block_size
         deadline = time.monotonic() + timeout
-        while (seen := self.query(tokens, worker=worker).get(rank, 0)) != full:
+        while (seen := self.query([*tokens, 0], worker=worker).get(rank, 0)) != full:
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"router /query shows {seen} of {full} tokens on rank {rank} of "

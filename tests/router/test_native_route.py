@@ -419,7 +419,7 @@ def test_a_relayed_request_is_chosen_natively_and_each_change_of_loads_is_read()
     before = router.native.chosen
     first = router.route(tokens, top=1)
     assert router.native.chosen == before + 1
-    assert (first.dp_rank, first.chosen.matched.gpu, first.n_blocks) == (1, 10, 10)
+    assert (first.dp_rank, first.chosen.matched.gpu, first.n_blocks) == (1, 9, 10)
     assert list(first.keys) == content_keys_per_block(tokens, 4)
     # the holder of every block is busy now: the load read from the board moves the choice
     router.update_load("http://e", {"ranks": [{"dp_rank": 1, "running": 50, "waiting": 0}]})
@@ -483,7 +483,7 @@ def test_a_plain_fleet_is_answered_natively() -> None:
     assert answer is not None and router.native.answered == 1
     decoded = msgspec.json.decode(answer)
     assert (decoded["dp_rank"], decoded["n_blocks"], decoded["holders"]) == (1, 10, 4)
-    assert decoded["scores"][0]["matched"] == {"gpu": 10, "cpu": 0, "disk": 0}
+    assert decoded["scores"][0]["matched"] == {"gpu": 9, "cpu": 0, "disk": 0}
 
 
 @pytest.mark.parametrize(
@@ -543,7 +543,7 @@ def test_a_plan_is_made_again_for_other_credits_even_equal_ones() -> None:
     router.index.credits = TierCredits(gpu=1, cpu=0, disk=0)
     assert router.index.credits == floats
     assert router.native.answer(tokens) is None  # int credits: the Python path
-    assert b'"cached_blocks":10,' in encode_route_answer(
+    assert b'"cached_blocks":9,' in encode_route_answer(
         router.route(tokens, top=4), recorded=False, top=4
     )
 
@@ -565,7 +565,7 @@ def test_a_query_plan_is_made_again_for_an_equal_list_of_holders_in_other_slots(
     router.index.store_keys(b, content_keys_per_block(tokens, 4))
     got = _native_query(router, tokens)
     assert got is not None and got == _python_query(router, tokens)
-    assert b'"dp_rank":1,"matched_blocks":10,' in got
+    assert b'"dp_rank":1,"matched_blocks":9,' in got
 
 
 def test_predictions_are_answered_natively_as_in_python() -> None:
@@ -633,7 +633,7 @@ def test_token_ids_not_in_a_uint32_array_are_keyed_in_python() -> None:
     before = router.native.chosen
     wide = array("q", tokens)
     decision = router.route(wide, top=1)
-    assert decision.dp_rank == 1 and decision.chosen.matched.gpu == 10
+    assert decision.dp_rank == 1 and decision.chosen.matched.gpu == 9
     assert router.native.answer(wide) is None and router.native.query(wide) is None
     assert (router.native.chosen, router.native.failures) == (before, 0)
 

@@ -93,10 +93,11 @@ def matched(router: RouterProc, worker: str, rank: int, tokens: list[int]) -> in
 def held(
     router: RouterProc, pubs: RankPublishers, worker: str, rank: int, tokens: list[int]
 ) -> None:
-    """Publish ``tokens`` from ``rank`` and wait until the router has indexed them."""
+    """Publish ``tokens`` from ``rank`` and wait until the router has indexed them (asked
+    with one token more, so that every whole block of them is one an engine reuses)."""
     pubs.store(rank, tokens, BS)
     wait_until(
-        lambda: matched(router, worker, rank, tokens) == len(tokens),
+        lambda: matched(router, worker, rank, [*tokens, 0]) == len(tokens) // BS * BS,
         10,
         f"{worker} rank {rank} to hold the prefix in the router",
     )
@@ -164,9 +165,9 @@ def test_sglang_engine_gets_routed_dp_rank_in_the_body(plane: dict, router: Rout
 @pytest.mark.parametrize(
     "raw",
     [
-        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1}  \n',  # no rank key: appended
-        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1, "routed_dp_rank": 1}',
-        b'{"prompt": [[300, 301, 302, 303]], "max_tokens": 1, "data\\u005fparallel_rank": 1}',
+        b'{"prompt": [[300, 301, 302, 303, 304]], "max_tokens": 1}  \n',  # no rank key: appended
+        b'{"prompt": [[300, 301, 302, 303, 304]], "max_tokens": 1, "routed_dp_rank": 1}',
+        b'{"prompt": [[300, 301, 302, 303, 304]], "max_tokens": 1, "data\\u005fparallel_rank": 1}',
     ],
 )
 def test_sglang_body_gets_exactly_one_rank_however_the_client_spelled_its_own(
@@ -183,7 +184,7 @@ def test_sglang_body_gets_exactly_one_rank_however_the_client_spelled_its_own(
     assert response.status_code == 200, response.text
     assert response.headers["x-kvevents-dp-rank"] == "0"
     _, body = b.received[-1]
-    assert json.loads(body) == {"prompt": [prefix], "max_tokens": 1, "routed_dp_rank": 0}
+    assert json.loads(body) == {"prompt": [[*prefix, 304]], "max_tokens": 1, "routed_dp_rank": 0}
 
 
 @pytest.mark.parametrize("stream", [True, "true", 1], ids=["true", "string", "one"])
@@ -196,7 +197,7 @@ def test_streaming_relays_each_chunk_as_it_arrives(
     a = plane["a"]
     prefix = list(range(300, 308))
     held(router, plane["pubs_a"], a.url, 0, prefix)
-    request = {"prompt": prefix, "stream": stream, "max_tokens": 5}
+    request = {"prompt": [*prefix, 0], "stream": stream, "max_tokens": 5}
     with router.http.stream("POST", "/v1/completions", json=request) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -345,7 +346,7 @@ def test_a_vllm_known_by_url_that_changes_its_block_size_is_followed(ctx: zmq.Co
     proc = RouterProc([], "--engine", engine.url, "--engine-kind", "vllm", "--load-interval", "0.2")
 
     def state() -> tuple[int, int]:
-        answer = proc.post("/query", {"input_ids": list(range(2000, 2064))}).json()
+        answer = proc.post("/query", {"input_ids": list(range(2000, 2065))}).json()
         if "error" in answer:  # no block size known yet
             return 0, 0
         held = {m["dp_rank"]: m["matched_tokens"] for m in answer["matches"]}
@@ -514,14 +515,14 @@ def test_an_engine_error_withdraws_the_requests_prediction(plane: dict) -> None:
         prompt = list(range(20_000, 20_016))  # tokens no other test stores
         failed = router.post("/v1/completions", {"prompt": prompt, "fail_status": 500})
         assert failed.status_code == 500
-        query = router.post("/query", {"input_ids": prompt}).json()
+        query = router.post("/query", {"input_ids": [*prompt, 0]}).json()
         assert all("predicted_blocks" not in m for m in query["matches"])
         metrics = router.http.get("/metrics").text
         assert 'kvevents_router_predicted_entries_total{fate="withdrawn"} 4.0' in metrics
         answered = router.post("/v1/completions", {"prompt": prompt})
         assert answered.status_code == 200
         rank = int(answered.headers["x-kvevents-dp-rank"])
-        query = router.post("/query", {"input_ids": prompt}).json()
+        query = router.post("/query", {"input_ids": [*prompt, 0]}).json()
         assert {m["dp_rank"]: m.get("predicted_blocks", 0) for m in query["matches"]}[rank] == 4
 
 

@@ -75,7 +75,7 @@ def test_every_rank_is_followed_through_the_per_rank_offsets(
     assert described_engine["discovery"] is None  # not discovered: described
     assert described_engine["kind"] == "kvevents" and described_engine["registered"]
     eng.generate(list(range(40, 48)), rank=1)
-    wait_until(lambda: matched(router, list(range(40, 48)))[1] == 8, 10, "rank 1's blocks")
+    wait_until(lambda: matched(router, [*range(40, 48), 0])[1] == 8, 10, "rank 1's blocks")
 
 
 def test_token_prompt_is_routed_to_the_rank_that_cached_it(router: RouterProc) -> None:
@@ -86,7 +86,7 @@ def test_token_prompt_is_routed_to_the_rank_that_cached_it(router: RouterProc) -
     rank = int(first.headers["x-kvevents-dp-rank"])
     assert first.json()["dp_rank"] == rank
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    wait_until(lambda: matched(router, prompt)[rank] == 24, 10, "the prompt in the index")
+    wait_until(lambda: matched(router, [*prompt, 0])[rank] == 24, 10, "the prompt in the index")
     again = router.post("/v1/completions", {"prompt": [*prompt, 1, 2, 3, 4], "max_tokens": 1})
     assert again.headers["x-kvevents-dp-rank"] == str(rank)
     assert again.headers["x-kvevents-matched-tokens"] == "24"
@@ -144,7 +144,7 @@ def test_chat_conversation_stays_on_the_rank_holding_its_earlier_turns(
     prompt1 = list(render_chat(turn1).encode())
     assert first.headers["x-kvevents-prompt-tokens"] == str(len(prompt1))
     pages = len(prompt1) // PAGE * PAGE
-    wait_until(lambda: matched(router, prompt1)[rank] == pages, 10, "turn 1 in the index")
+    wait_until(lambda: matched(router, [*prompt1, 0])[rank] == pages, 10, "turn 1 in the index")
     reply = first.json()["choices"][0]["message"]["content"]
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
     second = router.post("/v1/chat/completions", {"messages": turn2, "max_tokens": 1})

@@ -91,9 +91,9 @@ def test_a_withdrawn_prediction_no_longer_draws_the_sibling() -> None:
     first = decide_pd(router, POOLS, [PROMPT], max_local_prefill_tokens=0)
     assert first.prefill is not None
     ticket = router.begin(first.prefill)
-    assert router.query_predicted(PROMPT)[1].get(first.prefill.holder) == 16
+    assert router.query_predicted([*PROMPT, 0])[1].get(first.prefill.holder) == 16
     router.finish(ticket, failed=True)
-    assert router.query_predicted(PROMPT)[1].get(first.prefill.holder, 0) == 0
+    assert router.query_predicted([*PROMPT, 0])[1].get(first.prefill.holder, 0) == 0
 
 
 def test_a_pool_without_an_available_rank_is_not_ready_only_when_needed() -> None:

@@ -120,7 +120,7 @@ def _bodies() -> list[bytes]:
         json.dumps({**ids, "fail_status": 503}).encode(),  # the engine's error, relayed
         json.dumps({**ids, "stream": True}).encode(),  # a stream: the ASGI path
         json.dumps({"prompt": "w1 w2 w3", "max_tokens": 1}).encode(),  # text: the ASGI path
-        json.dumps({**ids, "prompt": [PROMPT, PROMPT[:8]]}).encode(),  # a batch: ASGI
+        json.dumps({**ids, "prompt": [[*PROMPT, 7], PROMPT[:9]]}).encode(),  # a batch: ASGI
         b'{"prompt": [1, -2]}',  # refused in the whole decode's words
         b"{not json",
     ]

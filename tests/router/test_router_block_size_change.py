@@ -19,8 +19,9 @@ def _engine(port: int, block_size: int) -> Engine:
 
 
 def _query(router: RouterProc) -> tuple[int, dict[int, int]]:
-    """The router's block size and the tokens each rank holds of the prompt."""
-    answer = router.post("/query", {"input_ids": PROMPT}).json()
+    """The router's block size and the tokens each rank holds of the prompt (asked with
+    one token more, so that every block of it is one an engine reuses)."""
+    answer = router.post("/query", {"input_ids": [*PROMPT, 0]}).json()
     return answer["block_size"], {m["dp_rank"]: m["matched_tokens"] for m in answer["matches"]}
 
 

@@ -48,11 +48,11 @@ def test_reset_and_loss_clear_only_that_holder(signal_cls: type) -> None:
     router.handle(Delivery(H0, 0, stored([1], [5, 6])))
     router.handle(Delivery(H1, 0, stored([1], [5, 6])))
     router.handle(Gap(worker=H0.worker, dp_rank=0, first_seq=1, last_seq=2))
-    assert router.query([5, 6])[H0].gpu == 1
+    assert router.query([5, 6, 0])[H0].gpu == 1
     extra = {"reason": "test", "last_seq": 3}
     extra |= {"new_seq": 0} if signal_cls is Reset else {"first_seq": 1}
     router.handle(signal_cls(worker=H0.worker, dp_rank=0, **extra))
-    assert router.query([5, 6]) == {H0: (0, 0, 0), H1: (1, 0, 0)}
+    assert router.query([5, 6, 0]) == {H0: (0, 0, 0), H1: (1, 0, 0)}
     assert router.signals[(signal_cls.kind, H0)] == 1
 
 
@@ -72,10 +72,10 @@ def test_a_batch_that_fails_to_apply_clears_its_holder_and_the_next_ones_apply(
     monkeypatch.setattr(router.index, "apply_steps", broken)
     router.handle(Delivery(H0, 1, stored([2], [7, 8], parent=1)))
     assert router.apply_failures == 1 and "batch seq 1 of http://e:1 rank 0" in caplog.text
-    assert router.query([5, 6, 7, 8])[H0].gpu == 0
+    assert router.query([5, 6, 7, 8, 0])[H0].gpu == 0
     monkeypatch.setattr(router.index, "apply_steps", apply_steps)
     router.handle(Delivery(H0, 2, stored([3], [9, 10])))
-    assert router.query([9, 10])[H0].gpu == 1 and router.batches_applied == 3
+    assert router.query([9, 10, 0])[H0].gpu == 1 and router.batches_applied == 3
 
 
 def test_load_and_inflight_requests_steer_away() -> None:
@@ -147,7 +147,7 @@ def test_sequential_requests_sharing_one_block_spread_across_ranks() -> None:
     seqs = dict.fromkeys(holders, 0)
     shared = [7, 7]
     chosen = [_serve(router, shared + [100 + i] * 80, seqs) for i in range(8)]
-    assert all(router.query(shared)[h].gpu == 1 for h in holders)
+    assert all(router.query([*shared, 0])[h].gpu == 1 for h in holders)
     assert sorted(chosen.count(h) for h in holders) == [2, 2, 2, 2]
 
 

@@ -81,7 +81,7 @@ def test_a_router_with_an_allowed_key_fills_its_index(
         engine.generate(prompt, rank=1)
 
         def indexed() -> bool:
-            matches = router.post("/query", {"input_ids": prompt}).json()["matches"]
+            matches = router.post("/query", {"input_ids": [*prompt, 0]}).json()["matches"]
             return any(m["dp_rank"] == 1 and m["matched_tokens"] == len(prompt) for m in matches)
 
         wait_until(indexed, 20, "rank 1's blocks in the router's index")
@@ -123,7 +123,7 @@ def test_a_router_with_a_refused_or_no_key_says_why_and_indexes_nothing(
             20,
             "the engine counting refused handshakes",
         )
-        answer = router.post("/query", {"input_ids": prompt})
+        answer = router.post("/query", {"input_ids": [*prompt, 0]})
         assert answer.status_code == 200, answer.text
         assert all(m["matched_tokens"] == 0 for m in answer.json()["matches"])
     finally:

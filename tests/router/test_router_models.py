@@ -155,11 +155,11 @@ def test_requests_for_a_model_go_only_to_its_engines_by_the_usual_cost() -> None
     router.models.set("b", served("beta"))
     router.handle(Delivery(B0, 0, stored([1, 2], [5, 6, 7, 8])))
     router.handle(Delivery(A1, 0, stored([3], [5, 6])))
-    decision = router.route([5, 6, 7, 8], model="alpha")
+    decision = router.route([5, 6, 7, 8, 9], model="alpha")
     assert decision.holder == A1 and [s.holder for s in decision.scores] == [A1, A0]
-    assert router.route([5, 6, 7, 8], model="beta").holder == B0
+    assert router.route([5, 6, 7, 8, 9], model="beta").holder == B0
     assert set(router.query([5, 6], model="alpha")) == {A0, A1}
-    assert router.route([5, 6, 7, 8]).holder == B0  # no model: every holder, as before
+    assert router.route([5, 6, 7, 8, 9]).holder == B0  # no model: every holder, as before
 
 
 def test_adapter_blocks_match_only_requests_for_that_adapter() -> None:
@@ -170,12 +170,12 @@ def test_adapter_blocks_match_only_requests_for_that_adapter() -> None:
     assert router.candidates("sql") == ([A0, A1], "sql")
     router.handle(Delivery(A0, 0, stored([1, 2], [5, 6, 7, 8], lora_name="sql", lora_id=7)))
     router.handle(Delivery(A1, 0, stored([3, 4], [5, 6, 7, 8])))
-    assert router.query([5, 6, 7, 8], model="sql") == {A0: (2, 0, 0), A1: (0, 0, 0)}
-    assert router.query([5, 6, 7, 8], model="llama") == {A0: (0, 0, 0), A1: (2, 0, 0)}
-    assert router.route([5, 6, 7, 8], model="sql").holder == A0
-    assert router.route([5, 6, 7, 8], model="llama").holder == A1
+    assert router.query([5, 6, 7, 8, 9], model="sql") == {A0: (2, 0, 0), A1: (0, 0, 0)}
+    assert router.query([5, 6, 7, 8, 9], model="llama") == {A0: (0, 0, 0), A1: (2, 0, 0)}
+    assert router.route([5, 6, 7, 8, 9], model="sql").holder == A0
+    assert router.route([5, 6, 7, 8, 9], model="llama").holder == A1
     # an explicit lora wins over the model's
-    assert router.query([5, 6, 7, 8], model="llama", lora="sql")[A0].gpu == 2
+    assert router.query([5, 6, 7, 8, 9], model="llama", lora="sql")[A0].gpu == 2
 
 
 def test_a_batch_goes_to_the_holder_with_the_lowest_summed_cost() -> None:
@@ -191,7 +191,7 @@ def test_a_batch_goes_to_the_holder_with_the_lowest_summed_cost() -> None:
     assert decision.holder == A1 and decision.n_blocks == 5
     assert len(decision.keys) == 5
     chosen = decision.chosen
-    assert chosen.matched == (3, 0, 0) and chosen.prefill_blocks == 2.0
+    assert chosen.matched == (2, 0, 0) and chosen.prefill_blocks == 3.0
     assert decision.scores[1].prefill_blocks == 4.0
     assert router.route_batch(prompts[:1]) == router.route(prompts[0])
 
@@ -204,7 +204,7 @@ def test_combine_scores_sums_per_prompt_figures_and_keeps_holder_figures() -> No
     two = router.route([1, 2]).scores
     combined = combine_scores([one, two], [A0, A1])
     assert [s.holder for s in combined] == [A0, A1]
-    assert combined[0].matched == (2, 0, 0) and combined[0].prefill_blocks == 1.0
+    assert combined[0].matched == (1, 0, 0) and combined[0].prefill_blocks == 2.0
     assert combined[1].cost == pytest.approx(one[1].cost + two[1].cost)
     assert combined[1].pending_blocks == one[1].pending_blocks
 

@@ -133,12 +133,14 @@ def fresh_prompt(n: int = 32) -> list[int]:
 
 
 def held(router: RouterProc, worker: str, rank: int, tokens: list[int]) -> None:
-    """Wait until the router's index has ``tokens`` on ``worker`` rank ``rank``."""
+    """Wait until the router's index has ``tokens`` on ``worker`` rank ``rank`` (asked
+    with one token more, so that every block of them is one an engine reuses)."""
+    whole = len(tokens) // BS * BS
 
     def matched() -> bool:
-        body = router.post("/query", {"input_ids": tokens}).json()
+        body = router.post("/query", {"input_ids": [*tokens, 0]}).json()
         return any(
-            m["worker"] == worker and m["dp_rank"] == rank and m["matched_tokens"] == len(tokens)
+            m["worker"] == worker and m["dp_rank"] == rank and m["matched_tokens"] == whole
             for m in body["matches"]
         )
 

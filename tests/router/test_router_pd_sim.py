@@ -71,9 +71,10 @@ def fresh_prompt(n: int = 40) -> list[int]:
 
 
 def holds(router: RouterProc, worker: str, tokens: list[int]) -> int | None:
-    """The rank of ``worker`` the router sees holding every full block of ``tokens``."""
+    """The rank of ``worker`` the router sees holding every full block of ``tokens`` (asked
+    with one token more, so that every full block is one an engine reuses)."""
     full = len(tokens) // BS * BS
-    for m in router.post("/query", {"input_ids": tokens}).json()["matches"]:
+    for m in router.post("/query", {"input_ids": [*tokens, 0]}).json()["matches"]:
         if m["worker"] == worker and m["matched_tokens"] == full:
             return int(m["dp_rank"])
     return None
@@ -101,15 +102,15 @@ def sse(text: str) -> list[Any]:
 def test_a_completion_is_prefilled_handed_over_and_then_served_by_the_decode_alone(
     engines: tuple[Engine, Engine], sglang: RouterProc
 ) -> None:
-    """The first time both legs run (the decode reports the received prompt cached); the
-    decode then publishes the blocks, so the same prompt goes to it alone."""
+    """The first time both legs run (the decode reports the received blocks it reuses as
+    cached); the decode then publishes the blocks, so the same prompt goes to it alone."""
     prefill, decode = engines
     prompt = fresh_prompt()
     first = sglang.post("/v1/completions", {"prompt": prompt, "max_tokens": 3})
     assert first.status_code == 200, first.text
     assert first.headers["x-kvevents-prefill"] == "load"
     answer = first.json()
-    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - BS
     assert answer["dp_rank"] == int(first.headers["x-kvevents-dp-rank"])
     rank = wait_held(sglang, decode.url, prompt)
     assert rank == answer["dp_rank"]
@@ -138,7 +139,7 @@ def test_generate_and_chat_go_through_both_legs(sglang: RouterProc) -> None:
     generated = sglang.post("/generate", {"input_ids": prompt, "max_new_tokens": 2})
     assert generated.status_code == 200, generated.text
     answer = generated.json()
-    assert answer["cached_tokens"] == len(prompt) and answer["completion_tokens"] == 2
+    assert answer["cached_tokens"] == len(prompt) - BS and answer["completion_tokens"] == 2
     assert answer["router"]["prefill_skipped"] is False
     assert answer["dp_rank"] == answer["router"]["decode"]["dp_rank"]
     messages = [{"role": "user", "content": "tell me about disaggregated serving " * 2}]
@@ -186,7 +187,7 @@ def test_the_vllm_protocol_drives_the_same_engines(engines: tuple[Engine, Engine
         prompt = fresh_prompt()
         whole = router.post("/v1/completions", {"prompt": prompt, "max_tokens": 2})
         assert whole.status_code == 200, whole.text
-        assert whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+        assert whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - BS
         streamed = router.post(
             "/v1/completions", {"prompt": fresh_prompt(), "max_tokens": 2, "stream": True}
         )
@@ -214,7 +215,7 @@ def test_several_router_processes_serve_pd_on_one_port(engines: tuple[Engine, En
             return httpx.post(router.url + path, json=body, timeout=30)
 
         def indexed_everywhere() -> bool:
-            body = {"input_ids": prompt}
+            body = {"input_ids": [*prompt, 0]}
             return all(
                 any(m["worker"] == decode.url and m["matched_tokens"] == len(prompt)
                     for m in fresh("/query", body).json()["matches"])

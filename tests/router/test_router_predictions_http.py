@@ -48,11 +48,11 @@ def test_a_recorded_route_predicts_until_the_engine_confirms(
 
     engine.generate(prefix, rank=rank)
     wait_until(
-        lambda: query(router, prefix)[rank]["matched_tokens"] == 32,
+        lambda: query(router, [*prefix, 0])[rank]["matched_tokens"] == 32,
         10,
         "the engine's BlockStored in the index",
     )
-    assert "predicted_blocks" not in query(router, prefix)[rank]
+    assert "predicted_blocks" not in query(router, [*prefix, 0])[rank]
     metrics = router.http.get("/metrics").text
     assert 'kvevents_router_predicted_entries_total{fate="confirmed"} 8.0' in metrics
     assert "kvevents_router_routes_decided_by_prediction_total 1.0" in metrics

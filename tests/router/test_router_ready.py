@@ -139,9 +139,9 @@ def test_engine_and_router_with_no_flags_route(engine: Engine) -> None:
             answer = router.http.post("/route", json={"input_ids": prompt})
             assert answer.status_code == 200, answer.text
             chosen: dict[str, Any] = answer.json()
-            return bool(chosen["dp_rank"] == 1 and chosen["scores"][0]["matched"]["gpu"] == 4)
+            return bool(chosen["dp_rank"] == 1 and chosen["scores"][0]["matched"]["gpu"] == 3)
 
-        wait_until(cached, 20, "the prompt's 4 blocks routed to rank 1")
+        wait_until(cached, 20, "the prompt's 3 reusable blocks routed to rank 1")
     finally:
         router.stop()
 

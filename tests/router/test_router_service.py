@@ -46,7 +46,9 @@ def test_generate_is_routed_to_the_rank_holding_the_prefix(
     first = router.post("/generate", {"input_ids": prompt, "max_new_tokens": 1}).json()
     rank = first["router"]["dp_rank"]
     assert first["dp_rank"] == rank and first["cached_tokens"] == 0
-    wait_until(lambda: matched(router, prompt)[rank] == 24, 10, "the router to see the prompt")
+    wait_until(
+        lambda: matched(router, [*prompt, 0])[rank] == 24, 10, "the router to see the prompt"
+    )
     again = router.post("/generate", {"input_ids": [*prompt, 1, 2, 3, 4], "max_new_tokens": 1})
     body = again.json()
     assert body["router"]["dp_rank"] == rank == body["dp_rank"]
@@ -57,7 +59,7 @@ def test_query_and_route_report_every_holder(engine: Engine, router: RouterProc)
     """/query gives matched tokens per worker, rank and tier; /route explains its choice with scores."""
     prompt = [7] * 16
     engine.generate(prompt, rank=1)
-    wait_until(lambda: matched(router, prompt)[1] == 16, 10, "rank 1's blocks in the index")
+    wait_until(lambda: matched(router, [*prompt, 0])[1] == 16, 10, "rank 1's blocks in the index")
     body = router.post("/query", {"input_ids": [*prompt, 9]}).json()
     assert body["block_size"] == PAGE and body["prompt_tokens"] == 17
     rank1 = next(m for m in body["matches"] if m["dp_rank"] == 1)

@@ -39,12 +39,13 @@ def matched(router: RouterProc, tokens: list[int]) -> dict[tuple[str, int], int]
 
 
 def cache_on(engine: Engine, rank: int, router: RouterProc, *prompts: list[int]) -> None:
-    """Run ``prompts`` on ``rank`` of ``engine`` and wait until the router knows it holds them."""
+    """Run ``prompts`` on ``rank`` of ``engine`` and wait until the router knows it holds
+    them (asked with one token more, so that every block is one an engine reuses)."""
     worker = engine.url
     for prompt in prompts:
         engine.generate(prompt, rank=rank)
         wait_until(
-            lambda p=prompt: matched(router, p).get((worker, rank)) == len(p),
+            lambda p=prompt: matched(router, [*p, 0]).get((worker, rank)) == len(p),
             20,
             f"the router to see rank {rank} holding a prompt",
         )

@@ -97,13 +97,14 @@ def test_a_holder_progressing_under_load_is_never_stalled() -> None:
     been busy and however old its oldest request."""
     clock = Clock()
     router = _router(clock)
-    oldest = router.begin(router.route(PROMPT, top=1))
+    prompt = [*PROMPT, 0]
+    oldest = router.begin(router.route(prompt, top=1))
     for _ in range(20):
-        ticket = router.begin(router.route(PROMPT, top=1))
+        ticket = router.begin(router.route(prompt, top=1))
         assert ticket.holder == H0
         clock.now += 0.5
         router.finish(ticket)
-    assert router.route(PROMPT, top=1).holder == H0
+    assert router.route(prompt, top=1).holder == H0
     router.finish(oldest)
 
 

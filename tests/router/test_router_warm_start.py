@@ -345,7 +345,7 @@ def test_a_snapshot_at_another_block_size_is_refused_and_the_next_peer_tried(whe
         ]
         router = service.router
         assert router.index.block_size == 8
-        assert router.query(prompt)[Holder(engine, 1)].gpu == 2
+        assert router.query([*prompt, 0])[Holder(engine, 1)].gpu == 2
     finally:
         service.subscriber.close()
     at8_router = Router(block_size=8)
@@ -381,7 +381,7 @@ def test_a_peer_with_none_of_our_ranks_is_skipped_and_counts_are_of_what_is_kept
         ]
         assert index.holders() == [Holder(ours, 0), Holder(ours, 1)]
         assert (warm.blocks, warm.streams) == (index.num_blocks, 1) == (4, 1)
-        assert service.router.query(prompt)[Holder(ours, 1)].gpu == 4
+        assert service.router.query([*prompt, 0])[Holder(ours, 1)].gpu == 4
     finally:
         service.subscriber.close()
 
@@ -401,5 +401,5 @@ def test_a_snapshot_past_this_routers_memory_bound_is_pruned_as_it_is_restored()
     assert 0 < len(router.index) <= 100 and router.index.max_entries == 100
     assert router.index.stats.pruned_entries == 200 - len(router.index)
     # the newest prompt stayed, the oldest went
-    assert router.route(prompts[-1]).matched_tokens == 40
+    assert router.route([*prompts[-1], 0]).matched_tokens == 40
     assert router.route(prompts[0]).matched_tokens == 0

@@ -24,7 +24,8 @@ Definitions (the same in the table and the JSON):
 * **prefill tokens computed**: prompt tokens the prefill pool computed (not cached);
   **decode tokens computed**: those each decode computed itself, its answer's prompt
   tokens less its cached ones, received blocks counting as cached (all it lacked of a
-  prompt whose prefill was skipped; the partial last block of one handed off).
+  prompt whose prefill was skipped; the last block of one handed off, partial or, on
+  a block boundary, computed again).
 * **blocks transferred**: the full blocks of every handed-off prompt (the simulated
   prefill sends them all).
 * **load max/min**, per pool: the largest over the smallest prompt tokens admitted by one
@@ -36,7 +37,9 @@ Definitions (the same in the table and the JSON):
 
 Keys are each request's chained block keys (:func:`kvevents.wire.hashing.content_keys`),
 computed once per workload; an unbounded cache is then a set of keys, and a request's hit
-the run of its leading keys in it: equal to the engine's prefix cache without eviction.
+the run of its leading keys in it, at most the blocks an engine reuses
+(:func:`~kvevents.index.reusable.reusable_blocks`: a block-aligned prompt's last is computed
+again): equal to the engine's prefix cache without eviction.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 from kvevents.demo.pd_fleet import Counts
 from kvevents.demo.replay import Outcome, PolicyRun, Workload, pooled_upper_bound
 from kvevents.demo.report import percentile
+from kvevents.index.reusable import reusable_blocks
 from kvevents.traces import request_tokens
 from kvevents.wire.hashing import content_key_array
 
@@ -73,19 +77,24 @@ def request_keys(workload: Workload, page_size: int) -> list[Sequence[int]]:
 
 
 def unbounded_hits(
-    keys: Sequence[Sequence[int]], places: Sequence[Hashable | None], page_size: int
+    keys: Sequence[Sequence[int]],
+    lengths: Sequence[int],
+    places: Sequence[Hashable | None],
+    page_size: int,
 ) -> list[int | None]:
     """Per request, its cached tokens on one unbounded cache per place (None: the request
-    is not sent to any, and gets None); in request order. O(blocks)."""
+    is not sent to any, and gets None); in request order. ``lengths``: each request's
+    prompt tokens, whose reusable blocks cap its hit (module docstring); every full block
+    is stored. O(blocks)."""
     caches: dict[Hashable, set[int]] = {}
     out: list[int | None] = []
-    for chain, place in zip(keys, places, strict=True):
+    for chain, n_tokens, place in zip(keys, lengths, places, strict=True):
         if place is None:
             out.append(None)
             continue
         cache = caches.setdefault(place, set())
         hit = 0
-        for key in chain:
+        for key in chain[: reusable_blocks(n_tokens, page_size)]:
             if key not in cache:
                 break
             hit += 1
@@ -151,8 +160,9 @@ def summarize_pd(
     prompts = [0 if o is None else o.prompt_tokens for o in done]
     handed = [h is not None for h in holders]
     pooled = pooled_bound_hits(workload, handed, page_size, pages)
-    unbounded = unbounded_hits(keys, ["pool" if h else None for h in handed], page_size)
-    placed = unbounded_hits(keys, holders, page_size)
+    lengths = [r.input_length for r in workload.requests]
+    unbounded = unbounded_hits(keys, lengths, ["pool" if h else None for h in handed], page_size)
+    placed = unbounded_hits(keys, lengths, holders, page_size)
     prefill, decode = counts["prefill"], counts["decode"]
     prefill_prompt = sum(p for p, _ in prefill.values())
     prefill_cached = sum(c for _, c in prefill.values())
@@ -215,7 +225,7 @@ def trace_bounds(
             pooled_bound_hits(workload, every, page_size, pages), prompts
         ),
         "trace_unbounded_hit_rate": _rate(
-            unbounded_hits(keys, ["all"] * len(keys), page_size), prompts
+            unbounded_hits(keys, prompts, ["all"] * len(keys), page_size), prompts
         ),
     }
 

@@ -20,7 +20,9 @@ P/D demo's baseline) gives ``send`` and keeps the arrival times and the bound in
 in-process :class:`~kvevents.engine.cache.PrefixCache` holding the capacity of all ranks
 together: the hit rate no placement on separate caches can beat while nothing is
 evicted (up to the order in which concurrent requests happen to be admitted); once LRU
-evicts, separate caches may pass it a little. The P/D demo's pooled bound is this
+evicts, separate caches may pass it a little. Its hits are counted as an engine's are,
+at most the blocks an engine reuses (the cache applies :mod:`kvevents.index.reusable`),
+so the bound and the engines' hit rates agree. The P/D demo's pooled bound is this
 function on the prefill legs.
 """
 

@@ -32,6 +32,10 @@ model: group 1 (full attention) is the tree above, group 0 (sliding window) hold
 last ``ceil((W - 1) / page_size)`` pages of each prompt; events carry ``group_idx`` and
 ``kv_cache_spec_kind``, an eviction leaves both groups, and a hit is what vLLM's hybrid
 coordinator accepts (:mod:`kvevents.index.groups`).
+
+A hit is what an engine reuses, not all it holds: at most every page but a page-aligned
+prompt's last (:mod:`kvevents.index.reusable`; vLLM and SGLang compute a prompt's last
+token), the cap applied before the window rule, as vLLM does. Storing is not capped.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 import msgspec
 
+from kvevents.index.reusable import reusable_blocks
 from kvevents.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.wire.hashing import HashScheme, SGLangPageHash, VLLMSha256CborHash, tokens_to_array
 
@@ -177,7 +182,8 @@ class PrefixCache:
         extra_keys: Sequence[Any] | None = None,
         lora_name: str | None = None,
     ) -> int:
-        """Tokens of the longest cached prefix of ``token_ids``, in whole pages; no side effects."""
+        """Tokens of the longest cached prefix of ``token_ids`` the engine reuses, in whole
+        pages (at most every page but a page-aligned prompt's last); no side effects."""
         tokens = tokens_to_array(token_ids)
         digests, _ = self._digests(tokens, cache_salt, extra_keys, lora_name)
         matched = 0
@@ -185,7 +191,13 @@ class PrefixCache:
             if digest not in self._nodes:
                 break
             matched += 1
-        return self._window_hit(digests, matched) * self.page_size
+        return self._hit(digests, matched, len(tokens)) * self.page_size
+
+    def _hit(self, digests: Sequence[bytes], matched: int, n_tokens: int) -> int:
+        """Pages reused of a prompt of ``n_tokens`` tokens whose first ``matched`` pages are
+        cached: at most the reusable ones (:mod:`kvevents.index.reusable`), then a hybrid
+        model's window rule from that capped length, as vLLM applies them."""
+        return self._window_hit(digests, min(matched, reusable_blocks(n_tokens, self.page_size)))
 
     def _digests(
         self,
@@ -251,6 +263,9 @@ class PrefixCache:
     ) -> Admission:
         """Match the longest cached prefix, pin it, insert the remaining full pages and pin them.
 
+        The admission's ``cached_tokens`` are the pages reused (:meth:`match`): a
+        page-aligned prompt's last page is computed again, though cached and pinned.
+
         Evicts least-recently-used unpinned leaves when room is needed, recording one
         ``BlockRemoved`` for them, then one ``BlockStored`` for the inserted chain (and,
         in hybrid mode, the sliding-window group's stores; see the module docstring).
@@ -275,7 +290,7 @@ class PrefixCache:
         if wanted > self.capacity - len(nodes):
             self._evict(wanted - (self.capacity - len(nodes)))
         new = digests[matched : matched + min(wanted, self.capacity - len(nodes))]
-        hit = self._window_hit(digests, matched)
+        hit = self._hit(digests, matched, len(tokens))
         if new:
             extras = None if per_page is None else per_page[matched : matched + len(new)]
             self._insert_chain(

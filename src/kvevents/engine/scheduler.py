@@ -22,7 +22,9 @@ would produce, so caching them would only invent reuse that a trace does not hav
 A disaggregated decode submits its request with ``received_blocks``: the leading full
 blocks whose KV a prefill engine sent. Admission stores them like any prompt page (one
 ``BlockStored`` for those the cache lacked) but they are not prefilled here: the
-request's cached tokens are the larger of its own cache hit and the received blocks.
+request's cached tokens are the larger of its own cache hit and the received blocks it
+reuses, as a real decode reports them: at most every block but a block-aligned prompt's
+last, which is computed again (:mod:`kvevents.index.reusable`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 
 from kvevents.engine.cache import Admission, CacheEvent, PrefixCache
 from kvevents.errors import KVEventsError
+from kvevents.index.reusable import reusable_blocks
 from kvevents.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvevents.wire.hashing import tokens_to_array
 
@@ -201,7 +204,9 @@ class Scheduler:
         ):
             req = self._waiting.popleft()
             req.admission = admission = self.cache.admit(req.tokens, **req.keys)
-            received = min(req.received_blocks * self.cache.page_size, admission.prompt_tokens)
+            page = self.cache.page_size
+            received = min(req.received_blocks, reusable_blocks(admission.prompt_tokens, page))
+            received *= page
             req.reused_tokens = max(admission.cached_tokens, received)
             prefill_tokens += admission.prompt_tokens - req.reused_tokens
             admitted += 1

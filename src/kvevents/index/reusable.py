@@ -11,6 +11,13 @@ shows it; so the index applies the cap to every holder:
 :meth:`~kvevents.index.prefix_index.PrefixIndex.match` always, ``match_keys`` when its
 caller passes ``reusable=`` (keys alone do not say where the prompt ended).
 
+Who applies it: the router, to every match it reports or scores
+(:class:`~kvevents.router.decide.router.Router` passes ``reusable=``; the native core
+computes the same cap from the token count); the simulated engine, to its cache hits and
+a decode's received blocks (:mod:`kvevents.engine.cache`, :mod:`kvevents.engine.scheduler`);
+the demo's bounds (:mod:`kvevents.demo.pd_figures`). What is keyed, stored and predicted
+stays every full block: an engine stores them all once it has computed the prompt.
+
 For full attention the cap costs a block-aligned prompt one block, the same for every
 holder. For a hybrid model it matters more: vLLM starts its fixed point
 (:func:`kvevents.index.groups.reuse_length`) from the capped length, so the sliding

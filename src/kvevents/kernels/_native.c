@@ -11,7 +11,8 @@
  *   json_out.h     numbers written as msgspec writes them
  *
  * and, in this file, the calls that answer a plain request whole: route_answer() keys a
- * request's blocks, matches them against the index's mirror (and the predictions'), scores
+ * request's blocks, matches those an engine reuses (all but a block-aligned prompt's last)
+ * against the index's mirror (and the predictions'), scores
  * every candidate as the router's Ranking does (a plan prepared in Python:
  * kvevents/router/decide/native_route.py) and writes the /route answer's JSON, byte for byte
  * what msgspec writes for the Python path; query_answer() writes /query's; board_choice()
@@ -33,7 +34,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define ABI 4 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
+#define ABI 5 /* the calls' arguments and answers, as kvevents/kernels/native.py expects them */
 
 #include "args.h"
 #include "xxh3.h"
@@ -124,11 +125,15 @@ static PyObject *keys_of(const Py_buffer *tok, Py_ssize_t block_size, uint64_t p
     return keys;
 }
 
-/* A request keyed and matched: its keys (uint64 bytes, new reference) and segments. */
+/* A request keyed and matched: its keys (uint64 bytes, new reference) and segments.
+ * Every full block is keyed (n_blocks, the request's size), and only the blocks an engine
+ * reuses are matched (reusable: every one but a block-aligned prompt's last, as
+ * kvevents/index/reusable.py states and the Python path's match_keys(reusable=) does). */
 typedef struct {
     PyObject *keys;
     Py_ssize_t n_tokens;
     Py_ssize_t n_blocks;
+    Py_ssize_t reusable;
     Py_ssize_t longest;
     int found;
     uint64_t dropped[SEGMENTS];
@@ -144,8 +149,8 @@ static MaskMirror *one_word(PyObject *obj, const char *what) {
     return (MaskMirror *)obj;
 }
 
-/* Key ``tokens`` in blocks of ``block_size`` from ``parent`` and match them against the
- * mirror from ``live``; 0 with an exception set on bad arguments. */
+/* Key ``tokens`` in blocks of ``block_size`` from ``parent`` and match the reusable ones
+ * against the mirror from ``live``; 0 with an exception set on bad arguments. */
 static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *parent_key, PyObject *mirror,
                        PyObject *live_mask) {
     Py_ssize_t block_size;
@@ -159,11 +164,12 @@ static int keyed_match(Matched *m, PyObject *tokens, PyObject *size, PyObject *p
     if (!get_buffer(tokens, &tok, 4, "tokens")) return 0;
     m->n_tokens = tok.len / 4;
     m->n_blocks = m->n_tokens / block_size;
+    m->reusable = m->n_tokens > 0 ? (m->n_tokens - 1) / block_size : 0;
     m->keys = keys_of(&tok, block_size, parent);
     PyBuffer_Release(&tok);
     if (m->keys == NULL) return 0;
     const uint64_t *words = (const uint64_t *)PyBytes_AS_STRING(m->keys);
-    m->longest = match1(words, m->n_blocks, t->keys, t->values, (uint64_t)t->capacity - 1, NULL, NULL, 0, live,
+    m->longest = match1(words, m->reusable, t->keys, t->values, (uint64_t)t->capacity - 1, NULL, NULL, 0, live,
                         m->dropped, m->lengths, &m->found);
     return 1;
 }
@@ -190,7 +196,7 @@ static int predictions_match(Matched *m, Matched *with, int *predicting, PyObjec
         Py_DECREF(m->keys);
         return 0;
     }
-    with->longest = match1((const uint64_t *)PyBytes_AS_STRING(m->keys), m->n_blocks, t->keys, t->values,
+    with->longest = match1((const uint64_t *)PyBytes_AS_STRING(m->keys), m->reusable, t->keys, t->values,
                            (uint64_t)t->capacity - 1, p->keys, p->values, (uint64_t)p->capacity - 1, live,
                            with->dropped, with->lengths, &with->found);
     return 1;

@@ -24,7 +24,7 @@ from types import ModuleType
 
 __all__ = ["ABI", "built", "find", "load", "status"]
 
-ABI = 4
+ABI = 5
 """The version of the extension's calls this code makes (``_native.c``'s ``ABI``)."""
 
 _module: ModuleType | None = None

@@ -17,7 +17,10 @@ condition of the exact answer holds, and None otherwise, for the Python path to 
   msgspec writes without an exponent.
 
 The answer is then the bytes the Python path writes, and the match is recorded in the
-index as its own would be (a lookup, the recency of the blocks matched).
+index as its own would be (a lookup, the recency of the blocks matched). Like the Python
+path, the extension matches only the blocks an engine reuses of the request (every full
+block but a block-aligned prompt's last, :mod:`kvevents.index.reusable`), computing the
+cap from the token count, while the keys it answers are every full block.
 
 :meth:`NativeRoute.choose` chooses the holder of a relayed request the same way, and
 the best few of a recorded ``/route`` (:meth:`Router.route

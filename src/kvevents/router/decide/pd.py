@@ -6,9 +6,10 @@ instance, which computes the prompt's KV and hands it over. :func:`decide_pd` ch
 1. the **decode** holder: the KV-aware cost (:mod:`kvevents.router.decide.scoring`)
    among the decode pool's holders: its load, and what it already caches;
 2. whether the prefill hop is needed: the prompt's tokens the decode holder does not
-   hold (confirmed blocks, any tier; a partial last block is never cached) are its
-   ``uncached_tokens``; at most ``max_local_prefill_tokens`` of them (0: never) and the
-   decode instance prefills them itself, alone;
+   hold (confirmed blocks, any tier, that an engine reuses: a partial last block is never
+   cached, a block-aligned prompt's last is computed again) are its ``uncached_tokens``;
+   at most ``max_local_prefill_tokens`` of them (0: never) and the decode instance
+   prefills them itself, alone;
 3. otherwise the **prefill** holder: the same cost among the prefill pool's holders,
    predictions included, so the siblings of a burst land on the rank their first
    request was just sent to. Its reason, for the metrics: ``prediction`` when

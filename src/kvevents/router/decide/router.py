@@ -10,6 +10,10 @@ the holder's recent work; :meth:`Router.route` alone changes nothing.
 * Block sizes: every request is keyed with one block size, checked against declared and
   observed ones by :class:`~kvevents.subscribe.block_sizes.BlockSizes`; a size that came
   from the engines follows them, and the index then starts over.
+* Reuse: a holder's match of a request counts at most the blocks an engine reuses of
+  it, every full block but a block-aligned prompt's last (:mod:`kvevents.index.reusable`),
+  in both the Python and the native path; the keys it predicts are every full block,
+  as the engine stores them all.
 * Policies: ``kv-aware`` (:mod:`kvevents.router.decide.scoring`) or ``round-robin`` (for
   comparisons; scores are still computed and reported).
 * Predictions (``prediction_ttl_s``): :meth:`Router.begin` and :meth:`Router.record`
@@ -49,6 +53,7 @@ import msgspec
 from kvevents.errors import RouterNotReadyError
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.index.prefix_index import DEFAULT_MAX_ENTRIES, PrefixIndex
+from kvevents.index.reusable import reusable_blocks
 from kvevents.index.types import DEFAULT_CREDITS, HolderMatch, TierCredits
 from kvevents.router.decide.batch import combine_scores
 from kvevents.router.decide.load_board import LoadBoard, board_top_scores
@@ -89,6 +94,8 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     worker: str
     dp_rank: int
     n_blocks: int
+    """The request's full blocks: its size. A holder's match counts at most the blocks an
+    engine reuses of them (every one but a block-aligned prompt's last, recomputed)."""
     block_size: int
     """Tokens per block; 0 while no engine has told it (no block stored yet)."""
     scores: list[HolderScore]
@@ -116,7 +123,8 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     @property
     def matched_tokens(self) -> int:
-        """Tokens of the request the chosen holder has cached, in any tier."""
+        """Tokens of the request the chosen holder has cached, in any tier, and will
+        reuse (a block-aligned prompt's last block is computed again)."""
         m = self.chosen.matched
         return (m.gpu + m.cpu + m.disk) * self.block_size
 
@@ -464,7 +472,8 @@ class Router:
         model: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> dict[Holder, HolderMatch]:
-        """Every candidate holder's longest cached prefix of the request, per tier, in blocks.
+        """Every candidate holder's longest cached prefix of the request, per tier, in blocks,
+        at most the blocks an engine reuses of it (:mod:`kvevents.index.reusable`).
 
         ``extra_keys``: per block, the keys an engine adds to its hash (images; see
         :meth:`PrefixIndex.keys_for`); ValueError when they cannot be keyed.
@@ -490,13 +499,20 @@ class Router:
             )
         holders, adapter = self.candidates(model)
         keys = self._keys(token_ids, adapter if lora is None else lora, cache_salt, extra_keys)
-        found, predicted = self._matched(keys)
+        found, predicted = self._matched(keys, len(token_ids))
         return {h: found.get(h, HolderMatch(0, 0, 0)) for h in holders}, predicted
 
-    def _matched(self, keys: Sequence[int]) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
-        """Per holder with any, its confirmed match of ``keys``, and the blocks predictions
-        add per holder (one lookup of the index for both)."""
-        result = self.index.match_keys(keys)
+    def _matched(
+        self, keys: Sequence[int], n_tokens: int
+    ) -> tuple[dict[Holder, HolderMatch], dict[Holder, int]]:
+        """Per holder with any, its confirmed match of ``keys`` (the full blocks of a prompt
+        of ``n_tokens`` tokens), and the blocks predictions add per holder (one lookup of
+        the index for both). Only the blocks an engine reuses are matched, every key but a
+        block-aligned prompt's last (:mod:`kvevents.index.reusable`): the answers, the
+        headers and the cost promise no block the engine will compute again."""
+        size = self.index.block_size
+        reusable = None if size is None else reusable_blocks(n_tokens, size)
+        result = self.index.match_keys(keys, reusable=reusable)
         return result.by_holder(), self.index.predicted(keys, result)
 
     def _score(
@@ -605,7 +621,7 @@ class Router:
             if self.index.block_size is not None
             else []  # nothing is stored anywhere yet: by load alone (see route_batch)
         )
-        found, predicted = self._matched(keys)
+        found, predicted = self._matched(keys, len(token_ids))
         credits = self.index.credits
         n_blocks = len(keys)
         ranking = self._kept_ranking(holders)
@@ -739,7 +755,8 @@ class Router:
         # choice is by load alone, and the request counts as no blocks.
         sized = self.index.block_size is not None
         each = [self._keys(t, lora, cache_salt, extra_keys) if sized else [] for t in prompts]
-        return KeyedRequest(holders, each, [self._matched(k) for k in each])
+        matched = [self._matched(k, len(t)) for k, t in zip(each, prompts, strict=True)]
+        return KeyedRequest(holders, each, matched)
 
     def route_keyed(
         self,
@@ -901,7 +918,8 @@ class Router:
         self.predictions_made += 1
         if decision.chosen.matched.blocks >= decision.n_blocks:
             # the holder has every block of the request cached (in some tier): nothing
-            # to predict, and no lookup of its blocks needed to find that out again
+            # to predict, and no lookup of its blocks needed to find that out again (a
+            # block-aligned prompt's match stops before its last block: that one is looked up)
             return [], 0.0
         return self.index.predict(holder, decision.keys)
 
