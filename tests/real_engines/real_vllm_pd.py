@@ -145,14 +145,21 @@ class PDFleet:
     def block_size(self) -> int:
         return self.decode.block_size
 
-    def start_router(self, *extra: str, log: Path | None = None) -> RouterProcess:
+    def start_router(
+        self, *extra: str, log: Path | None = None, ask_engine: bool = False
+    ) -> RouterProcess:
         """``kvevents router --prefill P ... --decode D ... --tokenizer MODEL``, each
-        instance described by flags only, as the README tells a vLLM user; stop it after."""
+        instance described by flags only, as the README tells a vLLM user; stop it after.
+        ``ask_engine``: tokenize with the decode's ``/tokenize`` instead, which renders
+        chats with the instance's template (the model folder's tokenizer has none)."""
+        if ask_engine:
+            tokenizer = ["--tokenize-endpoint", f"{self.decode.url}/tokenize"]
+        else:
+            tokenizer = ["--tokenizer", self.prefill.model]
         return RouterProcess(
             self.prefill.url,
             self.prefill.router_engine_args(),
-            "--tokenizer",
-            self.prefill.model,
+            *tokenizer,
             *extra,
             log=log or Path(self.decode.state_dir).parent / "router-pd.log",
             decode=[self.decode.url, *self.decode.router_engine_args()],

@@ -19,7 +19,10 @@ prompt under its first ``(n - 1) // B`` blocks and looks it up under its first
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 from real_vllm_helpers import Prompts
@@ -27,12 +30,13 @@ from real_vllm_pd import (
     Ledger,
     PDFleet,
     VLLMCounters,
+    router_delta,
     router_pd_counts,
     router_pd_metrics,
     send,
     wait_totals,
 )
-from real_vllm_router import RouterProcess
+from real_vllm_router import RouterProcess, words
 
 LONG = 300  # 9 whole blocks of 32 and 12 tokens: more than 256 uncached, a hand-off
 SHORT = 100  # at most 256 uncached: the decode prefills it alone
@@ -197,3 +201,58 @@ def test_the_routers_pd_counters_agree_with_its_metrics_and_with_vllm(
     # Every request of this module went through this router: vLLM finished exactly the
     # legs the router sent to each pool.
     wait_totals(pd, started, (counts["prefill.requests"], counts["decode.requests"]))
+
+
+def test_a_long_chat_goes_through_both_legs_as_a_chat(pd: PDFleet) -> None:
+    """A chat whose rendered prompt is over 256 tokens is sent to both instances as
+    /v1/chat/completions (by a router that renders chats with the decode's /tokenize): the
+    prefill instance computes every prompt token and the decode reads the prompt's whole
+    blocks from the transfer, as vLLM's own counters say."""
+    log = Path(pd.decode.state_dir).parent / "router-pd-chat.log"
+    router = pd.start_router(ask_engine=True, log=log)
+    try:
+        _check_a_long_chat(pd, router)
+    finally:
+        router.stop()
+
+
+def _check_a_long_chat(pd: PDFleet, router: RouterProcess) -> None:
+    content = words(Prompts("pd-chat").fresh(LONG))
+    before = pd.ledger(router)
+    routed = router.chat([{"role": "user", "content": content}], max_tokens=2)
+    assert routed.status == 200, routed.body
+    assert routed.headers.get("x-kvevents-prefill") == "load", dict(routed.headers)
+    assert unquote(routed.headers["x-kvevents-prefill-worker"]) == pd.prefill.url
+    assert unquote(routed.worker) == pd.decode.url
+    assert routed.body["object"] == "chat.completion"
+    n = routed.usage["prompt_tokens"]
+    assert n > LONG and (n - 1) % pd.block_size, n  # see the module docstring
+    p_rank = int(routed.headers["x-kvevents-prefill-dp-rank"])
+    after = pd.settle(router, before, prefill={p_rank: 1}, decode={routed.dp_rank: 1})
+    full = pd.decode.max_cached_tokens(n)
+    assert routed.cached_tokens == full, "the decode did not read the prefill's KV"
+    assert after.prefill.since(before.prefill).tokens(p_rank) == tokens(n)
+    assert after.decode.since(before.decode).tokens(routed.dp_rank) == tokens(
+        n - full, transfer=full
+    )
+
+
+def test_a_prefill_that_refuses_the_prompt_is_one_error_and_no_decode_leg(
+    pd: PDFleet, router: RouterProcess
+) -> None:
+    """A prompt longer than the instances' --max-model-len is refused by the prefill
+    instance: the client gets its 400 in OpenAI's error shape, the decode instance is never
+    sent the request, and the router counts the prefill leg failed with status (runs last:
+    the counters test above checks that nothing failed before it)."""
+    before = pd.ledger(router)
+    routed = router.complete(words(Prompts("pd-too-long").fresh(1100)), max_tokens=1)
+    assert routed.status == 400, routed.body
+    error = json.loads(routed.body)["error"]
+    assert error["message"] and error["type"], error
+    time.sleep(1.0)  # a decode leg sent by mistake would be counted by now
+    after = pd.ledger(router)
+    assert after.decode.since(before.decode) == NOTHING
+    assert after.prefill.since(before.prefill) == NOTHING
+    delta = router_delta(after, before)
+    assert delta.get("prefill.legs_failed.status") == 1, delta
+    assert not delta.get("decode.legs_failed.status"), delta
