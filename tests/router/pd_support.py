@@ -87,6 +87,8 @@ class FakePD:
         self.share_storage = False
         self.left = 0
         self.bootstrap_port = 9000 + len(role)
+        self.server_info_status = 200
+        """What ``/server_info`` answers: 200 with the role, or this status."""
         app = FastAPI()
 
         async def serve(request: Request) -> Response:
@@ -131,6 +133,8 @@ class FakePD:
 
         @app.get("/server_info")
         async def server_info() -> JSONResponse:
+            if self.server_info_status != 200:
+                return JSONResponse({"detail": "no"}, status_code=self.server_info_status)
             info: dict[str, Any] = {"disaggregation_mode": self.role}
             if self.role == "prefill":
                 info["disaggregation_bootstrap_port"] = self.bootstrap_port

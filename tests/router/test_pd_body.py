@@ -17,14 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvevents import kernels
+from kvevents.router.serve.bodies import pinned_bytes, spliced
 from kvevents.router.serve.openai_relay import OpenAIError
-from kvevents.router.serve.pd_body import (
-    PlainFields,
-    pinned_bytes,
-    read_plain,
-    sglang_leg_bytes,
-    spliced,
-)
+from kvevents.router.serve.pd_body import PlainFields, read_plain, sglang_leg_bytes
 from kvevents.router.serve.pd_legs import pinned_body, sglang_legs
 from kvevents.router.serve.pd_read import plain_request
 

@@ -119,7 +119,6 @@ member_values = st.sampled_from([1, 1.0, True, False, None, 0, 16]) | json_value
 member_keys = st.sampled_from(["model", "n", "x", *OVERRIDDEN, *DROPPED]) | st.text(max_size=6)
 
 
-@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     ids=st.lists(st.integers(0, U32), min_size=1, max_size=100),

@@ -78,3 +78,28 @@ def test_watch_reads_the_port_and_follows_a_restart_to_another(prefill: FakePD) 
         asyncio.run(run())
     finally:
         decode.close()
+
+
+def test_a_refused_or_failing_server_info_is_an_error_and_a_404_an_answer(prefill: FakePD) -> None:
+    """A 401 from a prefill's /server_info is an error naming --engine-api-key and a 503 one
+    naming the status, both read again (the default port is not taken for learned); a 404
+    is an answer: the engine advertises nothing, so the default port holds."""
+    engine = PDEngine(prefill.url, prefill.url, "prefill")
+    pd = PDMode([engine, PDEngine("http://127.0.0.1:1", "d", "decode")], "sglang")
+
+    async def read(status: int) -> None:
+        prefill.server_info_status = status
+        upstream = Upstream(timeout=10.0)
+        try:
+            await pd.bootstrap_port(prefill.url, upstream)
+        finally:
+            await upstream.close()
+
+    asyncio.run(read(401))
+    assert not engine.read and engine.error is not None
+    assert "answered HTTP 401" in engine.error and "--engine-api-key" in engine.error
+    asyncio.run(read(503))
+    assert not engine.read and engine.error == f"GET {prefill.url}/server_info answered HTTP 503"
+    asyncio.run(read(404))
+    assert engine.read and engine.error is None
+    assert engine.port() == (DEFAULT_BOOTSTRAP_PORT, "default")

@@ -67,7 +67,12 @@ def test_a_disaggregated_router_is_ready_only_with_a_routable_rank_in_each_pool(
     assert readiness(service) == Readiness(ok=True, reasons=[], routable=2, holders=2)
     router.set_worker_available("d", False)
     state = readiness(service)
-    assert not state.ok and state.reasons[-1].startswith("no decode engine rank is routable")
+    assert not state.ok and state.reasons[0].startswith("no decode engine rank is routable")
+    for i in range(MAX_REASONS + 5):  # more problems than are listed: the pool's reason stays
+        router.add_holder(Holder(f"x{i}", 0), block_size=8)
+    state = readiness(service)
+    assert len(state.reasons) == MAX_REASONS + 1, state.reasons
+    assert state.reasons[0].startswith("no decode engine rank is routable"), state.reasons
 
 
 def test_reasons_are_capped_and_the_rest_counted() -> None:

@@ -8,7 +8,7 @@ it, which fetches the document and lists every operation (method, path, summary,
 parameters, the request body's schema and example, each answer's status, meaning and
 schema) with a form that sends the request, with an API key if one is typed. It
 references no other asset, so it needs no route beyond ``/docs`` and ``/openapi.json``
-(open without the router's API key: :data:`kvevents.router.serve.app.OPEN_PATHS`).
+(open without the services' API keys: :data:`kvevents.http.auth.OPEN_PATHS`).
 
 Vendoring Swagger UI instead would mean a new dependency (no package installed with
 FastAPI ships its files) or someone else's minified bundle in our tree, for a page read

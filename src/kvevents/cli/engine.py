@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvevents.cli.engine_options import OPEN_PATHS, add_arguments
+from kvevents.cli.engine_options import add_arguments
 from kvevents.cli.security import engine_api_key, tls_of
 from kvevents.engine.disaggregation import (
     Disaggregation,
@@ -54,7 +54,7 @@ from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
 from kvevents.errors import ConfigError
-from kvevents.http.auth import ApiKey, ApiKeyGate, ServerTLS
+from kvevents.http.auth import OPEN_PATHS, ApiKey, ApiKeyGate, ServerTLS
 from kvevents.http.serving import bind_http, http_url, start_http, stop_on_signals
 from kvevents.publish.config import KVEventsConfig
 from kvevents.transport.endpoints import PortPlan
@@ -69,7 +69,6 @@ from kvevents.wire.hashing import get_hash_scheme
 
 __all__ = [
     "DEFAULT_KV_EVENTS_CONFIG",
-    "OPEN_PATHS",
     "EngineSettings",
     "add_arguments",
     "run",

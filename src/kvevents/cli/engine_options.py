@@ -17,16 +17,12 @@ from kvevents.cli.options import add_log_level
 from kvevents.cli.security import add_engine_server_arguments
 from kvevents.engine.disaggregation import DisaggregationMode
 from kvevents.engine.models import DEFAULT_MODEL_NAME
+from kvevents.http.auth import OPEN_PATHS
 from kvevents.types import NonNegativeFloat, Port, PositiveFloat, PositiveInt, bounded
 from kvevents.wire.hashing import HASH_SCHEMES
 
-__all__ = ["OPEN_PATHS", "add_arguments"]
+__all__ = ["add_arguments"]
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})
-"""What an engine with an API key answers without it: health and readiness, for probes and
-SGLang-style routers, and the API's description (no state; a browser opening ``/docs``
-cannot send a header), as the router does. ``/server_info`` and ``/load`` need the key
-(the router sends its engine key)."""
 
 _USAGE = "%(prog)s [--dp-size N] [--host HOST] [--port PORT] [OPTIONS]"
 """``kvevents engine``'s usage: every option is optional, its 35 listed by ``--help``."""

@@ -23,8 +23,11 @@ A disaggregated decode submits its request with ``received_blocks``: the leading
 blocks whose KV a prefill engine sent. Admission stores them like any prompt page (one
 ``BlockStored`` for those the cache lacked) but they are not prefilled here: the
 request's cached tokens are the larger of its own cache hit and the received blocks it
-reuses, as a real decode reports them: at most every block but a block-aligned prompt's
-last, which is computed again (:mod:`kvevents.index.reusable`).
+reuses: at most every block but a block-aligned prompt's last
+(:mod:`kvevents.index.reusable`), which is what a real vLLM decode reports of KV a
+connector moved in whole blocks (``ExampleConnector``); transfers that hand over more
+of the last block report up to a block more. The simulation keeps the one rule its
+router and prefix cache share.
 """
 
 from __future__ import annotations

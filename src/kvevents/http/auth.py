@@ -38,6 +38,7 @@ from typing import Any
 from kvevents.errors import ConfigError
 
 __all__ = [
+    "OPEN_PATHS",
     "ApiKey",
     "ApiKeyGate",
     "ClientCredentials",
@@ -47,6 +48,11 @@ __all__ = [
     "send_unauthorized",
     "unauthorized_answer",
 ]
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})
+"""What both services answer without their API key: health and readiness, for probes, and
+the API's description (it holds no state, and a browser opening ``/docs`` cannot send the
+header). Everything else, ``/server_info`` and ``/load`` included, needs the key."""
 
 _USERINFO = re.compile(r"//[^/\s]*@")  # to the last @ before the path, as urlparse splits
 

@@ -527,7 +527,7 @@ class Upstream:
         sent once more on a new connection.
         """
         if self._closed:
-            raise UpstreamError("the router is shutting down: its engine client is closed")
+            raise UpstreamError("the client is closed: its process is shutting down")
         origin = self._origin(base)
         now = asyncio.get_running_loop().time()
         head = b"GET %s%s HTTP/1.1\r\nHost: %s\r\n%s\r\n" % (

@@ -190,7 +190,7 @@ def _advertised_block_size(info: Any) -> int | None:
     return None
 
 
-def _refusal(request: str, status: int) -> DiscoveryError:
+def key_refused(request: str, status: int) -> DiscoveryError:
     """The error of an engine that refused the router's key (``request``: ``"GET URL"``)."""
     return DiscoveryError(
         f"{request} answered HTTP {status}: the engine requires an API key and refused the "
@@ -251,7 +251,7 @@ async def _polled(
     timeout: float,
     on_head: Callable[[], None] | None = None,
 ) -> FullResponse:
-    """``GET url + path`` whole (:func:`_refusal` for a 401 or 403;
+    """``GET url + path`` whole (:func:`key_refused` for a 401 or 403;
     ``on_head`` as :meth:`Upstream.get` takes it). An answer that began but was not
     whole within ``timeout`` is a TimeoutError (a slow engine), as one that never began is."""
     try:
@@ -261,7 +261,7 @@ async def _polled(
             raise TimeoutError(f"GET {url}{path}: {exc}") from exc
         raise
     if response.status in (401, 403):
-        raise _refusal(f"GET {url}{path}", response.status)
+        raise key_refused(f"GET {url}{path}", response.status)
     return response
 
 

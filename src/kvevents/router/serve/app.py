@@ -20,17 +20,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvevents.http.auth import ApiKey, ASGIApp, Receive, Scope, Send
+from kvevents.http.auth import OPEN_PATHS, ApiKey, ASGIApp, Receive, Scope, Send
 from kvevents.router.serve.hot_path import DEFAULT_MAX_BODY_BYTES, HotPath
 from kvevents.router.serve.pd_route import serve_pd
 from kvevents.router.serve.service import RouterService
 
-__all__ = ["OPEN_PATHS", "DeferredApp", "create_app"]
-
-
-OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})
-"""Paths answered without the API key: health and readiness for probes, and the API's description
-(it holds no state, and a browser opening ``/docs`` cannot send the header)."""
+__all__ = ["DeferredApp", "create_app"]
 
 
 class DeferredApp:
@@ -73,7 +68,7 @@ def create_app(
 ) -> HotPath:
     """The router's HTTP API as one ASGI app; starting and stopping ``service`` is its lifespan.
 
-    ``api_key``: every path but :data:`OPEN_PATHS` (and ``/metrics``, unless
+    ``api_key``: every path but :data:`~kvevents.http.auth.OPEN_PATHS` (and ``/metrics``, unless
     ``metrics_auth``) needs ``Authorization: Bearer KEY``; the hot path checks it for all.
     """
 

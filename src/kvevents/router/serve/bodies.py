@@ -1,4 +1,5 @@
-"""Reading a request body with a size bound, before it is buffered whole.
+"""Request bodies: read with a size bound before they are buffered whole, and members
+spliced into one as the relays forward it.
 
 Every route of the router that takes a body (the hot path's ``/route`` and ``/query``,
 and FastAPI's ``/generate``, ``/v1/completions`` and ``/v1/chat/completions``) reads it
@@ -7,6 +8,11 @@ with :func:`read_body` and the one ``--max-body-bytes`` limit. A body past the l
 ``Content-Length`` before a byte is read, and for a chunked body as soon as the running
 count passes the limit, so no more than the limit plus one chunk is ever held. The
 connection stays usable after the answer.
+
+A relay adds members to a client's body (a rank pin, the P/D legs' fields) by splicing
+them before its closing brace (:func:`spliced`), not by decoding and encoding it again:
+the body was already validated as a JSON object, and a member given twice means its
+last value to the engines' parsers.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ __all__ = [
     "Message",
     "Receive",
     "Scope",
+    "pinned_bytes",
     "read_body",
+    "spliced",
 ]
+
+_WHITESPACE = b" \t\r\n"
 
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -81,3 +91,19 @@ def _too_large(size: str, limit: int) -> str:
         f"the request body ({size}) is over the router's limit of {limit} bytes "
         "(kvevents router --max-body-bytes): send a shorter prompt or raise the limit"
     )
+
+
+def spliced(raw: bytes, members: bytes) -> bytes:
+    """``raw`` (a non-empty JSON object, as a decode found it) with ``members``
+    (``,"name":value`` each, already JSON) appended before its closing brace: the one
+    splice of the P/D legs and of the one-pool relay's rank pin."""
+    end = raw.rstrip(_WHITESPACE)
+    return b"".join((memoryview(end)[:-1], members, b"}"))
+
+
+def pinned_bytes(raw: bytes, rank: int) -> bytes:
+    """``raw`` with the rank pin ``routed_dp_rank`` spliced in, for a body that names no
+    rank (the P/D relay's ``PlainFields.names_rank``, the one-pool relay's
+    ``RelayFields.names_rank``): the rank pin of both relays, as
+    :func:`~kvevents.router.serve.pd_legs.pinned_body` sets it."""
+    return spliced(raw, b',"routed_dp_rank":%d' % rank)

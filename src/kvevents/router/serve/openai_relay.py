@@ -44,9 +44,9 @@ from kvevents.router.serve.bodies import (
     Disconnected,
     Receive,
     Scope,
+    pinned_bytes,
     read_body,
 )
-from kvevents.router.serve.pd_body import pinned_bytes
 from kvevents.router.serve.request_stats import engine_usage, engine_usage_of_json
 from kvevents.router.serve.service import (
     FORWARD_ERRORS,
@@ -707,7 +707,7 @@ def _with_rank(raw: bytes, body: dict[str, Any] | None, rank: int, names_rank: b
     """The body for an SGLang or kvevents engine: ``routed_dp_rank: rank`` set, a client's
     ``data_parallel_rank`` removed. When the body names neither (``names_rank``, read by
     the decoder, which resolves escaped keys), the key is appended to its bytes
-    (:func:`~kvevents.router.serve.pd_body.pinned_bytes`); else the decoded body
+    (:func:`~kvevents.router.serve.bodies.pinned_bytes`); else the decoded body
     (``body``, or ``raw`` decoded now when None) is changed and encoded again (2,048 token
     ids: tens of µs). ``raw`` is a non-empty JSON object."""
     if not names_rank and body != {}:

@@ -34,14 +34,13 @@ from typing import Any
 import msgspec
 
 from kvevents import kernels
+from kvevents.router.serve.bodies import spliced
 from kvevents.router.serve.pd_legs import VLLM_PREFILL_PARAMS
 
 __all__ = [
     "PlainFields",
-    "pinned_bytes",
     "read_plain",
     "sglang_leg_bytes",
-    "spliced",
     "transfer_params",
     "vllm_decode_bytes",
     "vllm_prefill_bytes",
@@ -156,14 +155,6 @@ def read_plain(raw: bytes, key: bytes) -> tuple[array[int], PlainFields] | None:
     return tokens, fields
 
 
-def spliced(raw: bytes, members: bytes) -> bytes:
-    """``raw`` (a non-empty JSON object, as a decode found it) with ``members``
-    (``,"name":value`` each, already JSON) appended before its closing brace: the one
-    splice of the P/D legs and of the one-pool relay's rank pin."""
-    end = raw.rstrip(_WHITESPACE)
-    return b"".join((memoryview(end)[:-1], members, b"}"))
-
-
 def sglang_leg_bytes(
     raw: bytes,
     fields: PlainFields,
@@ -191,13 +182,6 @@ def sglang_leg_bytes(
         prefill_rank,
     )
     return spliced(raw, prefill), spliced(raw, decode)
-
-
-def pinned_bytes(raw: bytes, rank: int) -> bytes:
-    """:func:`~kvevents.router.serve.pd_legs.pinned_body` spliced into ``raw``, a body
-    that names no rank (:attr:`PlainFields.names_rank`; the one-pool relay's
-    ``RelayFields.names_rank``): the rank pin of both relays."""
-    return spliced(raw, b',"routed_dp_rank":%d' % rank)
 
 
 def vllm_prefill_bytes(raw: bytes, fields: PlainFields) -> bytes:

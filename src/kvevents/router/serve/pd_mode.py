@@ -27,6 +27,7 @@ from typing import Any
 
 from kvevents.http.upstream import Upstream, UpstreamError
 from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, PDPools, Pool
+from kvevents.router.fleet.engines import key_refused
 from kvevents.router.serve.pd_legs import PDProtocol
 from kvevents.router.serve.pd_stats import PDStats
 
@@ -163,18 +164,25 @@ class PDMode:
         return engine.port()[0]
 
     async def _read(self, engine: PDEngine, upstream: Upstream) -> None:
+        """Read ``engine``'s ``/server_info``. A 404 is an answer (an engine without the
+        endpoint advertises nothing: the default port holds); any other refusal or
+        failure is an error, read again in :data:`RECHECK_S` seconds."""
+        request = f"GET {engine.url}/server_info"
         try:
-            _, info = await upstream.get_json(
+            status, info = await upstream.get_json(
                 engine.url, "/server_info", timeout=SERVER_INFO_TIMEOUT_S
             )
         except TimeoutError:
-            engine.error = (
-                f"TimeoutError: GET {engine.url}/server_info: no answer within "
-                f"{SERVER_INFO_TIMEOUT_S:g} s"
-            )
+            engine.error = f"TimeoutError: {request}: no answer within {SERVER_INFO_TIMEOUT_S:g} s"
             return
         except (UpstreamError, ValueError) as exc:
             engine.error = f"{type(exc).__name__}: {exc}"
+            return
+        if status in (401, 403):
+            engine.error = str(key_refused(request, status))
+            return
+        if status not in (200, 404):
+            engine.error = f"{request} answered HTTP {status}"
             return
         engine.learn(info)
 

@@ -50,6 +50,7 @@ from kvevents.router.decide.models import UnknownModelError
 from kvevents.router.decide.pd import PDDecision, Pool, decide_pd
 from kvevents.router.decide.router import RouteDecision
 from kvevents.router.prompts.completion_body import RelayFields
+from kvevents.router.serve.bodies import pinned_bytes
 from kvevents.router.serve.openai_relay import (
     RANK_HEADER,
     Answer,
@@ -62,7 +63,6 @@ from kvevents.router.serve.openai_relay import (
     prompts_of,
 )
 from kvevents.router.serve.pd_body import (
-    pinned_bytes,
     sglang_leg_bytes,
     transfer_params,
     vllm_decode_bytes,

@@ -114,7 +114,7 @@ def readiness(service: RouterService) -> Readiness:
             + ("" if service.states else ": the router follows no engine (--engine URL)")
         )
     empty_pools = _empty_pools(service, routable_workers)
-    reasons.extend(empty_pools)
+    reasons = [*empty_pools, *reasons]  # first: past MAX_REASONS, the rest are cut
     if len(reasons) > MAX_REASONS:
         more = len(reasons) - MAX_REASONS
         reasons = [*reasons[:MAX_REASONS], f"... and {more} more: see GET /workers"]
