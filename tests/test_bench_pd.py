@@ -195,6 +195,14 @@ def test_the_router_client_sends_the_bodies_as_they_are_and_counts_errors() -> N
             ["bench", "router", "--completions-only", "--pd-protocol", "vllm"],
             "--pd-protocol is an option of `kvevents bench router --pd-only`",
         ),
+        (
+            ["bench", "router", "--pd-max-tokens", "8"],
+            "--pd-max-tokens is an option of `kvevents bench router --pd-only`",
+        ),
+        (
+            ["bench", "router", "--pd-only", "--pd-max-tokens", "0"],
+            "--pd-max-tokens 0: give at least 1",
+        ),
     ],
 )
 def test_bad_pd_bench_options_exit_2(
@@ -284,12 +292,13 @@ def _cpu(client: float, prefill: float, decode: float) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pd_only_quick_runs_both_clients_against_real_engines(tmp_path: Path) -> None:
-    """`kvevents bench router --pd-only --quick` starts a prefill and a decode engine and a
-    router, runs one round of both clients with no errors, and writes the comparison."""
+    """`kvevents bench router --pd-only --quick --pd-max-tokens 4` starts a prefill and a
+    decode engine and a router, runs one round of both clients with no errors, each request
+    decoding 4 tokens, and writes the comparison."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvevents.cli.main", "bench", "router", "--pd-only", "--quick",
-         "--json", str(out)],
+         "--pd-max-tokens", "4", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=170,
@@ -300,6 +309,7 @@ def test_pd_only_quick_runs_both_clients_against_real_engines(tmp_path: Path) ->
     router = doc["results"]["router"]
     pd = router["pd"]
     assert pd["setup"]["protocol"] == "sglang" and pd["setup"]["connections"] == 32
+    assert pd["setup"]["max_tokens"] == 4 and "--pd-max-tokens 4" in doc["command"]
     assert len(pd["rounds"]) == 1 and pd["direct_prefill_failures"] == 0
     for side in ("direct", "via"):
         run = pd["rounds"][0][side]

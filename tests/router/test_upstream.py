@@ -532,6 +532,46 @@ def test_a_whole_answer_nobody_waits_for_any_more_closes_its_connection() -> Non
     run(main())
 
 
+def test_a_head_future_is_the_exchanges_own_and_cancelling_it_closes_the_connection() -> None:
+    """post_head on a kept-alive connection is answered through the exchange's own future
+    (no task), its Response once the head is in; one cancelled before its answer closes
+    its connection, so the engine sees the client leave, and is never reused."""
+    got, left = asyncio.Event(), asyncio.Event()
+
+    def make(server: Server) -> Script:
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+            while True:
+                await server.request(r)
+                if n == 1 and len(server.requests) == 2:
+                    got.set()
+                    await r.read()  # returns once the client closes
+                    left.set()
+                    return
+                w.write(OK)
+                await w.drain()
+
+        return serve
+
+    async def main() -> None:
+        async with serving(make) as server:
+            client = Upstream(timeout=5)
+            first = client.post_head(server.url, "/x", b"{}", {})
+            assert isinstance(first, asyncio.Task)  # no connection yet: a task opens one
+            answer = await first
+            assert (answer.status, await answer.read()) == (200, b"{}")
+            given_up = client.post_head(server.url, "/x", b"{}", {}, timeout=3)
+            assert not isinstance(given_up, asyncio.Task)  # the kept connection's own
+            await asyncio.wait_for(got.wait(), 5)
+            given_up.cancel()
+            await asyncio.wait_for(left.wait(), 5)
+            answer = await client.post_head(server.url, "/x", b"{}", {})
+            assert await answer.read() == b"{}"
+            await client.close()
+        assert server.connections == 2
+
+    run(main())
+
+
 def test_after_close_a_whole_answer_is_refused() -> None:
     async def main() -> None:
         client = Upstream(timeout=5)

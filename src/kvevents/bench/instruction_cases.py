@@ -82,11 +82,17 @@ class AnsweringUpstream(Upstream):
         """The last request forwarded: its path, body and headers."""
 
     def post_whole(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | bytes,
+        *,
+        timeout: float | None = None,
     ) -> asyncio.Future[FullResponse]:
         self.forwarded += 1
         self.last = (path, body, headers)
-        self._start(base, path, body, headers)  # the request's head, built as it would be
+        self._start(base, path, body, headers, timeout)  # the request's head, as it would be
         answered: asyncio.Future[FullResponse] = asyncio.get_running_loop().create_future()
         answered.set_result(FullResponse(200, {"content-type": "application/json"}, _ANSWER))
         return answered

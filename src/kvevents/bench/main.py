@@ -7,6 +7,7 @@
                    [--json OUT] [--quick]
     kvevents bench router --completions-only [--rounds N]  # the relay's added latency
     kvevents bench router --pd-only [--rounds N] [--pd-protocol sglang|vllm] [--pin-router]
+                                    [--pd-max-tokens N] [--pd-together]
                                                 # what the router adds to a P/D request
     kvevents bench --markdown [--json FILE]     # docs/performance.md's table, from a results file
 
@@ -115,12 +116,21 @@ def _router_completions(quick: bool, rounds: int) -> dict[str, Any]:
     return run_router_bench(completions_only=True, completions_rounds=rounds)
 
 
-def _router_pd(quick: bool, rounds: int, protocol: PDProtocol, pin: bool) -> dict[str, Any]:
+def _router_pd(
+    quick: bool, rounds: int, protocol: PDProtocol, pin: bool, max_tokens: int, together: bool
+) -> dict[str, Any]:
     """Only the router's disaggregated (P/D) comparison, ``rounds`` alternating rounds,
-    with ``protocol``'s legs, the router on CPUs of its own when ``pin``."""
+    with ``protocol``'s legs, the router on CPUs of its own when ``pin``, each request
+    decoding ``max_tokens``, the two clients at once when ``together``."""
     from kvevents.bench.router import run_router_bench
 
-    options: dict[str, Any] = {"pd_only": True, "pd_protocol": protocol, "pin_router": pin}
+    options: dict[str, Any] = {
+        "pd_only": True,
+        "pd_protocol": protocol,
+        "pin_router": pin,
+        "pd_max_tokens": max_tokens,
+        "pd_together": together,
+    }
     if quick:
         return run_router_bench(prompts=16, duration=2.0, pd_rounds=1, **options)
     return run_router_bench(pd_rounds=rounds, **options)
@@ -214,6 +224,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "router its own cores; without it all of them share every CPU",
     )
     parser.add_argument(
+        "--pd-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --pd-only: tokens each request decodes, each prompt within N/8 of N "
+        "(default 1: the shortest requests, which saturate the CPUs; an answer's usual few "
+        "hundred leave them idle enough that the added p50 is the relay's own)",
+    )
+    parser.add_argument(
+        "--pd-together",
+        action="store_true",
+        help="with --pd-only: run each round's two clients at once, each in a process of "
+        "its own with its requests in flight, so the engines' drift between runs falls on "
+        "both alike (default: one after the other)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=5,
@@ -295,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
     for given, flag in (
         (args.pd_protocol is not None, "--pd-protocol"),
         (args.pin_router, "--pin-router"),
+        (args.pd_max_tokens is not None, "--pd-max-tokens"),
+        (args.pd_together, "--pd-together"),
     ):
         if given and not args.pd_only:
             raise ConfigError(
@@ -313,10 +341,20 @@ def run(args: argparse.Namespace) -> int:
         command += f" {flag} --rounds {args.rounds}"
         if args.pd_only:
             protocol: PDProtocol = "sglang" if args.pd_protocol is None else args.pd_protocol
+            max_tokens = 1 if args.pd_max_tokens is None else args.pd_max_tokens
+            if max_tokens < 1:
+                raise ConfigError(f"--pd-max-tokens {max_tokens}: give at least 1")
             runners["router"] = functools.partial(
-                _router_pd, rounds=args.rounds, protocol=protocol, pin=args.pin_router
+                _router_pd,
+                rounds=args.rounds,
+                protocol=protocol,
+                pin=args.pin_router,
+                max_tokens=max_tokens,
+                together=args.pd_together,
             )
             command += f" --pd-protocol {protocol}" + (" --pin-router" if args.pin_router else "")
+            command += f" --pd-max-tokens {max_tokens}"
+            command += " --pd-together" if args.pd_together else ""
         else:
             runners["router"] = functools.partial(_router_completions, rounds=args.rounds)
     if args.json is not None:

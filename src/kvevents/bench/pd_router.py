@@ -7,8 +7,20 @@ so the fixed pair of ranks the direct client uses is the pair the router must ch
 (the comparison is of the relay, not of where load lands); ``kvevents router --prefill
 P --decode D --max-local-prefill-tokens 0``, so every request is handed off though the
 decode soon holds every prompt. The bodies are ``{"model": "sim", "prompt": [2,048
-token ids], "max_tokens": 1}`` over ``prompts`` distinct prompts, each first sent once
+token ids], "max_tokens": M}`` over ``prompts`` distinct prompts, each first sent once
 through the router (both engines then cache it, and the router's index holds it).
+``max_tokens`` (``--pd-max-tokens``, default 1) is what a request decodes, each prompt
+its own count within ``max_tokens // 8`` of it (drawn once, the same for both clients):
+with 1 the requests are as short as they get and the closed loop saturates the CPUs (see
+below); with an answer's usual length (the conversation trace's median is a few hundred
+tokens) the requests spend their time decoding and the added p50 is the relay's own
+delay. The counts differ because equal ones lock the requests into cohorts that are
+admitted on one step, finish on one step and come back at once, so the engines' servers
+take each cohort's legs in a burst and a request's p50 depends on its place in it,
+which changes from run to run by more than the relay adds. ``together``
+(``--pd-together``) runs a round's two clients at once, each in a process of its own
+(:mod:`kvevents.bench.pd_together`), instead of back to back: what slows the machine and
+the engines meanwhile slows both alike.
 
 Then ``rounds`` rounds, each a run of the direct client and one of the router's
 (:mod:`kvevents.bench.pd_load`: ``protocol``'s legs, ``connections`` requests in flight,
@@ -46,19 +58,23 @@ import httpx
 
 from kvevents.bench.completions import process_cpu_s
 from kvevents.bench.pd_load import DirectLegs, Send, ViaRouter, VllmDirectLegs, run_load
+from kvevents.bench.pd_together import run_together
 from kvevents.bench.placement import Placement, cpus_of, pinned
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 from kvevents.http.serving import run_event_loop
 from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
 
-__all__ = ["TARGET_ADDED_P50_MS", "run_pd_bench"]
+__all__ = ["TARGET_ADDED_P50_MS", "pd_bodies", "run_pd_bench"]
 
 TARGET_ADDED_P50_MS = 2.0
 """The bar: the router adds at most this to the p50, at 32 requests in flight."""
 
 _BLOCK = 16
 _TOKENS = 2048
+_SPREAD = 8
+"""Each prompt decodes ``max_tokens`` give or take ``max_tokens // _SPREAD`` (see the
+module docstring)."""
 _EVENTS = (
     '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", '
     '"replay_endpoint": "tcp://127.0.0.1:0", "bind": true}'
@@ -101,6 +117,22 @@ def _warm(router: str, prefill: str, decode: str, bodies: list[dict[str, Any]]) 
     return int(port)
 
 
+def pd_bodies(prompts: int, max_tokens: int) -> list[dict[str, Any]]:
+    """The bench's bodies: ``prompts`` prompts of 2,048 random token ids, each decoding
+    its own count within ``max_tokens // 8`` of ``max_tokens`` (the module docstring
+    says why); the same on every call."""
+    rng = random.Random(3)
+    spread = max_tokens // _SPREAD
+    return [
+        {
+            "model": "sim",
+            "prompt": [rng.randrange(1, 50_000) for _ in range(_TOKENS)],
+            "max_tokens": max_tokens + rng.randint(-spread, spread),
+        }
+        for _ in range(prompts)
+    ]
+
+
 def run_pd_bench(
     *,
     prompts: int = 256,
@@ -110,6 +142,8 @@ def run_pd_bench(
     warmup: float = 1.0,
     protocol: PDProtocol = "sglang",
     pin_router: bool = False,
+    max_tokens: int = 1,
+    together: bool = False,
 ) -> dict[str, Any]:
     """Set up, warm up and run the rounds (see the module docstring); JSON-ready results:
     ``setup`` (with ``placement``), ``rounds`` (each ``direct``, ``via`` and
@@ -120,16 +154,10 @@ def run_pd_bench(
         raise ValueError(f"rounds={rounds}: the comparison needs at least one round")
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r}: give one of {', '.join(PROTOCOLS)}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: a request decodes at least one token")
     placement = Placement.split() if pin_router else None
-    rng = random.Random(3)
-    bodies = [
-        {
-            "model": "sim",
-            "prompt": [rng.randrange(1, 50_000) for _ in range(_TOKENS)],
-            "max_tokens": 1,
-        }
-        for _ in range(prompts)
-    ]
+    bodies = pd_bodies(prompts, max_tokens)
     prefill, decode = _engine("prefill"), _engine("decode")
     router: Child | None = None
     runs: list[dict[str, Any]] = []
@@ -144,7 +172,8 @@ def run_pd_bench(
             )  # fmt: skip
             with _on(None if placement is None else placement.router):
                 router_url = router.start(timeout=60.0)
-            port = _warm(router_url, prefill_url, decode_url, bodies)
+            warming = [{**body, "max_tokens": 1} for body in bodies]  # the prompts, quickly
+            port = _warm(router_url, prefill_url, decode_url, warming)
             direct: DirectLegs | VllmDirectLegs = (
                 DirectLegs(prefill_url, decode_url, ("127.0.0.1", port), bodies)
                 if protocol == "sglang"
@@ -154,7 +183,8 @@ def run_pd_bench(
             pids = {"router": router.pid, "prefill": prefill.pid, "decode": decode.pid}
             held = _placement(placement, pids)
             for i in range(rounds):
-                runs.append(_round(sides, pids, i, connections, duration, warmup))
+                play = _together if together else _round
+                runs.append(play(sides, pids, i, connections, duration, warmup))
         prefill_failures = direct.prefill_failures
     finally:
         if router is not None:
@@ -170,6 +200,9 @@ def run_pd_bench(
             "ranks": {"prefill": 0, "decode": 0},
             "prompts": prompts,
             "prompt_tokens": _TOKENS,
+            "max_tokens": max_tokens,
+            "max_tokens_spread": max_tokens // _SPREAD,
+            "together": together,
             "block_size": _BLOCK,
             "connections": connections,
             "duration_s": duration,
@@ -229,6 +262,43 @@ def _round(
     return pair
 
 
+def _together(
+    sides: dict[str, Send],
+    pids: dict[str, int | None],
+    i: int,
+    connections: int,
+    duration: float,
+    warmup: float,
+) -> dict[str, Any]:
+    """Round ``i`` with both clients at once, each in a process of its own with
+    ``connections`` in flight (:mod:`kvevents.bench.pd_together`), so whatever slows the
+    engines meanwhile slows both alike; each client's CPU per request is its own, and the
+    router's is over the requests it relayed (the engines' serve both and are not split).
+    The direct client's prefill failures are added to its count."""
+    router = pids.get("router")
+    began: list[float | None] = []
+
+    def starting() -> None:  # the clients are ready: the router's CPU from here
+        began.append(process_cpu_s(router) if router else None)
+
+    runs = run_together(
+        sides, connections=connections, duration=duration, warmup=warmup, starting=starting
+    )
+    before = began[0] if began else None
+    after = process_cpu_s(router) if router else None
+    direct, via = runs["direct"], runs["via"]
+    for run in runs.values():
+        run.pop("client_pid", None)
+    failures = direct.pop("prefill_failures", 0)
+    sent = sides["direct"]
+    if isinstance(sent, (DirectLegs, VllmDirectLegs)):
+        sent.prefill_failures += failures
+    via.pop("prefill_failures", None)
+    if before is not None and after is not None and via["requests_all"]:
+        via["router_cpu_us_per_request"] = (after - before) / via["requests_all"] * 1e6
+    return {"direct": direct, "via": via, "added_p50_ms": via["p50_ms"] - direct["p50_ms"]}
+
+
 def _results(
     runs: list[dict[str, Any]],
     placement: dict[str, Any],
@@ -253,7 +323,9 @@ def _results(
             "added_p50_ms_at_most": TARGET_ADDED_P50_MS,
             "checked_against": "added_p50_ms_median: the median over the rounds of the p50 "
             "through the router minus the p50 of the legs sent directly, each round's two "
-            "runs back to back, with the placement in setup.placement",
+            "runs "
+            + ("at once (setup.together)" if setup.get("together") else "back to back")
+            + ", with the placement in setup.placement",
             "met": median <= TARGET_ADDED_P50_MS,
             "rounds_within": sum(a <= TARGET_ADDED_P50_MS for a in added),
         },

@@ -372,6 +372,8 @@ def _router_pd(pd: dict[str, Any] | None) -> Iterator[Figure]:
     yield Figure(
         "router",
         f"P/D /v1/completions added p50 ({protocol}, {setup['connections']} in flight, "
+        f"{_decoded(setup)} decoded each, "
+        f"{'both clients at once, ' if setup.get('together') else ''}"
         f"{_placed(setup.get('placement'))}), median of {len(rounds)} alternating rounds' "
         "differences",
         f"{median:+.1f} ms over both legs sent directly (rounds {min(added):+.1f} to "
@@ -379,6 +381,13 @@ def _router_pd(pd: dict[str, Any] | None) -> Iterator[Figure]:
         f"<= +{bar:g} ms",
         median <= bar,
     )
+
+
+def _decoded(setup: dict[str, Any]) -> str:
+    """What each P/D request decoded: ``356 ± 44 tokens``, ``1 token``."""
+    tokens, spread = setup.get("max_tokens", 1), setup.get("max_tokens_spread", 0)
+    within = f" ± {spread}" if spread else ""
+    return f"{tokens}{within} token{'' if tokens == 1 and not spread else 's'}"
 
 
 def _cpu_sum(rounds: list[dict[str, Any]], side: str, keys: tuple[str, ...]) -> float | None:

@@ -192,6 +192,8 @@ def run_router_bench(
     pd_only: bool = False,
     pd_protocol: PDProtocol = "sglang",
     pin_router: bool = False,
+    pd_max_tokens: int = 1,
+    pd_together: bool = False,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
@@ -200,10 +202,20 @@ def run_router_bench(
     ``/v1/completions`` comparison (one uvicorn router process, the 2,048-token prompts
     stored; no bare server, no ``/route`` or ``/query`` loads, no note-cost rounds).
     ``pd``: the disaggregated comparison too; ``pd_only``: that alone; ``pd_protocol``
-    and ``pin_router``: its hand-off and its CPU placement (:func:`run_pd_bench`).
+    and ``pin_router``: its hand-off and its CPU placement, ``pd_max_tokens`` what each of
+    its requests decodes, ``pd_together`` its two clients at once (:func:`run_pd_bench`).
     """
     if pd_only:
-        return _pd_only(prompts, duration, connections, pd_rounds, pd_protocol, pin_router)
+        return _pd_only(
+            prompts,
+            duration,
+            connections,
+            pd_rounds,
+            pd_protocol,
+            pin_router,
+            pd_max_tokens,
+            pd_together,
+        )
     _wrk()
     if completions_only:
         completions, workers, http_servers, sync_rounds = True, (1,), ("uvicorn",), 0
@@ -321,6 +333,8 @@ def run_router_bench(
             rounds=pd_rounds,
             protocol=pd_protocol,
             pin_router=pin_router,
+            max_tokens=pd_max_tokens,
+            together=pd_together,
         )
         _add_pd(results, compared)
     _summarise(results)
@@ -334,6 +348,8 @@ def _pd_only(
     rounds: int,
     protocol: PDProtocol,
     pin_router: bool,
+    max_tokens: int,
+    together: bool,
 ) -> dict[str, Any]:
     setup = {"connections": connections, "duration_s": duration, "pd_only": True}
     results: dict[str, Any] = {"setup": {**setup, "pd_rounds": rounds}, "runs": {}}
@@ -344,6 +360,8 @@ def _pd_only(
         rounds=rounds,
         protocol=protocol,
         pin_router=pin_router,
+        max_tokens=max_tokens,
+        together=together,
     )
     _add_pd(results, compared)
     _summarise(results)

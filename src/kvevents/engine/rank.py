@@ -39,7 +39,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -56,6 +56,9 @@ from kvevents.wire.hashing import get_hash_scheme
 __all__ = ["RankSpec", "engine_kv_events_config", "main"]
 
 _IDLE_POLL_S = 0.25
+_MAX_LAG_S = 0.05
+"""How late a busy rank's step may begin and still keep the simulated hardware's pace
+(see :meth:`_RankServer.serve`); a later one (the host stalled the process) begins anew."""
 
 
 class RankSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -137,8 +140,18 @@ def _make_publisher(spec: RankSpec) -> Any:
 
 
 class _RankServer:
-    def __init__(self, spec: RankSpec, dealer: zmq.Socket[bytes], publisher: Any) -> None:
+    """The rank's loop: the control channel on ``dealer`` and the scheduler's steps.
+    ``clock`` (monotonic seconds) is what the steps are timed by; tests give their own."""
+
+    def __init__(
+        self,
+        spec: RankSpec,
+        dealer: zmq.Socket[bytes],
+        publisher: Any,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.spec = spec
+        self._clock = clock
         self.dealer = dealer
         self.publisher = publisher
         cache = PrefixCache(
@@ -166,10 +179,23 @@ class _RankServer:
         self.dealer.send(self._encode(message))
 
     def serve(self, parent_pid: int) -> None:
+        """Step the scheduler at its simulated pace while serving the control channel.
+
+        A step begins when the one before ends on the simulated hardware (its
+        ``duration_s`` after that one began), not when this process wakes up to run it:
+        the wait is in whole milliseconds and the host runs other processes, so counted
+        from the wake-up each step came out up to a millisecond or more long, and the
+        pace drifted with the host's load. A step later than that by under
+        :data:`_MAX_LAG_S` keeps the schedule (the next ones follow at once), so a
+        request decodes in its steps' simulated time; a rank that went idle, or one
+        later than that, begins when it runs. No answer leaves before its step's end.
+        """
         sched = self.scheduler
-        next_step = time.monotonic()
+        clock = self._clock
+        next_step = clock()
+        busy = False  # the scheduler had work when its last step ended
         while self.running:
-            now = time.monotonic()
+            now = clock()
             self._send_due(now)
             wait = max(0.0, next_step - now) if sched.has_work else _IDLE_POLL_S
             if self._due:
@@ -178,10 +204,12 @@ class _RankServer:
                 self._drain()
             if os.getppid() != parent_pid:
                 return
-            now = time.monotonic()
+            now = clock()
             if self.running and sched.has_work and now >= next_step:
+                start = next_step if busy and now - next_step <= _MAX_LAG_S else now
                 result = sched.step()
-                next_step = now + result.duration_s
+                next_step = start + result.duration_s
+                busy = sched.has_work
                 if result.finished:
                     self._due.append((next_step, result.finished))
         self._send_due(math.inf)

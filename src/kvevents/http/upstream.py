@@ -9,7 +9,9 @@ parser), handed back whole (:meth:`Response.read`) or as it arrives
 polls, registration and discovery, its models, a prefill's bootstrap port) is a ``GET``
 through :meth:`Upstream.get` or :meth:`Upstream.get_json` on the same connections, with
 the same key and TLS context. :meth:`Upstream.post_whole` resolves one future from the
-parser's callbacks, so a relay on a kept-alive connection runs no task and no coroutine.
+parser's callbacks, so a relay on a kept-alive connection runs no task and no coroutine;
+it and :meth:`Upstream.post_head` write the request on a kept-alive connection before
+they return, so legs sent together leave together.
 Why its own client: a general client's per-request machinery (sessions, connectors,
 timers, header multidicts) cost more of the router's CPU than the relay's own work
 (docs/router-performance.md). A decode engine takes its prefills' hand-offs with it too
@@ -378,6 +380,12 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
+    def closed_if_cancelled(self, exchange: asyncio.Future[Any]) -> None:
+        """Close the connection when ``exchange`` (its future) was cancelled: the engine
+        sees the client leave, as :func:`_exchange` makes it see a cancelled await."""
+        if exchange.cancelled():
+            self.close()
+
     def close(self) -> None:
         self._forget_deadline()
         self.closed = True
@@ -480,33 +488,76 @@ class Upstream:
         return response
 
     def post_whole(
-        self, base: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | bytes,
+        *,
+        timeout: float | None = None,
     ) -> asyncio.Future[FullResponse]:
         """POST ``body`` to ``base + path``; a future of the whole answer.
 
         It fails with :class:`UpstreamError` or :class:`TimeoutError` when no answer
         began, and with :class:`MidwayError` when one began but did not arrive whole.
-        On a kept-alive connection the future is the exchange's own; a new connection
-        is opened by a task first.
+        On a kept-alive connection the request is written before this returns and the
+        future is the exchange's own; a new connection is opened by a task first.
+        Cancelling the future closes the connection. ``timeout``: as :meth:`post`'s.
         """
+        future: asyncio.Future[FullResponse] = self._post_now(
+            base, path, body, headers, timeout, whole=True
+        )
+        return future
+
+    def post_head(
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | bytes,
+        *,
+        timeout: float | None = None,
+    ) -> asyncio.Future[Response]:
+        """:meth:`post`, written now: on a kept-alive connection the request is on the
+        wire before this returns (a new connection is opened by a task first), and the
+        future is its :class:`Response` once the head is in. Errors, the body and
+        ``timeout`` as :meth:`post`'s; cancelling the future closes the connection. Two
+        legs sent one after the other this way leave in one step of the loop, before
+        anything else it has to do."""
+        future: asyncio.Future[Response] = self._post_now(
+            base, path, body, headers, timeout, whole=False
+        )
+        return future
+
+    def _post_now(
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | bytes,
+        timeout: float | None,
+        *,
+        whole: bool,
+    ) -> asyncio.Future[Any]:
         try:
-            origin, deadline, conn, head = self._start(base, path, body, headers)
+            origin, deadline, conn, head = self._start(base, path, body, headers, timeout)
         except UpstreamError as exc:
-            refused: asyncio.Future[FullResponse] = asyncio.get_running_loop().create_future()
+            refused: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             refused.set_exception(exc)
             return refused
-        if conn is not None:
-            return conn.send(head, body, deadline, whole=True)
-        return asyncio.get_running_loop().create_task(
-            self._connect_then_send(origin, deadline, head, body)
-        )
+        if conn is None:
+            return asyncio.get_running_loop().create_task(
+                self._connect_then_send(origin, deadline, head, body, whole)
+            )
+        pending = conn.send(head, body, deadline, whole=whole)
+        pending.add_done_callback(conn.closed_if_cancelled)
+        return pending
 
     async def _connect_then_send(
-        self, origin: _Origin, deadline: float, head: bytes, body: bytes
-    ) -> FullResponse:
+        self, origin: _Origin, deadline: float, head: bytes, body: bytes, whole: bool
+    ) -> Any:
         conn = await self._connect(origin, deadline)
-        response: FullResponse = await _exchange(conn, head, body, deadline, whole=True)
-        return response
+        return await _exchange(conn, head, body, deadline, whole=whole)
 
     async def get(
         self,

@@ -17,7 +17,11 @@ Invariants:
   engine sees the client leave); nothing is left running past its deadline: the
   prefill leg's is ``--prefill-timeout``, the decode's ``--forward-timeout``;
 * a prefill whose answer is still to come when the decode's begins (SGLang) is read and
-  dropped by a task of its own, kept in :attr:`PDExchange.background` until it ends.
+  dropped by a task of its own, kept in :attr:`PDExchange.background` until it ends;
+* a leg on a kept-alive connection is written in the step of the event loop that builds
+  it, before the request first waits: under a burst the loop's next step comes only after
+  every other request ready in this one has been decided, so a leg sent by a task would
+  wait for all of them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from kvevents.http.upstream import MidwayError, Response, Upstream, UpstreamError
+from kvevents.http.upstream import FullResponse, MidwayError, Response, Upstream, UpstreamError
 from kvevents.router.decide.pd import Pool
 from kvevents.router.decide.router import RouteDecision, Router, Ticket
 from kvevents.router.serve.pd_stats import LegFailure, PDStats
@@ -62,15 +66,8 @@ class Leg:
         """Seconds for the whole exchange; None: the client's own (``--forward-timeout``)."""
 
 
-class Whole:
-    """A leg's whole answer."""
-
-    __slots__ = ("body", "headers", "status")
-
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
+Whole = FullResponse
+"""A leg's whole answer: ``status``, ``headers`` and ``body``."""
 
 
 class LegFailed(Exception):
@@ -216,11 +213,17 @@ class PDExchange:
         prefill still answering when the decode's answer begins is read on by a task
         of its own; ``on_prefill`` gets its whole answer (None if it failed).
         """
-        prefill = self.prefill
+        prefill, decode = self.prefill, self.decode
         assert prefill is not None
         loop = self.loop
-        prefilling = loop.create_task(self.whole(prefill))
-        decoding = loop.create_task(self.send(self.decode))
+        # both written now (see the module docstring), the prefill's first
+        upstream = self.upstream
+        prefilling = upstream.post_whole(
+            prefill.url, prefill.path, prefill.content, prefill.headers, timeout=prefill.timeout
+        )
+        decoding = upstream.post_head(
+            decode.url, decode.path, decode.content, decode.headers, timeout=decode.timeout
+        )
         try:
             if not decoding.done():
                 await _first_of(loop, prefilling, decoding)
