@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,79 +19,19 @@ from kvevents.bench.pd_load import ViaRouter
 from kvevents.bench.pd_router import pd_bodies
 from kvevents.bench.pd_together import run_together
 from kvevents.errors import KVEventsError
-
-_OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-
-
-class _Engine:
-    """Answers every POST 200 on kept-alive connections; ``seen`` holds each body's
-    first prompt token in arrival order."""
-
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(0.2)
-        buffered = b""
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    data = conn.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if not data:
-                    return
-                buffered += data
-                while b"\r\n\r\n" in buffered:
-                    head, _, rest = buffered.partition(b"\r\n\r\n")
-                    length = next(
-                        int(line.split(b":", 1)[1])
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length:")
-                    )
-                    if len(rest) < length:
-                        break
-                    buffered = rest[length:]
-                    with self._lock:
-                        self.seen.append(json.loads(rest[:length])["prompt"][0])
-                    conn.sendall(_OK)
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._listener.close()
+from thread_engine import ThreadEngine
 
 
 @pytest.fixture
-def engine() -> Iterator[_Engine]:
-    server = _Engine()
+def engine() -> Iterator[ThreadEngine]:
+    server = ThreadEngine()
     yield server
     server.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_each_client_runs_in_a_process_of_its_own_and_both_at_once(engine: _Engine) -> None:
+def test_each_client_runs_in_a_process_of_its_own_and_both_at_once(engine: ThreadEngine) -> None:
     """Two clients run by run_together each report their own run from a process that is
     neither the caller nor the other's, and their requests reach the engine interleaved:
     each one's first request came before the other's last."""
@@ -108,7 +46,7 @@ def test_each_client_runs_in_a_process_of_its_own_and_both_at_once(engine: _Engi
     for run in runs.values():
         assert run["requests"] > 0 and run["errors_all"] == 0
         assert run["client_cpu_us_per_request"] > 0
-    seen = engine.seen
+    seen = [json.loads(body)["prompt"][0] for body in engine.bodies()]
     assert seen.index(1) < len(seen) - 1 - seen[::-1].index(2)
     assert seen.index(2) < len(seen) - 1 - seen[::-1].index(1)
     assert len(seen) == runs["a"]["requests_all"] + runs["b"]["requests_all"]
@@ -116,7 +54,7 @@ def test_each_client_runs_in_a_process_of_its_own_and_both_at_once(engine: _Engi
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_client_that_fails_is_named_in_the_error(engine: _Engine) -> None:
+def test_a_client_that_fails_is_named_in_the_error(engine: ThreadEngine) -> None:
     """A client whose requests cannot be sent at all (a URL that is not HTTP) ends the
     run with an error naming that client and why."""
     sends = {

@@ -9,9 +9,6 @@ not arrive until the loop runs again.
 from __future__ import annotations
 
 import asyncio
-import queue
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,67 +17,7 @@ import pytest
 from kvevents.http.upstream import Upstream
 from kvevents.router.serve.pd_exchange import Leg, PDExchange
 from kvevents.router.serve.pd_stats import PDStats
-
-_OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-
-
-class _Engine:
-    """A loopback HTTP server in a thread: answers every request 200 on kept-alive
-    connections, puts each request's (path, body) in ``arrived`` and a None in ``left``
-    for each connection the client closed."""
-
-    def __init__(self) -> None:
-        self.arrived: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self.left: queue.Queue[None] = queue.Queue()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(0.2)
-        buffered = b""
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    data = conn.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:  # reset: the client closed with our answer unread
-                    data = b""
-                if not data:
-                    self.left.put(None)
-                    return
-                buffered += data
-                while b"\r\n\r\n" in buffered:
-                    head, _, rest = buffered.partition(b"\r\n\r\n")
-                    length = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            length = int(line.split(b":", 1)[1])
-                    if len(rest) < length:
-                        break
-                    buffered = rest[length:]
-                    self.arrived.put((head.split(b" ")[1], rest[:length]))
-                    conn.sendall(_OK)
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5)
-        self._listener.close()
+from thread_engine import ThreadEngine
 
 
 class _Tickets:
@@ -94,20 +31,20 @@ class _Tickets:
 
 
 @pytest.fixture
-def engines() -> Iterator[tuple[_Engine, _Engine]]:
-    prefill, decode = _Engine(), _Engine()
+def engines() -> Iterator[tuple[ThreadEngine, ThreadEngine]]:
+    prefill, decode = ThreadEngine(), ThreadEngine()
     yield prefill, decode
     prefill.close()
     decode.close()
 
 
-def _leg(pool: str, engine: _Engine, body: bytes) -> Leg:
+def _leg(pool: str, engine: ThreadEngine, body: bytes) -> Leg:
     headers = b"content-type: application/json\r\n"
     return Leg(pool, None, engine.url, "/v1/completions", body, headers, pool, 5.0)  # type: ignore[arg-type]
 
 
 def test_both_legs_are_on_the_wire_before_the_exchange_first_waits(
-    engines: tuple[_Engine, _Engine],
+    engines: tuple[ThreadEngine, ThreadEngine],
 ) -> None:
     """Run up to its first wait and no further, with the event loop stopped, the exchange
     has written the prefill leg and the decode leg on their kept-alive connections: both
