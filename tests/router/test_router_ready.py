@@ -3,6 +3,7 @@ ready line) against real engines: what keeps it from routing, and routing with n
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import socket
 import threading
@@ -10,12 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 from router_support import Engine, RouterProc, wait_until
 
 from kvevents import Holder, Router
 from kvevents.router.serve.pd_mode import PDEngine, PDMode
-from kvevents.router.serve.readiness import MAX_REASONS, Readiness, readiness
+from kvevents.router.serve.readiness import MAX_REASONS, Readiness, readiness, report_readiness
 from kvevents.router.serve.service import RouterService
 from process_support import KVEventsProcess
 
@@ -85,6 +87,32 @@ def test_reasons_are_capped_and_the_rest_counted() -> None:
     assert state.reasons[-1] == "... and 10 more: see GET /workers"
 
 
+def test_the_readiness_line_waits_a_little_for_holders_still_held_back() -> None:
+    """Ready with a rank still held back, the line waits (at most ``settle`` s) for it: a
+    rank that turns routable meanwhile is counted, one that does not is named."""
+    router = Router(block_size=16)
+    service = RouterService(router, [])
+    router.add_holder(Holder("a", 0), block_size=16)
+    router.add_holder(Holder("b", 0), block_size=16)
+    router.set_worker_available("b", False)
+    said: list[str] = []
+
+    async def comes_up() -> Readiness:
+        asyncio.get_running_loop().call_later(0.2, router.set_worker_available, "b", True)
+        return await report_readiness(service, said.append, interval=0.02, settle=5.0)
+
+    assert asyncio.run(comes_up()).reasons == []
+    router.set_worker_available("b", False)
+    started = time.monotonic()
+    state = asyncio.run(report_readiness(service, said.append, interval=0.02, settle=0.3))
+    assert state.ok and 0.3 <= time.monotonic() - started < 5.0
+    assert said == [
+        "ready to route: 2 of 2 holders",
+        "ready to route: 1 of 2 holders (engine b rank 0: unavailable: the engine reports "
+        "the rank down)",
+    ], said
+
+
 @pytest.fixture(scope="module")
 def engine(make_engine: Callable[..., Engine]) -> Engine:
     """An engine with no --kv-events-config: it publishes by default."""
@@ -147,6 +175,27 @@ def test_engine_and_router_with_no_flags_route(engine: Engine) -> None:
             return bool(chosen["dp_rank"] == 1 and chosen["scores"][0]["matched"]["gpu"] == 3)
 
         wait_until(cached, 20, "the prompt's 3 reusable blocks routed to rank 1")
+    finally:
+        router.stop()
+
+
+@pytest.mark.slow
+def test_every_process_of_a_group_answers_ready_for_the_group(engine: Engine) -> None:
+    """With --workers 2 the readiness line comes once the whole group can route: from then
+    on /ready answers 200 on every new connection, whichever process the kernel hands it
+    (both are seen answering)."""
+    router = KVEventsProcess("router", ["--port", "0", "--workers", "2", "--engine", engine.url])
+    try:
+        line = readiness_line(router)
+        assert line == "ready to route: 2 of 2 holders", line
+        seen: set[int] = set()
+        for _ in range(24):
+            with httpx.Client(base_url=router.url, timeout=10.0) as fresh:
+                answer = fresh.get("/ready")
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["reasons"] == [], answer.text
+                seen.add(fresh.get("/workers").json()["process"]["index"])
+        assert seen == {0, 1}, seen
     finally:
         router.stop()
 

@@ -10,9 +10,10 @@ folder), so each one's cost sees all N processes' traffic.
 The parent only supervises. It reserves the port (bound, never listening, so it gets no
 connection), which must be free, since ``SO_REUSEPORT`` would let a second group share
 it; a lock file named after host and port marks it as this group's, and the private
-folder (ipc sockets, metrics snapshots) is named after it too, so what a killed group
-left is swept by the next. It starts the workers (spawn), prints ``kvevents router ready
-URL`` once every worker accepts requests, restarts a worker that dies (after a delay that
+folder (ipc sockets, metrics snapshots, readiness files) is named after it too, so what a
+killed group left is swept by the next. It starts the workers (spawn), prints ``kvevents
+router ready URL`` once every worker accepts requests (then worker 0's readiness line,
+the group's: :mod:`kvevents.router.serve.group_readiness`), restarts a worker that dies (after a delay that
 doubles while it keeps dying soon after its start) or that is not ready in time after a
 restart, and on SIGINT or SIGTERM stops them all. A worker stops by itself when the
 parent is gone, so none serves the port unsupervised. A restarted worker's index refills
@@ -48,10 +49,12 @@ from kvevents.http.serving import bind_http, run_event_loop, serve_app
 from kvevents.router.fleet.peers import PeerNotes, machine_seat, sender_id
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.group_metrics import GroupMetrics
+from kvevents.router.serve.group_readiness import GroupReadiness
 from kvevents.router.serve.readiness import (
     READINESS_PREFIX,
     READY_REPORT_WAIT_S,
     Readiness,
+    publish_readiness,
     report_readiness,
 )
 from kvevents.router.serve.service import RouterService
@@ -99,6 +102,7 @@ def _worker_main(
     service.process_index = index
     service.process_count = workers
     service.group_metrics = GroupMetrics(service.registry, os.path.join(folder, "metrics"), index)
+    service.group_readiness = GroupReadiness(os.path.join(folder, "ready"), index, workers)
 
     # The group's seat, this machine and port (machine_seat): the same when the router restarts, so a
     # restarted worker (or group) supersedes what its previous run left in flight at its
@@ -121,6 +125,7 @@ def _worker_main(
         peers.start()
         service.peers = peers
         snapshots = asyncio.get_running_loop().create_task(_snapshots(service))
+        published = asyncio.get_running_loop().create_task(publish_readiness(service))
 
         reported: list[asyncio.Task[Readiness]] = []  # held: a bare task may vanish
 
@@ -172,6 +177,7 @@ def _worker_main(
             )
         finally:
             snapshots.cancel()
+            published.cancel()
             await peers.close()
 
     with contextlib.suppress(KeyboardInterrupt):
@@ -324,7 +330,7 @@ def _claim_path(host: str, port: int) -> str:
 
 
 def _group_folder(host: str, port: int) -> str:
-    """The group's private folder (its ipc sockets, its metrics snapshots), named after
+    """The group's private folder (ipc sockets, metrics snapshots, readiness files), named after
     its claim: what a killed group left there is removed first (the claim, held now, says
     no group uses it). A name taken by something that is not our own folder gets a fresh
     one instead."""

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["SUMMED", "GroupMetrics"]
+__all__ = ["SUMMED", "GroupMetrics", "process_alive"]
 
 SUMMED = frozenset(
     {
@@ -104,7 +104,8 @@ class GroupMetrics:
                     yield record
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,7 +124,7 @@ class _Merged(Collector):
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
         sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-        alive = {int(s["pid"]): _alive(int(s["pid"])) for s in self.snapshots}
+        alive = {int(s["pid"]): process_alive(int(s["pid"])) for s in self.snapshots}
         for snapshot in self.snapshots:
             process = {"process": str(snapshot["index"]), "pid": str(snapshot["pid"])}
             for family in snapshot["families"]:

@@ -19,6 +19,10 @@ one engine down is ready, and still says so). A connected stream that has sent n
 yet is not a reason, on purpose: an idle engine publishes only once it serves, so
 waiting for its first event would keep an idle fleet unready, and so idle, for ever.
 
+In a group of router processes (``--workers``) each answers for the group: ready when
+every running process is (:mod:`kvevents.router.serve.group_readiness`), another's
+reasons listed after its ``router process K of N:``.
+
 Cost: O(engines + holders) and one snapshot of the subscriber's stream stats, cheap
 enough for the hot path to answer it as it answers ``/health``.
 """
@@ -38,10 +42,13 @@ from kvevents.types import Holder
 
 __all__ = [
     "MAX_REASONS",
+    "PUBLISH_INTERVAL_S",
     "READINESS_PREFIX",
     "READY_REPORT_WAIT_S",
+    "READY_SETTLE_S",
     "Readiness",
     "print_readiness",
+    "publish_readiness",
     "readiness",
     "report_readiness",
 ]
@@ -52,6 +59,11 @@ MAX_REASONS = 20
 READY_REPORT_WAIT_S = 10.0
 """The longest :func:`report_readiness` waits for the router to turn ready before it
 prints what still holds it back (streams connect, and ranks register, just after start)."""
+
+
+READY_SETTLE_S = 3.0
+"""Once ready, the longest :func:`report_readiness` waits for the holders still held back
+(a stream still connecting) before it prints the line with their reasons."""
 
 
 READINESS_PREFIX = "kvevents router: "
@@ -68,13 +80,63 @@ class Readiness(msgspec.Struct):
     """What keeps holders or engines from being routed to, one line each; empty when
     every holder known is routable."""
     routable: int
-    """Holders that can be routed to now."""
+    """Holders that can be routed to now (by the process answering)."""
     holders: int
     """Holders known (every rank of every registered engine)."""
 
 
+PUBLISH_INTERVAL_S = 0.2
+"""Seconds between two looks at its own readiness of a process in a group
+(:func:`publish_readiness`): the longest a change waits before the group's answer has it."""
+
+
 def readiness(service: RouterService) -> Readiness:
-    """The router's readiness now (see the module docstring)."""
+    """The router's readiness now (see the module docstring); in a group of processes
+    (``--workers``), the group's: this process's, written for the others to read, and
+    theirs (:mod:`kvevents.router.serve.group_readiness`)."""
+    own = _own_readiness(service)
+    group = service.group_readiness
+    if group is None:
+        return own
+    group.publish(own.ok, own.reasons, own.routable, own.holders)
+    ok = own.ok
+    reasons = list(own.reasons)
+    for index, other in group.others().items():
+        if other is None:
+            ok = False
+            reasons.append(f"router process {index} of {group.count}: starting")
+            continue
+        ok = ok and other.ok
+        theirs = [r for r in other.reasons if r not in own.reasons]
+        reasons += [f"router process {index} of {group.count}: {r}" for r in theirs]
+        if not other.ok and not theirs:
+            reasons.append(
+                f"router process {index} of {group.count}: not ready "
+                f"({other.routable} of {other.holders} holders routable)"
+            )
+    return Readiness(ok=ok, reasons=_capped(reasons), routable=own.routable, holders=own.holders)
+
+
+async def publish_readiness(service: RouterService, interval: float = PUBLISH_INTERVAL_S) -> None:
+    """Keep this process's readiness in its group's folder as it changes, until cancelled
+    (a process no probe reaches would otherwise never tell the others it turned ready)."""
+    group = service.group_readiness
+    while group is not None:
+        own = _own_readiness(service)
+        group.publish(own.ok, own.reasons, own.routable, own.holders)
+        await asyncio.sleep(interval)
+
+
+def _capped(reasons: list[str]) -> list[str]:
+    """``reasons``, past :data:`MAX_REASONS` cut to them and a line counting the rest."""
+    if len(reasons) <= MAX_REASONS:
+        return reasons
+    more = len(reasons) - MAX_REASONS
+    return [*reasons[:MAX_REASONS], f"... and {more} more: see GET /workers"]
+
+
+def _own_readiness(service: RouterService) -> Readiness:
+    """This process's readiness (see the module docstring)."""
     router = service.router
     sub = service.subscriber
     streams = None if sub is None else sub.stats()
@@ -114,13 +176,9 @@ def readiness(service: RouterService) -> Readiness:
             + ("" if service.states else ": the router follows no engine (--engine URL)")
         )
     empty_pools = _empty_pools(service, routable_workers)
-    reasons = [*empty_pools, *reasons]  # first: past MAX_REASONS, the rest are cut
-    if len(reasons) > MAX_REASONS:
-        more = len(reasons) - MAX_REASONS
-        reasons = [*reasons[:MAX_REASONS], f"... and {more} more: see GET /workers"]
     return Readiness(
         ok=routable > 0 and not empty_pools,
-        reasons=reasons,
+        reasons=_capped([*empty_pools, *reasons]),  # first: past MAX_REASONS, the rest are cut
         routable=routable,
         holders=len(holders),
     )
@@ -193,13 +251,19 @@ async def report_readiness(
     *,
     timeout: float = READY_REPORT_WAIT_S,
     interval: float = 0.1,
+    settle: float = READY_SETTLE_S,
 ) -> Readiness:
-    """Wait (at most ``timeout`` s) for the router to turn ready, then ``say`` one line:
+    """Wait (at most ``timeout`` s) for the router to turn ready, and once ready at most
+    ``settle`` s more for every holder to be routable, then ``say`` one line:
     ``ready to route: N of M holders`` or ``not ready to route: REASON; REASON``
     (``kvevents router`` prints it after its ready line: :func:`print_readiness`)."""
     deadline = time.monotonic() + timeout
     state = readiness(service)
-    while not state.ok and time.monotonic() < deadline:
+    ready_since: float | None = None
+    while state.reasons and time.monotonic() < deadline:
+        if state.ok and ready_since is None:  # what holds some holders back: a little longer
+            ready_since = time.monotonic()
+            deadline = min(deadline, ready_since + settle)
         await asyncio.sleep(interval)
         state = readiness(service)
     if state.ok:

@@ -55,6 +55,7 @@ from kvevents.router.prompts.tokenize import (
     TokenizeError,
 )
 from kvevents.router.serve.group_metrics import GroupMetrics
+from kvevents.router.serve.group_readiness import GroupReadiness
 from kvevents.router.serve.metrics import make_registry, render
 from kvevents.router.serve.pd_mode import PDMode
 from kvevents.router.serve.pd_stats import PDCollector
@@ -221,6 +222,8 @@ class RouterService:
         """Load notes to and from the other processes and routers, when there are any."""
         self.group_metrics: GroupMetrics | None = None
         """The group's metrics when this is one of several processes (``--workers``)."""
+        self.group_readiness: GroupReadiness | None = None
+        """The group's readiness files then (``/ready`` answers for the group)."""
         self.sync: SyncTransport | None = None
         """The NATS transport of those notes (``--sync``), for ``/workers`` and ``/metrics``."""
         self.warm_start: WarmStart | None = None
