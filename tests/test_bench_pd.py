@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ from kvevents.bench.pd_load import (
     VllmDirectLegs,
     run_load,
 )
+from kvevents.bench.pd_router import TYPICAL_ANSWER_TOKENS
 from kvevents.bench.report import headlines
 from kvevents.cli.main import main
 from kvevents.router.serve.pd_legs import vllm_prefill_body
+from kvevents.traces import iter_trace
 
 BODIES = [{"model": "sim", "prompt": [1, 2, 3], "max_tokens": 1}, {"model": "sim", "prompt": [4]}]
 
@@ -178,6 +181,12 @@ def test_the_router_client_sends_the_bodies_as_they_are_and_counts_errors() -> N
     assert failing["requests"] > 0 and failing["errors"] == failing["requests"]
 
 
+def test_the_default_answer_length_is_the_traces_median() -> None:
+    """What a P/D bench request decodes unless told is the bundled trace's median answer."""
+    lengths = [request.output_length for request in iter_trace()]
+    assert statistics.median(lengths) == TYPICAL_ANSWER_TOKENS
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -202,6 +211,10 @@ def test_the_router_client_sends_the_bodies_as_they_are_and_counts_errors() -> N
         (
             ["bench", "router", "--pd-only", "--pd-max-tokens", "0"],
             "--pd-max-tokens 0: give at least 1",
+        ),
+        (
+            ["bench", "router", "--no-pd-together"],
+            "--pd-together is an option of `kvevents bench router --pd-only`",
         ),
     ],
 )

@@ -7,7 +7,7 @@
                    [--json OUT] [--quick]
     kvevents bench router --completions-only [--rounds N]  # the relay's added latency
     kvevents bench router --pd-only [--rounds N] [--pd-protocol sglang|vllm] [--pin-router]
-                                    [--pd-max-tokens N] [--pd-together]
+                                    [--pd-max-tokens N] [--[no-]pd-together]
                                                 # what the router adds to a P/D request
     kvevents bench --markdown [--json FILE]     # docs/performance.md's table, from a results file
 
@@ -41,6 +41,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvevents.bench.pd_router import TYPICAL_ANSWER_TOKENS
 from kvevents.bench.report import render_markdown, render_table
 from kvevents.errors import ConfigError, KVEventsError
 from kvevents.results import write_results
@@ -229,15 +230,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="with --pd-only: tokens each request decodes, each prompt within N/8 of N "
-        "(default 1: the shortest requests, which saturate the CPUs; an answer's usual few "
-        "hundred leave them idle enough that the added p50 is the relay's own)",
+        f"(default {TYPICAL_ANSWER_TOKENS}, the conversation trace's median answer, which "
+        "leaves the CPUs idle enough that the added p50 is the relay's own; 1: the "
+        "shortest requests, which saturate the CPUs and measure the router's CPU per request)",
     )
     parser.add_argument(
         "--pd-together",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --pd-only: run each round's two clients at once, each in a process of "
         "its own with its requests in flight, so the engines' drift between runs falls on "
-        "both alike (default: one after the other)",
+        "both alike (the default), or one after the other (--no-pd-together)",
     )
     parser.add_argument(
         "--rounds",
@@ -322,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
         (args.pd_protocol is not None, "--pd-protocol"),
         (args.pin_router, "--pin-router"),
         (args.pd_max_tokens is not None, "--pd-max-tokens"),
-        (args.pd_together, "--pd-together"),
+        (args.pd_together is not None, "--pd-together"),
     ):
         if given and not args.pd_only:
             raise ConfigError(
@@ -341,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
         command += f" {flag} --rounds {args.rounds}"
         if args.pd_only:
             protocol: PDProtocol = "sglang" if args.pd_protocol is None else args.pd_protocol
-            max_tokens = 1 if args.pd_max_tokens is None else args.pd_max_tokens
+            max_tokens = TYPICAL_ANSWER_TOKENS if args.pd_max_tokens is None else args.pd_max_tokens
+            together = args.pd_together is not False
             if max_tokens < 1:
                 raise ConfigError(f"--pd-max-tokens {max_tokens}: give at least 1")
             runners["router"] = functools.partial(
@@ -350,11 +354,11 @@ def run(args: argparse.Namespace) -> int:
                 protocol=protocol,
                 pin=args.pin_router,
                 max_tokens=max_tokens,
-                together=args.pd_together,
+                together=together,
             )
             command += f" --pd-protocol {protocol}" + (" --pin-router" if args.pin_router else "")
             command += f" --pd-max-tokens {max_tokens}"
-            command += " --pd-together" if args.pd_together else ""
+            command += " --pd-together" if together else " --no-pd-together"
         else:
             runners["router"] = functools.partial(_router_completions, rounds=args.rounds)
     if args.json is not None:

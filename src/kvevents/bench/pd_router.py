@@ -9,18 +9,18 @@ P --decode D --max-local-prefill-tokens 0``, so every request is handed off thou
 decode soon holds every prompt. The bodies are ``{"model": "sim", "prompt": [2,048
 token ids], "max_tokens": M}`` over ``prompts`` distinct prompts, each first sent once
 through the router (both engines then cache it, and the router's index holds it).
-``max_tokens`` (``--pd-max-tokens``, default 1) is what a request decodes, each prompt
-its own count within ``max_tokens // 8`` of it (drawn once, the same for both clients):
+``max_tokens`` (``--pd-max-tokens``, default :data:`TYPICAL_ANSWER_TOKENS`, an
+answer's usual length) is what a request decodes, each prompt its own count within
+``max_tokens // 8`` of it (drawn once, the same for both clients): at the usual length
+the requests spend their time decoding and the added p50 is the relay's own delay;
 with 1 the requests are as short as they get and the closed loop saturates the CPUs (see
-below); with an answer's usual length (the conversation trace's median is a few hundred
-tokens) the requests spend their time decoding and the added p50 is the relay's own
-delay. The counts differ because equal ones lock the requests into cohorts that are
+below), a measure of the router's CPU per request. The counts differ because equal ones lock the requests into cohorts that are
 admitted on one step, finish on one step and come back at once, so the engines' servers
 take each cohort's legs in a burst and a request's p50 depends on its place in it,
 which changes from run to run by more than the relay adds. ``together``
-(``--pd-together``) runs a round's two clients at once, each in a process of its own
-(:mod:`kvevents.bench.pd_together`), instead of back to back: what slows the machine and
-the engines meanwhile slows both alike.
+(``--pd-together``, the default; ``--no-pd-together``: back to back) runs a round's two
+clients at once, each in a process of its own (:mod:`kvevents.bench.pd_together`): what
+slows the machine and the engines meanwhile slows both alike.
 
 Then ``rounds`` rounds, each a run of the direct client and one of the router's
 (:mod:`kvevents.bench.pd_load`: ``protocol``'s legs, ``connections`` requests in flight,
@@ -65,10 +65,14 @@ from kvevents.errors import KVEventsError
 from kvevents.http.serving import run_event_loop
 from kvevents.router.serve.pd_legs import PROTOCOLS, PDProtocol
 
-__all__ = ["TARGET_ADDED_P50_MS", "pd_bodies", "run_pd_bench"]
+__all__ = ["TARGET_ADDED_P50_MS", "TYPICAL_ANSWER_TOKENS", "pd_bodies", "run_pd_bench"]
 
 TARGET_ADDED_P50_MS = 2.0
 """The bar: the router adds at most this to the p50, at 32 requests in flight."""
+
+TYPICAL_ANSWER_TOKENS = 350
+"""An answer's usual length: the bundled conversation trace's median ``output_length``
+(what each request decodes unless told)."""
 
 _BLOCK = 16
 _TOKENS = 2048
@@ -142,8 +146,8 @@ def run_pd_bench(
     warmup: float = 1.0,
     protocol: PDProtocol = "sglang",
     pin_router: bool = False,
-    max_tokens: int = 1,
-    together: bool = False,
+    max_tokens: int = TYPICAL_ANSWER_TOKENS,
+    together: bool = True,
 ) -> dict[str, Any]:
     """Set up, warm up and run the rounds (see the module docstring); JSON-ready results:
     ``setup`` (with ``placement``), ``rounds`` (each ``direct``, ``via`` and

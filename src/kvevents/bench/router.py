@@ -48,7 +48,7 @@ import httpx
 from kvevents.bench.bare_server import READY_PREFIX as BARE_READY
 from kvevents.bench.completions import run_completions
 from kvevents.bench.note_cost import run_note_cost
-from kvevents.bench.pd_router import run_pd_bench
+from kvevents.bench.pd_router import TYPICAL_ANSWER_TOKENS, run_pd_bench
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
 from kvevents.http.serving import HttpServer
@@ -192,8 +192,8 @@ def run_router_bench(
     pd_only: bool = False,
     pd_protocol: PDProtocol = "sglang",
     pin_router: bool = False,
-    pd_max_tokens: int = 1,
-    pd_together: bool = False,
+    pd_max_tokens: int = TYPICAL_ANSWER_TOKENS,
+    pd_together: bool = True,
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
