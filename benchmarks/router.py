@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--completions-only",
         action="store_true",
-        help="run only the /v1/completions comparison (one uvicorn router)",
+        help="run only the /v1/completions comparison (one router process)",
     )
     parser.add_argument(
         "--sync-rounds",

@@ -63,10 +63,8 @@ def _counters(pids: list[int]) -> tuple[float, int, int]:
     return cpu, voluntary, involuntary
 
 
-def _one_run(
-    engine: str, bodies: Path, server: str, workers: int, duration: float
-) -> dict[str, Any]:
-    router, url = bench_router._start_router(engine, workers, server)
+def _one_run(engine: str, bodies: Path, workers: int, duration: float) -> dict[str, Any]:
+    router, url = bench_router._start_router(engine, workers)
     try:
         bench_router._wait_indexed(url, PROMPTS * TOKENS // 16)
         pids = [router.pid, *_children(router.pid)]
@@ -78,7 +76,6 @@ def _one_run(
         router.stop()
     n = max(run["requests"], 1)
     run.update(
-        server=server,
         workers=workers,
         threads=threads,
         cpu_us_per_request=(after[0] - before[0]) / n * 1e6,
@@ -95,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of every run")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--servers", nargs="+", default=["uvicorn"], help=argparse.SUPPRESS)
     parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"output (default {DEFAULT_JSON})"
     )
@@ -117,20 +113,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             bench_router._store(engine_url, prompts)
             for round_no in range(args.rounds):
-                for server in args.servers:
-                    for workers in args.workers:
-                        run = _one_run(engine_url, bodies, server, workers, args.duration)
-                        run["round"] = round_no
-                        runs.append(run)
-                        print(
-                            f"round {round_no} {server:8s} --workers {workers}: "
-                            f"{run['requests_per_s']:9,.0f} req/s  p99 {run['p99_ms']:5.1f} ms  "
-                            f"CPU {run['cpu_us_per_request']:6.1f} us  switches "
-                            f"{run['voluntary_switches_per_request']:.2f} voluntary, "
-                            f"{run['involuntary_switches_per_request']:.2f} involuntary "
-                            f"per request  ({run['threads']} threads)",
-                            flush=True,
-                        )
+                for workers in args.workers:
+                    run = _one_run(engine_url, bodies, workers, args.duration)
+                    run["round"] = round_no
+                    runs.append(run)
+                    print(
+                        f"round {round_no} --workers {workers}: "
+                        f"{run['requests_per_s']:9,.0f} req/s  p99 {run['p99_ms']:5.1f} ms  "
+                        f"CPU {run['cpu_us_per_request']:6.1f} us  switches "
+                        f"{run['voluntary_switches_per_request']:.2f} voluntary, "
+                        f"{run['involuntary_switches_per_request']:.2f} involuntary "
+                        f"per request  ({run['threads']} threads)",
+                        flush=True,
+                    )
         finally:
             engine.stop()
     write_results(args.json, {"cores": os.cpu_count(), "runs": runs})

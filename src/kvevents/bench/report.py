@@ -9,7 +9,6 @@ benchmark missing from the results, or one whose JSON lacks a figure, yields few
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -214,25 +213,21 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
         run = runs[key]
         return f"{_n(run['requests_per_s'])} req/s, p50 {run['p50_ms']:.1f} / p99 {run['p99_ms']:.1f} ms"
 
-    servers = r.get("setup", {}).get("http_servers", ["uvicorn"])
-    for server, tokens in itertools.product(servers, ("2048", "8192")):
-        suffix = "" if server == "uvicorn" else f"_{server}"
-        label = f" [{server}]" if len(servers) > 1 else ""
-        bare = runs.get(f"bare_{tokens}{suffix}")
+    for tokens in ("2048", "8192"):
+        bare = runs.get(f"bare_{tokens}")
         if bare is not None:
             yield Figure(
                 "router",
-                f"bare server (parse only), {tokens}-token prompts{label}",
-                rate(f"bare_{tokens}{suffix}"),
+                f"bare server (parse only), {tokens}-token prompts",
+                rate(f"bare_{tokens}"),
                 "",
                 None,
             )
         for path in ("route", "query"):
             prefix = f"{path}_{tokens}_workers"
-            keys = [k for k in runs if k.startswith(prefix) and k.endswith(suffix or "")]
-            keys = [k for k in keys if k[len(prefix) :].removesuffix(suffix).isdigit()]
+            keys = [k for k in runs if k.startswith(prefix) and k[len(prefix) :].isdigit()]
             for key in sorted(keys):
-                workers = key[len(prefix) :].removesuffix(suffix)
+                workers = key[len(prefix) :]
                 run = runs[key]
                 target, met = "", None
                 if path == "route" and tokens == "2048":
@@ -249,13 +244,11 @@ def _router(r: dict[str, Any]) -> Iterator[Figure]:
                     share = f" ({run['requests_per_s'] / bare['requests_per_s']:.0%} of bare)"
                 yield Figure(
                     "router",
-                    f"/{path}, {tokens}-token prompts, --workers {workers}{label}",
+                    f"/{path}, {tokens}-token prompts, --workers {workers}",
                     rate(key) + share,
                     target,
                     met,
                 )
-    for server, why in r.get("setup", {}).get("http_servers_skipped", {}).items():
-        yield Figure("router", f"--http-server {server}", f"not measured: {why}", "", None)
     direct, via = runs.get("completions_direct"), runs.get("completions_via_router")
     if direct and via:
         added = via["p50_ms"] - direct["p50_ms"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import itertools
 import json
 import random
 import shutil
@@ -51,7 +50,6 @@ from kvevents.bench.note_cost import run_note_cost
 from kvevents.bench.pd_router import TYPICAL_ANSWER_TOKENS, run_pd_bench
 from kvevents.demo.procs import Child
 from kvevents.errors import KVEventsError
-from kvevents.http.serving import HttpServer
 from kvevents.router.serve.pd_legs import PDProtocol
 
 __all__ = ["EVENTS_CONFIG_WITH_REPLAY", "run_router_bench"]
@@ -155,7 +153,7 @@ def _write_bodies(folder: Path, name: str, docs: Sequence[dict[str, Any]]) -> Pa
     return path
 
 
-def _bare_child(server: HttpServer, relay_to: str | None = None) -> Child:
+def _bare_child(relay_to: str | None = None) -> Child:
     bare = Child("bare", [])
     bare.argv = [bare.argv[0], "-m", "kvevents.bench.bare_server", "--port", "0"]
     if relay_to is not None:
@@ -164,12 +162,7 @@ def _bare_child(server: HttpServer, relay_to: str | None = None) -> Child:
     return bare
 
 
-def _suffix(server: HttpServer) -> str:
-    """Run names of the default server stay as they were; granian's end in ``_granian``."""
-    return "" if server == "uvicorn" else f"_{server}"
-
-
-def _start_router(engine: str, workers: int, server: HttpServer) -> tuple[Child, str]:
+def _start_router(engine: str, workers: int) -> tuple[Child, str]:
     args = ["--engine", engine, "--port", "0", "--workers", str(workers)]
     router = Child("router", args)
     return router, router.start(timeout=60.0)
@@ -183,7 +176,6 @@ def run_router_bench(
     connections: int = 32,
     workers: Sequence[int] = (1, 2),
     completions: bool = True,
-    http_servers: Sequence[HttpServer] | None = None,
     sync_rounds: int = 3,
     completions_rounds: int = 5,
     completions_only: bool = False,
@@ -197,10 +189,9 @@ def run_router_bench(
 ) -> dict[str, Any]:
     """Run every load above once; results as a JSON-ready dict (see the module docstring).
 
-    ``http_servers``: the router's HTTP servers (uvicorn, the one there is).
-    ``completions_only``: only the
-    ``/v1/completions`` comparison (one uvicorn router process, the 2,048-token prompts
-    stored; no bare server, no ``/route`` or ``/query`` loads, no note-cost rounds).
+    ``completions_only``: only the ``/v1/completions`` comparison (one router process,
+    the 2,048-token prompts stored; no bare server, no ``/route`` or ``/query`` loads, no
+    note-cost rounds).
     ``pd``: the disaggregated comparison too; ``pd_only``: that alone; ``pd_protocol``
     and ``pin_router``: its hand-off and its CPU placement, ``pd_max_tokens`` what each of
     its requests decodes, ``pd_together`` its two clients at once (:func:`run_pd_bench`).
@@ -218,10 +209,8 @@ def run_router_bench(
         )
     _wrk()
     if completions_only:
-        completions, workers, http_servers, sync_rounds = True, (1,), ("uvicorn",), 0
+        completions, workers, sync_rounds = True, (1,), 0
         long_prompts, pd = 0, False
-    skipped: dict[str, str] = {}
-    servers: Sequence[HttpServer] = ("uvicorn",) if http_servers is None else http_servers
     short = _prompts(prompts, 2048, seed=1)
     long = _prompts(long_prompts, 8192, seed=2)
     blocks = (len(short) * 2048 + len(long) * 8192) // _BLOCK
@@ -235,8 +224,6 @@ def run_router_bench(
             "connections": connections,
             "duration_s": duration,
             "load_generator": "wrk -t1",
-            "http_servers": list(servers),
-            "http_servers_skipped": skipped,
             "sync_rounds": sync_rounds,
             "completions_rounds": completions_rounds if completions else 0,
             "completions_only": completions_only,
@@ -252,7 +239,7 @@ def run_router_bench(
             *("--kv-events-config", EVENTS_CONFIG_WITH_REPLAY),
         ],
     )
-    bares = {} if completions_only else {server: _bare_child(server) for server in servers}
+    bare = None if completions_only else _bare_child()
     with tempfile.TemporaryDirectory(prefix="kvevents-bench-router-") as tmp:
         folder = Path(tmp)
         short_ids = _write_bodies(folder, "ids-2048", [{"input_ids": p} for p in short])
@@ -268,26 +255,24 @@ def run_router_bench(
         try:
             engine_url = engine.start(timeout=60.0)
             _store(engine_url, short + long)
-            for server, bare in bares.items():
-                suffix = _suffix(server)
+            if bare is not None:
                 bare_url = bare.start(timeout=30.0)
                 for name, bodies in (("2048", short_ids), ("8192", long_ids)):
-                    runs[f"bare_{name}{suffix}"] = _load(
+                    runs[f"bare_{name}"] = _load(
                         f"{bare_url}/route", bodies, duration=duration, connections=connections
                     )
                 bare.stop()
-            for server, n in itertools.product(servers, workers):
-                suffix = _suffix(server)
-                router, url = _start_router(engine_url, n, server)
+            for n in workers:
+                router, url = _start_router(engine_url, n)
                 try:
                     _wait_indexed(url, blocks)
                     for path in () if completions_only else ("route", "query"):
                         for name, bodies in (("2048", short_ids), ("8192", long_ids)):
-                            runs[f"{path}_{name}_workers{n}{suffix}"] = _load(
+                            runs[f"{path}_{name}_workers{n}"] = _load(
                                 f"{url}/{path}", bodies, duration=duration, connections=connections
                             )
-                    if completions and n == 1 and server == "uvicorn":
-                        relay = _bare_child(server, relay_to=engine_url)
+                    if completions and n == 1:
+                        relay = _bare_child(relay_to=engine_url)
                         try:
                             relay_url = relay.start(timeout=30.0)
                             compared = run_completions(
@@ -323,7 +308,7 @@ def run_router_bench(
                     engine_url, recorded, wait, load, rounds=sync_rounds
                 )
         finally:
-            for bare in bares.values():
+            if bare is not None:
                 bare.stop()
             engine.stop()
     if pd:
@@ -383,8 +368,7 @@ def _summarise(results: dict[str, Any]) -> None:
         for key, run in runs.items():
             if not key.startswith(("route_", "query_")) or f"_{name}_" not in key:
                 continue
-            server = "_granian" if key.endswith("_granian") else ""
-            ceiling = runs.get(f"bare_{name}{server}", {}).get("requests_per_s")
+            ceiling = runs.get(f"bare_{name}", {}).get("requests_per_s")
             if ceiling:
                 summary[f"{key}_share_of_bare"] = run["requests_per_s"] / ceiling
     direct = runs.get("completions_direct")
