@@ -21,9 +21,12 @@ Hierarchy (HTTP status where a service answers with it)::
     ├── HandoffClosed                  subscribe.handoff: the item queue was closed
     ├── ChatError (ValueError)         text.chat: messages the chat template cannot render
     ├── UpstreamError (ConnectionError)
-    │   │                              http.upstream: an engine unreachable or not answering
-    │   ├── HeadTooLarge               http.upstream: an answer head past the client's bound
-    │   └── MidwayError                http.upstream: an answer begun but not received whole
+    │   │                              http.upstream_errors: an engine unreachable or not
+    │   │                              answering
+    │   ├── HeadTooLarge               http.upstream_errors: an answer head past the client's
+    │   │                              bound
+    │   └── MidwayError                http.upstream_errors: an answer begun but not received
+    │                                  whole
     ├── RouterNotReadyError (ValueError)
     │                                  no engine rank to route to yet, or none available: 503
     ├── TokenizeError                  router.prompts.tokenize: the engine's /tokenize
@@ -31,7 +34,7 @@ Hierarchy (HTTP status where a service answers with it)::
     │   └── ChatUnsupported            router.prompts.tokenize: no chat template: 501
     ├── TokenizeFailed                 router.serve.service: a TokenizeError, as the routes
     │                                  answer it
-    ├── OpenAIError                    router.serve.openai_relay: any error in OpenAI's shape,
+    ├── OpenAIError                    router.serve.relay_answer: any error in OpenAI's shape,
     │                                  own status
     ├── UnknownModelError              router.decide.models: a model no engine serves: 404
     ├── UnknownModel                   engine.models: a model the simulated engine does not serve: 404

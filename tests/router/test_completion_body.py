@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvevents import kernels
 from kvevents.router.prompts.completion_body import RelayFields, _beside_the_prompt, token_prompt
-from kvevents.router.serve.openai_relay import OpenAIError, _with_rank, prompts_of
+from kvevents.router.serve.relay_answer import OpenAIError
+from kvevents.router.serve.relay_body import _with_rank, prompts_of
 
 U32 = 2**32 - 1
 

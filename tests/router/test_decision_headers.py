@@ -9,8 +9,9 @@ import pytest
 from kvevents.index.types import HolderMatch
 from kvevents.router.decide.router import RouteDecision
 from kvevents.router.decide.scoring import HolderScore
-from kvevents.router.serve import openai_relay
-from kvevents.router.serve.openai_relay import decision_headers
+from kvevents.router.serve import relay_headers
+from kvevents.router.serve.relay_answer import OpenAIError
+from kvevents.router.serve.relay_headers import decision_headers
 
 
 def _score(worker: str, rank: int, matched: HolderMatch, predicted: int) -> HolderScore:
@@ -64,13 +65,13 @@ def test_the_headers_are_the_chosen_holders_figures() -> None:
 def test_the_quoted_worker_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """More workers than the bound: the cache is cleared, never grows past it, and every
     header still names its own worker."""
-    monkeypatch.setattr(openai_relay, "_QUOTED_WORKERS", {})
-    monkeypatch.setattr(openai_relay, "_QUOTED_WORKERS_MAX", 2)
+    monkeypatch.setattr(relay_headers, "_QUOTED_WORKERS", {})
+    monkeypatch.setattr(relay_headers, "_QUOTED_WORKERS_MAX", 2)
     for i in range(5):
         worker = f"http://engine-{i}:8000/a b"
         headers = dict(decision_headers(_decision(worker, gpu=1, cpu=0, disk=0, predicted=0), 16))
         assert headers[b"x-kvevents-worker"] == f"http://engine-{i}:8000/a%20b".encode()
-        assert len(openai_relay._QUOTED_WORKERS) <= 2
+        assert len(relay_headers._QUOTED_WORKERS) <= 2
 
 
 @pytest.mark.parametrize("worker", ["http://engine:8000", "http://engine:8000/päth with space"])
@@ -82,7 +83,7 @@ def test_the_written_lines_are_the_headers_as_a_server_writes_them(
     same bytes as writing each pair ``name: value\\r\\n``, in the same order."""
     decision = _decision(worker, gpu=gpu, cpu=cpu, disk=disk, predicted=predicted)
     pairs = decision_headers(decision, 2048)
-    assert openai_relay.decision_lines(decision, 2048) == b"".join(
+    assert relay_headers.decision_lines(decision, 2048) == b"".join(
         b"%s: %s\r\n" % pair for pair in pairs
     )
 
@@ -90,8 +91,8 @@ def test_the_written_lines_are_the_headers_as_a_server_writes_them(
 def test_the_engines_headers_as_lines_are_its_pairs_written() -> None:
     """The engine's content type (JSON when it gave none) and retry-after, as lines."""
     for given in ({}, {"content-type": "text/event-stream"}, {"retry-after": "7"}):
-        pairs = openai_relay._engine_headers(given)
-        assert openai_relay._engine_lines(given) == b"".join(b"%s: %s\r\n" % p for p in pairs)
+        pairs = relay_headers._engine_headers(given)
+        assert relay_headers._engine_lines(given) == b"".join(b"%s: %s\r\n" % p for p in pairs)
 
 
 def test_forwarded_headers_stay_bytes_and_a_line_break_is_refused() -> None:
@@ -109,10 +110,10 @@ def test_forwarded_headers_stay_bytes_and_a_line_break_is_refused() -> None:
         (b"connection", b"keep-alive, x-hop"),
         (b"x-hop", b"dropped"),
     ]
-    kept = openai_relay._forwarded(raw)
+    kept = relay_headers._forwarded(raw)
     assert kept == {b"x-trace": b"a, b", b"cookie": b"k=1; j=2"}
-    assert openai_relay._request_lines(kept) == b"x-trace: a, b\r\ncookie: k=1; j=2\r\n"
+    assert relay_headers._request_lines(kept) == b"x-trace: a, b\r\ncookie: k=1; j=2\r\n"
     for bad in (b"a\r\nx-injected: 1", b"a\nx-injected: 1", b"a\rb"):
-        with pytest.raises(openai_relay.OpenAIError, match="'x-trace' has a line break") as e:
-            openai_relay._request_lines({b"accept": b"*/*", b"x-trace": bad})
+        with pytest.raises(OpenAIError, match="'x-trace' has a line break") as e:
+            relay_headers._request_lines({b"accept": b"*/*", b"x-trace": bad})
         assert e.value.status == 400

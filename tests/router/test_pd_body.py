@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from kvevents import kernels
 from kvevents.router.serve.bodies import pinned_bytes, spliced
-from kvevents.router.serve.openai_relay import OpenAIError
 from kvevents.router.serve.pd_body import PlainFields, read_plain, sglang_leg_bytes
 from kvevents.router.serve.pd_legs import pinned_body, sglang_legs
 from kvevents.router.serve.pd_read import plain_request
+from kvevents.router.serve.relay_answer import OpenAIError
 
 U32 = 2**32 - 1
 LEG_KEYS = (

@@ -26,10 +26,10 @@ from kvevents import Holder, Router, kernels
 from kvevents.http.auth import ApiKey
 from kvevents.http.inline import AsyncInlineApp, protocol_for
 from kvevents.http.serving import bind_http, start_http
-from kvevents.router.serve import openai_relay as relay_module
 from kvevents.router.serve.app import create_app
 from kvevents.router.serve.hot_path import HotPath
 from kvevents.router.serve.openai_relay import OpenAIRelay
+from kvevents.router.serve.relay_stream import until_gone
 from kvevents.router.serve.service import RouterService
 from kvevents.subscribe.engine_spec import EngineSpec
 from kvevents.wire.hashing import content_keys
@@ -518,7 +518,7 @@ async def _relay_that_fails(starts: bool) -> list[str]:
         raise OSError("the client is gone")
 
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    await relay_module._until_gone(relay(), gone, chunks, lambda: released.append("by the answer"))
+    await until_gone(relay(), gone, chunks, lambda: released.append("by the answer"))
     return released
 
 
@@ -527,6 +527,6 @@ def test_a_stream_the_relay_never_started_is_released_all_the_same() -> None:
     the answer for a client already gone): the stream generator never ran its cleanup,
     so the answer's own release frees the engine connection (and with it the request's
     in-flight count); after a stream that ran, that release is a second call, which
-    :meth:`Response.release <kvevents.http.upstream.Response.release>` ignores."""
+    :meth:`Response.release <kvevents.http.upstream_answers.Response.release>` ignores."""
     assert asyncio.run(_relay_that_fails(starts=False)) == ["by the answer"]
     assert asyncio.run(_relay_that_fails(starts=True)) == ["by the stream", "by the answer"]

@@ -20,7 +20,8 @@ import trustme
 from upstream_support import OK, Script, Server, answer_once, keep_alive, read_request, run, serving
 
 from kvevents.http import auth as http_auth
-from kvevents.http.upstream import MidwayError, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_errors import MidwayError, UpstreamError
 
 
 def test_requests_reuse_one_kept_alive_connection_and_send_what_they_are_given() -> None:

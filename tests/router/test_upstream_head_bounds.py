@@ -12,7 +12,8 @@ import asyncio
 import pytest
 from upstream_support import OK, Script, Server, answer_once, run, serving
 
-from kvevents.http.upstream import HeadTooLarge, MidwayError, Upstream
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_errors import HeadTooLarge, MidwayError
 
 
 def _huge_head(size: int) -> bytes:

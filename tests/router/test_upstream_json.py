@@ -9,7 +9,9 @@ import asyncio
 import pytest
 from upstream_support import Server, answer_once, keep_alive, run, serving
 
-from kvevents.http.upstream import FullResponse, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
+from kvevents.http.upstream_errors import UpstreamError
 
 
 def _answer(status: str, body: bytes, content_type: bytes = b"application/json") -> bytes:

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 from kvevents import kernels
 from kvevents.http.serving import run_event_loop, serve_app
-from kvevents.http.upstream import FullResponse, Upstream
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
 from kvevents.router.prompts.token_body import BadRequest, decode_tokens_body
 from kvevents.router.serve.hot_path import Receive, Scope, Send
 

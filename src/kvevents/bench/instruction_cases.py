@@ -36,7 +36,8 @@ import msgspec
 
 from kvevents import kernels
 from kvevents.bench.bare_server import BareApp
-from kvevents.http.upstream import FullResponse, Upstream
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
 from kvevents.index.predictions import DEFAULT_PREDICTION_TTL_S
 from kvevents.router.decide.router import Router
 from kvevents.router.serve.hot_path import HotPath

@@ -36,10 +36,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvevents.http.upstream import FullResponse, Upstream, UpstreamError
-from kvevents.router.serve.openai_relay import RANK_HEADER
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
+from kvevents.http.upstream_errors import UpstreamError
 from kvevents.router.serve.pd_body import transfer_params, vllm_decode_bytes
 from kvevents.router.serve.pd_legs import sglang_legs, vllm_prefill_body
+from kvevents.router.serve.relay_headers import RANK_HEADER
 
 __all__ = ["ROOM_PLACEHOLDER", "DirectLegs", "Send", "ViaRouter", "VllmDirectLegs", "run_load"]
 

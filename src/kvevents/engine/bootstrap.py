@@ -48,7 +48,8 @@ from kvevents.engine.transfer_registry import (
 from kvevents.errors import EndpointError
 from kvevents.http.auth import ApiKey, ApiKeyGate
 from kvevents.http.serving import bind_http, start_http
-from kvevents.http.upstream import MidwayError, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_errors import MidwayError, UpstreamError
 
 __all__ = ["BootstrapClient", "BootstrapServer", "TakeRequest"]
 

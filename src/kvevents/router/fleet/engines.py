@@ -48,7 +48,9 @@ from typing import Any, Literal
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvevents.errors import DiscoveryError
-from kvevents.http.upstream import FullResponse, MidwayError, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
+from kvevents.http.upstream_errors import MidwayError, UpstreamError
 from kvevents.router.decide.models import (
     EngineModels,
     models_from_names,
@@ -382,7 +384,7 @@ async def read_models(spec: EngineSpec, upstream: Upstream) -> EngineModels | No
     """The engine's models: described, else (see :mod:`kvevents.router.decide.models`) from its
     ``/v1/models`` or its ``/server_info``; a ``kvevents`` engine's from ``/server_info``
     only (one started without model flags says ``served_model_names: null``: it takes
-    any model). None when it names none; :class:`~kvevents.http.upstream.UpstreamError`
+    any model). None when it names none; :class:`~kvevents.http.upstream_errors.UpstreamError`
     or TimeoutError when none answers.
     """
     if spec.models:

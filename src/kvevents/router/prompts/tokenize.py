@@ -37,7 +37,9 @@ from urllib.parse import quote, urlsplit
 import msgspec
 
 from kvevents.errors import ConfigError, KVEventsError
-from kvevents.http.upstream import FullResponse, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse
+from kvevents.http.upstream_errors import UpstreamError
 from kvevents.text.chat import ChatError, render_chat
 from kvevents.text.tokenizer import ByteTokenizer
 

@@ -55,7 +55,8 @@ from kvevents.router.serve.bodies import (
     Scope,
     read_body,
 )
-from kvevents.router.serve.openai_relay import RELAYED, OpenAIError, OpenAIRelay
+from kvevents.router.serve.openai_relay import RELAYED, OpenAIRelay
+from kvevents.router.serve.relay_answer import OpenAIError
 from kvevents.router.serve.service import (
     DEFAULT_TOP,
     BadRequest,

@@ -41,13 +41,10 @@ from fastapi.responses import JSONResponse, Response
 
 from kvevents.http.auth import Receive, Scope, Send
 from kvevents.router.serve.bodies import DEFAULT_MAX_BODY_BYTES
-from kvevents.router.serve.openai_relay import (
-    RANK_HEADER,
-    OpenAIError,
-    OpenAIRelay,
-    decision_headers,
-    prompts_of,
-)
+from kvevents.router.serve.openai_relay import OpenAIRelay
+from kvevents.router.serve.relay_answer import OpenAIError
+from kvevents.router.serve.relay_body import prompts_of
+from kvevents.router.serve.relay_headers import RANK_HEADER, decision_headers
 from kvevents.router.serve.service import RouterService
 
 __all__ = ["RANK_HEADER", "OpenAIError", "add_openai_routes", "decision_headers", "prompts_of"]

@@ -30,7 +30,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from kvevents.http.upstream import FullResponse, MidwayError, Response, Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_answers import FullResponse, Response
+from kvevents.http.upstream_errors import MidwayError, UpstreamError
 from kvevents.router.decide.pd import Pool
 from kvevents.router.decide.router import RouteDecision, Router, Ticket
 from kvevents.router.serve.pd_stats import LegFailure, PDStats

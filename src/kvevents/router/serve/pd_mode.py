@@ -25,7 +25,8 @@ import contextlib
 import logging
 from typing import Any
 
-from kvevents.http.upstream import Upstream, UpstreamError
+from kvevents.http.upstream import Upstream
+from kvevents.http.upstream_errors import UpstreamError
 from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, PDPools, Pool
 from kvevents.router.fleet.engines import key_refused
 from kvevents.router.serve.pd_legs import PDProtocol

@@ -19,9 +19,10 @@ import msgspec
 
 from kvevents.router.prompts.completion_body import RelayFields
 from kvevents.router.prompts.tokenize import TextTokenizer, TokenizeError
-from kvevents.router.serve.openai_relay import OpenAIError, _json_object, _tokenize_error
 from kvevents.router.serve.pd_body import PlainFields, read_plain
 from kvevents.router.serve.pd_request import Endpoint
+from kvevents.router.serve.relay_answer import OpenAIError, _tokenize_error
+from kvevents.router.serve.relay_body import _json_object
 
 __all__ = [
     "PDRequest",

@@ -45,23 +45,13 @@ import msgspec
 
 from kvevents.errors import RouterNotReadyError
 from kvevents.http.inline import InlineAnswer
-from kvevents.http.upstream import Response
+from kvevents.http.upstream_answers import Response
 from kvevents.router.decide.models import UnknownModelError
 from kvevents.router.decide.pd import PDDecision, Pool, decide_pd
 from kvevents.router.decide.router import RouteDecision
 from kvevents.router.prompts.completion_body import RelayFields
 from kvevents.router.serve.bodies import pinned_bytes
-from kvevents.router.serve.openai_relay import (
-    RANK_HEADER,
-    Answer,
-    OpenAIError,
-    OpenAIRelay,
-    _engine_headers,
-    _forwarded,
-    _request_lines,
-    _UsageTracker,
-    prompts_of,
-)
+from kvevents.router.serve.openai_relay import OpenAIRelay
 from kvevents.router.serve.pd_body import (
     sglang_leg_bytes,
     transfer_params,
@@ -93,6 +83,15 @@ from kvevents.router.serve.pd_request import (
     pd_headers,
 )
 from kvevents.router.serve.pd_sse import merged_first_event
+from kvevents.router.serve.relay_answer import Answer, OpenAIError
+from kvevents.router.serve.relay_body import prompts_of
+from kvevents.router.serve.relay_headers import (
+    RANK_HEADER,
+    _engine_headers,
+    _forwarded,
+    _request_lines,
+)
+from kvevents.router.serve.relay_stream import UsageTracker
 from kvevents.router.serve.request_stats import engine_usage_of_json
 from kvevents.router.serve.service import FORWARD_ERRORS, RouterService
 
@@ -373,7 +372,7 @@ class PDRelay(OpenAIRelay):
         response.on_end(lambda: exchange.end(decode, failed=False))
 
         async def relay() -> AsyncIterator[bytes]:
-            tracker = _UsageTracker()
+            tracker = UsageTracker()
             chunks = response.chunks()
             if logprobs is not None:
                 chunks = merged_first_event(chunks, logprobs)

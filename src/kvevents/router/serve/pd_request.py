@@ -19,14 +19,10 @@ import msgspec
 
 from kvevents.router.decide.pd import PDDecision
 from kvevents.router.decide.router import RouteDecision
-from kvevents.router.serve.openai_relay import (
-    Answer,
-    OpenAIError,
-    _quoted_worker,
-    decision_headers,
-)
 from kvevents.router.serve.pd_exchange import Whole
 from kvevents.router.serve.pd_legs import merge_input_logprobs
+from kvevents.router.serve.relay_answer import Answer, OpenAIError
+from kvevents.router.serve.relay_headers import _quoted_worker, decision_headers
 
 __all__ = [
     "PD_PATHS",

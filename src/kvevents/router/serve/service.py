@@ -29,13 +29,8 @@ from kvevents import kernels
 from kvevents.errors import KVEventsError, SubscriberStateError
 from kvevents.http.auth import ClientCredentials
 from kvevents.http.inline import HttpLimits
-from kvevents.http.upstream import (
-    DEFAULT_HEAD_TIMEOUT_S,
-    DEFAULT_MAX_HEAD_BYTES,
-    MidwayError,
-    Upstream,
-    UpstreamError,
-)
+from kvevents.http.upstream import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_HEAD_BYTES, Upstream
+from kvevents.http.upstream_errors import MidwayError, UpstreamError
 from kvevents.kernels import native
 from kvevents.router.decide.router import POLICIES, Policy, Router
 from kvevents.router.fleet.engines import MODELS_RECHECK_S, EngineState, watch_engine
