@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvevents import BlockStored, Delivery, Gap, Holder, KVEventBatch, Loss, Reset, Router
 from kvevents.router.decide.models import models_from_names
 from kvevents.router.serve.metrics import make_registry, render
 from kvevents.subscribe.items import Removed
+from kvevents.subscribe.stats import StreamStats
 
 H0, H1 = Holder("http://e:1", 0), Holder("http://e:1", 1)
 
@@ -119,6 +121,32 @@ def test_two_routers_have_separate_metric_registries() -> None:
     assert "kvevents_router_lookups_total 1.0" in text_a
     assert 'kvevents_router_routes_total{dp_rank="0",worker="http://e:1"} 1.0' in text_a
     assert "kvevents_router_index_entries 0.0" in text_b
+
+
+def test_every_stream_counter_is_a_metric_per_stream() -> None:
+    """Each stream's counters, the snapshots that filled gaps and those that failed
+    included, are ``kvevents_router_stream_*_total{worker,dp_rank}`` with its values."""
+    stats = msgspec.structs.replace(
+        StreamStats.empty("http://e:1", 2, "tcp://e:5557", "tcp://e:5558"),
+        gaps=4,
+        replayed=3,
+        lost=1,
+        snapshots=2,
+        snapshot_failures=1,
+        unknown_events=5,
+    )
+    text = render(make_registry(make_router(), lambda: {Holder("http://e:1", 2): stats})).decode()
+    labels = '{dp_rank="2",worker="http://e:1"}'
+    for name, value in (
+        ("gaps", 4),
+        ("replayed", 3),
+        ("lost", 1),
+        ("snapshots", 2),
+        ("snapshot_failures", 1),
+        ("unknown_events", 5),
+        ("malformed", 0),
+    ):
+        assert f"kvevents_router_stream_{name}_total{labels} {value:.1f}" in text, name
 
 
 def _serve(router: Router, tokens: list[int], seqs: dict[Holder, int]) -> Holder:

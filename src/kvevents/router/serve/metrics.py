@@ -19,7 +19,8 @@ Families (all prefixed ``kvevents_router_``):
 * ``lookups_total``, ``routes_total{worker,dp_rank}``, ``inflight_requests{worker,dp_rank}``.
 * ``stream_lag_seconds``, ``stream_age_seconds``, ``stream_last_seq``,
   ``stream_gaps_total``, ``stream_lost_total``, ``stream_resets_total``,
-  ``stream_replayed_total``, ``stream_malformed_total`` (all ``{worker,dp_rank}``).
+  ``stream_replayed_total``, ``stream_malformed_total``, ``stream_unknown_events_total``,
+  ``stream_snapshots_total``, ``stream_snapshot_failures_total`` (all ``{worker,dp_rank}``).
 * ``signals_total{kind,worker,dp_rank}``: signals the router acted on.
 * ``stalls_total{worker,dp_rank,cause}``: times a holder became stalled, by cause
   (``requests``: its requests stopped completing; ``engine``: its engine's load poll
@@ -80,6 +81,8 @@ _STREAM_COUNTERS = (
     ("replayed", "stream_replayed", "batches recovered by replay"),
     ("malformed", "stream_malformed", "malformed frames skipped"),
     ("unknown_events", "stream_unknown_events", "events of a type not known here, left out"),
+    ("snapshots", "stream_snapshots", "gaps replay could not fill, filled by a snapshot"),
+    ("snapshot_failures", "stream_snapshot_failures", "snapshots asked for that never came whole"),
 )
 
 StreamStatsSource = Callable[[], Mapping[Holder, StreamStats]]
