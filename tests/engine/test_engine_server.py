@@ -128,6 +128,15 @@ def test_flush_one_rank(engine: Engine) -> None:
     assert engine.kv_blocks(0)
 
 
+def test_server_info_shows_the_kv_events_config_the_ranks_publish_with(engine: Engine) -> None:
+    """Given no snapshot keys, the ranks serve snapshots bounded by twice their cache, and
+    /server_info's kv_events_config string says so, as its kv_events block does."""
+    info = engine.server_info()
+    config = json.loads(info["kv_events_config"])
+    assert (config["snapshot"], config["snapshot_max_blocks"]) == (True, 2 * 64), config
+    assert info["kv_events"]["snapshot"] is True
+
+
 def test_restart_rank_keeps_ports_and_restarts_at_seq_zero(engine: Engine) -> None:
     """/admin/restart_rank restarts one rank on the same ports; its new stream starts at seq 0 with an empty cache."""
     before = engine.server_info()["kv_events"]["publishers"]

@@ -49,7 +49,7 @@ from kvevents.engine.models import (
     parse_lora_modules,
     parse_served_model_names,
 )
-from kvevents.engine.rank import RankSpec
+from kvevents.engine.rank import RankSpec, engine_kv_events_config
 from kvevents.engine.server import EngineInfo, EngineLimits, create_app
 from kvevents.engine.supervisor import RankSupervisor
 from kvevents.engine.topology import Topology, plan_topology
@@ -246,7 +246,9 @@ async def _serve_until_stopped(settings: EngineSettings, stop: asyncio.Event) ->
             page_size=settings.page_size,
             max_blocks=settings.max_blocks,
             hash_scheme=settings.hash_scheme,
-            kv_events_config=settings.kv_events_config,
+            kv_events_config=engine_kv_events_config(
+                settings.kv_events_config, settings.max_blocks, settings.sliding_window
+            ),  # as the ranks publish with it (snapshots on unless it decides)
             models=settings.models,
         )
         limits = EngineLimits(
