@@ -253,14 +253,16 @@ def send(
     prefill: str,
     max_tokens: int = 1,
     stream: bool = False,
+    extra: Mapping[str, Any] | None = None,
 ) -> Sent:
-    """``prompt`` as text through the router's ``/v1/completions``; checks it answered 200
+    """``prompt`` as text through the router's ``/v1/completions`` (``extra``: more
+    members of its body); checks it answered 200
     from the decode instance, with ``x-kvevents-prefill: prefill`` (``skipped``, or the
     reason a prefill holder was chosen) and the prefill instance named when there was one,
     and that vLLM finished one request on each leg's rank and changed no other rank's
     counters."""
     before = fleet.ledger(router)
-    routed = router.complete(words(prompt), max_tokens=max_tokens, stream=stream)
+    routed = router.complete(words(prompt), max_tokens=max_tokens, stream=stream, extra=extra)
     assert routed.status == 200, routed.body
     h = routed.headers
     assert h.get("x-kvevents-prefill") == prefill, dict(h)

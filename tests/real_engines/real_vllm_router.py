@@ -225,14 +225,17 @@ class RouterProcess:
         max_tokens: int = 1,
         stream: bool = False,
         timeout: float = 120.0,
+        extra: Mapping[str, Any] | None = None,
     ) -> Routed:
-        """``POST /v1/completions`` through the router; the decision headers and vLLM's usage."""
+        """``POST /v1/completions`` through the router (``extra``: more members of its
+        body); the decision headers and vLLM's usage."""
         body: dict[str, Any] = {
             "model": "tiny",
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
+            **(extra or {}),
         }
         if stream:
             body["stream"] = True

@@ -182,6 +182,22 @@ def test_a_short_prompt_is_prefilled_by_the_decode_alone(
     assert sent.router_counted == {"decode.requests": 1, "decode.prefill_skipped": 1}
 
 
+def test_a_prompt_asked_back_with_its_logprobs_is_computed_by_the_decode_alone(
+    pd: PDFleet, router: RouterProcess
+) -> None:
+    """A 300-token prompt asked back with its logprobs (echo) goes to the decode alone, which computes every prompt token itself (vLLM reads no cache for a prompt whose logprobs are asked) and answers a logprob for each token; the prefill instance sees no request."""
+    prompt = Prompts("pd-logprobs").fresh(LONG)
+    extra = {"echo": True, "logprobs": 0}
+    sent = send(pd, router, prompt, prefill="skipped", max_tokens=2, extra=extra)
+    assert int(sent.routed.headers["x-kvevents-uncached-tokens"]) == LONG
+    assert sent.prefilled == NOTHING
+    assert sent.decoded.tokens(sent.decode_rank) == tokens(LONG)
+    logprobs = sent.routed.body["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(logprobs) == LONG + 2 and logprobs[0] is None
+    assert all(isinstance(lp, float) for lp in logprobs[1:]), logprobs
+    assert sent.router_counted == {"decode.requests": 1, "decode.prefill_skipped": 1}
+
+
 def test_the_routers_pd_counters_agree_with_its_metrics_and_with_vllm(
     pd: PDFleet, pd_router: tuple[RouterProcess, Ledger]
 ) -> None:

@@ -20,7 +20,8 @@ from kvevents import kernels
 from kvevents.router.serve.bodies import pinned_bytes, spliced
 from kvevents.router.serve.pd_body import PlainFields, read_plain, sglang_leg_bytes
 from kvevents.router.serve.pd_legs import pinned_body, sglang_legs
-from kvevents.router.serve.pd_read import plain_request
+from kvevents.router.serve.pd_read import PDRequest, plain_request
+from kvevents.router.serve.pd_request import Endpoint
 from kvevents.router.serve.relay_answer import OpenAIError
 
 U32 = 2**32 - 1
@@ -241,3 +242,35 @@ def test_spliced_legs_decode_to_the_dict_legs(
 
 def test_plain_fields_ignore_unknown_members() -> None:
     assert msgspec.json.decode(b'{"zzz": [1, {"a": 2}]}', type=PlainFields) == PlainFields()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "members", "asks"),
+    [
+        ("completions", {"prompt_logprobs": 0}, True),
+        ("completions", {"prompt_logprobs": 5}, True),
+        ("completions", {"prompt_logprobs": None}, False),
+        ("completions", {"echo": True, "logprobs": 0}, True),
+        ("completions", {"echo": True}, False),
+        ("completions", {"echo": False, "logprobs": 2}, False),
+        ("completions", {"logprobs": 2}, False),
+        ("chat", {"prompt_logprobs": 1}, True),
+        ("chat", {"echo": True, "logprobs": True}, False),
+        ("generate", {"prompt_logprobs": 1, "return_logprob": True}, False),
+    ],
+)
+def test_a_request_asking_for_its_prompts_logprobs_is_told_apart(
+    endpoint: Endpoint, members: dict[str, object], asks: bool
+) -> None:
+    """``prompt_logprobs`` (0 included) on either OpenAI route, or a completion's ``echo``
+    with ``logprobs``, asks for the prompt's logprobs, read alike from a plain body and a
+    decoded one; /generate's are ``return_logprob``'s, apart."""
+    key = {"completions": "prompt", "chat": "messages", "generate": "input_ids"}[endpoint]
+    value = [{"role": "user", "content": "hi"}] if endpoint == "chat" else [1, 2, 3]
+    body = {key: value, **members}
+    raw = msgspec.json.encode(body)
+    whole = PDRequest(endpoint, raw, body, [[1, 2, 3]], batched=False, samples=1, stream=False)
+    assert whole.prompt_logprobs is asks
+    plain = plain_request(endpoint, raw)
+    if endpoint != "chat":
+        assert plain is not None and plain.prompt_logprobs is asks

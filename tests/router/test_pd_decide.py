@@ -62,6 +62,19 @@ def test_the_prefill_is_skipped_when_the_decode_holds_the_prompt() -> None:
     assert not never.skipped
 
 
+def test_a_decode_that_computes_the_whole_prompt_serves_alone() -> None:
+    """decode_alone: no prefill holder whatever the prompt's length or the threshold, and
+    every prompt token counts as computed by the decode, cached or not."""
+    router = _router()
+    _store(router, D1, PROMPT[:56])
+    for threshold in (0, 8, 256):
+        alone = decide_pd(
+            router, POOLS, [PROMPT], max_local_prefill_tokens=threshold, decode_alone=True
+        )
+        assert alone.skipped and alone.prefill_reason is None
+        assert alone.uncached_tokens == len(PROMPT)
+
+
 def test_a_partial_last_block_counts_as_uncached() -> None:
     """Tokens past the last full block are never cached, so they count against N."""
     router = _router()

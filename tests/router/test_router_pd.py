@@ -474,6 +474,40 @@ def test_vllm_chat_and_shared_storage(vl: tuple) -> None:
     assert decode == body
 
 
+@pytest.mark.parametrize(
+    ("path", "members"),
+    [
+        ("/v1/completions", {"prompt_logprobs": 0}),
+        ("/v1/completions", {"echo": True, "logprobs": 1}),
+        ("/v1/chat/completions", {"prompt_logprobs": 2}),
+    ],
+)
+def test_vllm_prompt_logprobs_go_to_the_decode_alone(
+    vl: tuple, path: str, members: dict[str, Any]
+) -> None:
+    """vLLM computes the prompt of a request asking for its logprobs itself, whatever it
+    is handed: such a request, long as it is, goes to the decode alone, as the client
+    sent it (counted a prefill skipped); without them the same prompt takes both legs."""
+    pair, router = vl
+    prompt = fresh_prompt(300)  # past the default 256 tokens a decode prefills
+    if path == "/v1/chat/completions":
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": "hello " * 300}]}
+    else:
+        body = {"prompt": prompt}
+    response = router.post(path, {**body, **members})
+    assert response.status_code == 200, response.text
+    assert pair.prefill.received == []
+    (decoded,) = pair.decode.bodies()
+    assert "kv_transfer_params" not in decoded
+    assert {k: decoded[k] for k in members} == members
+    assert "x-kvevents-prefill-dp-rank" not in response.headers
+    pd = workers_pd(router)
+    assert pd["pools"]["decode"]["prefill_skipped"] >= 1, pd
+    both = router.post(path, {**body, "max_tokens": 2})
+    assert both.status_code == 200, both.text
+    assert len(pair.prefill.received) == 1 and len(pair.decode.received) == 2
+
+
 def test_vllm_prefill_error_never_sends_the_decode(vl: tuple) -> None:
     """A vLLM prefill answering 500 is a 502 for the client; the decode leg is not sent."""
     pair, router = vl

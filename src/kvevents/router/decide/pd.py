@@ -9,7 +9,9 @@ instance, which computes the prompt's KV and hands it over. :func:`decide_pd` ch
    hold (confirmed blocks, any tier, that an engine reuses: a partial last block is never
    cached, a block-aligned prompt's last is computed again) are its ``uncached_tokens``;
    at most ``max_local_prefill_tokens`` of them (0: never) and the decode instance
-   prefills them itself, alone;
+   prefills them itself, alone. It does too when ``decode_alone`` says it computes the
+   whole prompt whatever it holds or is handed (vLLM, for a request that asks for its
+   prompt's logprobs): a prefill leg would compute the prompt twice;
 3. otherwise the **prefill** holder: the same cost among the prefill pool's holders,
    predictions included, so the siblings of a burst land on the rank their first
    request was just sent to. Its reason, for the metrics: ``prediction`` when
@@ -113,7 +115,8 @@ class PDDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """None when the decode instance serves the request alone."""
     prompt_tokens: int
     uncached_tokens: int
-    """Prompt tokens the decode holder does not hold (confirmed blocks)."""
+    """Prompt tokens the decode holder computes: those it does not hold (confirmed
+    blocks), or all of them when it computes the whole prompt (``decode_alone``)."""
     prefill_reason: PrefillReason | None = None
 
     @property
@@ -128,13 +131,15 @@ def decide_pd(
     prompts: Sequence[Sequence[int]],
     *,
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    decode_alone: bool = False,
     policy: Policy = "kv-aware",
     lora: str | int | None = None,
     cache_salt: str | None = None,
     model: str | None = None,
     extra_keys: Sequence[Any] | None = None,
 ) -> PDDecision:
-    """Choose the decode holder and, unless it can prefill alone, the prefill holder.
+    """Choose the decode holder and, unless it can prefill alone (or must:
+    ``decode_alone``), the prefill holder.
 
     Changes nothing (``Router.begin`` each leg's decision). RouterNotReadyError when a
     pool that is needed has no available holder; UnknownModelError as ``Router.route``.
@@ -145,8 +150,8 @@ def decide_pd(
     prefill_pool, decode_pool = pools.split(request.holders)
     decode = _route(router, request, decode_pool, policy, "decode", model)
     prompt_tokens = sum(map(len, prompts))
-    uncached = max(0, prompt_tokens - decode.matched_tokens)
-    if max_local_prefill_tokens > 0 and uncached <= max_local_prefill_tokens:
+    uncached = prompt_tokens if decode_alone else max(0, prompt_tokens - decode.matched_tokens)
+    if decode_alone or (max_local_prefill_tokens > 0 and uncached <= max_local_prefill_tokens):
         return PDDecision(
             decode=decode, prefill=None, prompt_tokens=prompt_tokens, uncached_tokens=uncached
         )

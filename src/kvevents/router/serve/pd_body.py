@@ -65,6 +65,10 @@ class PlainFields(msgspec.Struct):
     sampling_params: Any = _UNSET
     """``/generate``'s (its ``n``: the samples)."""
     return_logprob: Any = _UNSET
+    prompt_logprobs: Any = _UNSET
+    echo: Any = _UNSET
+    logprobs: Any = _UNSET
+    """These three: whether an OpenAI request asks for its prompt's logprobs."""
     lora_path: Any = _UNSET
     lora: Any = _UNSET
     text: Any = _UNSET

@@ -56,6 +56,7 @@ class PDRequest:
         "logprob",
         "lora",
         "model",
+        "prompt_logprobs",
         "prompts",
         "raw",
         "salt",
@@ -94,13 +95,18 @@ class PDRequest:
                 fields.return_logprob,
                 fields.extra_keys,
             )
+            asked = (fields.prompt_logprobs, fields.echo, fields.logprobs)
         else:
             assert body is not None
             model, salt = body.get("model"), body.get("cache_salt")
             logprob, extra = body.get("return_logprob"), body.get("extra_keys")
+            asked = (body.get("prompt_logprobs"), body.get("echo"), body.get("logprobs"))
         self.model = model if isinstance(model, str) else None
         self.salt = salt if isinstance(salt, str) else None
         self.logprob = endpoint == "generate" and _any_true(logprob)
+        self.prompt_logprobs = endpoint != "generate" and _asks_prompt_logprobs(endpoint, *asked)
+        """An OpenAI request asking for its prompt's logprobs: ``prompt_logprobs`` (vLLM's,
+        either route), or a completion's ``echo`` with ``logprobs``."""
         self.extra_keys: list[Any] | None = (
             extra
             if endpoint == "generate" and isinstance(extra, list) and len(prompts) == 1
@@ -223,6 +229,19 @@ def asks_stream(endpoint: Endpoint, read: PDRequest | dict[str, Any]) -> bool:
     if endpoint == "generate":
         return read.get("stream") is True
     return RelayFields.of(read).wants_stream
+
+
+def _asks_prompt_logprobs(
+    endpoint: Endpoint, prompt_logprobs: Any, echo: Any, logprobs: Any
+) -> bool:
+    if _given(prompt_logprobs):
+        return True
+    return endpoint == "completions" and echo is True and _given(logprobs)
+
+
+def _given(value: Any) -> bool:
+    """A count of logprobs asked for (0 included: the prompt's own tokens' alone)."""
+    return not (value is _UNSET or value is None or value is False)
 
 
 def _any_true(value: Any) -> bool:

@@ -206,6 +206,9 @@ class PDRelay(OpenAIRelay):
                 self.pd.pools,
                 request.prompts,
                 max_local_prefill_tokens=self.pd.max_local_prefill_tokens,
+                # vLLM computes the prompt of a request asking for its logprobs itself,
+                # whatever it holds or is handed: a prefill leg would be computed twice
+                decode_alone=request.prompt_logprobs and self.pd.protocol == "vllm",
                 policy=self.service.policy,
                 lora=request.lora,
                 cache_salt=request.salt,

@@ -7,7 +7,8 @@ request, read at scrape time by :class:`PDCollector` (families prefixed
 * ``requests_total{pool}``: legs sent to each pool: every request sends one to the
   decode pool, a request with a hand-off one more to the prefill pool;
 * ``prefill_skipped_total``: requests the decode instance served alone (its uncached
-  part at most ``--max-local-prefill-tokens``);
+  part at most ``--max-local-prefill-tokens``, or, with vLLM's legs, a request asking
+  for its prompt's logprobs, whose prompt the decode computes itself);
 * ``prefill_chosen_total{reason}``: prefill holders chosen by ``cache`` (the holder had
   part of the prompt), ``prediction`` (predictions changed the choice) or ``load``;
 * ``legs_failed_total{pool,reason}``: legs that failed: ``unreachable`` (no
