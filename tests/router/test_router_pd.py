@@ -22,6 +22,7 @@ from openai_support import RankPublishers
 from pd_support import FakePD, Handoffs
 from router_support import RouterProc, wait_until
 
+from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from kvevents.transport.endpoints import free_port_range
 
 BS = 4
@@ -590,6 +591,13 @@ def test_workers_and_metrics_count_per_pool(ctx: zmq.Context) -> None:
             "mix vllm engines with kvevents ones",
         ),
         (["--prefill", "http://b:1", "--decode", "http://b:1"], "given twice"),
+        (
+            [
+                *("--prefill", "http://b:1", "--engine-kind", "sglang", "--decode", "http://c:1"),
+                *("--engine-kind", "sglang", "--max-local-prefill-tokens", "64"),
+            ],
+            "decode engine http://c:1 is an SGLang one",
+        ),
     ],
 )
 def test_cli_refuses_what_does_not_fit(argv: list[str], message: str) -> None:
@@ -599,6 +607,37 @@ def test_cli_refuses_what_does_not_fit(argv: list[str], message: str) -> None:
     done = run_kvevents("router", "--port", "0", "--workers", "1", *argv, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "kvevents router: error:" in done.stderr and message in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("kinds", "given", "expected"),
+    [
+        (("kvevents", "kvevents"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
+        (("vllm", "vllm"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
+        (("sglang", "sglang"), None, 0),
+        (("sglang", "sglang"), "0", 0),
+        (("kvevents", "kvevents"), "64", 64),
+        (("sglang", "kvevents"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
+    ],
+)
+def test_an_sglang_decode_never_serves_alone_by_default(
+    kinds: tuple[str, str], given: str | None, expected: int
+) -> None:
+    """An SGLang decode server takes no request without its prefill, so with one in the
+    decode pool the default --max-local-prefill-tokens is 0; other decode engines (vLLM,
+    the simulated one) keep the default, and a value given is kept where it can work."""
+    from kvevents.cli.main import build_parser
+    from kvevents.cli.router import _pd_mode
+
+    prefill_kind, decode_kind = kinds
+    argv = ["router", "--prefill", "http://p:1", "--engine-kind", prefill_kind]
+    argv += ["--decode", "http://d:1", "--engine-kind", decode_kind]
+    if given is not None:
+        argv += ["--max-local-prefill-tokens", given]
+    if "vllm" in kinds:
+        argv += ["--pd-protocol", "vllm"]
+    pd = _pd_mode(build_parser("router").parse_args(argv))
+    assert pd is not None and pd.max_local_prefill_tokens == expected
 
 
 def test_a_pool_option_amends_its_engine() -> None:
