@@ -81,7 +81,8 @@ def hashes_added(engine: Engine, rank: int, before: set[int]) -> set[int]:
 def test_server_info_tells_the_role_and_the_bound_bootstrap_port(
     prefill: Engine, decode: Engine
 ) -> None:
-    """/server_info has disaggregation_mode and, on a prefill only, the bootstrap port it bound."""
+    """/server_info has disaggregation_mode and, on a prefill only, the bootstrap port it
+    bound; a decode says it prefills a request sent alone itself."""
     info = prefill.server_info()
     port = info["disaggregation_bootstrap_port"]
     assert info["disaggregation_mode"] == "prefill" and isinstance(port, int) and port > 0
@@ -89,12 +90,15 @@ def test_server_info_tells_the_role_and_the_bound_bootstrap_port(
     assert health["disaggregation_mode"] == "prefill"
     info = decode.server_info()
     assert (info["disaggregation_mode"], info["disaggregation_bootstrap_port"]) == ("decode", None)
+    assert info["disaggregation_decode_local_prefill"] is True  # it prefills one sent alone
+    assert "disaggregation_decode_local_prefill" not in prefill.server_info()
 
 
 def test_openapi_describes_the_new_fields(decode: Engine) -> None:
     """The engine's OpenAPI document shows the P/D request fields and /server_info members."""
     schemas = decode.http.get("/openapi.json").json()["components"]["schemas"]
     assert "disaggregation_bootstrap_port" in schemas["ServerInfoAnswer"]["properties"]
+    assert "disaggregation_decode_local_prefill" in schemas["ServerInfoAnswer"]["properties"]
     assert "bootstrap_room" in schemas["GenerateRequest"]["properties"]
     assert "kv_transfer_params" in schemas["CompletionRequest"]["properties"]
 

@@ -40,6 +40,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvevents.wire.server_info import LOCAL_PREFILL_KEY
+
 __all__ = ["FakePD", "Handoffs"]
 
 
@@ -89,6 +91,9 @@ class FakePD:
         self.bootstrap_port = 9000 + len(role)
         self.server_info_status = 200
         """What ``/server_info`` answers: 200 with the role, or this status."""
+        self.local_prefill = True
+        """A decode says it prefills a request sent alone itself, as the simulated engine
+        does (False: as an SGLang decode server, which says nothing of it)."""
         app = FastAPI()
 
         async def serve(request: Request) -> Response:
@@ -138,6 +143,8 @@ class FakePD:
             info: dict[str, Any] = {"disaggregation_mode": self.role}
             if self.role == "prefill":
                 info["disaggregation_bootstrap_port"] = self.bootstrap_port
+            elif self.local_prefill:
+                info[LOCAL_PREFILL_KEY] = True
             return JSONResponse(info)
 
         self._sock = socket.socket()

@@ -75,6 +75,24 @@ def test_a_decode_that_computes_the_whole_prompt_serves_alone() -> None:
         assert alone.uncached_tokens == len(PROMPT)
 
 
+def test_a_decode_engine_that_cannot_serve_alone_always_gets_a_prefill() -> None:
+    """serves_alone(worker) False for the chosen decode's engine: a prefill holder is
+    chosen though the decode holds all but a few tokens, or would compute them all."""
+    router = _router()
+    _store(router, D1, PROMPT[:56])
+    for alone in (False, True):
+        handed = decide_pd(
+            router,
+            POOLS,
+            [PROMPT],
+            max_local_prefill_tokens=256,
+            decode_alone=alone,
+            serves_alone=lambda worker: worker != D1.worker,
+        )
+        assert not handed.skipped and handed.decode.holder == D1
+        assert handed.uncached_tokens == 8
+
+
 def test_a_partial_last_block_counts_as_uncached() -> None:
     """Tokens past the last full block are never cached, so they count against N."""
     router = _router()

@@ -22,7 +22,6 @@ from openai_support import RankPublishers
 from pd_support import FakePD, Handoffs
 from router_support import RouterProc, wait_until
 
-from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from kvevents.transport.endpoints import free_port_range
 
 BS = 4
@@ -257,6 +256,38 @@ def test_the_prefill_is_skipped_when_the_decode_rank_holds_the_prompt(sg: tuple)
     (decode,) = pair.decode.bodies()
     assert decode["routed_dp_rank"] == 1
     assert not {"bootstrap_room", "bootstrap_host", "disagg_prefill_dp_rank"} & set(decode)
+
+
+def test_an_sglang_decode_server_is_never_sent_a_request_alone(ctx: zmq.Context) -> None:
+    """A decode engine whose /server_info does not say it prefills alone (an SGLang decode
+    server serves every request from a prefill's KV) gets even a prompt it holds with a
+    prefill leg beside it, and /workers says so."""
+    pair = Pair(ctx)
+    pair.decode.local_prefill = False
+    try:
+        with pd_router(pair, "sglang", "--max-local-prefill-tokens", "8") as router:
+            wait_until(
+                lambda: (
+                    workers_pd(router)["pools"]["decode"]["engines"][0]["advertised_mode"]
+                    == "decode"
+                ),
+                10,
+                "the decode's /server_info read",
+            )
+            engines = workers_pd(router)["pools"]["decode"]["engines"]
+            assert engines[0]["local_prefill"] is False
+            prompt = fresh_prompt()
+            pair.pubs_d.store(1, prompt, BS)
+            held(router, pair.decode.url, 1, prompt)
+            body = {"prompt": [*prompt, 1, 2, 3], "max_tokens": 1}
+            response = router.post("/v1/completions", body)
+            assert response.status_code == 200, response.text
+            assert response.headers["x-kvevents-prefill"] != "skipped"
+            assert response.headers["x-kvevents-dp-rank"] == "1"
+            (prefilled,), (decoded,) = pair.prefill.bodies(), pair.decode.bodies()
+            assert decoded["bootstrap_room"] == prefilled["bootstrap_room"]
+    finally:
+        pair.close()
 
 
 def test_the_prefill_rank_holding_the_prompt_is_chosen_by_its_cache(sg: tuple) -> None:
@@ -591,13 +622,6 @@ def test_workers_and_metrics_count_per_pool(ctx: zmq.Context) -> None:
             "mix vllm engines with kvevents ones",
         ),
         (["--prefill", "http://b:1", "--decode", "http://b:1"], "given twice"),
-        (
-            [
-                *("--prefill", "http://b:1", "--engine-kind", "sglang", "--decode", "http://c:1"),
-                *("--engine-kind", "sglang", "--max-local-prefill-tokens", "64"),
-            ],
-            "decode engine http://c:1 is an SGLang one",
-        ),
     ],
 )
 def test_cli_refuses_what_does_not_fit(argv: list[str], message: str) -> None:
@@ -607,37 +631,6 @@ def test_cli_refuses_what_does_not_fit(argv: list[str], message: str) -> None:
     done = run_kvevents("router", "--port", "0", "--workers", "1", *argv, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "kvevents router: error:" in done.stderr and message in done.stderr
-
-
-@pytest.mark.parametrize(
-    ("kinds", "given", "expected"),
-    [
-        (("kvevents", "kvevents"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
-        (("vllm", "vllm"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
-        (("sglang", "sglang"), None, 0),
-        (("sglang", "sglang"), "0", 0),
-        (("kvevents", "kvevents"), "64", 64),
-        (("sglang", "kvevents"), None, DEFAULT_MAX_LOCAL_PREFILL_TOKENS),
-    ],
-)
-def test_an_sglang_decode_never_serves_alone_by_default(
-    kinds: tuple[str, str], given: str | None, expected: int
-) -> None:
-    """An SGLang decode server takes no request without its prefill, so with one in the
-    decode pool the default --max-local-prefill-tokens is 0; other decode engines (vLLM,
-    the simulated one) keep the default, and a value given is kept where it can work."""
-    from kvevents.cli.main import build_parser
-    from kvevents.cli.router import _pd_mode
-
-    prefill_kind, decode_kind = kinds
-    argv = ["router", "--prefill", "http://p:1", "--engine-kind", prefill_kind]
-    argv += ["--decode", "http://d:1", "--engine-kind", decode_kind]
-    if given is not None:
-        argv += ["--max-local-prefill-tokens", given]
-    if "vllm" in kinds:
-        argv += ["--pd-protocol", "vllm"]
-    pd = _pd_mode(build_parser("router").parse_args(argv))
-    assert pd is not None and pd.max_local_prefill_tokens == expected
 
 
 def test_a_pool_option_amends_its_engine() -> None:

@@ -42,7 +42,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import httpx
 
@@ -63,7 +63,6 @@ from kvevents.errors import ConfigError
 from kvevents.http.inline import HttpLimits
 from kvevents.http.serving import run_event_loop, serve_app
 from kvevents.index.types import TierCredits
-from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from kvevents.router.decide.router import Router
 from kvevents.router.decide.scoring import ScoringWeights
 from kvevents.router.fleet.peers import LoadNotes, SyncTransport
@@ -349,32 +348,9 @@ def _pd_mode(args: argparse.Namespace) -> PDMode | None:
     return PDMode(
         engines,
         protocol,
-        max_local_prefill_tokens=_max_local_prefill_tokens(args, pooled),
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
         prefill_timeout=args.prefill_timeout,
     )
-
-
-def _max_local_prefill_tokens(
-    args: argparse.Namespace, pooled: Sequence[tuple[str, EngineSpec, int | None]]
-) -> int:
-    """``--max-local-prefill-tokens``, or its default: 0 when a decode engine is an SGLang
-    one. An SGLang decode server (``--disaggregation-mode decode``) serves every request
-    from a prefill's KV: one sent alone waits for a transfer no prefill makes, then
-    fails, so a decode of that kind never serves alone, and asking for it is refused."""
-    given: int | None = args.max_local_prefill_tokens
-    sglang = [
-        spec.url for pool, spec, _ in pooled if pool == "decode" and spec.engine_kind == "sglang"
-    ]
-    if not sglang:
-        return DEFAULT_MAX_LOCAL_PREFILL_TOKENS if given is None else given
-    if given:
-        raise ConfigError(
-            f"--max-local-prefill-tokens {given}: decode engine {sglang[0]} is an SGLang "
-            "one (--engine-kind sglang), and an SGLang decode server takes no request "
-            "without its prefill (it waits for a KV transfer that never comes, then "
-            "fails): give 0, or leave the option out"
-        )
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:

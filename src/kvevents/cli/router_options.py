@@ -125,12 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pd.add_argument(
         "--max-local-prefill-tokens",
         type=bounded(NonNegativeInt),
-        default=None,
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
         metavar="N",
         help="a decode instance that lacks at most N of the prompt's tokens prefills them "
-        f"itself, with no prefill hop (0: always a prefill hop; default "
-        f"{DEFAULT_MAX_LOCAL_PREFILL_TOKENS}, and 0 when a decode engine is an SGLang one, "
-        "whose decode server takes no request without its prefill)",
+        "itself, with no prefill hop (0: always a prefill hop)",
     )
     pd.add_argument(
         "--prefill-timeout",

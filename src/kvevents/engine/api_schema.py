@@ -162,6 +162,9 @@ class ServerInfoAnswer(msgspec.Struct):
     """``null``, ``prefill`` or ``decode`` (``--disaggregation-mode``, SGLang's values)."""
     disaggregation_bootstrap_port: int | None = None
     """A prefill engine's bootstrap server port, as bound (null on other engines)."""
+    disaggregation_decode_local_prefill: bool | None = None
+    """``true`` on a decode engine: it prefills a request sent without a prefill itself
+    (an SGLang decode server cannot, and never says so)."""
 
 
 _RANK = Query("dp_rank", {"type": "integer", "minimum": 0}, "The data-parallel rank")

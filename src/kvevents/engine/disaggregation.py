@@ -48,6 +48,7 @@ from kvevents.engine.transfer_registry import (
 )
 from kvevents.transport.endpoints import WILDCARD_HOSTS
 from kvevents.types import StrEnum
+from kvevents.wire.server_info import LOCAL_PREFILL_KEY
 
 __all__ = [
     "Disaggregation",
@@ -138,9 +139,18 @@ class Disaggregation:
         return cls(config, server, client, page_size=page_size, host=host, engine_id=engine_id)
 
     def server_info(self) -> dict[str, Any]:
-        """The top-level ``/server_info`` members."""
+        """The top-level ``/server_info`` members. A decode instance also says that it
+        prefills a request sent without a prefill itself (``disaggregation_decode_local_prefill``),
+        which an SGLang decode server cannot: a router sends such one every request's
+        prefill."""
         port = self.server.port if self.server is not None else None
-        return {"disaggregation_mode": str(self.mode), "disaggregation_bootstrap_port": port}
+        info: dict[str, Any] = {
+            "disaggregation_mode": str(self.mode),
+            "disaggregation_bootstrap_port": port,
+        }
+        if str(self.mode) == "decode":
+            info[LOCAL_PREFILL_KEY] = True
+        return info
 
     async def start(self) -> None:
         if self.server is not None:

@@ -57,12 +57,20 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 __all__ = [
+    "LOCAL_PREFILL_KEY",
     "AdvertisedPublisher",
     "KVEventsBlock",
     "decode_kv_events_block",
     "encode_kv_events_block",
     "kv_events_block_to_builtins",
 ]
+
+
+LOCAL_PREFILL_KEY = "disaggregation_decode_local_prefill"
+"""A top-level ``/server_info`` member beside ``disaggregation_mode``: ``true`` on a decode
+instance that prefills a request sent without a prefill itself (the simulated engine's).
+An SGLang decode server cannot (it serves every request from a prefill's KV) and never
+sends it; a vLLM instance serves any request alone, whatever it says."""
 
 
 class AdvertisedPublisher(msgspec.Struct, frozen=True, kw_only=True):

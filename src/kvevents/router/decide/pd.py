@@ -35,7 +35,7 @@ and key every request twice. Nothing here runs on the one-pool path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
 import msgspec
@@ -132,6 +132,7 @@ def decide_pd(
     *,
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     decode_alone: bool = False,
+    serves_alone: Callable[[str], bool] | None = None,
     policy: Policy = "kv-aware",
     lora: str | int | None = None,
     cache_salt: str | None = None,
@@ -139,7 +140,8 @@ def decide_pd(
     extra_keys: Sequence[Any] | None = None,
 ) -> PDDecision:
     """Choose the decode holder and, unless it can prefill alone (or must:
-    ``decode_alone``), the prefill holder.
+    ``decode_alone``), the prefill holder. ``serves_alone(worker)``: whether that decode
+    engine can be sent a request alone at all (None: every one can).
 
     Changes nothing (``Router.begin`` each leg's decision). RouterNotReadyError when a
     pool that is needed has no available holder; UnknownModelError as ``Router.route``.
@@ -150,11 +152,14 @@ def decide_pd(
     prefill_pool, decode_pool = pools.split(request.holders)
     decode = _route(router, request, decode_pool, policy, "decode", model)
     prompt_tokens = sum(map(len, prompts))
-    uncached = prompt_tokens if decode_alone else max(0, prompt_tokens - decode.matched_tokens)
-    if decode_alone or (max_local_prefill_tokens > 0 and uncached <= max_local_prefill_tokens):
-        return PDDecision(
-            decode=decode, prefill=None, prompt_tokens=prompt_tokens, uncached_tokens=uncached
-        )
+    uncached = max(0, prompt_tokens - decode.matched_tokens)
+    if serves_alone is None or serves_alone(decode.holder.worker):
+        if decode_alone:  # it computes every prompt token, whatever it holds
+            uncached = prompt_tokens
+        if decode_alone or (max_local_prefill_tokens > 0 and uncached <= max_local_prefill_tokens):
+            return PDDecision(
+                decode=decode, prefill=None, prompt_tokens=prompt_tokens, uncached_tokens=uncached
+            )
     prefill = _route(router, request, prefill_pool, policy, "prefill", model)
     reason: PrefillReason
     if prefill.by_prediction:

@@ -31,6 +31,7 @@ from kvevents.router.decide.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, PDPools,
 from kvevents.router.fleet.engines import key_refused
 from kvevents.router.serve.pd_legs import PDProtocol
 from kvevents.router.serve.pd_stats import PDStats
+from kvevents.wire.server_info import LOCAL_PREFILL_KEY
 
 __all__ = ["DEFAULT_BOOTSTRAP_PORT", "DEFAULT_PREFILL_TIMEOUT_S", "PDEngine", "PDMode"]
 
@@ -58,6 +59,9 @@ class PDEngine:
         self.configured_port = bootstrap_port
         self.advertised_mode: str | None = None
         self.advertised_port: int | None = None
+        self.local_prefill = False
+        """Its ``/server_info`` says it prefills a request sent alone itself
+        (:data:`~kvevents.wire.server_info.LOCAL_PREFILL_KEY`)."""
         self.read = False
         """True once ``/server_info`` answered (with or without the role)."""
         self.error: str | None = None
@@ -77,6 +81,7 @@ class PDEngine:
             return
         mode = info.get("disaggregation_mode")
         before, self.advertised_mode = self.advertised_mode, None if mode is None else str(mode)
+        self.local_prefill = info.get(LOCAL_PREFILL_KEY) is True
         port = info.get("disaggregation_bootstrap_port")
         if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
             self.advertised_port = port
@@ -98,6 +103,7 @@ class PDEngine:
             "worker": self.worker,
             "advertised_mode": self.advertised_mode,
             "bootstrap_port": port if self.pool == "prefill" else None,
+            "local_prefill": self.local_prefill if self.pool == "decode" else None,
             "bootstrap_port_source": source if self.pool == "prefill" else None,
             "server_info_error": self.error,
         }
@@ -186,6 +192,16 @@ class PDMode:
             engine.error = f"{request} answered HTTP {status}"
             return
         engine.learn(info)
+
+    def serves_alone(self, worker: str) -> bool:
+        """Whether decode engine ``worker`` can be sent a request alone, without a prefill
+        leg: any vLLM instance can; with SGLang's legs, only one whose ``/server_info``
+        says it prefills such a request itself (an SGLang decode server never does: it
+        would wait for a transfer no prefill makes, then fail)."""
+        if self.protocol == "vllm":
+            return True
+        engine = self.engines.get(worker)
+        return engine is not None and engine.local_prefill
 
     def summary(self) -> dict[str, Any]:
         """``/workers``' ``pd`` section: the settings, then per pool its engines and counts."""

@@ -209,6 +209,7 @@ class PDRelay(OpenAIRelay):
                 # vLLM computes the prompt of a request asking for its logprobs itself,
                 # whatever it holds or is handed: a prefill leg would be computed twice
                 decode_alone=request.prompt_logprobs and self.pd.protocol == "vllm",
+                serves_alone=self.pd.serves_alone,
                 policy=self.service.policy,
                 lora=request.lora,
                 cache_salt=request.salt,
