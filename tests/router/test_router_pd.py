@@ -261,7 +261,7 @@ def test_the_prefill_is_skipped_when_the_decode_rank_holds_the_prompt(sg: tuple)
 def test_an_sglang_decode_server_is_never_sent_a_request_alone(ctx: zmq.Context) -> None:
     """A decode engine whose /server_info does not say it prefills alone (an SGLang decode
     server serves every request from a prefill's KV) gets even a prompt it holds with a
-    prefill leg beside it, and /workers says so."""
+    prefill leg beside it (so does /route), and /workers says so."""
     pair = Pair(ctx)
     pair.decode.local_prefill = False
     try:
@@ -279,6 +279,8 @@ def test_an_sglang_decode_server_is_never_sent_a_request_alone(ctx: zmq.Context)
             prompt = fresh_prompt()
             pair.pubs_d.store(1, prompt, BS)
             held(router, pair.decode.url, 1, prompt)
+            routed = router.post("/route", {"input_ids": [*prompt, 1, 2, 3]}).json()
+            assert routed["prefill_skipped"] is False and routed["prefill"] is not None
             body = {"prompt": [*prompt, 1, 2, 3], "max_tokens": 1}
             response = router.post("/v1/completions", body)
             assert response.status_code == 200, response.text

@@ -72,6 +72,7 @@ class PDRoute:
                 pd.pools,
                 [tokens],
                 max_local_prefill_tokens=pd.max_local_prefill_tokens,
+                serves_alone=pd.serves_alone,
                 policy=service.policy,
                 lora=body.adapter,
                 cache_salt=body.cache_salt,
