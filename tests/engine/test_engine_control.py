@@ -65,16 +65,27 @@ async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def handshake(sock: zmq.asyncio.Socket, timeout: float = 10.0) -> None:
-    """Wait until ``sock`` completed its ZMTP handshake with the supervisor."""
+async def handshaken_peer(
+    ctx: zmq.asyncio.Context, endpoint: str, identity: bytes, timeout: float = 10.0
+) -> zmq.asyncio.Socket:
+    """A :func:`peer` once its ZMTP handshake with the supervisor completed (watched from
+    before it connects: a handshake done first would otherwise go unseen)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     try:
+        sock.connect(endpoint)
         assert await monitor.poll(int(timeout * 1000)), "the peer never completed a handshake"
         event = await recv_monitor_message(monitor)  # type: ignore[misc]
         assert event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-    finally:
-        sock.disable_monitor()
+    except BaseException:
         monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    return sock
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -118,9 +129,8 @@ def test_a_second_peer_with_a_connected_ranks_identity_gets_none_of_its_calls() 
         async with supervised(spec(0)) as sup:
             real_pid = sup.status()[0]["pid"]
             ctx = zmq.asyncio.Context()
-            forged = peer(ctx, sup.control_endpoint, b"rank-0")
+            forged = await handshaken_peer(ctx, sup.control_endpoint, b"rank-0")
             try:
-                await handshake(forged)
                 for _ in range(5):
                     load = await sup.call(0, "load", timeout=10.0)
                     assert load["pid"] == real_pid
