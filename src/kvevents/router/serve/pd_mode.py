@@ -10,7 +10,10 @@ Engines advertise their role in ``GET /server_info``: ``disaggregation_mode``
 ``disaggregation_bootstrap_port``. :meth:`PDMode.watch` reads every engine's, every
 :data:`RECHECK_S` seconds until it answers and every :data:`REREAD_S` after (a restarted
 prefill may have another port); an engine whose role is not its pool's is logged (once
-per change) and shown in ``/workers``, not refused (a real engine may advertise nothing). A prefill's
+per change) and shown in ``/workers``, not refused (a real engine may advertise nothing).
+A decode engine that says it prefills a request sent alone itself
+(:data:`~kvevents.wire.server_info.LOCAL_PREFILL_KEY`) may be sent one; with SGLang's
+legs no other is (:meth:`PDMode.serves_alone`). A prefill's
 bootstrap port is the one given on the command line, else the advertised one, else
 SGLang's default (:data:`DEFAULT_BOOTSTRAP_PORT`); a request that needs it before the
 first read is done reads it then, bounded (:meth:`PDMode.bootstrap_port`). The reads go
