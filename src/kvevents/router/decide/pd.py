@@ -11,7 +11,9 @@ instance, which computes the prompt's KV and hands it over. :func:`decide_pd` ch
    at most ``max_local_prefill_tokens`` of them (0: never) and the decode instance
    prefills them itself, alone. It does too when ``decode_alone`` says it computes the
    whole prompt whatever it holds or is handed (vLLM, for a request that asks for its
-   prompt's logprobs): a prefill leg would compute the prompt twice;
+   prompt's logprobs): a prefill leg would compute the prompt twice. Either only when
+   its engine can serve a request alone (``serves_alone``: an SGLang decode server
+   cannot);
 3. otherwise the **prefill** holder: the same cost among the prefill pool's holders,
    predictions included, so the siblings of a burst land on the rank their first
    request was just sent to. Its reason, for the metrics: ``prediction`` when
@@ -115,8 +117,8 @@ class PDDecision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """None when the decode instance serves the request alone."""
     prompt_tokens: int
     uncached_tokens: int
-    """Prompt tokens the decode holder computes: those it does not hold (confirmed
-    blocks), or all of them when it computes the whole prompt (``decode_alone``)."""
+    """Prompt tokens the decode holder does not hold (confirmed blocks); all of them when
+    it serves alone computing the whole prompt (``decode_alone``)."""
     prefill_reason: PrefillReason | None = None
 
     @property
