@@ -48,11 +48,16 @@ async def supervised(*specs: RankSpec) -> AsyncIterator[RankSupervisor]:
         await sup.stop()
 
 
-def peer(ctx: zmq.asyncio.Context, endpoint: str, identity: bytes | None) -> zmq.asyncio.Socket:
+def dealer(ctx: zmq.asyncio.Context, identity: bytes | None) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    return sock
+
+
+def peer(ctx: zmq.asyncio.Context, endpoint: str, identity: bytes | None) -> zmq.asyncio.Socket:
+    sock = dealer(ctx, identity)
     sock.connect(endpoint)
     return sock
 
@@ -70,9 +75,7 @@ async def handshaken_peer(
 ) -> zmq.asyncio.Socket:
     """A :func:`peer` once its ZMTP handshake with the supervisor completed (watched from
     before it connects: a handshake done first would otherwise go unseen)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, identity)
+    sock = dealer(ctx, identity)
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     try:
         sock.connect(endpoint)

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["SUMMED", "GroupMetrics", "process_alive"]
+__all__ = ["SUMMED", "GroupMetrics", "process_alive", "write_whole"]
 
 SUMMED = frozenset(
     {
@@ -84,9 +84,7 @@ class GroupMetrics:
             for m in self.registry.collect()
         ]
         record = {"index": self.index, "pid": self.pid, "families": families}
-        partial = self._path.with_suffix(".partial")
-        partial.write_text(json.dumps(record))
-        os.replace(partial, self._path)
+        write_whole(self._path, json.dumps(record).encode())
 
     def render(self) -> bytes:
         """The group's metrics in Prometheus text format (this process's snapshot first)."""
@@ -102,6 +100,14 @@ class GroupMetrics:
                 record = json.loads(path.read_text())
                 if isinstance(record, dict) and isinstance(record.get("families"), list):
                     yield record
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole: to a name of this process's first, then renamed,
+    so a reader in another process sees the previous file or this one, never half."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def process_alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvevents.router.serve.group_metrics import process_alive
+from kvevents.router.serve.group_metrics import process_alive, write_whole
 
 __all__ = ["GroupReadiness", "ProcessReadiness"]
 
@@ -59,11 +59,8 @@ class GroupReadiness:
         state = ProcessReadiness(self.index, self.pid, ok, list(reasons), routable, holders)
         if state == self._written:
             return
-        path = self._path(self.index)
-        partial = path.with_suffix(f".{self.pid}.partial")
         try:
-            partial.write_bytes(msgspec.json.encode(state))
-            os.replace(partial, path)
+            write_whole(self._path(self.index), msgspec.json.encode(state))
         except OSError:  # the folder is gone: the group is stopping
             return
         self._written = state
